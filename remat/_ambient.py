@@ -1,0 +1,58 @@
+"""Ambient state the recompute must replay: random-number generators and autocast.
+
+The recompute must draw exactly the random numbers the forward pass drew
+(dropout masks, ``torch.rand``), on the CPU and on every CUDA device the call
+touched, and run under the same autocast settings. remat records the CPU
+generator and the generator of every CUDA device that is initialised or holds one
+of the call's inputs, then restores them inside a fork so the caller's generators
+are left exactly as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterable, Iterator
+
+import torch
+
+__all__ = ["AmbientState"]
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+@dataclasses.dataclass
+class AmbientState:
+    cpu_rng: torch.Tensor | None
+    cuda_rng: dict[int, torch.Tensor]
+    autocast: dict[str, tuple[bool, torch.dtype]]
+
+    @classmethod
+    def capture(cls, tensors: Iterable[torch.Tensor], preserve_rng: bool) -> AmbientState:
+        autocast = {
+            d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES
+        }
+        if not preserve_rng:
+            return cls(None, {}, autocast)
+        devices: set[int] = set()
+        if torch.cuda.is_available():
+            for t in tensors:
+                if t.device.type == "cuda":
+                    devices.add(t.device.index if t.device.index is not None else 0)
+            if torch.cuda.is_initialized():
+                devices.update(range(torch.cuda.device_count()))
+        cuda = {d: torch.cuda.get_rng_state(d) for d in sorted(devices)}
+        return cls(torch.get_rng_state(), cuda, autocast)
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        """Run the body under the captured state; the caller's state is kept outside."""
+        with contextlib.ExitStack() as es:
+            for dev, (enabled, dtype) in self.autocast.items():
+                es.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
+            if self.cpu_rng is not None:
+                es.enter_context(torch.random.fork_rng(devices=list(self.cuda_rng), device_type="cuda"))
+                torch.set_rng_state(self.cpu_rng)
+                for d, st in self.cuda_rng.items():
+                    torch.cuda.set_rng_state(st, d)
+            yield

@@ -1,0 +1,321 @@
+"""The dispatch-level view of a remat'd call: ask the policy about every ATen op, replay saved outputs.
+
+A ``TorchDispatchMode`` sees the plain ATen ops below every functorch layer, so it
+works under every ``torch.func`` transform (a ``TorchFunctionMode`` does not: it
+sees the calls above the layers). In the forward pass :class:`Recorder` asks the
+policy about each op, records what ran (op, output shapes) and keeps the outputs
+of saveable ops in a stash; in the recompute :class:`Replayer` checks that the
+same ops run in the same order and hands back stashed outputs instead of running
+the op again, so ``dots_saveable`` recomputes no matrix product.
+
+NOTE [stash liveness]
+    Saveable outputs are held weakly while the forward pass runs; an output is
+    held strongly ("promoted") only once an op that will be recomputed reads it,
+    since only such an op needs the value back in the recompute. A policy that
+    saves every op therefore holds nothing extra. When the forward pass ends,
+    :meth:`Recorder.prune` walks the ops backwards from the values the recompute
+    must produce (the saved tensors that were dropped) and releases every stashed
+    output that nothing live reads: JAX keeps exactly the residuals that the
+    backward pass or the recompute read, and so do we. A released output is
+    replayed as a NaN-filled tensor of the same shape, which only dead values
+    consume, so a mistake in this analysis shows up as NaNs, never silently.
+    Random ops are always run again (never replayed) so the random stream stays
+    aligned with the forward pass.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import optree
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ._errors import RematError
+from ._policies import Decision, Offloadable, Recompute, Saveable, decide
+
+__all__ = ["INTERNAL", "PENDING_NAME", "internal", "OpRecord", "Recorder", "Replayer"]
+
+# remat's own bookkeeping (detach, copies, RNG state) must not be seen as ops of
+# the user's function by any remat mode on the stack.
+INTERNAL: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_internal", default=False)
+# Set by checkpoint_name around the aten.alias call that carries a name.
+PENDING_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("remat_name", default=None)
+
+_ALIAS = torch.ops.aten.alias.default
+
+
+class internal:
+    """Context manager: ops run inside are remat's own, not the user's."""
+
+    def __enter__(self) -> None:
+        self._tok = INTERNAL.set(True)
+
+    def __exit__(self, *exc: object) -> None:
+        INTERNAL.reset(self._tok)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [x for x in optree.tree_leaves(tree, none_is_leaf=True) if isinstance(x, torch.Tensor)]
+
+
+def _meta(t: torch.Tensor) -> tuple[Any, ...]:
+    return (tuple(t.shape), t.dtype, t.device, tuple(t.stride()))
+
+
+def _fmt(meta: tuple[Any, ...] | None) -> str:
+    if meta is None:
+        return "a non-tensor"
+    shape, dtype = meta[0], meta[1]
+    return f"{list(shape)} {str(dtype).replace('torch.', '')}"
+
+
+def storage_key(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+@dataclasses.dataclass
+class OpRecord:
+    func: Any
+    name: str | None
+    decision: Decision
+    out_meta: list[tuple[Any, ...] | None]
+    in_vids: list[int]
+    out_vids: list[int]
+    random: bool
+    out_spec: Any = None  # how to rebuild the op's output from its tensors (None: not replayable)
+    stash: list[Any] | None = None  # per output: weakref, tensor, offloaded handle or None
+    cow: bool = False  # a stashed output was later mutated in place: replay a copy
+    live: bool = True
+
+    def describe(self) -> str:
+        what = f"checkpoint_name({self.name!r})" if self.name is not None else str(self.func)
+        return f"{what} -> {', '.join(_fmt(m) for m in self.out_meta)}"
+
+
+class Recorder(TorchDispatchMode):
+    """Forward pass: ask the policy about each op, record it, stash saveable outputs."""
+
+    def __init__(self, policy: Callable[..., Any], fn_name: str,
+                 offload: Callable[[torch.Tensor, Offloadable], Any]) -> None:
+        super().__init__()
+        self.policy = policy
+        self.fn_name = fn_name
+        self.offload = offload  # tensor, decision -> what to stash (the tensor or an Offloaded)
+        self.ops: list[OpRecord] = []
+        self.vids: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.next_vid = 0
+        self.producers: dict[int, int] = {}  # storage key -> index of the op that allocated it
+        self.stash_of: dict[int, tuple[int, int]] = {}  # vid -> (op index, output position)
+        self.mutated_inplace = False
+
+    def vid(self, t: torch.Tensor) -> int:
+        v = self.vids.get(t)
+        if v is None:
+            v = self.vids[t] = self.next_vid
+            self.next_vid += 1
+        return v
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if INTERNAL.get():
+            return func(*args, **kwargs)
+        name = PENDING_NAME.get() if func is _ALIAS else None
+        ins = _tensors((args, kwargs))
+        mutable = func._schema.is_mutable
+        if mutable:
+            self._before_mutation(func, args, kwargs)
+        out = func(*args, **kwargs)
+        leaves, spec = optree.tree_flatten(out, none_is_leaf=True)
+        outs = [t for t in leaves if isinstance(t, torch.Tensor)]
+        from ._naming import checkpoint_name
+
+        if name is not None:
+            decision = decide(self.policy, checkpoint_name, args, {"name": name})
+        else:
+            decision = decide(self.policy, func, args, kwargs)
+        random = torch.Tag.nondeterministic_seeded in func.tags
+        with internal():
+            in_keys = {storage_key(t) for t in ins}
+            in_vids = [self.vid(t) for t in ins]
+            rec = OpRecord(
+                func,
+                name,
+                decision,
+                [_meta(t) for t in outs],
+                in_vids,
+                [self.vid(t) for t in outs],
+                random,
+                out_spec=spec if len(outs) == len(leaves) else None,
+            )
+            idx = len(self.ops)
+            self.ops.append(rec)
+            for t in outs:
+                k = storage_key(t)
+                if k and k not in in_keys:
+                    self.producers[k] = idx
+            if decision is not Recompute and not random and outs and rec.out_spec is not None:
+                rec.stash = [weakref.ref(t) for t in outs]
+                for pos, v in enumerate(rec.out_vids):
+                    self.stash_of[v] = (idx, pos)
+            if decision is Recompute or random or mutable:
+                for v in in_vids:
+                    self._promote(v)
+        return out
+
+    def _promote(self, vid: int) -> None:
+        """An op that will be recomputed reads a stashed output: hold it strongly."""
+        loc = self.stash_of.get(vid)
+        if loc is not None:
+            self.promote(self.ops[loc[0]], loc[1])
+
+    def promote(self, rec: OpRecord, pos: int | None = None) -> None:
+        """Hold output ``pos`` (all outputs: None) of ``rec`` strongly, offloaded if so decided."""
+        if rec.stash is None:
+            return
+        for i in range(len(rec.stash)) if pos is None else (pos,):
+            ref = rec.stash[i]
+            if isinstance(ref, weakref.ref):
+                t = ref()
+                if t is None:
+                    continue
+                t = t.detach()
+                if isinstance(rec.decision, Offloadable):
+                    t = self.offload(t, rec.decision)
+                rec.stash[i] = t
+
+    def _before_mutation(self, func: Any, args: Any, kwargs: Any) -> None:
+        """Copy-on-write: a stashed output about to be mutated in place is copied first."""
+        self.mutated_inplace = True
+        with internal():
+            for t in _tensors((args, kwargs)):
+                v = self.vids.get(t)
+                loc = self.stash_of.get(v) if v is not None else None
+                if loc is None:
+                    continue
+                rec = self.ops[loc[0]]
+                assert rec.stash is not None
+                ref = rec.stash[loc[1]]
+                cur = ref() if isinstance(ref, weakref.ref) else ref
+                if isinstance(cur, torch.Tensor):
+                    rec.stash[loc[1]] = cur.detach().clone()
+                    rec.cow = True
+
+    def producer(self, phys: torch.Tensor) -> OpRecord | None:
+        idx = self.producers.get(storage_key(phys))
+        return None if idx is None else self.ops[idx]
+
+    def prune(self, needed_vids: set[int]) -> None:
+        """Release stashed outputs nothing live will read (NOTE [stash liveness])."""
+        if self.mutated_inplace:
+            return  # in-place ops make value identities unreliable: keep everything promoted
+        needed = set(needed_vids)
+        for rec in reversed(self.ops):
+            is_live = any(v in needed for v in rec.out_vids) or not rec.out_vids
+            rec.live = is_live
+            replayed = rec.stash is not None
+            if is_live and not replayed:
+                needed.update(rec.in_vids)
+            if rec.stash is not None:
+                if is_live:
+                    for i, ref in enumerate(rec.stash):
+                        if isinstance(ref, weakref.ref):
+                            rec.stash[i] = None if ref() is None else ref
+                else:
+                    rec.stash = [None] * len(rec.stash)
+        # weak entries that are still referenced are values the backward pass holds
+        # anyway (kept saved tensors); replay them while they live.
+
+
+class Replayer(TorchDispatchMode):
+    """Recompute: the same ops in the same order; stashed outputs handed back, not recomputed."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self.rec = recorder
+        self.pos = 0
+        self.ran_ops: list[Any] = []  # what actually executed (for counting in tests/inspection)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if INTERNAL.get():
+            return func(*args, **kwargs)
+        ops = self.rec.ops
+        i = self.pos
+        self.pos += 1
+        if i >= len(ops):
+            raise self._diverged(f"it ran {func} after the {len(ops)} ops of the forward pass")
+        rec = ops[i]
+        if func is not rec.func:
+            raise self._diverged(f"op #{i} was {rec.describe()} in the forward pass but {func} now")
+        if rec.stash is not None and not rec.random:
+            return self._replay(rec, func, args, kwargs)
+        out = func(*args, **kwargs)
+        outs = _tensors(out)
+        got = [_meta(t)[:2] for t in outs]
+        want = [m[:2] if m is not None else None for m in rec.out_meta]
+        if got != want:
+            raise self._diverged(
+                f"op #{i} {func} produced {', '.join(_fmt(m) for m in got)} in the recompute but "
+                f"{', '.join(_fmt(m) for m in want)} in the forward pass"
+            )
+        return out
+
+    def _replay(self, rec: OpRecord, func: Any, args: Any, kwargs: Any) -> Any:
+        assert rec.stash is not None
+        vals = []
+        with internal():
+            for ref, meta in zip(rec.stash, rec.out_meta):
+                t = ref() if isinstance(ref, weakref.ref) else ref
+                if t is None:
+                    t = _dead_value(meta)
+                elif not isinstance(t, torch.Tensor):
+                    t = t.engine.fetch(t)  # offloaded: bring it back
+                else:
+                    t = t.clone() if rec.cow else t.detach()
+                vals.append(t)
+        return optree.tree_unflatten(rec.out_spec, vals)
+
+    def finish(self) -> None:
+        if self.pos != len(self.rec.ops):
+            nxt = self.rec.ops[self.pos]
+            raise self._diverged(
+                f"it stopped after {self.pos} ops; the forward pass went on with {nxt.describe()}"
+            )
+
+    def _diverged(self, what: str) -> RematError:
+        return RematError(
+            f"remat: the recompute of {self.rec.fn_name} diverged from its forward pass: {what}. "
+            "The wrapped function must run the same ops on the same shapes every time it is "
+            "called with the same inputs: avoid data-dependent Python branches on values that "
+            "change between forward and backward, global state that changes (counters, caches, "
+            "a module switched between train() and eval()), and in-place mutation of inputs."
+        )
+
+
+def _dead_value(meta: tuple[Any, ...] | None) -> Any:
+    assert meta is not None
+    shape, dtype, device, stride = meta
+    t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    if dtype.is_floating_point or dtype.is_complex:
+        t.fill_(float("nan"))
+    return t
+
+
+def iter_stashed(recorder: Recorder) -> Iterator[tuple[OpRecord, torch.Tensor | Any]]:
+    """Every stashed output still held strongly (for inspection and tests)."""
+    for rec in recorder.ops:
+        for ref in rec.stash or ():
+            if ref is not None and not isinstance(ref, weakref.ref):
+                yield rec, ref
+
+
+__all__ += ["storage_key", "iter_stashed", "Saveable", "Offloadable"]

@@ -1,0 +1,338 @@
+"""Saved-tensor hooks and the recompute: what one call of a remat'd function keeps, and how it gets the rest back.
+
+A :class:`Frame` is one call. During its forward pass it installs
+``saved_tensors_hooks``: every tensor autograd saves is *kept* (an input or
+parameter held by reference, or the output of an op the policy saves),
+*offloaded* (copied to host memory by the offload engine) or *dropped*. The
+first time the backward pass unpacks a dropped tensor of a given functorch
+level, the frame recomputes: it rebuilds the forward's transform stack
+(NOTE [per-level replay] in ``_functorch.py``), restores the random-number and
+autocast state, re-runs the function under capture hooks and the
+:class:`~remat._dispatch.Replayer`, and keeps what that level saved until the
+backward pass has read it all (or the backward pass ends).
+
+NOTE [nested remat]
+    A remat call inside another remat call's forward pass gets a frame of its own
+    with its own policy. Without functorch levels its inputs are not held by the
+    inner frame but saved through the outer frame's hooks, so they are dropped if
+    the outer policy drops them and come back through the outer recompute
+    (two-level checkpointing: between forward and backward only the outer inputs
+    are held).
+
+NOTE [offload under torch.func]
+    An offloaded tensor comes back as a plain tensor, but under torch.func the
+    backward pass needs it wrapped for the level that saved it, which may be
+    dead by then. So under transforms an offloaded output is stashed (offloaded)
+    at the dispatch level, the saved wrapper is dropped, and the recompute rebuilds
+    the wrapper by replaying the function with the offloaded outputs copied back
+    instead of computed: no FLOPs of offloaded ops are recomputed. When an outer recompute re-runs an inner call, the inner call only
+    re-saves its inputs through the recompute's capture hooks (so positions line
+    up with the forward pass) and runs under pass-through hooks: its own saved
+    tensors come from its own frame, recomputed when the backward pass reaches it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from . import _torch_internals as ti
+from ._ambient import AmbientState
+from ._dispatch import Recorder, Replayer, internal
+from ._errors import RematError
+from ._functorch import Decomposed, Level, check_lower_levels, decompose, record_stack, replay, saving_height
+from ._policies import Offloadable, Recompute
+
+__all__ = ["Frame", "active_context", "call_nested_replay"]
+
+_KEEP, _OFFLOAD, _DROP, _INPUT = "kept", "offloaded", "recomputed", "input"
+
+# The innermost remat context of this thread: a Frame in its forward pass, or a
+# recompute (_Capture / _PassThrough). Nested calls and checkpoint_name look here.
+_ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_active", default=None)
+
+
+def active_context() -> Any:
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def _activate(ctx: Any) -> Iterator[None]:
+    tok = _ACTIVE.set(ctx)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(tok)
+
+
+class Packed:
+    """What autograd holds for one saved tensor of a remat call."""
+
+    __slots__ = ("frame", "kind", "height", "pos", "payload", "version", "meta", "record")
+
+    def __init__(self, frame: Frame, kind: str, height: int, pos: int, payload: Any, version: int,
+                 meta: tuple[Any, ...], record: Any) -> None:
+        self.frame = frame
+        self.kind = kind
+        self.height = height
+        self.pos = pos
+        self.payload = payload
+        self.version = version
+        self.meta = meta
+        self.record = record  # the OpRecord that produced it (None: an input), for inspection
+
+
+class Frame:
+    """One call of a remat'd function."""
+
+    def __init__(self, run: Callable[[list[Any]], Any], flat: list[Any], fn_name: str,
+                 policy: Callable[..., Any], preserve_rng: bool, engine: Any) -> None:
+        self.run = run
+        self.fn_name = fn_name
+        self.levels: list[Level] = record_stack(fn_name)
+        h = len(self.levels)
+        parent = _ACTIVE.get()
+        # Two-level checkpointing (NOTE [nested remat]): inputs saved through the parent.
+        self.parent: Frame | None = parent if parent is not None and h == 0 else None
+        self.routed = self.parent is not None
+        self.engine = engine
+        self.recorder = Recorder(policy, fn_name, self._offload)
+        with internal():
+            tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+            self.ambient = AmbientState.capture(tensors, preserve_rng)
+            self.decs: list[Decomposed | None] = [
+                decompose(a, self.levels, h) if isinstance(a, torch.Tensor) and not self.routed else None
+                for a in flat
+            ]
+            self.versions = [ti.unwrap_all(a)._version if isinstance(a, torch.Tensor) else None for a in flat]
+        self.flat: list[Any] = list(flat)  # for a routed frame: parent handles after forward()
+        self.input_ids: dict[int, int] = {}  # id of an input tensor -> its slot, while routed forward runs
+        self.counts: dict[int, int] = {}  # saving height -> number of tensors saved there
+        self.drops: dict[int, dict[int, tuple[Any, ...]]] = {}  # height -> dropped position -> (shape, dtype)
+        self.packed: list[Packed] = []  # filled only when record_packs is set (inspection)
+        self.record_packs = False
+        self.cache: dict[int, dict[int, torch.Tensor]] = {}
+        self.used: dict[int, set[int]] = {}
+        self.recomputes = 0
+        self.needed_vids: set[int] = set()
+
+    # ---- forward -------------------------------------------------------------
+    def forward(self) -> Any:
+        flat = self.flat
+        if self.routed:
+            assert self.parent is not None
+            with internal():
+                self.flat = [self.parent.pack(a) if isinstance(a, torch.Tensor) else a for a in flat]
+            self.input_ids = {id(a): i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)}
+            self._routed_slots = set(self.input_ids.values())
+        self._forward_inputs = flat
+        try:
+            with contextlib.ExitStack() as es:
+                es.enter_context(ti.saved_tensors_hooks_enabled())
+                es.enter_context(saved_tensors_hooks(self.pack, self.unpack))
+                es.enter_context(self.recorder)
+                es.enter_context(_activate(self))
+                out = self.run(flat)
+            with internal():
+                self._check_forward_mutation(flat)
+                if not any(lv.kind == "jvp" for lv in self.levels):
+                    # under jvp the recompute must also produce tangents, which the saved
+                    # primals do not name: keep every promoted output (NOTE [stash liveness])
+                    self.recorder.prune(self.needed_vids)
+        finally:
+            self.needed_vids = set()
+            self.input_ids = {}
+            del self._forward_inputs
+        return out
+
+    def _check_forward_mutation(self, flat: list[Any]) -> None:
+        now = [ti.unwrap_all(a)._version if isinstance(a, torch.Tensor) else None for a in flat]
+        if self.drops:
+            for i, (a, v0, v1) in enumerate(zip(flat, self.versions, now)):
+                if v0 != v1:
+                    raise RematError(
+                        f"remat: {self.fn_name} modified its input #{i} ({_shape(a)}) in place during "
+                        "its forward pass; the recompute would read the modified value and give wrong "
+                        "gradients. Clone the input inside the function before modifying it "
+                        "(x = x.clone()), or do the in-place update outside the remat'd function."
+                    )
+        self.versions = now
+
+    # ---- hooks ---------------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> Packed:
+        with internal():
+            s = saving_height(self.levels)
+            pos = self.counts.get(s, 0)
+            self.counts[s] = pos + 1
+            phys = ti.unwrap_all(t)
+            meta = (tuple(t.shape), t.dtype)
+            rec = self.recorder.producer(phys)
+            decision = None if rec is None else rec.decision
+            slot = self.input_ids.get(id(t))
+            if slot is not None and self._forward_inputs[slot] is t:
+                p = Packed(self, _INPUT, s, pos, slot, phys._version, meta, None)
+            elif decision is None and self.routed:
+                # a view of an input, or a tensor of the enclosing call: recompute, do not pin it
+                p = self._drop(s, pos, phys, meta, rec)
+            elif decision is Recompute:
+                p = self._drop(s, pos, phys, meta, rec)
+            elif isinstance(decision, Offloadable) and self.engine.applies(phys, decision):
+                if ti.is_wrapped(t):
+                    # under torch.func the recompute replays the offloaded output (NOTE [offload under torch.func])
+                    self.recorder.promote(rec)
+                    p = self._drop(s, pos, phys, meta, rec)
+                else:
+                    p = Packed(self, _OFFLOAD, s, pos, self._offload(t.detach(), decision), phys._version, meta, rec)
+            else:  # an input or parameter held by reference, or a saved op output
+                p = Packed(self, _KEEP, s, pos, t if ti.is_wrapped(t) else t.detach(), phys._version, meta, rec)
+            if self.record_packs:
+                self.packed.append(p)
+            return p
+
+    def _offload(self, t: torch.Tensor, decision: Offloadable) -> Any:
+        if not self.engine.applies(t, decision):
+            return t
+        return self.engine.offload(t, decision.dst, group=self)
+
+    def _drop(self, s: int, pos: int, phys: torch.Tensor, meta: tuple[Any, ...], rec: Any) -> Packed:
+        self.drops.setdefault(s, {})[pos] = meta
+        self.needed_vids.add(self.recorder.vid(phys))
+        return Packed(self, _DROP, s, pos, None, 0, meta, rec)
+
+    def unpack(self, p: Packed) -> torch.Tensor:
+        if p.kind == _KEEP:
+            self._check_version(p, ti.unwrap_all(p.payload)._version)
+            return p.payload  # type: ignore[no-any-return]
+        if p.kind == _OFFLOAD:
+            return self.engine.fetch(p.payload)  # type: ignore[no-any-return]
+        if p.kind == _INPUT:
+            return self._inputs()[p.payload]  # type: ignore[no-any-return]
+        s = p.height
+        if s not in self.cache:
+            self.cache[s] = self._recompute(s)
+            self.used[s] = set()
+            # free at the end of this backward pass even if it does not read everything
+            ti.queue_backward_callback(self._release_all)
+        out = self.cache[s][p.pos]
+        used = self.used[s]
+        used.add(p.pos)
+        if len(used) == len(self.drops[s]):
+            del self.cache[s], self.used[s]
+        return out
+
+    def _release_all(self) -> None:
+        self.cache.clear()
+        self.used.clear()
+
+    def _check_version(self, p: Packed, now: int) -> None:
+        if now != p.version:
+            raise RematError(
+                f"remat: a tensor of shape {list(p.meta[0])} that {self.fn_name} saved for the backward "
+                f"pass was modified in place after it was saved (version {p.version} -> {now}). "
+                "Do not modify inputs or results of a remat'd function in place before the backward "
+                "pass; clone them first."
+            )
+
+    # ---- recompute -------------------------------------------------------------
+    def _inputs(self) -> list[Any]:
+        if not self.routed:
+            return self.flat
+        assert self.parent is not None
+        return [self.parent.unpack(a) if i in self._routed_slots else a for i, a in enumerate(self.flat)]
+
+    def _recompute(self, s: int) -> dict[int, torch.Tensor]:
+        self.recomputes += 1
+        check_lower_levels(self.levels, s, self.fn_name)
+        flat = self._inputs()
+        for i, (a, v0) in enumerate(zip(flat, self.versions)):
+            if isinstance(a, torch.Tensor) and v0 is not None and ti.unwrap_all(a)._version != v0:
+                raise RematError(
+                    f"remat: input #{i} ({_shape(a)}) of {self.fn_name} was modified in place after its "
+                    "forward pass and before its backward pass; the recompute would read the new "
+                    "value. Clone it before modifying it, or run the backward pass first."
+                )
+        detach = s < 0 and not torch.is_grad_enabled()
+        capture = _Capture(self, s, detach)
+        replayer = Replayer(self.recorder)
+        with contextlib.ExitStack() as es:
+            es.enter_context(ti.saved_tensors_hooks_enabled())
+            vals, target = es.enter_context(replay(self.levels, self.decs, flat, s))
+            capture.target = target
+            es.enter_context(self.ambient.restored())
+            es.enter_context(saved_tensors_hooks(capture.pack, capture.unpack))
+            es.enter_context(replayer)
+            es.enter_context(_activate(capture))
+            self.run(vals)
+            replayer.finish()
+        if capture.n != self.counts.get(s, 0):
+            raise RematError(
+                f"remat: the recompute of {self.fn_name} saved {capture.n} tensors for the backward pass "
+                f"where its forward pass saved {self.counts.get(s, 0)}; the function must do the same "
+                "work every time it is called (no data-dependent branches or changing global state)."
+            )
+        return capture.captured
+
+
+class _Capture:
+    """Saved-tensor hooks of a recompute: keep what the saving level saves, in order."""
+
+    def __init__(self, frame: Frame, s: int, detach: bool) -> None:
+        self.frame = frame
+        self.s = s
+        self.target: int | None = None
+        self.detach = detach
+        self.n = 0
+        self.wanted = frame.drops.get(s, {})
+        self.captured: dict[int, torch.Tensor] = {}
+
+    def pack(self, t: torch.Tensor) -> Any:
+        top = ti.peek_interpreter()
+        level = None if top is None else int(top.level())
+        if level == self.target:
+            pos = self.n
+            self.n += 1
+            meta = self.wanted.get(pos)
+            if meta is not None:
+                if (tuple(t.shape), t.dtype) != meta:
+                    raise RematError(
+                        f"remat: the recompute of {self.frame.fn_name} saved a tensor of shape "
+                        f"{list(t.shape)} {t.dtype} where its forward pass saved {list(meta[0])} "
+                        f"{meta[1]} (saved tensor #{pos}); the function must compute the same "
+                        "shapes every time it is called."
+                    )
+                with internal():
+                    self.captured[pos] = t.detach() if self.detach else t
+        return t
+
+    def unpack(self, t: Any) -> Any:
+        return t
+
+
+class _PassThrough:
+    """An inner remat call re-run by an outer recompute: its saves are the outer graph's own."""
+
+    def pack(self, t: torch.Tensor) -> Any:
+        return t
+
+    def unpack(self, t: Any) -> Any:
+        return t
+
+
+def call_nested_replay(ctx: Any, run: Callable[[list[Any]], Any], flat: list[Any]) -> Any:
+    """Run an inner remat call inside an outer recompute (NOTE [nested remat])."""
+    if not ti.interpreter_stack():
+        for a in flat:
+            if isinstance(a, torch.Tensor):
+                ctx.pack(a)
+    pt = _PassThrough()
+    with saved_tensors_hooks(pt.pack, pt.unpack), _activate(pt):
+        return run(flat)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return f"shape {list(t.shape)}, {str(t.dtype).replace('torch.', '')}"

@@ -1,0 +1,62 @@
+"""``checkpoint_name``: tag a value so that name policies can see it."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import optree
+import torch
+
+from ._dispatch import PENDING_NAME
+from ._hooks import active_context
+
+__all__ = ["checkpoint_name"]
+
+T = TypeVar("T")
+
+
+def checkpoint_name(x: T, name: str) -> T:
+    """Return ``x`` unchanged, tagged with ``name`` for the policies of the enclosing ``remat``.
+
+    ``x`` may be a tensor or a pytree of tensors. Inside a ``remat``'d function a
+    policy sees the tag as a call whose ``op`` is ``checkpoint_name`` itself, with
+    the name in ``kwargs["name"]``, and decides for the tagged value alone:
+    :func:`remat.policies.save_only_these_names` keeps it,
+    :func:`remat.policies.save_anything_except_these_names` drops it. Outside
+    ``remat`` it does nothing. Works under every ``torch.func`` transform: the tag
+    is an ``aten.alias`` seen by remat's dispatch mode below the functorch layers.
+
+    Args:
+        x: a tensor or a pytree whose leaves are tensors (other leaves pass through).
+        name: the name policies match on.
+
+    Returns:
+        ``x``, with the same values (tensors as aliases that share memory).
+
+    Example:
+        >>> import torch
+        >>> from remat import remat, checkpoint_name, policies
+        >>> @remat(policy=policies.save_only_these_names("hidden"))
+        ... def f(x):
+        ...     h = checkpoint_name(torch.tanh(x), "hidden")
+        ...     return (h * h).sum()
+        >>> x = torch.randn(4, requires_grad=True)
+        >>> f(x).backward()
+        >>> torch.allclose(x.grad, 2 * torch.tanh(x) * (1 - torch.tanh(x) ** 2))
+        True
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"checkpoint_name: name must be a string, got {name!r} ({type(name).__name__})")
+    if active_context() is None:
+        return x
+
+    def tag(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        tok = PENDING_NAME.set(name)
+        try:
+            return torch.ops.aten.alias(leaf)
+        finally:
+            PENDING_NAME.reset(tok)
+
+    return optree.tree_map(tag, x, none_is_leaf=True)  # type: ignore[no-any-return]

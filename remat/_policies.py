@@ -1,0 +1,522 @@
+"""Policies: plain callables that decide, per ATen op of the forward pass, what happens to its outputs.
+
+A policy is called as ``policy(op, *args, **kwargs)`` for every ATen op the
+wrapped function runs in its forward pass (``op`` an ``OpOverload`` such as
+``torch.ops.aten.mm.default``, the arguments as the op received them) and for
+every ``checkpoint_name`` call (``op`` is :func:`remat.checkpoint_name` itself,
+``kwargs["name"]`` the name). It returns ``True``/:data:`Saveable` (keep the
+outputs until the backward pass), ``False``/:data:`Recompute` (drop them and
+recompute them in the backward pass) or :class:`Offloadable` (move them to
+another device and back). The names and meanings follow ``jax.checkpoint_policies``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._errors import RematError
+
+__all__ = [
+    "Decision",
+    "Saveable",
+    "Recompute",
+    "Offloadable",
+    "Policy",
+    "nothing_saveable",
+    "everything_saveable",
+    "dots_saveable",
+    "checkpoint_dots",
+    "dots_with_no_batch_dims_saveable",
+    "checkpoint_dots_with_no_batch_dims",
+    "save_only_these_names",
+    "save_anything_except_these_names",
+    "save_any_names_but_these",
+    "save_from_both_policies",
+    "offload_to_cpu",
+    "save_and_offload_only_these_names",
+    "offload_dot_with_no_batch_dims",
+    "DEFAULT_MIN_OFFLOAD_BYTES",
+    "resolve_policy",
+    "decide",
+]
+
+
+class Decision:
+    """Base class of what a policy may return (besides ``True``/``False``)."""
+
+
+class _Saveable(Decision):
+    def __repr__(self) -> str:
+        return "Saveable"
+
+
+class _Recompute(Decision):
+    def __repr__(self) -> str:
+        return "Recompute"
+
+
+Saveable: Decision = _Saveable()
+"""Keep the op's outputs until the backward pass (same as returning ``True``)."""
+
+Recompute: Decision = _Recompute()
+"""Drop the op's outputs; recompute them in the backward pass (same as ``False``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Offloadable(Decision):
+    """Move the op's outputs from device ``src`` to device ``dst`` until the backward pass.
+
+    Outputs on another device than ``src`` (``None``: any device) or smaller
+    than ``min_bytes`` are kept where they are instead. Nothing offloaded is
+    recomputed; it is copied back when the backward pass needs it.
+
+    Example:
+        >>> from remat.policies import Offloadable
+        >>> Offloadable("cuda", "cpu")
+        Offloadable(src='cuda', dst='cpu', min_bytes=0)
+    """
+
+    src: str | None = "cuda"
+    dst: str = "cpu"
+    min_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_bytes, int) or self.min_bytes < 0:
+            raise ValueError(f"Offloadable: min_bytes must be a non-negative int, got {self.min_bytes!r}")
+        for what, dev in (("src", self.src), ("dst", self.dst)):
+            if dev is None and what == "src":
+                continue
+            if not isinstance(dev, str):
+                raise TypeError(f"Offloadable: {what} must be a device string such as 'cpu', got {dev!r}")
+            try:
+                torch.device(dev)
+            except RuntimeError as e:
+                raise ValueError(f"Offloadable: {what}={dev!r} is not a device: {e}") from None
+
+
+Policy = Callable[..., Any]
+
+
+def decide(policy: Policy, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Decision:
+    """Call ``policy`` and normalise its answer to a Decision, or explain what is wrong."""
+    out = policy(op, *args, **kwargs)
+    if out is True:
+        return Saveable
+    if out is False:
+        return Recompute
+    if isinstance(out, Decision):
+        return out
+    name = getattr(op, "__name__", None) if callable(op) and not hasattr(op, "_schema") else None
+    where = f"checkpoint_name({kwargs.get('name')!r})" if name == "checkpoint_name" else str(op)
+    raise RematError(
+        f"remat: policy {_describe(policy)} returned {out!r} for {where}; return True, False, "
+        "remat.policies.Saveable, remat.policies.Recompute or remat.policies.Offloadable(src, dst)."
+    )
+
+
+def _describe(policy: Policy) -> str:
+    return getattr(policy, "__name__", None) or repr(policy)
+
+
+def _is_name(op: Any) -> bool:
+    from ._naming import checkpoint_name
+
+    return op is checkpoint_name
+
+
+# ---- fixed policies -------------------------------------------------------
+
+
+def nothing_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
+    """Save nothing: recompute every intermediate in the backward pass (the default).
+
+    Only the inputs of the wrapped function are held between the forward and the
+    backward pass. The most memory saved, for one extra forward pass of compute.
+
+    Example:
+        >>> import torch
+        >>> from remat import remat, policies
+        >>> f = remat(lambda x: x.sin().sin(), policy=policies.nothing_saveable)
+        >>> x = torch.ones(3, requires_grad=True)
+        >>> f(x).sum().backward()
+    """
+    return False
+
+
+def everything_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
+    """Save everything autograd saves and recompute nothing (remat becomes a no-op).
+
+    Useful as a baseline, and inside :func:`save_from_both_policies`.
+
+    Example:
+        >>> from remat import policies
+        >>> policies.everything_saveable(None)
+        True
+    """
+    return True
+
+
+_NO_BATCH_DOTS = {
+    "mm",
+    "addmm",
+    "mv",
+    "addmv",
+    "dot",
+    "vdot",
+    "_addmm_activation",
+    "_int_mm",
+    "_scaled_mm",
+    "linear",
+    "addr",
+    "outer",
+}
+_BATCH_DOTS = {"bmm", "baddbmm", "addbmm", "matmul", "_scaled_mm_v2"}
+_CONVS = {
+    "convolution",
+    "_convolution",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "mkldnn_convolution",
+    "cudnn_convolution",
+    "cudnn_convolution_transpose",
+    "miopen_convolution",
+    "convolution_overrideable",
+    "_slow_conv2d_forward",
+    "slow_conv3d_forward",
+    "slow_conv_transpose2d",
+    "slow_conv_dilated2d",
+    "thnn_conv2d",
+}
+
+
+def _packet(op: Any) -> str:
+    name = getattr(op, "_opname", None)
+    if name is None:
+        return ""
+    return str(name)
+
+
+def dots_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
+    """Save the outputs of matrix products and convolutions; recompute everything else.
+
+    JAX's ``dots_saveable``: mm, addmm, bmm, baddbmm, matmul, linear, products that
+    einsum lowers to, and convolutions. The cheap elementwise work (activations,
+    normalisations, softmax) is recomputed; no matrix product is.
+
+    Example:
+        >>> import torch
+        >>> from remat import policies
+        >>> policies.dots_saveable(torch.ops.aten.mm.default)
+        True
+        >>> policies.dots_saveable(torch.ops.aten.sin.default)
+        False
+    """
+    p = _packet(op)
+    return p in _NO_BATCH_DOTS or p in _BATCH_DOTS or p in _CONVS
+
+
+checkpoint_dots = dots_saveable
+
+
+def dots_with_no_batch_dims_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
+    """Save only matrix products without batch dimensions (mm, addmm, linear, mv, dot).
+
+    JAX's ``dots_with_no_batch_dims_saveable``: keeps the weight products of linear
+    layers, recomputes batched products such as attention's ``bmm`` (whose outputs
+    grow with the square of the sequence length) and everything elementwise.
+
+    Example:
+        >>> import torch
+        >>> from remat import policies
+        >>> policies.dots_with_no_batch_dims_saveable(torch.ops.aten.addmm.default)
+        True
+        >>> policies.dots_with_no_batch_dims_saveable(torch.ops.aten.bmm.default)
+        False
+    """
+    return _packet(op) in _NO_BATCH_DOTS
+
+
+checkpoint_dots_with_no_batch_dims = dots_with_no_batch_dims_saveable
+
+
+# ---- name policies ---------------------------------------------------------
+
+
+def _check_names(factory: str, names: tuple[Any, ...]) -> frozenset[str]:
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(
+                f"{factory}: names must be strings given to checkpoint_name, got {n!r} "
+                f"({type(n).__name__}); write {factory}('attn', 'mlp')."
+            )
+    return frozenset(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class save_only_these_names:
+    """Save only values tagged with one of ``names`` by :func:`checkpoint_name`.
+
+    Everything else is recomputed. JAX's ``save_only_these_names``.
+
+    Example:
+        >>> import torch
+        >>> from remat import remat, checkpoint_name, policies
+        >>> def f(x):
+        ...     h = checkpoint_name(x.sin(), "h")
+        ...     return h.cos().sum()
+        >>> g = remat(f, policy=policies.save_only_these_names("h"))
+        >>> x = torch.ones(3, requires_grad=True)
+        >>> g(x).backward()
+        >>> policies.save_only_these_names("h")
+        save_only_these_names('h')
+    """
+
+    names: frozenset[str]
+
+    def __init__(self, *names: str) -> None:
+        object.__setattr__(self, "names", _check_names("save_only_these_names", names))
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
+        return _is_name(op) and kwargs.get("name") in self.names
+
+    def __repr__(self) -> str:
+        return f"save_only_these_names({', '.join(map(repr, sorted(self.names)))})"
+
+
+@dataclasses.dataclass(frozen=True)
+class save_anything_except_these_names:
+    """Save the output of every op except values tagged with one of ``names``.
+
+    The named values (and only they) are dropped and recomputed. Unlike JAX's
+    version of the same name, which saves everything, this one means what it says.
+
+    Example:
+        >>> from remat import policies
+        >>> policies.save_anything_except_these_names("big")
+        save_anything_except_these_names('big')
+    """
+
+    names: frozenset[str]
+
+    def __init__(self, *names: str) -> None:
+        object.__setattr__(self, "names", _check_names("save_anything_except_these_names", names))
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
+        if _is_name(op):
+            return kwargs.get("name") not in self.names
+        return True
+
+    def __repr__(self) -> str:
+        return f"save_anything_except_these_names({', '.join(map(repr, sorted(self.names)))})"
+
+
+@dataclasses.dataclass(frozen=True)
+class save_any_names_but_these:
+    """Save every value tagged by :func:`checkpoint_name` except those named in ``names``.
+
+    Untagged values are recomputed, as are the named ones listed here. JAX's
+    ``save_any_names_but_these``.
+
+    Example:
+        >>> from remat import policies
+        >>> policies.save_any_names_but_these("scores")
+        save_any_names_but_these('scores')
+    """
+
+    names: frozenset[str]
+
+    def __init__(self, *names: str) -> None:
+        object.__setattr__(self, "names", _check_names("save_any_names_but_these", names))
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
+        return _is_name(op) and kwargs.get("name") not in self.names
+
+    def __repr__(self) -> str:
+        return f"save_any_names_but_these({', '.join(map(repr, sorted(self.names)))})"
+
+
+@dataclasses.dataclass(frozen=True)
+class save_from_both_policies:
+    """Save what either policy saves; offload what either offloads (saving wins over offloading).
+
+    Example:
+        >>> import torch
+        >>> from remat import policies
+        >>> p = policies.save_from_both_policies(policies.dots_saveable, policies.save_only_these_names("h"))
+        >>> p(torch.ops.aten.mm.default)
+        Saveable
+    """
+
+    left: Policy
+    right: Policy
+
+    def __post_init__(self) -> None:
+        for p in (self.left, self.right):
+            if not callable(p):
+                raise TypeError(
+                    f"save_from_both_policies: {p!r} is not a policy; pass callables such as "
+                    "remat.policies.dots_saveable."
+                )
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        a = decide(self.left, op, args, kwargs)
+        if a is Saveable:
+            return a
+        b = decide(self.right, op, args, kwargs)
+        if b is Saveable or isinstance(b, Offloadable):
+            return b
+        return a
+
+    def __repr__(self) -> str:
+        return f"save_from_both_policies({_describe(self.left)}, {_describe(self.right)})"
+
+
+# ---- offload policies --------------------------------------------------------
+
+DEFAULT_MIN_OFFLOAD_BYTES = 1 << 20
+"""Tensors under 1 MiB stay on the device: their copies cost more in latency than they save."""
+
+
+@dataclasses.dataclass(frozen=True)
+class offload_to_cpu:
+    """Offload every saved intermediate of at least ``min_bytes`` to host memory; recompute nothing.
+
+    The inputs of the wrapped function (and parameters it reads) are held by
+    reference, never copied. Smaller tensors are kept on the device. On CUDA the
+    copies are asynchronous into pinned memory and prefetched in the backward pass
+    (see :mod:`remat.offload`); on the CPU the path runs synchronously.
+    The string ``policy="offload-to-cpu"`` is ``offload_to_cpu()``.
+
+    Args:
+        min_bytes: smallest tensor worth moving (default 1 MiB).
+        src: the device type to offload from (``None``: any device, so it also
+            runs on CPU-only machines).
+
+    Example:
+        >>> import torch
+        >>> from remat import remat, policies
+        >>> f = remat(lambda x: x.sin().exp().sum(), policy=policies.offload_to_cpu(min_bytes=0))
+        >>> x = torch.randn(100, requires_grad=True)
+        >>> f(x).backward()
+    """
+
+    min_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES
+    src: str | None = None
+
+    def __post_init__(self) -> None:
+        Offloadable(self.src, "cpu", self.min_bytes)  # validates
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        return Offloadable(self.src, "cpu", self.min_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class save_and_offload_only_these_names:
+    """Save the values named in ``names_which_can_be_saved``, offload those in ``names_which_can_be_offloaded``.
+
+    Everything else is recomputed. JAX's policy of the same name and arguments.
+
+    Example:
+        >>> from remat import policies
+        >>> policies.save_and_offload_only_these_names(
+        ...     names_which_can_be_saved=["attn"], names_which_can_be_offloaded=["mlp"],
+        ...     offload_src="cuda", offload_dst="cpu")
+        save_and_offload_only_these_names(saved=['attn'], offloaded=['mlp'], 'cuda' -> 'cpu')
+    """
+
+    names_which_can_be_saved: frozenset[str]
+    names_which_can_be_offloaded: frozenset[str]
+    offload_src: str | None = "cuda"
+    offload_dst: str = "cpu"
+
+    def __init__(self, *, names_which_can_be_saved: Any = (), names_which_can_be_offloaded: Any = (),
+                 offload_src: str | None = "cuda", offload_dst: str = "cpu") -> None:
+        f = "save_and_offload_only_these_names"
+        saved = _check_names(f, tuple(names_which_can_be_saved))
+        off = _check_names(f, tuple(names_which_can_be_offloaded))
+        both = saved & off
+        if both:
+            raise ValueError(f"{f}: names {sorted(both)} are both saved and offloaded; pick one for each.")
+        Offloadable(offload_src, offload_dst)
+        object.__setattr__(self, "names_which_can_be_saved", saved)
+        object.__setattr__(self, "names_which_can_be_offloaded", off)
+        object.__setattr__(self, "offload_src", offload_src)
+        object.__setattr__(self, "offload_dst", offload_dst)
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        if _is_name(op):
+            n = kwargs.get("name")
+            if n in self.names_which_can_be_saved:
+                return Saveable
+            if n in self.names_which_can_be_offloaded:
+                return Offloadable(self.offload_src, self.offload_dst)
+        return Recompute
+
+    def __repr__(self) -> str:
+        return (f"save_and_offload_only_these_names(saved={sorted(self.names_which_can_be_saved)}, "
+                f"offloaded={sorted(self.names_which_can_be_offloaded)}, "
+                f"{self.offload_src!r} -> {self.offload_dst!r})")
+
+
+@dataclasses.dataclass(frozen=True)
+class offload_dot_with_no_batch_dims:
+    """Offload the outputs of matrix products without batch dimensions; recompute the rest.
+
+    JAX's ``offload_dot_with_no_batch_dims(offload_src, offload_dst)``.
+
+    Example:
+        >>> import torch
+        >>> from remat import policies
+        >>> p = policies.offload_dot_with_no_batch_dims("cuda", "cpu")
+        >>> p(torch.ops.aten.mm.default)
+        Offloadable(src='cuda', dst='cpu', min_bytes=0)
+    """
+
+    offload_src: str | None = "cuda"
+    offload_dst: str = "cpu"
+
+    def __post_init__(self) -> None:
+        Offloadable(self.offload_src, self.offload_dst)
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        if dots_with_no_batch_dims_saveable(op):
+            return Offloadable(self.offload_src, self.offload_dst)
+        return Recompute
+
+
+# ---- string shortcuts -------------------------------------------------------
+
+_SHORTCUTS: dict[str, Policy] = {
+    "save-nothing": nothing_saveable,
+    "save-everything": everything_saveable,
+    "save-matmuls": dots_saveable,
+}
+
+
+def resolve_policy(policy: Any) -> Policy:
+    """Turn ``policy=`` (None, a string shortcut or a callable) into a callable."""
+    if policy is None:
+        return nothing_saveable
+    if isinstance(policy, str):
+        if policy == "offload-to-cpu":
+            return offload_to_cpu()
+        if policy in _SHORTCUTS:
+            return _SHORTCUTS[policy]
+        known = ", ".join(repr(k) for k in [*_SHORTCUTS, "offload-to-cpu"])
+        raise ValueError(
+            f"remat: unknown policy {policy!r}; use one of {known} or a callable from remat.policies."
+        )
+    if not callable(policy):
+        raise TypeError(
+            f"remat: policy must be a callable policy(op, *args, **kwargs) or a string, got "
+            f"{policy!r} ({type(policy).__name__}); for example policy=remat.policies.dots_saveable."
+        )
+    return policy

@@ -1,0 +1,202 @@
+"""Every private PyTorch API that remat uses, and why no public one does the job.
+
+When PyTorch changes, this is the only file to touch. Nothing outside this module
+imports ``torch._C`` or ``torch._functorch``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+# torch.func's interpreter stack has no public API: remat must know which
+# functorch level saved a tensor and rebuild that level for the recompute
+# (see NOTE [per-level replay] in _functorch.py).
+_F: Any = torch._C._functorch
+TransformType: Any = _F.TransformType
+RandomnessType: Any = _F.RandomnessType
+
+
+def interpreter_stack() -> list[Any]:
+    """The live functorch interpreters, bottom first (empty outside transforms)."""
+    stack = _F.get_interpreter_stack()
+    return list(stack) if stack else []
+
+
+def peek_interpreter() -> Any:
+    return _F.peek_interpreter_stack()
+
+
+def stack_depth() -> int:
+    return int(_F.get_dynamic_layer_stack_depth())
+
+
+def pop_layer() -> Any:
+    return _F.pop_dynamic_layer_stack()
+
+
+def push_layer(layer: Any) -> None:
+    _F.push_dynamic_layer_stack(layer)
+
+
+def vmap_info(interpreter: Any) -> tuple[int, str]:
+    """(batch size, randomness) of a vmap interpreter."""
+    from torch._functorch.pyfunctorch import VmapInterpreter
+
+    vi = VmapInterpreter(interpreter)
+    return int(vi.batch_size()), str(vi.randomness())
+
+
+def grad_prev_mode(interpreter: Any) -> bool:
+    return bool(_F.CGradInterpreterPtr(interpreter).prevGradMode())
+
+
+def jvp_prev_mode(interpreter: Any) -> bool:
+    return bool(_F.CJvpInterpreterPtr(interpreter).prevFwdGradMode())
+
+
+def maybe_level(t: torch.Tensor) -> int | None:
+    lvl = _F.maybe_get_level(t)
+    return None if lvl == -1 else int(lvl)
+
+
+def is_wrapped(t: torch.Tensor) -> bool:
+    return bool(_F.is_functorch_wrapped_tensor(t))
+
+
+def is_batched(t: torch.Tensor) -> bool:
+    return bool(_F.is_batchedtensor(t))
+
+
+def is_grad_wrapper(t: torch.Tensor) -> bool:
+    return bool(_F.is_gradtrackingtensor(t))
+
+
+def is_functional(t: torch.Tensor) -> bool:
+    return bool(_F.is_functionaltensor(t))
+
+
+def is_dead_wrapper(t: torch.Tensor) -> bool:
+    return bool(_F.is_dead_tensor_wrapper(t))
+
+
+def bdim(t: torch.Tensor) -> int:
+    return int(_F.maybe_get_bdim(t))
+
+
+def unwrap_one(t: torch.Tensor) -> torch.Tensor:
+    return _F.get_unwrapped(t)
+
+
+def unwrap_all(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor below every functorch wrapper (dead ones included)."""
+    while _F.is_functorch_wrapped_tensor(t):
+        t = _F.get_unwrapped(t)
+    return t
+
+
+def unwrap_for_grad(t: torch.Tensor, level: int) -> torch.Tensor:
+    return _F._unwrap_for_grad(t, level)
+
+
+def wrap_for_grad(t: torch.Tensor, level: int) -> torch.Tensor:
+    return _F._wrap_for_grad(t, level)
+
+
+def add_batch_dim(t: torch.Tensor, dim: int, level: int) -> torch.Tensor:
+    return _F._add_batch_dim(t, dim, level)
+
+
+@contextlib.contextmanager
+def vmap_level(batch_size: int, randomness: str) -> Iterator[int]:
+    level = int(_F._vmap_increment_nesting(batch_size, randomness))
+    try:
+        yield level
+    finally:
+        _F._vmap_decrement_nesting()
+
+
+@contextlib.contextmanager
+def grad_level(prev_grad_mode: bool) -> Iterator[int]:
+    with torch.set_grad_enabled(prev_grad_mode):
+        level = int(_F._grad_increment_nesting())
+    try:
+        with torch.enable_grad():
+            yield level
+    finally:
+        _F._grad_decrement_nesting()
+
+
+@contextlib.contextmanager
+def jvp_level(prev_fwd_grad_mode: bool) -> Iterator[int]:
+    import torch.autograd.forward_ad as fwAD
+    from torch._functorch import eager_transforms as et
+
+    with fwAD._set_fwd_grad_enabled(prev_fwd_grad_mode):
+        level = int(et.enter_jvp_nesting())
+    try:
+        with fwAD._set_fwd_grad_enabled(True):
+            # torch.func.jvp enters the forward-AD dual level only for the outermost jvp.
+            ctx = fwAD.dual_level if et.JVP_NESTING == 1 else contextlib.nullcontext
+            with ctx():
+                yield level
+    finally:
+        et.exit_jvp_nesting()
+
+
+@contextlib.contextmanager
+def inplace_requires_grad_allowed() -> Iterator[None]:
+    """torch.func forbids requires_grad_() on wrappers; the replay must set it."""
+    from torch._functorch import eager_transforms as et
+
+    with et.enable_inplace_requires_grad(True):
+        yield
+
+
+# torch.func.grad/vjp/jacrev disable saved-tensor hooks with an error message
+# (pytorch issue 141845). remat's hooks are safe under them, so remat enables
+# hooks in its own scope only and restores the previous state on exit. There is
+# no public API for reading or setting that state.
+@contextlib.contextmanager
+def saved_tensors_hooks_enabled() -> Iterator[None]:
+    msg = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
+    torch._C._autograd._saved_tensors_hooks_enable()
+    try:
+        yield
+    finally:
+        if msg is not None:
+            torch._C._autograd._saved_tensors_hooks_disable(msg)
+
+
+def saved_tensors_hooks_disabled_message() -> str | None:
+    return torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
+
+
+# The autograd engine has no public "run this when the current backward pass
+# ends" hook; DDP and FSDP use the same call. remat frees a call's recomputed
+# tensors there when the backward pass did not read all of them.
+def queue_backward_callback(fn: Callable[[], None]) -> bool:
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]
+    except RuntimeError:  # not inside a backward pass
+        return False
+    return True
+
+
+# Python dispatch modes: remat's own bookkeeping ops (RNG state, wrapping)
+# must not be seen by the user's modes or by remat's own policy mode.
+def current_dispatch_modes() -> list[Any]:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return list(_get_current_dispatch_mode_stack())
+
+
+def tensor_tags(op: Any) -> tuple[Any, ...]:
+    return tuple(getattr(op, "tags", ()))
+
+
+def is_compiling() -> bool:
+    return bool(torch.compiler.is_compiling())

@@ -1,0 +1,169 @@
+"""The ``remat`` transform: wrap a function so that its activations are not kept between forward and backward."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, overload
+
+import optree
+import torch
+
+from . import _torch_internals as ti
+from ._errors import RematError
+from ._hooks import Frame, active_context, call_nested_replay
+from ._policies import resolve_policy
+
+__all__ = ["remat", "checkpoint"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _Static:
+    """Placeholder for a static argument inside the flattened pytree of dynamic ones."""
+
+    __slots__ = ()
+
+
+_STATIC = _Static()
+
+
+@overload
+def remat(fn: F, *, policy: Any = None, static_argnums: int | Sequence[int] = (),
+          preserve_rng_state: bool = True) -> F: ...
+@overload
+def remat(fn: None = None, *, policy: Any = None, static_argnums: int | Sequence[int] = (),
+          preserve_rng_state: bool = True) -> Callable[[F], F]: ...
+
+
+def remat(fn: Any = None, *, policy: Any = None, static_argnums: int | Sequence[int] = (),
+          preserve_rng_state: bool = True) -> Any:
+    """Rematerialize: keep less between the forward and the backward pass, recompute the rest.
+
+    ``remat(f, policy=p)`` returns a function with the same results and the same
+    gradients as ``f``. Autograd normally keeps every tensor the backward pass
+    needs; under ``remat`` the policy decides for each op of ``f`` whether its
+    outputs are kept, dropped and recomputed when the backward pass first needs
+    them, or offloaded to another device. The default keeps only the inputs.
+    Works like ``jax.checkpoint``, under plain autograd (``.backward()``,
+    ``torch.autograd.grad``, double backward) and under every ``torch.func``
+    transform (``grad``, ``vjp``, ``jacrev``, ``jacfwd``, ``hessian``, ``jvp``,
+    ``vmap`` and their nestings), and nests inside itself.
+
+    Args:
+        fn: the function. Its arguments and results are pytrees (``optree``) whose
+            leaves are tensors or plain values. It must be pure: the recompute
+            runs it again on the same inputs and must do the same work.
+        policy: a policy from :mod:`remat.policies`, any callable
+            ``policy(op, *args, **kwargs)``, or one of the strings
+            ``"save-nothing"`` (the default), ``"save-everything"``,
+            ``"save-matmuls"``, ``"offload-to-cpu"``.
+        static_argnums: positions of arguments passed through untouched (not
+            treated as pytrees of tensors), such as flags or modules.
+        preserve_rng_state: the recompute sees exactly the random numbers the
+            forward pass saw (CPU and every CUDA device in use). Turn off only
+            for functions that draw no random numbers, to save the state copy.
+
+    Returns:
+        The wrapped function, with ``fn``'s name and docstring. Used bare
+        (``@remat``) or with arguments (``@remat(policy=...)``).
+
+    Raises:
+        TypeError, ValueError: for a non-callable, an unknown policy or bad
+            ``static_argnums``.
+        RematError: when a policy returns something that is not a decision, when
+            the recompute diverges from the forward pass, or when an input is
+            modified in place between the forward and the backward pass.
+
+    Example:
+        >>> import torch
+        >>> from remat import remat
+        >>> @remat(policy="save-matmuls")
+        ... def block(W, x):
+        ...     return torch.tanh(x @ W).sum()
+        >>> W = torch.randn(4, 4, requires_grad=True)
+        >>> block(W, torch.randn(2, 4)).backward()
+        >>> W.grad.shape
+        torch.Size([4, 4])
+    """
+    if fn is None:
+        return functools.partial(
+            remat, policy=policy, static_argnums=static_argnums, preserve_rng_state=preserve_rng_state
+        )
+    if not callable(fn):
+        raise TypeError(
+            f"remat: expected a function to wrap, got {fn!r} ({type(fn).__name__}); write "
+            "remat(f, policy=...) or use @remat(policy=...) as a decorator."
+        )
+    pol = resolve_policy(policy)
+    statics = _normalize_argnums(static_argnums)
+    if not isinstance(preserve_rng_state, bool):
+        raise TypeError(f"remat: preserve_rng_state must be True or False, got {preserve_rng_state!r}")
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return _call(fn, name, pol, statics, preserve_rng_state, args, kwargs)
+
+    wrapped.policy = pol  # type: ignore[attr-defined]
+    wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapped
+
+
+checkpoint = remat
+remat.checkpoint = remat  # type: ignore[attr-defined]
+
+
+def _normalize_argnums(static_argnums: Any) -> tuple[int, ...]:
+    if isinstance(static_argnums, int) and not isinstance(static_argnums, bool):
+        return (static_argnums,)
+    try:
+        nums = tuple(static_argnums)
+    except TypeError:
+        nums = None
+    if nums is None or not all(isinstance(i, int) and not isinstance(i, bool) for i in nums):
+        raise TypeError(
+            f"remat: static_argnums must be an int or a sequence of ints, got {static_argnums!r}"
+        )
+    return nums
+
+
+def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics: tuple[int, ...],
+          preserve_rng: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    n = len(args)
+    static_pos = set()
+    for i in statics:
+        j = i + n if i < 0 else i
+        if not 0 <= j < n:
+            raise ValueError(
+                f"remat: static_argnums={statics} names argument {i}, but {name} was called with "
+                f"{n} positional arguments."
+            )
+        static_pos.add(j)
+    dyn = tuple(_STATIC if i in static_pos else a for i, a in enumerate(args))
+    flat, spec = optree.tree_flatten((dyn, kwargs), none_is_leaf=True)
+
+    def run(leaves: list[Any]) -> Any:
+        dargs, kw = optree.tree_unflatten(spec, leaves)
+        full = tuple(args[i] if i in static_pos else a for i, a in enumerate(dargs))
+        return fn(*full, **kw)
+
+    if ti.is_compiling():
+        raise RematError(
+            f"remat: {name} was called inside torch.compile, which remat does not support yet "
+            "(its saved-tensor hooks and dispatch mode cannot be traced). Call the remat'd function "
+            "outside the compiled region, or compile the function inside remat."
+        )
+    if not torch.is_grad_enabled() and not ti.interpreter_stack():
+        return run(flat)  # nothing will be saved: no frame needed
+    ctx = active_context()
+    if ctx is not None and not isinstance(ctx, Frame):
+        return call_nested_replay(ctx, run, flat)  # an outer recompute re-runs this call
+    frame = Frame(run, flat, name, policy, preserve_rng, _offload_engine())
+    return frame.forward()
+
+
+def _offload_engine() -> Any:
+    from ._offload import default_engine
+
+    return default_engine()
