@@ -11,9 +11,16 @@ Example:
 from . import offload as offload
 from . import policies as policies
 from ._errors import RematError as RematError
+from ._inspect import MemoryReport as MemoryReport
+from ._inspect import SavedResidual as SavedResidual
+from ._inspect import format_saved_residuals as format_saved_residuals
+from ._inspect import memory_report as memory_report
+from ._inspect import print_saved_residuals as print_saved_residuals
+from ._inspect import saved_residuals as saved_residuals
 from ._naming import checkpoint_name as checkpoint_name
 from ._transform import checkpoint as checkpoint
 from ._transform import remat as remat
 
-__all__ = ["remat", "checkpoint", "checkpoint_name", "policies", "offload", "RematError"]
+__all__ = ["remat", "checkpoint", "checkpoint_name", "policies", "offload", "RematError", "saved_residuals",
+           "print_saved_residuals", "format_saved_residuals", "SavedResidual", "memory_report", "MemoryReport"]
 __version__ = "0.1.0"

@@ -160,7 +160,9 @@ class Recorder(TorchDispatchMode):
             self.ops.append(rec)
             for t in outs:
                 k = storage_key(t)
-                if k and k not in in_keys:
+                # a checkpoint_name alias shares its input's storage; its decision (the name's)
+                # governs that storage when it is saved, not the decision of the op that allocated it
+                if k and (k not in in_keys or name is not None):
                     self.producers[k] = idx
             if decision is not Recompute and not random and outs and rec.out_spec is not None:
                 rec.stash = [weakref.ref(t) for t in outs]
@@ -208,6 +210,8 @@ class Recorder(TorchDispatchMode):
                 if isinstance(cur, torch.Tensor):
                     rec.stash[loc[1]] = cur.detach().clone()
                     rec.cow = True
+                elif cur is not None:  # offloaded: on CUDA the write must wait until its copy to the host ran
+                    cur.engine.before_write(cur)
 
     def producer(self, phys: torch.Tensor) -> OpRecord | None:
         idx = self.producers.get(storage_key(phys))

@@ -42,7 +42,7 @@ import torch
 from . import _torch_internals as ti
 from ._errors import RematError, internal_error
 
-__all__ = ["Level", "record_stack", "saving_height", "Decomposed", "decompose", "replay"]
+__all__ = ["Level", "record_stack", "saving_height", "Decomposed", "decompose", "replay", "below_all_levels"]
 
 _SENTINEL_BASE = torch.empty(0)
 
@@ -119,6 +119,12 @@ def _height(h: int) -> Iterator[None]:
     finally:
         while popped:
             ti.push_layer(popped.pop())
+
+
+def below_all_levels() -> contextlib.AbstractContextManager[None]:
+    """Run ops on plain tensors with no functorch level active (a pack hook runs with the
+    saving level still on the stack, where even an op on a plain tensor returns a wrapper)."""
+    return _height(0)
 
 
 def decompose(value: Any, levels: Sequence[Level], height: int) -> Decomposed:

@@ -29,12 +29,23 @@ NOTE [offload under torch.func]
     re-saves its inputs through the recompute's capture hooks (so positions line
     up with the forward pass) and runs under pass-through hooks: its own saved
     tensors come from its own frame, recomputed when the backward pass reaches it.
+
+NOTE [kept under higher-order grad]
+    Under ``grad(grad(f))`` (or ``jacrev(jacrev)``) the tensors a level saves carry
+    the history of the grad levels below it, which the outer backward pass walks.
+    A kept op output carries the forward's history, a recomputed one the
+    recompute's: mixing both at one level makes the outer backward pass walk the
+    shared part of the graph twice (``dots_saveable`` ran extra matmuls) and
+    recompute the lower level too. So at a level that recomputes anyway and has a
+    grad level below it, kept op outputs are replayed from the stash instead (no
+    FLOPs, same bytes held): the whole level's saves then come from the recompute.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -45,7 +56,17 @@ from . import _torch_internals as ti
 from ._ambient import AmbientState
 from ._dispatch import Recorder, Replayer, internal
 from ._errors import RematError
-from ._functorch import Decomposed, Level, check_lower_levels, decompose, record_stack, replay, saving_height
+from ._functorch import (
+    Decomposed,
+    Level,
+    below_all_levels,
+    check_lower_levels,
+    decompose,
+    record_stack,
+    replay,
+    saving_height,
+)
+from ._inspect import INSPECTOR
 from ._policies import Offloadable, Recompute
 
 __all__ = ["Frame", "active_context", "call_nested_replay"]
@@ -101,7 +122,10 @@ class Frame:
         self.parent: Frame | None = parent if parent is not None and h == 0 else None
         self.routed = self.parent is not None
         self.engine = engine
-        self.recorder = Recorder(policy, fn_name, self._offload)
+        # a weak reference: a bound method would make frame -> recorder -> frame a cycle that
+        # holds the stashed activations until the garbage collector runs
+        wself = weakref.ref(self)
+        self.recorder = Recorder(policy, fn_name, lambda t, d: wself()._offload(t, d))  # type: ignore[union-attr]
         with internal():
             tensors = [a for a in flat if isinstance(a, torch.Tensor)]
             self.ambient = AmbientState.capture(tensors, preserve_rng)
@@ -120,6 +144,9 @@ class Frame:
         self.used: dict[int, set[int]] = {}
         self.recomputes = 0
         self.needed_vids: set[int] = set()
+        self._in_cache: list[Any] | None = None  # routed frame: inputs fetched from the parent, this backward
+        self._served = 0  # routed frame: unpacks served in this backward
+        self._mixed: list[tuple[Packed, int]] = []  # NOTE [kept under higher-order grad]: (packed, vid)
 
     # ---- forward -------------------------------------------------------------
     def forward(self) -> Any:
@@ -129,7 +156,9 @@ class Frame:
             with internal():
                 self.flat = [self.parent.pack(a) if isinstance(a, torch.Tensor) else a for a in flat]
             self.input_ids = {id(a): i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)}
-            self._routed_slots = set(self.input_ids.values())
+            # every tensor slot (a tensor passed twice has one id but two slots), and whether the
+            # forward's input required grad: the parent hands inputs back detached
+            self._routed_slots = {i: a.requires_grad for i, a in enumerate(flat) if isinstance(a, torch.Tensor)}
         self._forward_inputs = flat
         try:
             with contextlib.ExitStack() as es:
@@ -140,12 +169,14 @@ class Frame:
                 out = self.run(flat)
             with internal():
                 self._check_forward_mutation(flat)
+                self._replay_kept_above_grad()
                 if not any(lv.kind == "jvp" for lv in self.levels):
                     # under jvp the recompute must also produce tangents, which the saved
                     # primals do not name: keep every promoted output (NOTE [stash liveness])
                     self.recorder.prune(self.needed_vids)
         finally:
             self.needed_vids = set()
+            self._mixed = []
             self.input_ids = {}
             del self._forward_inputs
         return out
@@ -184,15 +215,57 @@ class Frame:
             elif isinstance(decision, Offloadable) and self.engine.applies(phys, decision):
                 if ti.is_wrapped(t):
                     # under torch.func the recompute replays the offloaded output (NOTE [offload under torch.func])
-                    self.recorder.promote(rec)
+                    # promote's detach and copy must make plain tensors: in a pack hook the saving
+                    # level is still active and would wrap them (the replay would then wrap twice)
+                    with below_all_levels():
+                        self.recorder.promote(rec)
+                        # the saved tensor may be a view made by a later op (transpose, reshape) whose
+                        # output is stashed weakly and dies with the wrapper: promote that op too, or
+                        # the replay finds it dead (NaN). Both copies share one host copy (_offload.py).
+                        self.recorder._promote(self.recorder.vid(phys))
                     p = self._drop(s, pos, phys, meta, rec)
                 else:
-                    p = Packed(self, _OFFLOAD, s, pos, self._offload(t.detach(), decision), phys._version, meta, rec)
+                    # t itself (the engine detaches): the engine keeps a weakref to catch in-place writes
+                    p = Packed(self, _OFFLOAD, s, pos, self._offload(t, decision), phys._version, meta, rec)
             else:  # an input or parameter held by reference, or a saved op output
-                p = Packed(self, _KEEP, s, pos, t if ti.is_wrapped(t) else t.detach(), phys._version, meta, rec)
+                p = Packed(self, _KEEP, s, pos, self._holdable(t, s), phys._version, meta, rec)
+                if rec is not None and rec.stash is not None and any(lv.kind == "grad" for lv in self.levels[:s]):
+                    self._mixed.append((p, self.recorder.vid(phys)))  # NOTE [kept under higher-order grad]
             if self.record_packs:
                 self.packed.append(p)
+            insp = INSPECTOR.get()
+            if insp is not None:  # remat.saved_residuals is listing what is saved (_inspect.py)
+                insp.on_save(t, p.kind, self.fn_name)
             return p
+
+    def _replay_kept_above_grad(self) -> None:
+        """Kept op outputs of a recomputing level above a grad level: replay them (NOTE [kept under higher-order grad])."""
+        for p, vid in self._mixed:
+            rec = p.record
+            if p.height not in self.drops:
+                continue  # this level recomputes nothing: keep everything, as plain autograd would
+            with below_all_levels():  # detach must give a plain tensor, not a wrapper of a live level
+                self.recorder.promote(rec)
+            if any(isinstance(r, weakref.ref) for r in rec.stash):
+                continue  # an output of the op is gone, it could not be replayed: keep this one
+            self.drops[p.height][p.pos] = p.meta
+            self.needed_vids.add(vid)
+            p.kind, p.payload = _DROP, None
+
+    def _holdable(self, t: torch.Tensor, s: int) -> torch.Tensor:
+        """What to hold for a kept saved tensor without a reference cycle.
+
+        A saved output's grad_fn is the node that saves it: holding it would make a
+        cycle through the C++ graph that Python's gc cannot see. A plain tensor is
+        detached. A functorch wrapper must keep its lower-level history (detach would
+        strip every level), so its inner value is re-wrapped in a dead wrapper, which
+        functorch treats as transparent, exactly like a saved wrapper of an exited level.
+        """
+        if not ti.is_wrapped(t):
+            return t.detach()
+        if s >= 0 and ti.maybe_level(t) == self.levels[s].level and t.grad_fn is not None:
+            return ti.dead_grad_wrapper(ti.unwrap_one(t))
+        return t
 
     def _offload(self, t: torch.Tensor, decision: Offloadable) -> Any:
         if not self.engine.applies(t, decision):
@@ -205,6 +278,16 @@ class Frame:
         return Packed(self, _DROP, s, pos, None, 0, meta, rec)
 
     def unpack(self, p: Packed) -> torch.Tensor:
+        out = self._unpack(p)
+        if self.routed:
+            self._served += 1
+            if self._served >= sum(self.counts.values()):
+                # this call's backward has read everything: let go of the inputs fetched from the parent
+                self._in_cache = None
+                self._served = 0
+        return out
+
+    def _unpack(self, p: Packed) -> torch.Tensor:
         if p.kind == _KEEP:
             self._check_version(p, ti.unwrap_all(p.payload)._version)
             return p.payload  # type: ignore[no-any-return]
@@ -222,12 +305,18 @@ class Frame:
         used = self.used[s]
         used.add(p.pos)
         if len(used) == len(self.drops[s]):
-            del self.cache[s], self.used[s]
+            # clear, not just forget: the recompute graph these tensors hold must not outlive them
+            self.cache.pop(s).clear()
+            del self.used[s]
         return out
 
     def _release_all(self) -> None:
+        for captured in self.cache.values():
+            captured.clear()
         self.cache.clear()
         self.used.clear()
+        self._in_cache = None
+        self._served = 0
 
     def _check_version(self, p: Packed, now: int) -> None:
         if now != p.version:
@@ -243,7 +332,23 @@ class Frame:
         if not self.routed:
             return self.flat
         assert self.parent is not None
-        return [self.parent.unpack(a) if i in self._routed_slots else a for i, a in enumerate(self.flat)]
+        if self._in_cache is not None:
+            return self._in_cache
+        # Fetch the inputs from the parent once per backward pass: each parent position is then
+        # read once, as the parent's freeing of its recomputed tensors assumes.
+        ti.queue_backward_callback(self._release_all)
+        out = []
+        for i, a in enumerate(self.flat):
+            if i in self._routed_slots:
+                a = self.parent.unpack(a)
+                if self._routed_slots[i] and not a.requires_grad:
+                    # a detached value from the parent: without this the recompute builds no graph
+                    # and saves nothing (NOTE [nested remat])
+                    with internal():
+                        a = a.detach().requires_grad_()
+            out.append(a)
+        self._in_cache = out
+        return out
 
     def _recompute(self, s: int) -> dict[int, torch.Tensor]:
         self.recomputes += 1
@@ -269,24 +374,26 @@ class Frame:
             es.enter_context(_activate(capture))
             self.run(vals)
             replayer.finish()
+        captured, capture.captured, capture.frame = capture.captured, {}, None  # no cycle via the hooks
         if capture.n != self.counts.get(s, 0):
             raise RematError(
                 f"remat: the recompute of {self.fn_name} saved {capture.n} tensors for the backward pass "
                 f"where its forward pass saved {self.counts.get(s, 0)}; the function must do the same "
                 "work every time it is called (no data-dependent branches or changing global state)."
             )
-        return capture.captured
+        return captured
 
 
 class _Capture:
     """Saved-tensor hooks of a recompute: keep what the saving level saves, in order."""
 
     def __init__(self, frame: Frame, s: int, detach: bool) -> None:
-        self.frame = frame
+        self.frame: Frame | None = frame
         self.s = s
         self.target: int | None = None
         self.detach = detach
         self.n = 0
+        self.fn_name = frame.fn_name
         self.wanted = frame.drops.get(s, {})
         self.captured: dict[int, torch.Tensor] = {}
 
@@ -300,24 +407,38 @@ class _Capture:
             if meta is not None:
                 if (tuple(t.shape), t.dtype) != meta:
                     raise RematError(
-                        f"remat: the recompute of {self.frame.fn_name} saved a tensor of shape "
+                        f"remat: the recompute of {self.fn_name} saved a tensor of shape "
                         f"{list(t.shape)} {t.dtype} where its forward pass saved {list(meta[0])} "
                         f"{meta[1]} (saved tensor #{pos}); the function must compute the same "
                         "shapes every time it is called."
                     )
                 with internal():
                     self.captured[pos] = t.detach() if self.detach else t
-        return t
+        return _no_cycle(t)
 
     def unpack(self, t: Any) -> Any:
         return t
+
+
+def _no_cycle(t: torch.Tensor) -> torch.Tensor:
+    """What a recompute's graph holds for a saved tensor: never the tensor itself.
+
+    Holding a node's own output from its saved variable is a reference cycle
+    through C++ that Python's gc cannot see: the recompute's graph, with its
+    activations, would leak on every backward pass. Autograd restores the graph
+    metadata on unpack, so a detached alias is enough.
+    """
+    if ti.is_wrapped(t) or not t.requires_grad:
+        return t
+    with internal():
+        return t.detach()
 
 
 class _PassThrough:
     """An inner remat call re-run by an outer recompute: its saves are the outer graph's own."""
 
     def pack(self, t: torch.Tensor) -> Any:
-        return t
+        return _no_cycle(t)
 
     def unpack(self, t: Any) -> Any:
         return t

@@ -1,24 +1,50 @@
 """The offload engine: saved activations to host memory in the forward pass, back in the backward pass.
 
-On CUDA a device-to-host copy runs on a dedicated stream, ordered after the
-kernel that produced the tensor by an event, into a page-locked (pinned) host
-buffer drawn from a reusable pool; ``record_stream`` keeps the caching allocator
-from handing the device memory out again before the copy has finished, and the
-forward pass never waits on the host. In the backward pass host-to-device copies
-run on a second stream: the first time the backward pass reads an offloaded
-tensor of a remat call, all of that call's tensors are fetched, and so are the
-tensors of the call the backward pass will reach next (the call that ran just
-before it in the forward pass), so the copies overlap the compute.
+A remat call whose policy returns :class:`~remat.policies.Offloadable` for an op
+hands that op's saved outputs to the engine instead of keeping them. The engine
+copies the tensor's whole *storage* once (two saved views of one storage, such as
+``q``, ``k`` and ``v`` split from one ``qkv`` product, share one host copy), and
+returns a small handle (:class:`Offloaded`) that autograd holds instead of the
+tensor, so the device memory goes back to the allocator as soon as the forward
+pass drops its own references.
 
-On the CPU (``src`` and ``dst`` both ``"cpu"``) the same paths run
-synchronously: the saved tensor is copied into a fresh host buffer and the
-original is released, which is what the tests check on machines without a GPU.
+On CUDA (``src`` a CUDA device, ``dst`` ``"cpu"``):
+
+* Device-to-host copies run on a dedicated stream, ordered after the kernel that
+  produced the tensor by an event recorded on the current stream, into
+  page-locked (pinned) buffers drawn from a reusable pool: once the pool is warm
+  no step allocates pinned memory (``pinned_allocations()`` stays flat).
+* The forward pass never waits for the host, except when more than
+  ``max_inflight_bytes`` of copies are still running: then it waits for the
+  oldest. ``record_stream`` keeps the caching allocator from handing the device
+  memory out again before its copy has finished.
+* In the backward pass host-to-device copies run on a second stream. The first
+  time the backward pass reaches a remat call (NOTE [prefetch]) the engine starts
+  the copies of all that call's tensors and of the call the backward pass will
+  reach next, so the copies overlap the compute; the backward pass waits on an
+  event only when it reads a tensor whose copy is still running.
+* A pinned buffer goes back to the pool when its tensor's handles die, marked
+  with the event of the last copy that reads it; it is reused only once that
+  event has completed.
+
+Anywhere else (``src`` and ``dst`` both ``"cpu"``, or other device pairs) the same
+code runs with synchronous copies, which is what the tests check on machines
+without a GPU.
 
 NOTE [default engine]
     One engine serves every remat call of a thread (so prefetching can look from
     one call to the next, and the pinned pool is reused across steps). It lives
-    in a context variable, created on first use; ``OffloadEngine`` can also be
-    built and installed explicitly with :func:`use_engine`.
+    in a context variable, created on first use; an engine with other settings is
+    installed with :func:`use_engine`.
+
+NOTE [prefetch]
+    Calls ("groups": one per remat call) are numbered in the order they first
+    offload in the forward pass. The backward pass visits them in reverse, so
+    when it first reads a tensor of group ``g`` the engine starts the copies of
+    every tensor of ``g`` not yet on the device and of the nearest live group
+    offloaded before ``g``. A device copy is held strongly until each handle of
+    its storage has been read once, then weakly (so it is freed as soon as
+    autograd drops it, and a second backward pass copies again).
 """
 
 from __future__ import annotations
@@ -27,11 +53,12 @@ import collections
 import contextlib
 import contextvars
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from ._dispatch import internal
 from ._errors import RematError
 
 __all__ = ["OffloadEngine", "Offloaded", "default_engine", "use_engine"]
@@ -40,6 +67,7 @@ _ENGINE: contextvars.ContextVar[OffloadEngine | None] = contextvars.ContextVar("
 
 
 def default_engine() -> OffloadEngine:
+    """The engine serving remat calls in this context (NOTE [default engine])."""
     eng = _ENGINE.get()
     if eng is None:
         eng = OffloadEngine()
@@ -49,7 +77,9 @@ def default_engine() -> OffloadEngine:
 
 @contextlib.contextmanager
 def use_engine(engine: OffloadEngine) -> Iterator[OffloadEngine]:
-    """Make ``engine`` serve the remat calls inside the ``with`` block."""
+    """Make ``engine`` serve the remat calls started inside the ``with`` block."""
+    if not isinstance(engine, OffloadEngine):
+        raise TypeError(f"use_engine: expected an OffloadEngine, got {engine!r} ({type(engine).__name__})")
     tok = _ENGINE.set(engine)
     try:
         yield engine
@@ -57,17 +87,29 @@ def use_engine(engine: OffloadEngine) -> Iterator[OffloadEngine]:
         _ENGINE.reset(tok)
 
 
-class _PinnedPool:
-    """Page-locked host buffers, reused by size class once their last copy is done."""
+def _alloc_pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    def __init__(self) -> None:
+
+class _PinnedPool:
+    """Page-locked host buffers, reused by size class once the last copy using them is done.
+
+    Sizes are rounded up to a power of two (at least 4 KiB), as PyTorch's own
+    pinned-memory allocator does underneath, so a step that offloads the same
+    shapes as the step before reuses every buffer.
+    """
+
+    def __init__(self, max_bytes: int | None = None, alloc: Callable[[int], torch.Tensor] | None = None) -> None:
+        self.max_bytes = max_bytes
+        self.alloc = alloc or _alloc_pinned
         self.free: dict[int, list[tuple[torch.Tensor, Any]]] = collections.defaultdict(list)
         self.allocated_bytes = 0
-        self.allocations = 0  # number of cudaHostAlloc calls (stays flat once warm)
+        self.allocations = 0  # buffers allocated (stays flat once warm)
+        self.reuses = 0
 
     @staticmethod
     def size_class(nbytes: int) -> int:
-        return 1 << max(nbytes - 1, 0).bit_length()
+        return max(4096, 1 << max(nbytes - 1, 0).bit_length())
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         cls = self.size_class(nbytes)
@@ -75,51 +117,122 @@ class _PinnedPool:
         for i, (buf, ev) in enumerate(bucket):
             if ev is None or ev.query():
                 del bucket[i]
+                self.reuses += 1
                 return buf
+        if self.max_bytes is not None and self.allocated_bytes + cls > self.max_bytes:
+            if bucket:  # at the cap: wait for a buffer of this size whose copy is still running
+                buf, ev = bucket.pop(0)
+                ev.synchronize()
+                self.reuses += 1
+                return buf
+            raise RematError(
+                f"remat: offloading a {nbytes / 2**20:.1f} MiB tensor needs {cls / 2**20:.1f} MiB more pinned "
+                f"host memory, past the engine's max_pinned_bytes={self.max_bytes} "
+                f"({self.allocated_bytes / 2**30:.2f} GiB pinned already). Raise max_pinned_bytes, offload "
+                "fewer tensors (a larger min_bytes, a names policy), or save/recompute some instead."
+            )
         try:
-            buf = torch.empty(cls, dtype=torch.uint8, pin_memory=True)
+            buf = self.alloc(cls)
         except RuntimeError as e:
             raise RematError(
                 f"remat: could not allocate {cls / 2**20:.1f} MiB of pinned host memory for offloading "
-                f"({self.allocated_bytes / 2**30:.2f} GiB pinned so far): {e}. Lower the offload "
-                "engine's max_inflight_bytes, offload fewer tensors (min_bytes, a names policy), or "
-                "use OffloadEngine(pin_memory=False)."
+                f"({self.allocated_bytes / 2**30:.2f} GiB pinned so far): {e}. Offload fewer tensors "
+                "(a larger min_bytes, a names policy), free host memory, or use "
+                "OffloadEngine(pin_memory=False) (synchronous copies into pageable memory)."
             ) from e
         self.allocated_bytes += cls
         self.allocations += 1
         return buf
 
-    def release(self, buf: torch.Tensor, ev: Any) -> None:
-        self.free[buf.numel()].append((buf, ev))
+    def release(self, buf: torch.Tensor, ready: Any) -> None:
+        self.free[buf.numel()].append((buf, ready))
+
+    def empty(self) -> int:
+        """Drop every free buffer; returns the bytes dropped."""
+        n = sum(b.numel() for bucket in self.free.values() for b, _ in bucket)
+        self.free.clear()
+        self.allocated_bytes -= n
+        return n
+
+
+class _Group:
+    """The offloaded storages of one remat call."""
+
+    __slots__ = ("gid", "copies", "by_storage", "reached", "__weakref__")
+
+    def __init__(self, gid: int) -> None:
+        self.gid = gid
+        self.copies: list[weakref.ref[_HostCopy]] = []
+        self.by_storage: dict[int, tuple[Any, int, weakref.ref[_HostCopy]]] = {}
+        self.reached = False
+
+
+class _HostCopy:
+    """One storage's bytes on the host, and its device copy while the backward pass needs it."""
+
+    __slots__ = ("engine", "cid", "group", "src", "nbytes", "host", "buf", "d2h_done", "dev", "dev_weak",
+                 "h2d_done", "live", "pending", "round", "__weakref__")
+
+    def __init__(self, engine: OffloadEngine, cid: int, group: _Group | None, src: torch.device, nbytes: int) -> None:
+        self.engine, self.cid, self.group, self.src, self.nbytes = engine, cid, group, src, nbytes
+        self.host: torch.Tensor | None = None
+        self.buf: torch.Tensor | None = None  # the pool buffer behind host (pinned path only)
+        self.d2h_done: Any = None
+        self.dev: torch.Tensor | None = None  # device bytes, held strongly until every handle read them
+        self.dev_weak: weakref.ref[Any] | None = None  # ...then weakly (the device storage)
+        self.h2d_done: Any = None
+        self.live = 0  # live handles
+        self.pending = 0  # handles not yet read since the last host-to-device copy
+        self.round = 0  # number of host-to-device copies started
+
+    def __del__(self) -> None:
+        if self.buf is not None:
+            self.engine._pool.release(self.buf, self.h2d_done or self.d2h_done)
 
 
 class Offloaded:
-    """A saved tensor living on another device until the backward pass needs it."""
+    """What autograd holds instead of an offloaded tensor: a view (dtype, shape, strides) of a host copy."""
 
-    __slots__ = ("engine", "host", "src", "shape", "dtype", "stride", "offset", "d2h_done",
-                 "device_copy", "h2d_done", "group", "buf", "__weakref__")
+    __slots__ = ("engine", "copy", "dtype", "shape", "stride", "offset", "version", "orig", "round", "__weakref__")
 
-    def __init__(self) -> None:
-        self.device_copy: torch.Tensor | None = None
-        self.h2d_done: Any = None
-        self.buf: torch.Tensor | None = None
+    def __init__(self, engine: OffloadEngine, copy: _HostCopy, t: torch.Tensor, orig: torch.Tensor) -> None:
+        self.engine, self.copy = engine, copy
+        self.dtype, self.shape, self.stride, self.offset = t.dtype, t.shape, t.stride(), t.storage_offset()
+        self.version = t._version
+        self.orig = weakref.ref(orig)  # to catch in-place writes after saving, as autograd does
+        self.round = 0
+        copy.live += 1
 
     def __del__(self) -> None:
-        eng, buf = getattr(self, "engine", None), getattr(self, "buf", None)
-        if eng is not None and buf is not None:
-            eng._pool.release(buf, self.h2d_done or self.d2h_done)
+        c = getattr(self, "copy", None)
+        if c is not None:
+            c.live -= 1
+            if self.round != c.round:
+                c.engine._read(c)
 
 
 class OffloadEngine:
     """Moves saved tensors to host memory and back; one serves all remat calls of a thread.
 
     Args:
-        pin_memory: use page-locked host buffers for CUDA tensors (needed for
-            asynchronous copies).
-        max_inflight_bytes: bound on bytes of device-to-host copies that may be
-            in flight at once; past it the forward pass waits for the oldest copy.
-        prefetch: in the backward pass, also start fetching the tensors of the
-            call the backward pass will reach next.
+        pin_memory: copy CUDA tensors into page-locked host buffers from a
+            reusable pool (asynchronous copies). ``False``: pageable memory and
+            synchronous copies.
+        max_inflight_bytes: bound on the bytes of device-to-host copies still
+            running; past it the forward pass waits for the oldest copy.
+        max_pinned_bytes: bound on the pinned pool (``None``: no bound); past it
+            offloading raises :class:`~remat.RematError`.
+        prefetch: in the backward pass, start the copies of a remat call's
+            tensors, and of the call the backward pass reaches next, when it
+            first reads one of them (NOTE [prefetch]). ``False``: each tensor
+            is copied back when it is read.
+        trace: record ``(event, group, copy)`` tuples in ``engine.trace``
+            (``"d2h"``, ``"h2d"``, ``"use"``), for tests and debugging.
+
+    ``engine.stats`` counts handles offloaded (``offloaded``), host copies made
+    and their bytes (``copies``, ``offloaded_bytes``), handles that shared a copy
+    (``shared``), reads (``fetched``), host-to-device copies (``h2d``; of which
+    started ahead of need: ``prefetched``) and forward waits (``waits``).
 
     Example:
         >>> import torch
@@ -134,42 +247,89 @@ class OffloadEngine:
         True
     """
 
-    def __init__(self, pin_memory: bool = True, max_inflight_bytes: int = 8 << 30, prefetch: bool = True) -> None:
+    def __init__(self, pin_memory: bool = True, max_inflight_bytes: int = 8 << 30, max_pinned_bytes: int | None = None,
+                 prefetch: bool = True, trace: bool = False) -> None:
+        if not isinstance(max_inflight_bytes, int) or max_inflight_bytes <= 0:
+            raise ValueError(f"OffloadEngine: max_inflight_bytes must be a positive int, got {max_inflight_bytes!r}")
+        if max_pinned_bytes is not None and (not isinstance(max_pinned_bytes, int) or max_pinned_bytes < 0):
+            raise ValueError(f"OffloadEngine: max_pinned_bytes must be None or an int >= 0, got {max_pinned_bytes!r}")
         self.pin_memory = pin_memory
         self.max_inflight_bytes = max_inflight_bytes
         self.prefetch = prefetch
-        self._pool = _PinnedPool()
+        self.trace: list[tuple[str, int, int]] | None = [] if trace else None
+        self._pool = _PinnedPool(max_pinned_bytes)
         self._d2h: dict[torch.device, Any] = {}
         self._h2d: dict[torch.device, Any] = {}
         self._inflight: collections.deque[tuple[Any, int]] = collections.deque()
         self._inflight_bytes = 0
-        # groups (remat calls) in forward order, weakly: group -> list of Offloaded
-        self._groups: weakref.WeakKeyDictionary[Any, list[weakref.ref[Offloaded]]] = weakref.WeakKeyDictionary()
-        self._order: list[weakref.ref[Any]] = []
-        self.stats = collections.Counter()  # offloaded, offloaded_bytes, fetched, prefetched
+        self._groups: weakref.WeakKeyDictionary[Any, _Group] = weakref.WeakKeyDictionary()
+        self._order: list[weakref.ref[_Group]] = []  # groups in the order they first offloaded
+        self._next_gid = 0
+        self._next_cid = 0
+        self.stats: collections.Counter[str] = collections.Counter()
 
     # ---- forward ---------------------------------------------------------------
-    def offload(self, t: torch.Tensor, dst: str, group: Any = None) -> Offloaded:
-        """Start copying ``t`` to device ``dst``; the caller then drops ``t``."""
-        o = Offloaded()
-        o.engine, o.src, o.group = self, t.device, group
-        o.shape, o.dtype, o.stride, o.offset = t.shape, t.dtype, t.stride(), 0
-        dst_dev = torch.device(dst)
+    def applies(self, t: torch.Tensor, decision: Any) -> bool:
+        """Whether ``decision`` (an Offloadable) moves ``t``: right source device, plain strided, large enough."""
+        if decision.src is not None and torch.device(decision.src).type != t.device.type:
+            return False
+        if t.layout is not torch.strided or t.is_meta or type(t) not in (torch.Tensor, torch.nn.Parameter):
+            return False
         nbytes = t.numel() * t.element_size()
-        src = t if t.is_contiguous() else t.contiguous()
-        o.stride = src.stride()
-        if t.device.type == "cuda" and dst_dev.type == "cpu":
-            o.host, o.d2h_done = self._d2h_copy(src, nbytes)
+        return nbytes > 0 and nbytes >= decision.min_bytes
+
+    def offload(self, t: torch.Tensor, dst: str, group: Any = None) -> Offloaded:
+        """Start copying ``t``'s storage to device ``dst``; the caller then drops ``t``."""
+        with internal(), torch.no_grad():
+            src = t.detach()
+            storage = src.untyped_storage()
+            grp = self._group(group)
+            copy = self._shared_copy(grp, storage, src._version)
+            if copy is None:
+                copy = self._copy_out(src, storage, torch.device(dst), grp)
+                if grp is not None:
+                    grp.copies.append(weakref.ref(copy))
+                    grp.by_storage[storage.data_ptr()] = (weakref.ref(storage), src._version, weakref.ref(copy))
+            else:
+                self.stats["shared"] += 1
+            self.stats["offloaded"] += 1
+            return Offloaded(self, copy, src, t)
+
+    def _group(self, key: Any) -> _Group | None:
+        if key is None:
+            return None
+        grp = self._groups.get(key)
+        if grp is None:
+            grp = self._groups[key] = _Group(self._next_gid)
+            self._next_gid += 1
+            self._order = [r for r in self._order if r() is not None]
+            self._order.append(weakref.ref(grp))
+        return grp
+
+    @staticmethod
+    def _shared_copy(grp: _Group | None, storage: Any, version: int) -> _HostCopy | None:
+        """The copy already made of this storage in this call, if unchanged since."""
+        ent = None if grp is None else grp.by_storage.get(storage.data_ptr())
+        if ent is None:
+            return None
+        sref, ver, cref = ent
+        c = cref()
+        return c if c is not None and sref() is storage and ver == version else None
+
+    def _copy_out(self, src: torch.Tensor, storage: Any, dst: torch.device, grp: _Group | None) -> _HostCopy:
+        nbytes = storage.nbytes()
+        raw = torch.empty(0, dtype=torch.uint8, device=src.device).set_(storage)
+        c = _HostCopy(self, self._next_cid, grp, src.device, nbytes)
+        self._next_cid += 1
+        if src.device.type == "cuda" and dst.type == "cpu" and self.pin_memory:
+            self._d2h_async(c, raw)
         else:
-            o.host, o.d2h_done = src.to(dst_dev, copy=True), None
-        self.stats["offloaded"] += 1
+            c.host = torch.empty(nbytes, dtype=torch.uint8, device=dst)
+            c.host.copy_(raw)  # synchronous (CPU, pageable memory, other device pairs)
+        self.stats["copies"] += 1
         self.stats["offloaded_bytes"] += nbytes
-        if group is not None:
-            if group not in self._groups:
-                self._groups[group] = []
-                self._order.append(weakref.ref(group))
-            self._groups[group].append(weakref.ref(o))
-        return o
+        self._log("d2h", c)
+        return c
 
     def _stream(self, table: dict[torch.device, Any], dev: torch.device) -> Any:
         s = table.get(dev)
@@ -177,86 +337,138 @@ class OffloadEngine:
             s = table[dev] = torch.cuda.Stream(device=dev)
         return s
 
-    def _d2h_copy(self, t: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, Any]:
-        self._bound_inflight(nbytes)
-        side = self._stream(self._d2h, t.device)
-        if self.pin_memory:
-            buf = self._pool.acquire(nbytes)
-            host = buf[:nbytes].view(t.dtype).view(t.shape)
-        else:
-            buf, host = None, torch.empty(t.shape, dtype=t.dtype)
-        side.wait_stream(torch.cuda.current_stream(t.device))
+    def _d2h_async(self, c: _HostCopy, raw: torch.Tensor) -> None:
+        self._bound_inflight(c.nbytes)
+        buf = self._pool.acquire(c.nbytes)
+        cur = torch.cuda.current_stream(raw.device)
+        side = self._stream(self._d2h, raw.device)
+        produced = torch.cuda.Event()
+        produced.record(cur)
+        side.wait_event(produced)  # after the kernel that wrote the tensor; the host does not wait
         with torch.cuda.stream(side):
-            host.copy_(t, non_blocking=True)
+            c.host = buf[: c.nbytes]
+            c.host.copy_(raw, non_blocking=True)
             done = torch.cuda.Event()
             done.record(side)
-        t.record_stream(side)  # the allocator must not reuse t's memory before the copy ends
-        self._inflight.append((done, nbytes))
-        self._inflight_bytes += nbytes
-        host._remat_buf = buf  # type: ignore[attr-defined]
-        return host, done
+        raw.record_stream(side)  # the allocator must not reuse the device memory before the copy ends
+        c.buf, c.d2h_done = buf, done
+        self._inflight.append((done, c.nbytes))
+        self._inflight_bytes += c.nbytes
 
     def _bound_inflight(self, nbytes: int) -> None:
-        while self._inflight and (self._inflight_bytes + nbytes > self.max_inflight_bytes or self._inflight[0][0].query()):
-            ev, n = self._inflight.popleft()
-            ev.synchronize()
+        while self._inflight:
+            ev, n = self._inflight[0]
+            if not ev.query():
+                if self._inflight_bytes + nbytes <= self.max_inflight_bytes:
+                    return
+                ev.synchronize()
+                self.stats["waits"] += 1
+            self._inflight.popleft()
             self._inflight_bytes -= n
+
+    def before_write(self, o: Offloaded) -> None:
+        """An op is about to write into ``o``'s source tensor: it must wait until the copy has read it."""
+        c = o.copy
+        if c.d2h_done is not None:
+            torch.cuda.current_stream(c.src).wait_event(c.d2h_done)
 
     # ---- backward --------------------------------------------------------------
     def fetch(self, o: Offloaded) -> torch.Tensor:
-        """The tensor back on its source device (waits for its copy if needed)."""
-        if o.device_copy is None:
-            if o.group is not None and self.prefetch:
-                self._prefetch_group(o.group, also_next=True)
-            if o.device_copy is None:
-                self._start_h2d(o)
-        t = o.device_copy
-        assert t is not None
-        if o.h2d_done is not None:
-            cur = torch.cuda.current_stream(o.src)
-            cur.wait_event(o.h2d_done)
-            t.record_stream(cur)
-        self.stats["fetched"] += 1
-        return t
+        """The tensor back on its source device; the current stream waits for its copy if still running."""
+        with internal(), torch.no_grad():
+            c = o.copy
+            orig = o.orig()
+            if orig is not None and orig._version != o.version:
+                raise RematError(
+                    f"remat: a tensor of shape {list(o.shape)} that was offloaded for the backward pass was "
+                    f"modified in place after it was saved (version {o.version} -> {orig._version}). Do not "
+                    "modify intermediate results in place after an op has used them; clone them first."
+                )
+            grp = c.group
+            if grp is not None and (c.dev is None or not grp.reached):
+                self._reach(grp)
+            dev = c.dev
+            if dev is None:
+                s = c.dev_weak() if c.dev_weak is not None else None
+                if s is not None:
+                    dev = torch.empty(0, dtype=torch.uint8, device=c.src).set_(s)
+                else:
+                    self._start_h2d(c)
+                    dev = c.dev
+            assert dev is not None
+            if c.h2d_done is not None:
+                cur = torch.cuda.current_stream(c.src)
+                cur.wait_event(c.h2d_done)
+                dev.record_stream(cur)  # freed only after the backward kernels reading it ran
+            out = torch.empty(0, dtype=o.dtype, device=c.src).set_(dev.untyped_storage(), o.offset, o.shape,
+                                                                     o.stride)
+            if o.round != c.round:
+                o.round = c.round
+                self._read(c)
+            self.stats["fetched"] += 1
+            self._log("use", c)
+            return out
 
-    def _start_h2d(self, o: Offloaded) -> None:
-        if o.src.type == "cuda":
-            side = self._stream(self._h2d, o.src)
+    def _read(self, c: _HostCopy) -> None:
+        """One more handle of ``c`` has been read (or died unread): past the last, hold the device copy weakly."""
+        c.pending -= 1
+        if c.pending <= 0 and c.dev is not None:
+            c.dev_weak = weakref.ref(c.dev.untyped_storage())
+            c.dev = None
+
+    def _start_h2d(self, c: _HostCopy, ahead: bool = False) -> None:
+        assert c.host is not None
+        if c.src.type == "cuda" and c.host.device.type == "cpu" and c.d2h_done is not None:
+            side = self._stream(self._h2d, c.src)
             with torch.cuda.stream(side):
-                if o.d2h_done is not None:
-                    side.wait_event(o.d2h_done)
-                dev = torch.empty_strided(o.shape, o.stride, dtype=o.dtype, device=o.src)
-                dev.copy_(o.host, non_blocking=True)
+                side.wait_event(c.d2h_done)
+                dev = torch.empty(c.nbytes, dtype=torch.uint8, device=c.src)
+                dev.copy_(c.host, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(side)
-            o.device_copy, o.h2d_done = dev, ev
+            c.dev, c.h2d_done = dev, ev
         else:
-            o.device_copy = o.host if o.host.device == o.src else o.host.to(o.src)
+            c.dev = c.host if c.host.device == c.src else c.host.to(c.src)
+        c.round += 1
+        c.pending = c.live
+        self.stats["h2d"] += 1
+        if ahead:
+            self.stats["prefetched"] += 1
+        self._log("h2d", c)
 
-    def _prefetch_group(self, group: Any, also_next: bool) -> None:
-        for ref in self._groups.get(group, ()):
-            o = ref()
-            if o is not None and o.device_copy is None:
-                self._start_h2d(o)
-                self.stats["prefetched"] += 1
-        if not also_next:
+    def _reach(self, grp: _Group) -> None:
+        """The backward pass reached ``grp``: fetch all of it and the group it reaches next (NOTE [prefetch])."""
+        grp.reached = True
+        if not self.prefetch:
             return
-        # the call the backward pass reaches next is the live group offloaded just before this one
+        self._start_group(grp)
         self._order = [r for r in self._order if r() is not None]
         groups = [r() for r in self._order]
-        if group in groups:
-            i = groups.index(group)
-            if i > 0:
-                self._prefetch_group(groups[i - 1], also_next=False)
+        i = next((k for k, g in enumerate(groups) if g is grp), 0)
+        if i > 0:
+            nxt = groups[i - 1]
+            assert nxt is not None
+            self._start_group(nxt)
 
-    def applies(self, t: torch.Tensor, decision: Any) -> bool:
-        """Whether ``decision`` (an Offloadable) moves ``t``: right source device, large enough."""
-        if decision.src is not None and torch.device(decision.src).type != t.device.type:
-            return False
-        return t.numel() * t.element_size() >= decision.min_bytes
+    def _start_group(self, grp: _Group) -> None:
+        for ref in grp.copies:
+            c = ref()
+            if c is not None and c.live > 0 and c.dev is None and (c.dev_weak is None or c.dev_weak() is None):
+                self._start_h2d(c, ahead=True)
+
+    # ---- inspection ------------------------------------------------------------
+    def _log(self, what: str, c: _HostCopy) -> None:
+        if self.trace is not None:
+            self.trace.append((what, -1 if c.group is None else c.group.gid, c.cid))
 
     def pinned_bytes(self) -> int:
+        """Bytes of pinned host memory the pool holds (in use or free)."""
         return self._pool.allocated_bytes
 
     def pinned_allocations(self) -> int:
+        """Pinned buffers allocated so far; flat from step to step once the pool is warm."""
         return self._pool.allocations
+
+    def empty_cache(self) -> int:
+        """Hand the pool's free pinned buffers back to PyTorch; returns the bytes released."""
+        return self._pool.empty()

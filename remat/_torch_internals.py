@@ -106,6 +106,15 @@ def wrap_for_grad(t: torch.Tensor, level: int) -> torch.Tensor:
     return _F._wrap_for_grad(t, level)
 
 
+def dead_grad_wrapper(t: torch.Tensor) -> torch.Tensor:
+    """``t`` wrapped at a grad level that is exited at once (functorch unwraps dead wrappers)."""
+    level = _F._grad_increment_nesting()
+    try:
+        return _F._wrap_for_grad(t, level)
+    finally:
+        _F._grad_decrement_nesting()
+
+
 def add_batch_dim(t: torch.Tensor, dim: int, level: int) -> torch.Tensor:
     return _F._add_batch_dim(t, dim, level)
 

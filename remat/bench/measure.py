@@ -1,0 +1,294 @@
+"""Measuring what a configuration costs, from outside the library: memory, time, recomputed FLOPs.
+
+A configuration is a loss function ``loss_fn(*args) -> scalar``; a step is its
+forward pass and ``torch.autograd.grad`` of the loss with respect to the
+arguments that require grad. For each configuration :func:`measure` reports:
+
+* retained bytes: memory allocated by the forward pass and still alive when it
+  ends (what is held for the backward pass, plus the loss). On CUDA from the
+  caching allocator (``torch.cuda.memory_allocated``); elsewhere from
+  :class:`LiveCensus`, which counts the storages that ops allocate and watches
+  them die. Neither reads remat's bookkeeping.
+* peak bytes: the most memory allocated at once during the step, above what was
+  allocated before it (``torch.cuda.max_memory_allocated``, or the census).
+* time per step: median over interleaved rounds (every configuration once per
+  round, so drift of a shared machine hits them alike), and the median of the
+  per-round ratios to the first configuration (the baseline).
+* recomputed FLOPs: FLOPs of the backward pass (``FlopCounterMode``: matmuls,
+  convolutions, attention) minus the baseline's. Replayed (saved) outputs are
+  not run again and so not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+__all__ = ["Config", "Result", "LiveCensus", "measure", "format_table", "pareto_front", "plot", "MiB"]
+
+MiB = float(1 << 20)
+Progress = Callable[[str], None]
+
+
+@dataclasses.dataclass
+class Config:
+    """One thing to measure: a label and a loss function of the shared arguments."""
+
+    label: str
+    loss_fn: Callable[..., torch.Tensor]
+
+
+@dataclasses.dataclass
+class Result:
+    """What one configuration cost (bytes, seconds, FLOPs)."""
+
+    label: str
+    retained_bytes: int
+    peak_bytes: int
+    time_s: float
+    time_ratio: float
+    backward_flops: int
+    recomputed_flops: int
+    times_s: list[float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class LiveCensus(TorchDispatchMode):
+    """Counts the bytes of storages allocated by ops while it is active that are still alive.
+
+    Every op output whose storage is new is weighed (``untyped_storage().nbytes()``)
+    and watched with a finalizer; ``live`` is the sum of those alive, ``peak`` its
+    maximum. Storages allocated before, or outside any op, are not counted.
+
+    Example:
+        >>> import torch
+        >>> from remat.bench.measure import LiveCensus
+        >>> with LiveCensus() as c:
+        ...     a = torch.ones(1024)
+        ...     b = a * 2
+        ...     del a
+        >>> c.live, c.peak
+        (4096, 8192)
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._tracked: dict[int, object] = {}  # data_ptr -> token of the storage allocated there
+        self._finalizers: list[weakref.finalize] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        outs = [t for t in optree.tree_leaves(out, none_is_leaf=True) if isinstance(t, torch.Tensor)]
+        if outs:
+            # an output sharing an input's storage (a view, an in-place op) allocated nothing
+            ins = {_ptr(t) for t in optree.tree_leaves((args, kwargs), none_is_leaf=True)
+                   if isinstance(t, torch.Tensor)}
+            for t in outs:
+                self._watch(t, ins)
+        return out
+
+    def _watch(self, t: torch.Tensor, ins: set[int]) -> None:
+        try:
+            s = t.untyped_storage()
+            ptr = s.data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return
+        if not ptr or ptr in self._tracked or ptr in ins:
+            return
+        n = int(s.nbytes())
+        token = object()
+        self._tracked[ptr] = token
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        fin = weakref.finalize(s, self._freed, ptr, token, n)
+        fin.atexit = False
+        self._finalizers.append(fin)
+
+    def _freed(self, ptr: int, token: object, n: int) -> None:
+        if self._tracked.get(ptr) is token:
+            del self._tracked[ptr]
+            self.live -= n
+
+    def close(self) -> None:
+        """Stop watching (the counts stay as they are)."""
+        for f in self._finalizers:
+            f.detach()
+        self._finalizers.clear()
+        self._tracked.clear()
+
+
+def _ptr(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def _grad_leaves(args: Sequence[Any]) -> list[torch.Tensor]:
+    return [a for a in optree.tree_leaves(list(args), none_is_leaf=True)
+            if isinstance(a, torch.Tensor) and a.requires_grad]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _step(cfg: Config, args: Sequence[Any], wrt: list[torch.Tensor]) -> None:
+    loss = cfg.loss_fn(*args)
+    torch.autograd.grad(loss, wrt)
+
+
+def _memory(cfg: Config, args: Sequence[Any], wrt: list[torch.Tensor], device: torch.device) -> tuple[int, int]:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        loss = cfg.loss_fn(*args)
+        torch.cuda.synchronize(device)
+        gc.collect()
+        retained = torch.cuda.memory_allocated(device) - base
+        grads = torch.autograd.grad(loss, wrt)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        del loss, grads
+        return retained, peak
+    census = LiveCensus()
+    try:
+        with census:
+            loss = cfg.loss_fn(*args)
+        gc.collect()
+        retained = census.live
+        with census:
+            grads = torch.autograd.grad(loss, wrt)
+        del loss, grads
+        return retained, census.peak
+    finally:
+        census.close()
+
+
+def _backward_flops(cfg: Config, args: Sequence[Any], wrt: list[torch.Tensor]) -> int:
+    loss = cfg.loss_fn(*args)
+    with FlopCounterMode(display=False) as fc:
+        torch.autograd.grad(loss, wrt)
+    return int(fc.get_total_flops())
+
+
+def measure(configs: Sequence[Config], args: Sequence[Any], *, steps: int = 5, warmup: int = 1,
+            progress: Progress | None = None) -> list[Result]:
+    """Measure each configuration on the same arguments; the first one is the baseline for ratios.
+
+    Example:
+        >>> import torch
+        >>> from remat import remat
+        >>> from remat.bench.measure import Config, measure
+        >>> f = lambda w, x: torch.tanh(torch.tanh(x @ w) @ w).pow(2).sum()
+        >>> w, x = torch.randn(64, 64, requires_grad=True), torch.randn(32, 64)
+        >>> rows = measure([Config("plain", f), Config("remat", remat(f))], [w, x], steps=2)
+        >>> rows[0].retained_bytes > rows[1].retained_bytes, rows[1].recomputed_flops > 0
+        (True, True)
+    """
+    if not configs:
+        raise ValueError("measure: no configurations to measure")
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"measure: steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+    wrt = _grad_leaves(args)
+    if not wrt:
+        raise ValueError(
+            "measure: no argument requires grad, so there is no backward pass to measure; "
+            "call .requires_grad_() on the parameters (or inputs) to differentiate."
+        )
+    device = wrt[0].device
+    say = progress or (lambda s: None)
+    mem: dict[str, tuple[int, int]] = {}
+    flops: dict[str, int] = {}
+    for i, c in enumerate(configs):
+        say(f"[{i + 1}/{len(configs)}] {c.label}: warm-up, memory, FLOPs")
+        for _ in range(warmup):
+            _step(c, args, wrt)
+        mem[c.label] = _memory(c, args, wrt, device)
+        flops[c.label] = _backward_flops(c, args, wrt)
+    times: dict[str, list[float]] = {c.label: [] for c in configs}
+    for r in range(steps):
+        say(f"timing round {r + 1}/{steps}")
+        for c in configs:
+            gc.collect()
+            _sync(device)
+            t0 = time.perf_counter()
+            _step(c, args, wrt)
+            _sync(device)
+            times[c.label].append(time.perf_counter() - t0)
+    base = configs[0].label
+    out = []
+    for c in configs:
+        ratios = [t / b for t, b in zip(times[c.label], times[base], strict=True)]
+        out.append(Result(
+            label=c.label, retained_bytes=mem[c.label][0], peak_bytes=mem[c.label][1],
+            time_s=statistics.median(times[c.label]), time_ratio=statistics.median(ratios),
+            backward_flops=flops[c.label], recomputed_flops=flops[c.label] - flops[base], times_s=times[c.label],
+        ))
+    return out
+
+
+def format_table(rows: Sequence[Result], baseline: str | None = None) -> str:
+    """An aligned text table of results."""
+    base = baseline or (rows[0].label if rows else "")
+    head = ["configuration", "retained MiB", "peak MiB", "ms/step", f"time vs {base}", "recomputed GFLOP"]
+    body = [[r.label, f"{r.retained_bytes / MiB:.1f}", f"{r.peak_bytes / MiB:.1f}", f"{r.time_s * 1e3:.1f}",
+             f"{r.time_ratio:.2f}x", f"{r.recomputed_flops / 1e9:.3f}"] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
+
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+
+
+def pareto_front(rows: Sequence[Result]) -> list[Result]:
+    """The results no other result beats on both retained memory and time (sorted by memory)."""
+    front = [r for r in rows if not any(
+        (o.retained_bytes <= r.retained_bytes and o.time_s <= r.time_s)
+        and (o.retained_bytes < r.retained_bytes or o.time_s < r.time_s) for o in rows)]
+    return sorted(front, key=lambda r: r.retained_bytes)
+
+
+def plot(rows: Sequence[Result], path: str, title: str = "") -> None:
+    """Save a PNG of retained memory against time per step, with the Pareto front marked (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError("plotting needs matplotlib: pip install matplotlib (or pip install 'remat[plot]')") from e
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    front = pareto_front(rows)
+    ax.scatter([r.retained_bytes / MiB for r in rows], [r.time_s * 1e3 for r in rows], color="tab:blue")
+    for r in rows:
+        ax.annotate(r.label, (r.retained_bytes / MiB, r.time_s * 1e3), textcoords="offset points", xytext=(5, 4),
+                    fontsize=8)
+    ax.plot([r.retained_bytes / MiB for r in front], [r.time_s * 1e3 for r in front], color="tab:red",
+            marker="o", fillstyle="none", markersize=11, label="Pareto front")
+    ax.set_xlabel("retained activations (MiB)")
+    ax.set_ylabel("forward + backward (ms/step)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

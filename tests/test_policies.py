@@ -1,0 +1,309 @@
+"""Unit tests of the policies: decisions on representative ops, repr, validation, composition, shortcuts.
+
+A policy is called as ``policy(op, *args, **kwargs)``; these tests call them the way
+the engine does (ATen OpOverloads, and ``checkpoint_name`` with ``kwargs["name"]``),
+and check through ``remat`` that the policy really sees the ops of the function.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from remat import checkpoint_name, policies, remat
+from remat.policies import Offloadable, Recompute, Saveable
+
+aten = torch.ops.aten
+
+NO_BATCH_DOTS = [aten.mm.default, aten.addmm.default, aten.mv.default, aten.dot.default]
+BATCH_DOTS = [aten.bmm.default, aten.baddbmm.default]
+CONVS = [aten.convolution.default]
+ELEMENTWISE = [aten.sin.default, aten.gelu.default, aten.add.Tensor, aten.mul.Tensor, aten._softmax.default,
+               aten.native_layer_norm.default, aten.relu.default, aten.view.default, aten.t.default]
+
+
+def named(name: str) -> tuple[object, dict[str, str]]:
+    """How the engine asks a policy about ``checkpoint_name(x, name)``."""
+    return checkpoint_name, {"name": name}
+
+
+def ask(policy, op, **kwargs):
+    return policy(op, torch.ones(2, 2), **kwargs)
+
+
+# ---- fixed policies --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", NO_BATCH_DOTS + BATCH_DOTS + CONVS + ELEMENTWISE, ids=str)
+def test_nothing_and_everything_saveable(op):
+    assert ask(policies.nothing_saveable, op) is False
+    assert ask(policies.everything_saveable, op) is True
+    name_op, kw = named("x")
+    assert policies.nothing_saveable(name_op, torch.ones(1), **kw) is False
+    assert policies.everything_saveable(name_op, torch.ones(1), **kw) is True
+
+
+@pytest.mark.parametrize("op", NO_BATCH_DOTS + BATCH_DOTS + CONVS, ids=str)
+def test_dots_saveable_saves_products_and_convolutions(op):
+    assert ask(policies.dots_saveable, op) is True
+    assert policies.checkpoint_dots is policies.dots_saveable
+
+
+@pytest.mark.parametrize("op", ELEMENTWISE, ids=str)
+def test_dots_policies_recompute_elementwise(op):
+    assert ask(policies.dots_saveable, op) is False
+    assert ask(policies.dots_with_no_batch_dims_saveable, op) is False
+
+
+def test_dots_saveable_recomputes_names():
+    op, kw = named("h")
+    assert policies.dots_saveable(op, torch.ones(1), **kw) is False
+
+
+@pytest.mark.parametrize("op", NO_BATCH_DOTS, ids=str)
+def test_dots_with_no_batch_dims_saves_unbatched_products(op):
+    assert ask(policies.dots_with_no_batch_dims_saveable, op) is True
+    assert policies.checkpoint_dots_with_no_batch_dims is policies.dots_with_no_batch_dims_saveable
+
+
+@pytest.mark.parametrize("op", BATCH_DOTS + CONVS, ids=str)
+def test_dots_with_no_batch_dims_recomputes_batched_products(op):
+    assert ask(policies.dots_with_no_batch_dims_saveable, op) is False
+
+
+# ---- name policies ---------------------------------------------------------------
+
+
+def test_save_only_these_names():
+    p = policies.save_only_these_names("a", "b")
+    for n in ("a", "b"):
+        op, kw = named(n)
+        assert p(op, torch.ones(1), **kw) is True
+    op, kw = named("c")
+    assert p(op, torch.ones(1), **kw) is False
+    for op in NO_BATCH_DOTS + ELEMENTWISE:
+        assert ask(p, op) is False
+    assert p.names == frozenset({"a", "b"})
+
+
+def test_save_anything_except_these_names():
+    p = policies.save_anything_except_these_names("a")
+    op, kw = named("a")
+    assert p(op, torch.ones(1), **kw) is False
+    op, kw = named("b")
+    assert p(op, torch.ones(1), **kw) is True
+    for op in NO_BATCH_DOTS + ELEMENTWISE:
+        assert ask(p, op) is True  # untagged values are saved
+
+
+def test_save_any_names_but_these():
+    p = policies.save_any_names_but_these("a")
+    op, kw = named("a")
+    assert p(op, torch.ones(1), **kw) is False
+    op, kw = named("b")
+    assert p(op, torch.ones(1), **kw) is True
+    for op in NO_BATCH_DOTS + ELEMENTWISE:
+        assert ask(p, op) is False  # untagged values are recomputed
+
+
+def test_a_name_that_looks_like_an_op_is_still_a_name():
+    # an op is never mistaken for a name, even when its kwargs carry a "name"
+    p = policies.save_only_these_names("mm")
+    assert p(aten.mm.default, torch.ones(1), name="mm") is False
+
+
+@pytest.mark.parametrize("factory", [policies.save_only_these_names, policies.save_anything_except_these_names,
+                                     policies.save_any_names_but_these])
+def test_name_policies_reject_non_strings(factory):
+    with pytest.raises(TypeError, match=rf"{factory.__name__}: names must be strings .* got 3 \(int\)"):
+        factory("ok", 3)
+    with pytest.raises(TypeError, match="names must be strings"):
+        factory(["a", "b"])  # a list instead of *names
+
+
+@pytest.mark.parametrize("factory", [policies.save_only_these_names, policies.save_anything_except_these_names,
+                                     policies.save_any_names_but_these])
+def test_name_policies_repr_and_equality(factory):
+    p = factory("b", "a")
+    assert repr(p) == f"{factory.__name__}('a', 'b')"
+    assert p == factory("a", "b")
+    assert hash(p) == hash(factory("a", "b", "a"))
+    assert repr(factory()) == f"{factory.__name__}()"
+
+
+def test_save_and_offload_only_these_names():
+    p = policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=["s"], names_which_can_be_offloaded=("o",), offload_src="cuda", offload_dst="cpu")
+    op, kw = named("s")
+    assert p(op, torch.ones(1), **kw) is Saveable
+    op, kw = named("o")
+    assert p(op, torch.ones(1), **kw) == Offloadable("cuda", "cpu")
+    op, kw = named("other")
+    assert p(op, torch.ones(1), **kw) is Recompute
+    assert ask(p, aten.mm.default) is Recompute
+    assert repr(p) == "save_and_offload_only_these_names(saved=['s'], offloaded=['o'], 'cuda' -> 'cpu')"
+
+
+def test_save_and_offload_only_these_names_validation():
+    with pytest.raises(ValueError, match=r"names \['a'\] are both saved and offloaded; pick one"):
+        policies.save_and_offload_only_these_names(names_which_can_be_saved=["a", "b"],
+                                                   names_which_can_be_offloaded=["a"])
+    with pytest.raises(TypeError, match="names must be strings"):
+        policies.save_and_offload_only_these_names(names_which_can_be_saved=[1])
+    with pytest.raises(ValueError, match="is not a device"):
+        policies.save_and_offload_only_these_names(names_which_can_be_offloaded=["a"], offload_dst="nowhere")
+    with pytest.raises(TypeError):
+        policies.save_and_offload_only_these_names(["a"])  # keyword-only, like JAX
+
+
+def test_offload_dot_with_no_batch_dims():
+    p = policies.offload_dot_with_no_batch_dims("cuda", "cpu")
+    for op in NO_BATCH_DOTS:
+        assert ask(p, op) == Offloadable("cuda", "cpu")
+    for op in BATCH_DOTS + ELEMENTWISE:
+        assert ask(p, op) is Recompute
+    with pytest.raises(ValueError, match="is not a device"):
+        policies.offload_dot_with_no_batch_dims("cuda", "somewhere")
+
+
+def test_offload_to_cpu():
+    p = policies.offload_to_cpu()
+    assert p.min_bytes == policies.DEFAULT_MIN_OFFLOAD_BYTES == 1 << 20
+    assert ask(p, aten.sin.default) == Offloadable(None, "cpu", 1 << 20)
+    assert ask(policies.offload_to_cpu(min_bytes=0, src="cuda"), aten.mm.default) == Offloadable("cuda", "cpu", 0)
+    with pytest.raises(ValueError, match="min_bytes must be a non-negative int, got -1"):
+        policies.offload_to_cpu(min_bytes=-1)
+
+
+# ---- decisions ---------------------------------------------------------------------
+
+
+def test_decision_reprs():
+    assert repr(Saveable) == "Saveable"
+    assert repr(Recompute) == "Recompute"
+    assert repr(Offloadable("cuda", "cpu")) == "Offloadable(src='cuda', dst='cpu', min_bytes=0)"
+    assert isinstance(Saveable, policies.Decision) and isinstance(Offloadable(), policies.Decision)
+
+
+def test_offloadable_validation():
+    assert Offloadable(None, "cpu").src is None
+    assert Offloadable("cuda:1", "cpu", 10).min_bytes == 10
+    with pytest.raises(ValueError, match="min_bytes must be a non-negative int, got -1"):
+        Offloadable("cuda", "cpu", -1)
+    with pytest.raises(ValueError, match="min_bytes must be a non-negative int, got 1.5"):
+        Offloadable("cuda", "cpu", 1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="src must be a device string such as 'cpu', got 3"):
+        Offloadable(3, "cpu")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="dst must be a device string"):
+        Offloadable("cuda", None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dst='nowhere' is not a device"):
+        Offloadable("cuda", "nowhere")
+    with pytest.raises(Exception):  # frozen: decisions are values
+        Offloadable().dst = "cuda"  # type: ignore[misc]
+
+
+# ---- composition -------------------------------------------------------------------
+
+
+def test_save_from_both_policies_saves_what_either_saves():
+    names = policies.save_only_these_names("h")
+    p = policies.save_from_both_policies(policies.dots_with_no_batch_dims_saveable, names)
+    assert ask(p, aten.mm.default) is Saveable  # left saves
+    op, kw = named("h")
+    assert p(op, torch.ones(1), **kw) is Saveable  # right saves
+    op, kw = named("g")
+    assert p(op, torch.ones(1), **kw) is Recompute  # neither
+    assert ask(p, aten.bmm.default) is Recompute
+    assert ask(p, aten.sin.default) is Recompute
+    assert repr(p) == "save_from_both_policies(dots_with_no_batch_dims_saveable, save_only_these_names('h'))"
+
+
+def test_save_from_both_policies_offload_and_save_precedence():
+    off = policies.offload_dot_with_no_batch_dims("cuda", "cpu")
+    p = policies.save_from_both_policies(off, policies.everything_saveable)
+    assert ask(p, aten.mm.default) is Saveable  # saving wins over offloading
+    p = policies.save_from_both_policies(policies.nothing_saveable, off)
+    assert ask(p, aten.mm.default) == Offloadable("cuda", "cpu")  # offloading wins over recomputing
+    p = policies.save_from_both_policies(off, policies.nothing_saveable)
+    assert ask(p, aten.mm.default) == Offloadable("cuda", "cpu")
+    assert ask(p, aten.sin.default) is Recompute
+
+
+def test_save_from_both_policies_nests_and_normalises_bools():
+    p = policies.save_from_both_policies(
+        policies.save_from_both_policies(policies.save_only_these_names("a"), policies.save_only_these_names("b")),
+        lambda op, *a, **k: op is aten.sin.default,
+    )
+    for n, want in (("a", Saveable), ("b", Saveable), ("c", Recompute)):
+        op, kw = named(n)
+        assert p(op, torch.ones(1), **kw) is want
+    assert ask(p, aten.sin.default) is Saveable
+    assert ask(p, aten.cos.default) is Recompute
+
+
+def test_save_from_both_policies_validation():
+    with pytest.raises(TypeError, match=r"save_from_both_policies: 'dots' is not a policy; pass callables"):
+        policies.save_from_both_policies("dots", policies.dots_saveable)
+    with pytest.raises(TypeError, match="is not a policy"):
+        policies.save_from_both_policies(policies.dots_saveable, None)
+
+
+def test_save_from_both_policies_reports_a_bad_inner_answer():
+    from remat import RematError
+
+    p = policies.save_from_both_policies(policies.nothing_saveable, lambda op, *a, **k: "yes")
+    with pytest.raises(RematError, match=r"returned 'yes' for aten.mm.default; return True, False"):
+        ask(p, aten.mm.default)
+
+
+# ---- shortcuts and what the engine passes --------------------------------------------
+
+
+@pytest.mark.parametrize("string,policy", [
+    ("save-nothing", policies.nothing_saveable),
+    ("save-everything", policies.everything_saveable),
+    ("save-matmuls", policies.dots_saveable),
+    ("offload-to-cpu", policies.offload_to_cpu()),
+    (None, policies.nothing_saveable),
+])
+def test_string_shortcuts(string, policy):
+    assert remat(torch.sin, policy=string).policy == policy
+
+
+def test_unknown_shortcut_lists_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown policy 'save_matmuls'; use one of 'save-nothing', "
+                                         r"'save-everything', 'save-matmuls', 'offload-to-cpu'"):
+        remat(torch.sin, policy="save_matmuls")
+
+
+def test_a_policy_sees_every_aten_op_and_every_name():
+    seen: list[tuple[object, dict]] = []
+
+    def spy(op, *args, **kwargs):
+        seen.append((op, kwargs))
+        return False
+
+    def f(W, x):
+        h = checkpoint_name(torch.mm(x, W), "pre")
+        return torch.sin(h).sum()
+
+    W = torch.randn(3, 3, requires_grad=True)
+    remat(f, policy=spy)(W, torch.randn(2, 3)).backward()
+    ops = [op for op, _ in seen]
+    assert ops == [aten.mm.default, checkpoint_name, aten.sin.default, aten.sum.default]
+    assert seen[1][1] == {"name": "pre"}
+    assert all(isinstance(op, torch._ops.OpOverload) for op in ops if op is not checkpoint_name)
+    # asked in the forward pass only: the backward's recompute does not ask again
+    assert len(seen) == 4
+
+
+def test_a_policy_gets_the_op_arguments():
+    shapes = []
+
+    def spy(op, *args, **kwargs):
+        if op is aten.mm.default:
+            shapes.append([tuple(a.shape) for a in args])
+        return True
+
+    remat(lambda a, b: a @ b, policy=spy)(torch.ones(2, 3, requires_grad=True), torch.ones(3, 4))
+    assert shapes == [[(2, 3), (3, 4)]]

@@ -1,0 +1,522 @@
+"""remat under every torch.func transform and nesting, for every kind of policy.
+
+Each case runs a transform over plain ``f`` and over ``remat(f, policy=p)`` and
+compares the results (float64, 1e-10), then proves from outside the library
+that remat did what its policy says:
+
+* Python calls of the wrapped function (``Counted``): the plain transform calls
+  ``f`` ``base`` times (vmap runs it once for the whole batch, ``chunk_size``
+  once per chunk); under save-nothing each saving level whose saved tensors a
+  backward pass reads re-runs it once per such backward pass, so the count is
+  exactly ``base + recomputes`` (the ``recomputes`` column of the case table:
+  2 for a vjp function called twice; 1 for ``grad(grad)``, whose outer
+  backward pass walks the recompute's graph, not the forward's; 2 for eager
+  double backward, where autograd re-attaches the forward's graph to the
+  recomputed tensors); save-everything never re-runs it;
+* matrix products seen by an ``OpCounter`` around the transformed computation:
+  save-everything, dots_saveable and offload run exactly as many as plain ``f``
+  (no matmul recomputed), save-nothing runs more.
+
+Forward-mode-only transforms (jvp, jacfwd, vmap, linearize) save nothing for a
+backward pass, so nothing is recomputed there under any policy
+(``recomputes == 0``); the table says so explicitly.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import (
+    functional_call,
+    grad,
+    grad_and_value,
+    hessian,
+    jacfwd,
+    jacrev,
+    jvp,
+    linearize,
+    vjp,
+    vmap,
+)
+
+from remat import RematError, checkpoint_name, policies, remat
+from remat.bench.models import cnn_block, transformer_block
+from remat.offload import OffloadEngine, use_engine
+
+from .helpers import Counted, OpCounter, assert_tree_close
+
+DT = torch.float64
+TOL = {"rtol": 1e-10, "atol": 1e-10}
+
+POLICIES: dict[str, Any] = {
+    "nothing": policies.nothing_saveable,
+    "dots": policies.dots_saveable,
+    "everything": policies.everything_saveable,
+    "dots_no_batch": policies.dots_with_no_batch_dims_saveable,
+    "names": policies.save_only_these_names("h1"),
+    "offload_cpu": policies.offload_to_cpu(min_bytes=0),
+}
+POLICY_IDS = list(POLICIES)
+
+
+def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + 1000 * len(shape) + sum(shape))
+    return torch.randn(*shape, generator=g, dtype=DT)
+
+
+D, H, B = 4, 5, 3
+P = {"W1": _rand(D, H), "b1": _rand(H), "W2": _rand(H, D)}
+PB = {k: torch.stack([v + 0.1 * i for i in range(2)]) for k, v in P.items()}  # a batch of 2 parameter sets
+X = _rand(D)
+XB = _rand(B, D, seed=1)
+XBB = _rand(2, B, D, seed=2)
+T = _rand(D, seed=3)
+
+
+# ---- the test functions ---------------------------------------------------------
+
+
+def mlp(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Scalar MLP loss with a named hidden value (for the names policy)."""
+    h = checkpoint_name(torch.tanh(x @ p["W1"] + p["b1"]), "h1")
+    h = F.gelu(h @ p["W2"])
+    return (torch.sin(h) ** 2).sum()
+
+
+def mlp_vec(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Vector-valued MLP (for Jacobians and jvp)."""
+    h = checkpoint_name(torch.tanh(x @ p["W1"] + p["b1"]), "h1")
+    return torch.sin(h @ p["W2"]) * x
+
+
+def mlp_aux(p: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    h = checkpoint_name(torch.tanh(x @ p["W1"] + p["b1"]), "h1")
+    y = torch.sin(h @ p["W2"])
+    return (y**2).sum(), {"h": h, "y": y}
+
+
+Case = collections.namedtuple("Case", "name fn run recomputes")
+
+# run(g) applies the transform to g (plain or remat'd) and returns a pytree of results.
+# recomputes: how many times save-nothing re-runs the function (once per saving level).
+CASES = [
+    Case("grad", mlp, lambda g: grad(g)(P, X), 1),
+    Case("grad_argnums_tuple", mlp, lambda g: grad(g, argnums=(0, 1))(P, X), 1),
+    Case("grad_has_aux", mlp_aux, lambda g: grad(g, has_aux=True)(P, X), 1),
+    Case("grad_and_value", mlp, lambda g: grad_and_value(g, argnums=(0, 1))(P, X), 1),
+    Case("vjp_called_twice", mlp_vec, lambda g: _vjp_twice(g), 2),
+    Case("jacrev", mlp_vec, lambda g: jacrev(g, argnums=(0, 1))(P, X), 1),
+    Case("jacfwd", mlp_vec, lambda g: jacfwd(g, argnums=(0, 1))(P, X), 0),
+    Case("hessian", mlp, lambda g: hessian(g, argnums=1)(P, X), 1),
+    Case("jvp", mlp_vec, lambda g: jvp(lambda x: g(P, x), (X,), (T,)), 0),
+    Case("linearize", mlp_vec, lambda g: _linearize(g), 0),
+    Case("vmap_in_dims_inputs", mlp, lambda g: vmap(g, in_dims=(None, 0))(P, XB), 0),
+    Case("vmap_in_dims_params", mlp, lambda g: vmap(g, in_dims=(0, None))(PB, X), 0),
+    Case("vmap_chunk_size", mlp, lambda g: vmap(g, in_dims=(None, 0), chunk_size=2)(P, XB), 0),
+    Case("vmap(grad)", mlp, lambda g: vmap(grad(g), in_dims=(None, 0))(P, XB), 1),
+    Case("vmap(grad)_params", mlp, lambda g: vmap(grad(g), in_dims=(0, None))(PB, X), 1),
+    Case("vmap(grad)_chunk_size", mlp, lambda g: vmap(grad(g), in_dims=(None, 0), chunk_size=2)(P, XB), 2),
+    Case("grad(vmap)", mlp, lambda g: grad(lambda p: vmap(g, in_dims=(None, 0))(p, XB).sum())(P), 1),
+    Case("vmap(vmap(grad))", mlp, lambda g: vmap(vmap(grad(g), in_dims=(None, 0)), in_dims=(0, None))(PB, XB), 1),
+    Case("grad(grad)", mlp, lambda g: grad(lambda x: grad(g, argnums=1)(P, x).sin().sum())(X), 1),
+    Case("jacrev(jacrev)", mlp_vec, lambda g: jacrev(jacrev(g, argnums=1))(P, X), 1),
+    Case("vmap(jacrev)", mlp_vec, lambda g: vmap(jacrev(g, argnums=1), in_dims=(0, None))(PB, X), 1),
+    Case("jacfwd(grad)", mlp, lambda g: jacfwd(grad(g, argnums=1))(P, X), 1),
+    Case("backward_mixed", mlp_vec, lambda g: _backward_mixed(g), 1),
+    Case("double_backward", mlp, lambda g: _double_backward(g), 2),
+]
+CASE_IDS = [c.name for c in CASES]
+
+
+def _vjp_twice(g: Callable[..., Any]) -> Any:
+    out, fn = vjp(g, P, X)
+    ct = torch.linspace(-1, 1, D, dtype=DT)
+    return out, fn(ct), fn(2 * ct)
+
+
+def _linearize(g: Callable[..., Any]) -> Any:
+    out, fn = linearize(lambda x: g(P, x), X)
+    return out, fn(T), fn(2 * T)
+
+
+def _backward_mixed(g: Callable[..., Any]) -> Any:
+    """Plain autograd over a graph mixing remat and non-remat parts."""
+    p = {k: v.clone().requires_grad_() for k, v in P.items()}
+    x = X.clone().requires_grad_()
+    y = torch.cos(x) * 2  # non-remat part before
+    z = g(p, y)
+    loss = (z.exp() * y).sum()  # non-remat part after (reads the remat input too)
+    loss.backward()
+    return loss.detach(), x.grad, {k: v.grad for k, v in p.items()}
+
+
+def _double_backward(g: Callable[..., Any]) -> Any:
+    x = X.clone().requires_grad_()
+    (gx,) = torch.autograd.grad(g(P, x), x, create_graph=True)
+    (ggx,) = torch.autograd.grad(gx.sin().sum(), x)
+    return gx.detach(), ggx
+
+
+# ---- the harness -------------------------------------------------------------------
+
+
+def _measure(run: Callable[[Callable[..., Any]], Any], fn: Callable[..., Any], policy: Any,
+             seed: int = 0) -> tuple[Any, int, int]:
+    """(result, Python calls of fn, matmuls run) for run(fn) or run(remat(fn, policy))."""
+    counted = Counted(fn)
+    g = counted if policy is None else remat(counted, policy=policy)
+    torch.manual_seed(seed)
+    with OpCounter() as oc:
+        out = run(g)
+    return out, counted.calls, oc.count
+
+
+def check_case(case: Case, pol: str) -> None:
+    ref, base_calls, base_mm = _measure(case.run, case.fn, None)
+    eng = OffloadEngine()
+    with use_engine(eng):
+        out, calls, mm = _measure(case.run, case.fn, POLICIES[pol])
+    assert_tree_close(out, ref, **TOL)
+    backward = case.recomputes > 0
+    if pol == "everything":
+        assert (calls, mm) == (base_calls, base_mm), "save-everything recomputed"
+    elif pol == "nothing":
+        assert calls == base_calls + case.recomputes, (
+            f"save-nothing ran f {calls} times, expected {base_calls} + {case.recomputes} recomputes"
+        )
+        assert (mm > base_mm) == backward, f"save-nothing ran {mm} matmuls, plain {base_mm}"
+    elif pol == "dots":
+        assert mm == base_mm, f"dots_saveable recomputed matmuls: {mm} vs plain {base_mm}"
+        assert (calls > base_calls) == backward, "dots_saveable did not recompute the elementwise ops"
+    elif pol in ("dots_no_batch", "names"):
+        assert mm >= base_mm
+        assert (calls > base_calls) == backward, f"{pol}: no recompute ran"
+        if pol == "names" and backward:
+            assert mm > base_mm  # everything but h1 is recomputed, matmuls included
+    elif pol == "offload_cpu":
+        assert mm == base_mm, "offload recomputed matmuls"
+        assert (eng.stats["offloaded"] > 0) == backward, f"offload stats {dict(eng.stats)}"
+    if not backward:
+        assert calls == base_calls, "a forward-only transform re-ran the function"
+
+
+@pytest.mark.parametrize("pol", POLICY_IDS)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_transform_matrix(case: Case, pol: str) -> None:
+    check_case(case, pol)
+
+
+# ---- other test functions: transformer block, CNN block, functional_call -------------
+
+TP = {
+    "ln1_w": 1 + 0.1 * _rand(8), "ln1_b": 0.1 * _rand(8, seed=1), "wqkv": _rand(24, 8) / 3,
+    "bqkv": 0.1 * _rand(24), "wo": _rand(8, 8) / 3, "bo": 0.1 * _rand(8, seed=2),
+    "ln2_w": 1 + 0.1 * _rand(8, seed=3), "ln2_b": 0.1 * _rand(8, seed=4), "w1": _rand(16, 8) / 3,
+    "b1": 0.1 * _rand(16), "w2": _rand(8, 16) / 4, "b2": 0.1 * _rand(8, seed=5),
+}
+TX = _rand(2, 3, 8, seed=7)  # batch 2, seq 3, d 8
+
+
+def tblock(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return (transformer_block(p, x, 2) ** 2).mean()
+
+
+CP = {"c1": _rand(4, 4, 3, 3) / 6, "b1": 0.1 * _rand(4), "g_w": 1 + 0.1 * _rand(4, seed=1),
+      "g_b": 0.1 * _rand(4, seed=2), "c2": _rand(4, 4, 3, 3, seed=1) / 6, "b2": 0.1 * _rand(4, seed=3)}
+CX = _rand(2, 4, 5, 5, seed=9)
+
+
+def cblock(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return (cnn_block(p, x) ** 2).mean()
+
+
+MODEL_CASES = [
+    Case("transformer:grad", tblock, lambda g: grad(g)(TP, TX), 1),
+    Case("transformer:vmap(grad)", tblock,
+         lambda g: vmap(grad(g), in_dims=(None, 0))(TP, TX.unsqueeze(1)), 1),
+    Case("transformer:vjp", tblock, lambda g: vjp(g, TP, TX)[1](torch.tensor(1.0, dtype=DT)), 1),
+    Case("cnn:grad", cblock, lambda g: grad(g, argnums=(0, 1))(CP, CX), 1),
+    Case("cnn:vmap(grad)", cblock, lambda g: vmap(grad(g), in_dims=(None, 0))(CP, CX.unsqueeze(1)), 1),
+]
+
+
+@pytest.mark.parametrize("pol", ["nothing", "dots", "everything", "offload_cpu"])
+@pytest.mark.parametrize("case", MODEL_CASES, ids=[c.name for c in MODEL_CASES])
+def test_models(case: Case, pol: str) -> None:
+    check_case(case, pol)
+
+
+class TinyNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = torch.nn.Linear(D, H, dtype=DT)
+        self.l2 = torch.nn.Linear(H, 1, dtype=DT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.tanh(self.l1(x))).sum()
+
+
+def _module_cases() -> list[Case]:
+    torch.manual_seed(0)
+    net = TinyNet()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+
+    def call(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return functional_call(net, p, (x,))
+
+    return [
+        Case("module:grad", call, lambda g: grad(g)(params, X), 1),
+        Case("module:vmap(grad)", call, lambda g: vmap(grad(g), in_dims=(None, 0))(params, XB), 1),
+        Case("module:jacrev(jacrev)", call, lambda g: jacrev(jacrev(g, argnums=1), argnums=1)(params, X), 1),
+        Case("module:jacfwd(grad)", call, lambda g: jacfwd(grad(g, argnums=1), argnums=1)(params, X), 1),
+    ]
+
+
+MODULE_CASES = _module_cases()
+
+
+@pytest.mark.parametrize("pol", ["nothing", "dots", "everything"])
+@pytest.mark.parametrize("case", MODULE_CASES, ids=[c.name for c in MODULE_CASES])
+def test_functional_call(case: Case, pol: str) -> None:
+    check_case(case, pol)
+
+
+# ---- randomness: dropout and torch.rand under each vmap randomness mode ---------------
+
+
+def noisy(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    h = checkpoint_name(torch.tanh(x @ p["W1"] + p["b1"]), "h1")
+    h = F.dropout(h, 0.5, training=True) + 0.5 * torch.rand_like(h)
+    return torch.sin(h @ p["W2"]).pow(2).sum()
+
+
+RANDOM_CASES = [
+    Case("grad", noisy, lambda g: grad(g)(P, X), 1),
+    Case("vjp", noisy, lambda g: vjp(g, P, X)[1](torch.tensor(1.0, dtype=DT)), 1),
+    Case("vmap(grad)_same", noisy, lambda g: vmap(grad(g), in_dims=(None, 0), randomness="same")(P, XB), 1),
+    Case("vmap(grad)_different", noisy,
+         lambda g: vmap(grad(g), in_dims=(None, 0), randomness="different")(P, XB), 1),
+    Case("grad(vmap)_same", noisy,
+         lambda g: grad(lambda p: vmap(g, in_dims=(None, 0), randomness="same")(p, XB).sum())(P), 1),
+    Case("grad(vmap)_different", noisy,
+         lambda g: grad(lambda p: vmap(g, in_dims=(None, 0), randomness="different")(p, XB).sum())(P), 1),
+    Case("vmap(vmap(grad))_different", noisy, lambda g: vmap(
+        vmap(grad(g), in_dims=(None, 0), randomness="different"), in_dims=(0, None), randomness="different")(PB, XB), 1),
+    Case("hessian_same", noisy, lambda g: jacfwd(jacrev(g, argnums=1), argnums=1, randomness="same")(P, X), 1),
+    Case("hessian_different", noisy,
+         lambda g: jacfwd(jacrev(g, argnums=1), argnums=1, randomness="different")(P, X), 1),
+]
+
+
+@pytest.mark.parametrize("pol", POLICY_IDS)
+@pytest.mark.parametrize("case", RANDOM_CASES, ids=[c.name for c in RANDOM_CASES])
+def test_randomness(case: Case, pol: str) -> None:
+    check_case(case, pol)
+
+
+def test_randomness_negative_control() -> None:
+    """Without restoring the RNG the recompute draws other masks: the comparison above can fail."""
+    ref = _measure(lambda g: grad(g)(P, X), noisy, None)[0]
+    torch.manual_seed(0)
+    out = grad(remat(noisy, preserve_rng_state=False))(P, X)
+    assert not all(torch.allclose(out[k], ref[k]) for k in ref)
+
+
+@pytest.mark.parametrize("pol", ["nothing", "dots"])
+def test_randomness_error_mode(pol: str) -> None:
+    """vmap(randomness="error") rejects random ops with remat exactly as without it."""
+    run = lambda g: vmap(grad(g), in_dims=(None, 0))(P, XB)  # noqa: E731
+    with pytest.raises(RuntimeError, match="randomness") as plain:
+        run(noisy)
+    with pytest.raises(RuntimeError, match="randomness") as ours:
+        run(remat(noisy, policy=POLICIES[pol]))
+    assert str(ours.value) == str(plain.value)
+    # and a deterministic function runs fine under randomness="error" (the default of the matrix)
+
+
+# ---- pytrees, static arguments, keyword tensors --------------------------------------
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def tree_fn(inp: dict[str, Any], act: Callable[[torch.Tensor], torch.Tensor], n: int, *,
+            scale: torch.Tensor) -> dict[str, Any]:
+    """Pytree in and out: a dict holding a namedtuple, non-tensor leaves, a static callable and int."""
+    h = act(inp["pair"].a @ inp["W"] + inp["pair"].b) * scale
+    for _ in range(n):
+        h = checkpoint_name(torch.tanh(h), "h1")
+    return {"loss": (h**2).sum() * inp["coef"], "out": Pair(h.sum(-1), inp["tag"]), "none": None}
+
+
+def _tree_inputs(batched: bool = False) -> dict[str, Any]:
+    x = XB if batched else X
+    return {"W": P["W1"], "pair": Pair(x, P["b1"]), "coef": 0.5, "tag": "static-text"}
+
+
+SCALE = _rand(H, seed=11)
+
+
+def _tree_loss(g: Callable[..., Any], inp: dict[str, Any], scale: torch.Tensor) -> Any:
+    out = g(inp, torch.sin, 2, scale=scale)
+    assert out["out"].b == "static-text" and out["none"] is None
+    return out["loss"] + out["out"].a.sum(), out["out"].a
+
+
+TREE_CASES = [
+    Case("grad_has_aux", tree_fn, lambda g: grad(
+        lambda W, s: _tree_loss(g, {**_tree_inputs(), "W": W}, s), argnums=(0, 1), has_aux=True)(P["W1"], SCALE), 1),
+    Case("vjp", tree_fn, lambda g: vjp(lambda W, s: _tree_loss(g, {**_tree_inputs(), "W": W}, s)[1], P["W1"], SCALE)[1](
+        torch.ones((), dtype=DT)), 1),
+    Case("vmap(grad)_kwarg", tree_fn, lambda g: vmap(
+        grad(lambda i, s: _tree_loss(g, i, s)[0], argnums=1), in_dims=({"W": None, "pair": Pair(0, None),
+                                                                          "coef": None, "tag": None}, None))(
+        _tree_inputs(batched=True), SCALE), 1),
+    Case("jacrev_kwarg", tree_fn, lambda g: jacrev(lambda s: _tree_loss(g, _tree_inputs(), s)[1])(SCALE), 1),
+]
+
+
+@pytest.mark.parametrize("pol", POLICY_IDS)
+@pytest.mark.parametrize("case", TREE_CASES, ids=[c.name for c in TREE_CASES])
+def test_pytrees_static_kwargs(case: Case, pol: str) -> None:
+    # remat(tree_fn, static_argnums=(1, 2)): the activation function and the loop count are static
+    ref, base_calls, base_mm = _measure(case.run, case.fn, None)
+    counted = Counted(case.fn)
+    g = remat(counted, policy=POLICIES[pol], static_argnums=(1, 2))
+    torch.manual_seed(0)
+    with OpCounter() as oc, use_engine(OffloadEngine()):
+        out = case.run(g)
+    assert_tree_close(out, ref, **TOL)
+    if pol == "everything":
+        assert (counted.calls, oc.count) == (base_calls, base_mm)
+    elif pol == "nothing":
+        assert counted.calls == base_calls + case.recomputes and oc.count > base_mm
+    elif pol == "dots":
+        assert counted.calls > base_calls and oc.count == base_mm
+
+
+# ---- in-place mutation between forward and backward -----------------------------------
+
+
+def _mutate_inside(g: Callable[..., Any]) -> Callable[..., Any]:
+    def body(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        xc = x.clone()
+        y = g(p, xc)
+        xc.mul_(2)  # an input of the remat'd call changes before the backward pass reads it
+        return y
+
+    return body
+
+
+def _mut_vjp(g: Callable[..., Any]) -> Any:
+    xc = X.clone()
+    _, fn = vjp(lambda p: g(p, xc), P)
+    xc.mul_(2)
+    return fn(torch.tensor(1.0, dtype=DT))
+
+
+def _mut_backward(g: Callable[..., Any]) -> Any:
+    x = X.clone().requires_grad_()
+    xc = x * 1.0
+    y = g(P, xc)
+    xc.mul_(2)
+    y.backward()
+
+
+MUTATION_CASES = {
+    "grad": lambda g: grad(_mutate_inside(g))(P, X),
+    "vjp": _mut_vjp,
+    "jacrev": lambda g: jacrev(_mutate_inside(g))(P, X),
+    "vmap(grad)": lambda g: vmap(grad(_mutate_inside(g)), in_dims=(None, 0))(P, XB),
+    "grad(vmap)": lambda g: grad(lambda p: vmap(_mutate_inside(g), in_dims=(None, 0))(p, XB).sum())(P),
+    "grad(grad)": lambda g: grad(lambda x: grad(_mutate_inside(g), argnums=1)(P, x).sum())(X),
+    "hessian": lambda g: hessian(_mutate_inside(g), argnums=1)(P, X),
+    "backward": _mut_backward,
+}
+
+
+@pytest.mark.parametrize("pol", ["nothing", "dots", "everything", "offload_cpu"])
+@pytest.mark.parametrize("name", list(MUTATION_CASES))
+def test_mutated_input_raises(name: str, pol: str) -> None:
+    # plain autograd notices only where it saved the mutated tensor itself (not always: it
+    # may not need it), remat always does, since its recompute reads the input
+    run = MUTATION_CASES[name]
+    try:
+        ref, plain_raised = run(mlp), False
+    except RuntimeError as e:
+        assert "modified by an inplace operation" in str(e)
+        ref, plain_raised = None, True
+    g = remat(mlp, policy=POLICIES[pol])
+    with use_engine(OffloadEngine()):
+        if pol == "everything" and not plain_raised:
+            assert_tree_close(run(g), ref, **TOL)  # nothing recomputed, nothing read the mutated value
+        else:
+            with pytest.raises(RematError, match="modified in place"):
+                run(g)
+
+
+# ---- functionalize and torch.compile -------------------------------------------------
+
+
+def test_functionalize_outside_remat_raises() -> None:
+    with pytest.raises(RematError, match="torch.func.functionalize, which remat does not support"):
+        grad(torch.func.functionalize(remat(mlp)))(P, X)
+
+
+def test_functionalize_inside_remat_works() -> None:
+    counted = Counted(mlp)
+    out = grad(remat(torch.func.functionalize(counted)))(P, X)
+    assert_tree_close(out, grad(mlp)(P, X), **TOL)
+    assert counted.calls == 2  # forward + recompute
+
+
+def test_compile_outside_remat_raises() -> None:
+    torch._dynamo.reset()
+    x = X.clone().requires_grad_()
+    with pytest.raises(RematError, match="inside torch.compile, which remat does not support"):
+        torch.compile(remat(lambda x: mlp(P, x)), backend="eager")(x)
+
+
+def test_compile_inside_remat_works() -> None:
+    torch._dynamo.reset()
+    x = X.clone().requires_grad_()
+    remat(torch.compile(lambda x: mlp(P, x), backend="aot_eager"))(x).backward()
+    x2 = X.clone().requires_grad_()
+    mlp(P, x2).backward()
+    assert_tree_close(x.grad, x2.grad, **TOL)
+
+
+# ---- CUDA RNG of every device touched ------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("transform", ["grad", "vmap(grad)_different", "backward"])
+def test_cuda_rng_every_device(transform: str) -> None:
+    devs = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    pc = {k: v.to(devs[0]) for k, v in P.items()}
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        out = noisy(p, x)
+        for d in devs[1:]:  # draw on every other device too
+            out = out + torch.rand((), device=d, dtype=DT).to(devs[0])
+        return out + torch.rand((), dtype=DT).to(devs[0])  # and on the CPU
+
+    def run(g: Callable[..., Any]) -> Any:
+        torch.manual_seed(0)
+        if transform == "grad":
+            return grad(g)(pc, X.to(devs[0]))
+        if transform == "vmap(grad)_different":
+            return vmap(grad(g), in_dims=(None, 0), randomness="different")(pc, XB.to(devs[0]))
+        p = {k: v.clone().requires_grad_() for k, v in pc.items()}
+        g(p, X.to(devs[0])).backward()
+        return {k: v.grad for k, v in p.items()}
+
+    ref = run(f)
+    counted = Counted(f)
+    out = run(remat(counted))
+    assert counted.calls == 2
+    assert_tree_close(out, ref, **TOL)
