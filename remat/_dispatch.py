@@ -92,6 +92,7 @@ class OpRecord:
     out_vids: list[int]
     random: bool
     out_spec: Any = None  # how to rebuild the op's output from its tensors (None: not replayable)
+    refs: list[Any] = dataclasses.field(default_factory=list)  # weakrefs to the outputs
     stash: list[Any] | None = None  # per output: weakref, tensor, offloaded handle or None
     cow: bool = False  # a stashed output was later mutated in place: replay a copy
     live: bool = True
@@ -115,6 +116,7 @@ class Recorder(TorchDispatchMode):
         self.next_vid = 0
         self.producers: dict[int, int] = {}  # storage key -> index of the op that allocated it
         self.stash_of: dict[int, tuple[int, int]] = {}  # vid -> (op index, output position)
+        self.made_by: dict[int, int] = {}  # vid -> index of the op that returned that tensor
         self.mutated_inplace = False
 
     def vid(self, t: torch.Tensor) -> int:
@@ -158,20 +160,63 @@ class Recorder(TorchDispatchMode):
             )
             idx = len(self.ops)
             self.ops.append(rec)
+            rec.refs = [weakref.ref(t) for t in outs]
+            for v in rec.out_vids:
+                self.made_by[v] = idx
+            if name is not None and ins:
+                self._name_decides(ins[0], decision, idx)
             for t in outs:
                 k = storage_key(t)
                 # a checkpoint_name alias shares its input's storage; its decision (the name's)
                 # governs that storage when it is saved, not the decision of the op that allocated it
                 if k and (k not in in_keys or name is not None):
                     self.producers[k] = idx
-            if decision is not Recompute and not random and outs and rec.out_spec is not None:
-                rec.stash = [weakref.ref(t) for t in outs]
-                for pos, v in enumerate(rec.out_vids):
-                    self.stash_of[v] = (idx, pos)
+            # a mutable op (squeeze_, add_, out=) is run again, never replayed: handing back its stashed
+            # output would skip the write into its argument, which the caller goes on using
+            if decision is not Recompute and not random and not mutable and outs and rec.out_spec is not None:
+                self._stash(rec, idx)
             if decision is Recompute or random or mutable:
                 for v in in_vids:
                     self._promote(v)
         return out
+
+    def _stash(self, rec: OpRecord, idx: int) -> None:
+        rec.stash = list(rec.refs)
+        for pos, v in enumerate(rec.out_vids):
+            self.stash_of[v] = (idx, pos)
+
+    def _name_decides(self, x: torch.Tensor, decision: Decision, name_idx: int) -> None:
+        """A checkpoint_name decides for the op that computed the named value (JAX: the name is the value).
+
+        Saving the name saves that op's output, so the op is replayed rather than
+        recomputed; dropping the name drops it even if the policy saves that op.
+        """
+        idx = self.producers.get(storage_key(x))
+        if idx is None or idx == name_idx:
+            return
+        rec = self.ops[idx]
+        if rec.random or rec.out_spec is None:
+            return
+        rec.decision = decision
+        if decision is Recompute:
+            rec.stash = None
+            for v in rec.out_vids:
+                if self.stash_of.get(v, (None,))[0] == idx:
+                    del self.stash_of[v]
+        elif rec.stash is None:
+            self._stash(rec, idx)
+
+    def made_here_decision(self, t: torch.Tensor) -> Decision | None:
+        """The decision for the op of this call that returned ``t`` itself (None: not made here)."""
+        v = self.vids.get(t)
+        idx = None if v is None else self.made_by.get(v)
+        return None if idx is None else self.ops[idx].decision
+
+    def promote_value(self, t: torch.Tensor) -> None:
+        """``t`` must come back in the recompute: hold the stashed output of the op that made it."""
+        v = self.vids.get(t)
+        if v is not None:
+            self._promote(v)
 
     def _promote(self, vid: int) -> None:
         """An op that will be recomputed reads a stashed output: hold it strongly."""

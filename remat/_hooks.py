@@ -207,8 +207,9 @@ class Frame:
             slot = self.input_ids.get(id(t))
             if slot is not None and self._forward_inputs[slot] is t:
                 p = Packed(self, _INPUT, s, pos, slot, phys._version, meta, None)
-            elif decision is None and self.routed:
+            elif decision is None and self.routed and self.recorder.made_here_decision(phys) in (None, Recompute):
                 # a view of an input, or a tensor of the enclosing call: recompute, do not pin it
+                # (a view the policy saves is kept below: it pins what the policy asked for)
                 p = self._drop(s, pos, phys, meta, rec)
             elif decision is Recompute:
                 p = self._drop(s, pos, phys, meta, rec)
@@ -275,6 +276,7 @@ class Frame:
     def _drop(self, s: int, pos: int, phys: torch.Tensor, meta: tuple[Any, ...], rec: Any) -> Packed:
         self.drops.setdefault(s, {})[pos] = meta
         self.needed_vids.add(self.recorder.vid(phys))
+        self.recorder.promote_value(phys)  # if its op is replayed, the replay needs the output
         return Packed(self, _DROP, s, pos, None, 0, meta, rec)
 
     def unpack(self, p: Packed) -> torch.Tensor:

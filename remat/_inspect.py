@@ -132,14 +132,14 @@ class _Allocations(TorchDispatchMode):
 
     def user_source(self) -> str | None:
         """``file:line`` of the innermost frame outside torch, optree, the stdlib and remat's engine."""
-        f = sys._getframe(1)
+        f: Any = sys._getframe(1)
         while f is not None:
             fn = f.f_code.co_filename
             skip = self.skip.get(fn)
             if skip is None:
                 path = os.path.abspath(fn)
                 skip = self.skip[fn] = (
-                    fn.startswith("<") or path.startswith(_SKIP_PREFIXES) or os.path.dirname(path) == _ENGINE_DIR
+                    fn.startswith("<frozen") or path.startswith(_SKIP_PREFIXES) or os.path.dirname(path) == _ENGINE_DIR
                 )
             if not skip:
                 return f"{fn}:{f.f_lineno}"
@@ -266,7 +266,8 @@ def _run(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], p
 def _argument_paths(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, str]:
     paths: dict[int, str] = {}
     with internal():
-        for root, tree in (("args", args), ("kwargs", kwargs)):
+        trees: list[tuple[str, Any]] = [("args", args), ("kwargs", kwargs)]
+        for root, tree in trees:
             ps, leaves, _ = optree.tree_flatten_with_path(tree, none_is_leaf=True)
             for p, leaf in zip(ps, leaves, strict=True):
                 if isinstance(leaf, torch.Tensor):
@@ -324,10 +325,10 @@ def print_saved_residuals(f: Callable[..., Any], *args: Any, **kwargs: Any) -> N
         >>> print_saved_residuals(f, torch.randn(4, 4, requires_grad=True), torch.randn(2, 4))
         ... # doctest: +ELLIPSIS
         saved residuals of <lambda>: 3 storage(s), 3 save(s)
-        decision    size  shape   dtype    device  op               name  count  saved by  source
-        kept        32 B  [2, 4]  float32  cpu     -                -         1  <lambda>  args[1]
-        kept        32 B  [2, 4]  float32  cpu     aten.mm.default  -         1  <lambda>  <doctest ...>:1
-        recomputed  32 B  [2, 4]  float32  cpu     aten.sin.default -         1  <lambda>  <doctest ...>:1
+        decision    size  shape   dtype    device  op                name  count  saved by  source
+        kept        32 B  [2, 4]  float32  cpu     -                 -         1  <lambda>  args[1]
+        kept        32 B  [2, 4]  float32  cpu     aten.mm.default   -         1  <lambda>  <doctest ...>:1
+        recomputed  32 B  [2, 4]  float32  cpu     aten.sin.default  -         1  <lambda>  <doctest ...>:1
         totals: kept 64 B (2), recomputed 32 B (1); of which arguments of the function 32 B
     """
     print(format_saved_residuals(saved_residuals(f, *args, **kwargs), f"saved residuals of {_fn_name(f)}"))

@@ -427,8 +427,8 @@ class OffloadEngine:
                 ev = torch.cuda.Event()
                 ev.record(side)
             c.dev, c.h2d_done = dev, ev
-        else:
-            c.dev = c.host if c.host.device == c.src else c.host.to(c.src)
+        else:  # synchronous; a fresh copy even on the CPU, so the CPU runs the same life cycle as CUDA
+            c.dev = c.host.to(c.src, copy=True)
         c.round += 1
         c.pending = c.live
         self.stats["h2d"] += 1

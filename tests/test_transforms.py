@@ -443,7 +443,9 @@ MUTATION_CASES = {
 @pytest.mark.parametrize("name", list(MUTATION_CASES))
 def test_mutated_input_raises(name: str, pol: str) -> None:
     # plain autograd notices only where it saved the mutated tensor itself (not always: it
-    # may not need it), remat always does, since its recompute reads the input
+    # may not need it), remat always does, since its recompute reads the input. Under vjp
+    # plain torch.func misses it (the saved wrapper has its own version counter) and silently
+    # uses the new value; remat checks the plain tensor's version, so even save-everything raises.
     run = MUTATION_CASES[name]
     try:
         ref, plain_raised = run(mlp), False
@@ -452,7 +454,7 @@ def test_mutated_input_raises(name: str, pol: str) -> None:
         ref, plain_raised = None, True
     g = remat(mlp, policy=POLICIES[pol])
     with use_engine(OffloadEngine()):
-        if pol == "everything" and not plain_raised:
+        if pol == "everything" and not plain_raised and name != "vjp":
             assert_tree_close(run(g), ref, **TOL)  # nothing recomputed, nothing read the mutated value
         else:
             with pytest.raises(RematError, match="modified in place"):

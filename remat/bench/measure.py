@@ -95,8 +95,8 @@ class LiveCensus(TorchDispatchMode):
         outs = [t for t in optree.tree_leaves(out, none_is_leaf=True) if isinstance(t, torch.Tensor)]
         if outs:
             # an output sharing an input's storage (a view, an in-place op) allocated nothing
-            ins = {_ptr(t) for t in optree.tree_leaves((args, kwargs), none_is_leaf=True)
-                   if isinstance(t, torch.Tensor)}
+            tree: Any = (args, kwargs)
+            ins = {_ptr(t) for t in optree.tree_leaves(tree, none_is_leaf=True) if isinstance(t, torch.Tensor)}
             for t in outs:
                 self._watch(t, ins)
         return out
@@ -139,7 +139,8 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 def _grad_leaves(args: Sequence[Any]) -> list[torch.Tensor]:
-    return [a for a in optree.tree_leaves(list(args), none_is_leaf=True)
+    tree: Any = list(args)
+    return [a for a in optree.tree_leaves(tree, none_is_leaf=True)
             if isinstance(a, torch.Tensor) and a.requires_grad]
 
 
@@ -271,10 +272,10 @@ def pareto_front(rows: Sequence[Result]) -> list[Result]:
 def plot(rows: Sequence[Result], path: str, title: str = "") -> None:
     """Save a PNG of retained memory against time per step, with the Pareto front marked (needs matplotlib)."""
     try:
-        import matplotlib
+        import matplotlib  # type: ignore[import-not-found]
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # type: ignore[import-not-found]
     except ImportError as e:
         raise ImportError("plotting needs matplotlib: pip install matplotlib (or pip install 'remat[plot]')") from e
     fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .._naming import checkpoint_name
+
 __all__ = ["SIZES", "make_mlp", "make_transformer", "make_cnn", "make_model", "transformer_block",
            "mlp_block", "cnn_block"]
 
@@ -50,8 +52,8 @@ def _init(shape: tuple[int, ...], fan_in: int, gen: torch.Generator, dtype: torc
 
 
 def mlp_block(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-    """One MLP layer: gelu(h @ W + b)."""
-    return F.gelu(torch.addmm(p["b"], h, p["W"]))
+    """One MLP layer: gelu(h @ W + b), the pre-activation tagged "hidden" (for name policies)."""
+    return F.gelu(checkpoint_name(torch.addmm(p["b"], h, p["W"]), "hidden"))
 
 
 def make_mlp(layers: int = 4, batch: int = 128, width: int = 256, dtype: torch.dtype = torch.float32,
@@ -75,7 +77,11 @@ def make_mlp(layers: int = 4, batch: int = 128, width: int = 256, dtype: torch.d
 
 
 def transformer_block(p: dict[str, torch.Tensor], x: torch.Tensor, heads: int) -> torch.Tensor:
-    """Pre-LayerNorm transformer block with explicit attention softmax(q k^T / sqrt(d)) v."""
+    """Pre-LayerNorm transformer block with explicit attention softmax(q k^T / sqrt(d)) v.
+
+    Name policies see the attention probabilities as "attn" and the MLP's hidden
+    pre-activation as "ff" (``checkpoint_name`` tags; no-ops outside remat).
+    """
     B, S, D = x.shape
     dh = D // heads
     h = F.layer_norm(x, (D,), p["ln1_w"], p["ln1_b"])
@@ -85,11 +91,11 @@ def transformer_block(p: dict[str, torch.Tensor], x: torch.Tensor, heads: int) -
     k = k.reshape(B, S, heads, dh).transpose(1, 2)
     v = v.reshape(B, S, heads, dh).transpose(1, 2)
     scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(dh)
-    attn = torch.softmax(scores, dim=-1)
+    attn = checkpoint_name(torch.softmax(scores, dim=-1), "attn")
     o = torch.matmul(attn, v).transpose(1, 2).reshape(B, S, D)
     x = x + F.linear(o, p["wo"], p["bo"])
     h = F.layer_norm(x, (D,), p["ln2_w"], p["ln2_b"])
-    h = F.gelu(F.linear(h, p["w1"], p["b1"]))
+    h = F.gelu(checkpoint_name(F.linear(h, p["w1"], p["b1"]), "ff"))
     return x + F.linear(h, p["w2"], p["b2"])
 
 
@@ -129,8 +135,8 @@ def make_transformer(blocks: int = 2, batch: int = 2, seq: int = 64, d: int = 12
 
 
 def cnn_block(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """Residual conv block: x + conv(relu(group_norm(conv(x))))."""
-    h = F.conv2d(x, p["c1"], p["b1"], padding=1)
+    """Residual conv block: x + conv(relu(group_norm(conv(x)))), the first conv's output tagged "conv"."""
+    h = checkpoint_name(F.conv2d(x, p["c1"], p["b1"], padding=1), "conv")
     h = F.relu(F.group_norm(h, 4, p["g_w"], p["g_b"]))
     return x + F.conv2d(h, p["c2"], p["b2"], padding=1)
 

@@ -1,0 +1,143 @@
+"""``python -m remat.bench``: compare remat policies with torch's checkpointing on a reference model.
+
+For each configuration (see ``remat/bench/configs.py``) it runs forward and
+backward steps of the model and prints, per configuration: activation memory
+retained between the forward and the backward pass, peak memory of the step,
+time per step and its ratio to plain autograd, and the GFLOPs recomputed in the
+backward pass (see ``remat/bench/measure.py`` for how each is measured).
+
+Example::
+
+    python -m remat.bench                                   # small transformer, CPU, under a minute
+    python -m remat.bench --model mlp --size medium --steps 10 --json out.json --plot out.png
+    python -m remat.bench --device cuda --dtype bfloat16 --size large
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .configs import CONFIGS, default_configs, label, make_wrap
+from .measure import Config, format_table, measure, pareto_front, plot
+from .models import SIZES, make_model
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _positive(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m remat.bench",
+        description="Compare remat policies with torch.utils.checkpoint on a reference model: retained and "
+        "peak memory, time per forward+backward step, recomputed FLOPs.",
+        epilog="configurations: " + "; ".join(f"{k}: {v}" for k, v in CONFIGS.items()),
+    )
+    p.add_argument("--model", choices=sorted(SIZES["small"]), default="transformer", help="reference model")
+    p.add_argument("--size", choices=list(SIZES), default="small", help="model size (default: small)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--steps", type=_positive, default=5, help="timed rounds (every configuration once per round)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration first (default 1)")
+    p.add_argument("--policies", default=None,
+                   help="comma-separated configurations to run (default: all that apply to the device); "
+                   "no-remat always runs first as the baseline")
+    p.add_argument("--threads", type=_positive, default=None, help="torch.set_num_threads on CPU")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
+    p.add_argument("--plot", metavar="PATH", default=None,
+                   help="also write a PNG of memory against time with the Pareto front (needs matplotlib)")
+    return p
+
+
+def _device(p: argparse.ArgumentParser, spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(spec)
+    except RuntimeError:
+        p.error(f"--device: unknown device {spec!r}; use cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {spec}: CUDA is not available here (torch {torch.__version__}, "
+                f"CUDA build: {torch.version.cuda or 'no'}); use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        p.error(f"--device: {spec!r} is not supported; use cpu, cuda or cuda:N")
+    return dev
+
+
+def _configs(p: argparse.ArgumentParser, spec: str | None, device: torch.device) -> list[str]:
+    if spec is None:
+        return default_configs(device)
+    keys = [k.strip() for k in spec.split(",") if k.strip()]
+    bad = [k for k in keys if k not in CONFIGS]
+    if bad or not keys:
+        p.error(f"--policies: unknown configuration(s) {', '.join(bad) or '(none given)'}; "
+                f"choose from {', '.join(CONFIGS)}")
+    return ["no-remat"] + [k for k in dict.fromkeys(keys) if k != "no-remat"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    device = _device(p, a.device)
+    keys = _configs(p, a.policies, device)
+    if a.warmup < 0:
+        p.error("--warmup must be >= 0")
+    if a.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib, which is not installed: pip install matplotlib (or 'remat[plot]')")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dtype = DTYPES[a.dtype]
+
+    def say(msg: str) -> None:
+        print(f"remat.bench: {msg}", file=sys.stderr, flush=True)
+
+    say(f"{a.model} {a.size}, {device}, {a.dtype}, configurations: {', '.join(keys)}")
+    params, x, _, apply = make_model(a.model, a.size, dtype=dtype, device=device)
+    for leaf in [t for blk in params for t in blk.values()]:
+        leaf.requires_grad_(True)
+    configs = []
+    for k in keys:
+        wrap = make_wrap(k, a.model)
+        configs.append(Config(label(k, a.model), lambda prm, inp, wrap=wrap: apply(prm, inp, wrap)))
+    t0 = time.perf_counter()
+    rows = measure(configs, [params, x], steps=a.steps, warmup=a.warmup, progress=say)
+    say(f"done in {time.perf_counter() - t0:.1f} s")
+    title = f"{a.model} ({a.size}), {device}, {a.dtype}, median of {a.steps} step(s), torch {torch.__version__}"
+    print(title)
+    print(format_table(rows, baseline="no-remat"))
+    front = {r.label for r in pareto_front(rows)}
+    print(f"Pareto front (retained memory vs time): {', '.join(r.label for r in rows if r.label in front)}")
+    if a.json:
+        doc: dict[str, Any] = {
+            "model": a.model, "size": a.size, "config": SIZES[a.size][a.model], "device": str(device),
+            "dtype": a.dtype, "steps": a.steps, "torch": torch.__version__, "python": platform.python_version(),
+            "threads": torch.get_num_threads(), "rows": [r.to_dict() | {"pareto": r.label in front} for r in rows],
+        }
+        with open(a.json, "w") as f:
+            json.dump(doc, f, indent=2)
+        say(f"wrote {a.json}")
+    if a.plot:
+        plot(rows, a.plot, title=title)
+        say(f"wrote {a.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
