@@ -155,7 +155,7 @@ def main() -> None:
 
     act = saved_bytes(apply, params, x)
     print(f"transformer {size}, {str(dtype).replace('torch.', '')}, {device.type}: plain autograd saves "
-          f"{act / 2**30:.2f} GiB of activations; {rounds} rounds, medians")
+          f"{act / 2**30:.2f} GiB ({act / 2**20:.1f} MiB) of activations; {rounds} rounds, medians")
     ref: list[torch.Tensor] = []
     equal: dict[str, tuple[bool, float]] = {}
     for name in configs:  # warmup, and the gradient check against no remat
@@ -163,8 +163,8 @@ def main() -> None:
         grads = [p.grad.detach().clone() for p in flat]  # type: ignore[union-attr]
         if not ref:
             ref = grads
-        diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads, ref))
-        equal[name] = (all(torch.equal(a, b) for a, b in zip(grads, ref)), diff)
+        diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads, ref, strict=True))
+        equal[name] = (all(torch.equal(a, b) for a, b in zip(grads, ref, strict=True)), diff)
         del grads
     warm_pinned = engine.pinned_allocations()
     times: dict[str, list[float]] = {n: [] for n in configs}

@@ -158,9 +158,10 @@ def main() -> None:
     heads = cfg["heads"]
 
     print("What each policy keeps for one block (remat.print_saved_residuals):")
+    p0 = {k: v.detach().requires_grad_() for k, v in params[0].items()}
     for name, pol in all_policies(device).items():
         print(f"\n=== {name}")
-        remat.print_saved_residuals(remat.remat(lambda p, h: named_block(p, h, heads), policy=pol), params[0], x)
+        remat.print_saved_residuals(remat.remat(lambda p, h: named_block(p, h, heads), policy=pol), p0, x)
 
     base = run(params, x, heads, None)
     rows = [("plain autograd", base, True)]

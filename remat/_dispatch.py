@@ -36,8 +36,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import _torch_internals as ti
 from ._errors import RematError
-from ._policies import Decision, Offloadable, Recompute, Saveable, decide
+from ._policies import Decision, Offloadable, Recompute, Saveable, decide, decide_explicit
 
 __all__ = ["INTERNAL", "PENDING_NAME", "internal", "OpRecord", "Recorder", "Replayer"]
 
@@ -117,6 +118,7 @@ class Recorder(TorchDispatchMode):
         self.producers: dict[int, int] = {}  # storage key -> index of the op that allocated it
         self.stash_of: dict[int, tuple[int, int]] = {}  # vid -> (op index, output position)
         self.made_by: dict[int, int] = {}  # vid -> index of the op that returned that tensor
+        self.on_demote: Callable[[int], None] | None = None  # storage key: a name dropped it
         self.mutated_inplace = False
 
     def vid(self, t: torch.Tensor) -> int:
@@ -140,8 +142,9 @@ class Recorder(TorchDispatchMode):
         outs = [t for t in leaves if isinstance(t, torch.Tensor)]
         from ._naming import checkpoint_name
 
+        explicit = False
         if name is not None:
-            decision = decide(self.policy, checkpoint_name, args, {"name": name})
+            decision, explicit = decide_explicit(self.policy, checkpoint_name, args, {"name": name})
         else:
             decision = decide(self.policy, func, args, kwargs)
         random = torch.Tag.nondeterministic_seeded in func.tags
@@ -163,7 +166,7 @@ class Recorder(TorchDispatchMode):
             rec.refs = [weakref.ref(t) for t in outs]
             for v in rec.out_vids:
                 self.made_by[v] = idx
-            if name is not None and ins:
+            if name is not None and ins and (decision is not Recompute or explicit):
                 self._name_decides(ins[0], decision, idx)
             for t in outs:
                 k = storage_key(t)
@@ -172,8 +175,11 @@ class Recorder(TorchDispatchMode):
                 if k and (k not in in_keys or name is not None):
                     self.producers[k] = idx
             # a mutable op (squeeze_, add_, out=) is run again, never replayed: handing back its stashed
-            # output would skip the write into its argument, which the caller goes on using
-            if decision is not Recompute and not random and not mutable and outs and rec.out_spec is not None:
+            # output would skip the write into its argument, which the caller goes on using. A zero
+            # tensor (forward AD's "no tangent") is free to remake and a replayed copy would lose the
+            # flag, so the ops that follow (and the op sequence) would differ.
+            zero = any(ti.is_zero_tensor(t) for t in outs)
+            if decision is not Recompute and not random and not mutable and not zero and outs and rec.out_spec is not None:
                 self._stash(rec, idx)
             if decision is Recompute or random or mutable:
                 for v in in_vids:
@@ -203,8 +209,13 @@ class Recorder(TorchDispatchMode):
             for v in rec.out_vids:
                 if self.stash_of.get(v, (None,))[0] == idx:
                     del self.stash_of[v]
-        elif rec.stash is None:
-            self._stash(rec, idx)
+            if self.on_demote is not None:  # tensors already saved as kept must now be dropped
+                self.on_demote(storage_key(x))
+        else:
+            if rec.stash is None:
+                self._stash(rec, idx)
+            # it may have been saved as dropped before the name was known: the replay needs it
+            self.promote(rec)
 
     def made_here_decision(self, t: torch.Tensor) -> Decision | None:
         """The decision for the op of this call that returned ``t`` itself (None: not made here)."""

@@ -54,7 +54,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from . import _torch_internals as ti
 from ._ambient import AmbientState
-from ._dispatch import Recorder, Replayer, internal
+from ._dispatch import Recorder, Replayer, internal, storage_key
 from ._errors import RematError
 from ._functorch import (
     Decomposed,
@@ -126,6 +126,8 @@ class Frame:
         # holds the stashed activations until the garbage collector runs
         wself = weakref.ref(self)
         self.recorder = Recorder(policy, fn_name, lambda t, d: wself()._offload(t, d))  # type: ignore[union-attr]
+        self.recorder.on_demote = lambda key: wself()._demote(key)  # type: ignore[union-attr]
+        self._kept: dict[int, list[tuple[Packed, int]]] = {}  # storage key -> kept packs made here, vid
         with internal():
             tensors = [a for a in flat if isinstance(a, torch.Tensor)]
             self.ambient = AmbientState.capture(tensors, preserve_rng)
@@ -147,6 +149,7 @@ class Frame:
         self._in_cache: list[Any] | None = None  # routed frame: inputs fetched from the parent, this backward
         self._served = 0  # routed frame: unpacks served in this backward
         self._mixed: list[tuple[Packed, int]] = []  # NOTE [kept under higher-order grad]: (packed, vid)
+        self._tangents_todo: list[tuple[torch.Tensor, int]] = []  # dropped under a jvp level (_promote_tangents)
 
     # ---- forward -------------------------------------------------------------
     def forward(self) -> Any:
@@ -170,13 +173,16 @@ class Frame:
             with internal():
                 self._check_forward_mutation(flat)
                 self._replay_kept_above_grad()
+                self._promote_tangents()
                 if not any(lv.kind == "jvp" for lv in self.levels):
                     # under jvp the recompute must also produce tangents, which the saved
                     # primals do not name: keep every promoted output (NOTE [stash liveness])
                     self.recorder.prune(self.needed_vids)
         finally:
             self.needed_vids = set()
+            self._kept = {}
             self._mixed = []
+            self._tangents_todo = []
             self.input_ids = {}
             del self._forward_inputs
         return out
@@ -218,6 +224,7 @@ class Frame:
                     # under torch.func the recompute replays the offloaded output (NOTE [offload under torch.func])
                     # promote's detach and copy must make plain tensors: in a pack hook the saving
                     # level is still active and would wrap them (the replay would then wrap twice)
+                    assert rec is not None  # an Offloadable decision comes from a recorded op
                     with below_all_levels():
                         self.recorder.promote(rec)
                         # the saved tensor may be a view made by a later op (transpose, reshape) whose
@@ -230,14 +237,37 @@ class Frame:
                     p = Packed(self, _OFFLOAD, s, pos, self._offload(t, decision), phys._version, meta, rec)
             else:  # an input or parameter held by reference, or a saved op output
                 p = Packed(self, _KEEP, s, pos, self._holdable(t, s), phys._version, meta, rec)
+                if rec is not None:
+                    self._kept.setdefault(storage_key(phys), []).append((p, self.recorder.vid(phys)))
                 if rec is not None and rec.stash is not None and any(lv.kind == "grad" for lv in self.levels[:s]):
                     self._mixed.append((p, self.recorder.vid(phys)))  # NOTE [kept under higher-order grad]
+            if p.kind == _DROP and any(lv.kind == "jvp" for lv in self.levels[: max(s, 0)]):
+                # its tangents are read after the forward pass (no op may run inside a pack hook)
+                self._tangents_todo.append((t, s))
             if self.record_packs:
                 self.packed.append(p)
             insp = INSPECTOR.get()
             if insp is not None:  # remat.saved_residuals is listing what is saved (_inspect.py)
-                insp.on_save(t, p.kind, self.fn_name)
+                insp.on_save(t, p.kind, self)
             return p
+
+    def _promote_tangents(self) -> None:
+        """Under jvp levels below the saving level the recompute must also produce the dropped tensors'
+        tangents (the outer jvp reads them): if the ops that made them are replayed, hold their outputs,
+        or the replay finds them dead (NaN). Tangents of tangents too (nested jvp). Runs at the end of
+        the forward pass (unpack_dual inside a pack hook trips a functorch assert), so until then the
+        dropped tensors of such a call stay alive."""
+        todo = [decompose(t, self.levels, s + 1) for t, s in self._tangents_todo]  # t lives at height s + 1
+        self._tangents_todo = []
+        while todo:
+            dec = todo.pop()
+            for info in dec.infos:
+                if info is not None and info[0] == "jvp" and info[2] is not None:
+                    tangent = info[2]
+                    if isinstance(tangent.values[0], torch.Tensor):
+                        with below_all_levels():  # detach must give a plain tensor (see pack)
+                            self.recorder.promote_value(tangent.values[0])
+                    todo.append(tangent)
 
     def _replay_kept_above_grad(self) -> None:
         """Kept op outputs of a recomputing level above a grad level: replay them (NOTE [kept under higher-order grad])."""
@@ -271,7 +301,15 @@ class Frame:
     def _offload(self, t: torch.Tensor, decision: Offloadable) -> Any:
         if not self.engine.applies(t, decision):
             return t
-        return self.engine.offload(t, decision.dst, group=self)
+        with ti.no_dispatch_modes():  # remat's copy, not an op of the user's modes or of a tracer
+            return self.engine.offload(t, decision.dst, group=self)
+
+    def _demote(self, key: int) -> None:
+        """A checkpoint_name the policy drops names a value already saved as kept: drop it now."""
+        for p, vid in self._kept.pop(key, ()):
+            p.kind, p.payload = _DROP, None
+            self.drops.setdefault(p.height, {})[p.pos] = p.meta
+            self.needed_vids.add(vid)
 
     def _drop(self, s: int, pos: int, phys: torch.Tensor, meta: tuple[Any, ...], rec: Any) -> Packed:
         self.drops.setdefault(s, {})[pos] = meta

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 import os
 import sys
 import sysconfig
@@ -40,7 +41,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _torch_internals as ti
-from ._dispatch import INTERNAL, PENDING_NAME, internal, storage_key
+from ._dispatch import INTERNAL, PENDING_NAME, internal, iter_stashed, storage_key
 
 __all__ = ["INSPECTOR", "SavedResidual", "saved_residuals", "print_saved_residuals", "format_saved_residuals",
            "MemoryReport", "memory_report"]
@@ -77,6 +78,9 @@ class SavedResidual:
         scope: the remat'd function that saved it (None: plain autograd).
         argument: where it came from among the function's arguments
             (``"args[0]['W']"``), None if the function allocated it.
+        replayed: remat holds it to hand it back in the recompute instead of
+            running its op again (a matmul output under ``dots_saveable`` that
+            autograd itself does not save, say); memory held all the same.
     """
 
     shape: tuple[int, ...]
@@ -90,6 +94,7 @@ class SavedResidual:
     count: int
     scope: str | None
     argument: str | None
+    replayed: bool = False
 
 
 @dataclasses.dataclass
@@ -148,12 +153,12 @@ class _Allocations(TorchDispatchMode):
 
 
 class _Row:
-    __slots__ = ("key", "t_meta", "nbytes", "decision", "alloc", "count", "scope", "argument")
+    __slots__ = ("meta", "nbytes", "decision", "alloc", "count", "scope", "argument", "replayed", "order")
 
-    def __init__(self, key: Any, t_meta: tuple[Any, ...], nbytes: int, decision: str, alloc: _Alloc | None,
-                 scope: str | None, argument: str | None) -> None:
-        self.key, self.t_meta, self.nbytes, self.decision = key, t_meta, nbytes, decision
-        self.alloc, self.count, self.scope, self.argument = alloc, 1, scope, argument
+    def __init__(self, meta: tuple[Any, ...], nbytes: int, decision: str, alloc: _Alloc | None, scope: str | None,
+                 argument: str | None, order: int) -> None:
+        self.meta, self.nbytes, self.decision, self.alloc = meta, nbytes, decision, alloc
+        self.count, self.scope, self.argument, self.replayed, self.order = 0, scope, argument, False, order
 
 
 class _Inspector:
@@ -163,39 +168,64 @@ class _Inspector:
         self.allocs = allocs
         self.arguments = arguments  # storage key -> argument path
         self.rows: dict[Any, _Row] = {}
+        self.frames: dict[int, Any] = {}  # the remat calls seen (held until the function returns)
 
-    def on_save(self, t: torch.Tensor, decision: str, scope: str | None) -> None:
-        """Called for every saved tensor: by ``Frame.pack`` (remat calls) and by our own hooks."""
-        tok = INTERNAL.set(True)
-        try:
-            phys = ti.unwrap_all(t)
-            k = storage_key(phys)
-            alloc = self.allocs.by_key.get(k) if k else None
-            key: Any = ("op", alloc.index) if alloc is not None else ("ext", k) if k else ("obj", id(phys))
-            row = self.rows.get(key)
-            if row is not None:
-                row.count += 1
-                if DECISIONS.index(decision) < DECISIONS.index(row.decision):
-                    row.decision = decision
-                return
+    def on_save(self, t: torch.Tensor, decision: str, frame: Any) -> None:
+        """Called for every saved tensor: by ``Frame.pack`` (remat calls) and by our own hooks (frame None)."""
+        with internal():
+            if frame is not None:
+                self.frames.setdefault(id(frame), frame)
+            row = self._row(ti.unwrap_all(t), decision, None if frame is None else frame.fn_name)
+            row.count += 1
+            if DECISIONS.index(decision) < DECISIONS.index(row.decision):
+                row.decision = decision
+
+    def _row(self, phys: torch.Tensor, decision: str, scope: str | None) -> _Row:
+        k = storage_key(phys)
+        alloc = self.allocs.by_key.get(k) if k else None
+        key: Any = ("op", alloc.index) if alloc is not None else ("ext", k) if k else ("obj", id(phys))
+        row = self.rows.get(key)
+        if row is None:
             try:
                 nbytes = int(phys.untyped_storage().nbytes())
             except (RuntimeError, NotImplementedError):
                 nbytes = phys.numel() * phys.element_size()
             meta = (tuple(phys.shape), phys.dtype, phys.device)
             arg = self.arguments.get(k) if alloc is None and k else None
-            self.rows[key] = _Row(key, meta, nbytes, decision, alloc, scope, arg)
-        finally:
-            INTERNAL.reset(tok)
+            row = self.rows[key] = _Row(meta, nbytes, decision, alloc, scope, arg, len(self.rows))
+        return row
+
+    def collect_stashes(self) -> None:
+        """Outputs a remat call holds to replay them in its recompute (NOTE [stash liveness] in _dispatch.py)."""
+        with internal():
+            for frame in self.frames.values():
+                for rec, held in iter_stashed(frame.recorder):
+                    if isinstance(held, torch.Tensor):
+                        row = self._row(ti.unwrap_all(held), "kept", frame.fn_name)
+                        if row.decision == "recomputed":
+                            row.decision = "kept"  # dropped as a saved tensor, but held for the replay
+                    else:  # offloaded to host memory: the device storage is gone
+                        meta = (tuple(held.shape), held.dtype, torch.device("cpu"))
+                        nbytes = math.prod(meta[0]) * held.dtype.itemsize
+                        alloc = _Alloc(-1, str(rec.func), None, rec.name)
+                        row = self.rows[("offloaded", id(held))] = _Row(
+                            meta, nbytes, "offloaded", alloc, frame.fn_name, None, len(self.rows))
+                    row.count += 1
+                    row.replayed = True
 
     def residuals(self) -> list[SavedResidual]:
+        def forward_order(r: _Row) -> tuple[int, int]:  # arguments first, then in the order ops ran
+            return (0, r.order) if r.alloc is None else (1, r.alloc.index if r.alloc.index >= 0 else 1 << 62)
+
+        rows = sorted(self.rows.values(), key=forward_order)
         out = []
-        for r in self.rows.values():
+        for r in rows:
             a = r.alloc
             out.append(SavedResidual(
-                shape=r.t_meta[0], dtype=r.t_meta[1], device=r.t_meta[2], nbytes=r.nbytes, decision=r.decision,
+                shape=r.meta[0], dtype=r.meta[1], device=r.meta[2], nbytes=r.nbytes, decision=r.decision,
                 op=None if a is None else a.op, name=None if a is None else a.name,
                 source=None if a is None else a.source, count=r.count, scope=r.scope, argument=r.argument,
+                replayed=r.replayed,
             ))
         return out
 
@@ -258,6 +288,7 @@ def _run(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], p
                 es.enter_context(saved_tensors_hooks(pack, lambda t: t))
             out = f(*args, **kwargs)
         del out
+        insp.collect_stashes()
     finally:
         INSPECTOR.reset(tok)
     return insp.residuals()
@@ -286,21 +317,23 @@ def format_saved_residuals(residuals: list[SavedResidual], title: str = "saved r
         >>> f = remat(lambda x: torch.sin(x).sum(), policy="save-nothing")
         >>> print(format_saved_residuals(saved_residuals(f, torch.ones(256, requires_grad=True))))
         saved residuals: 1 storage(s), 1 save(s)
-        decision   size  shape  dtype    device  op  name  count  saved by  source
+        decision   size  shape  dtype    device  op  name  count  held by   source
         kept      1 KiB  [256]  float32  cpu     -   -         1  <lambda>  args[0]
-        totals: kept 1 KiB (1); of which arguments of the function 1 KiB
+        totals: kept 1 KiB (1); held besides the arguments: 0 B
     """
-    head = ["decision", "size", "shape", "dtype", "device", "op", "name", "count", "saved by", "source"]
+    head = ["decision", "size", "shape", "dtype", "device", "op", "name", "count", "held by", "source"]
     rows = []
     for r in residuals:
         where = r.argument if r.argument is not None else _short(r.source) if r.source else "-"
+        who = (r.scope or "autograd") + (" (replay)" if r.replayed else "")
         rows.append([r.decision, _size(r.nbytes), str(list(r.shape)), str(r.dtype).replace("torch.", ""),
-                     str(r.device), r.op or "-", r.name or "-", str(r.count), r.scope or "autograd", where])
+                     str(r.device), r.op or "-", r.name or "-", str(r.count), who, where])
     widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
     right = {1, 7}
 
     def line(cells: list[str]) -> str:
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
 
     saves = sum(r.count for r in residuals)
     out = [f"{title}: {len(residuals)} storage(s), {saves} save(s)", line(head)] + [line(r) for r in rows]
@@ -309,9 +342,9 @@ def format_saved_residuals(residuals: list[SavedResidual], title: str = "saved r
         sel = [r for r in residuals if r.decision == d]
         if sel:
             totals.append(f"{d} {_size(sum(r.nbytes for r in sel))} ({len(sel)})")
-    args_b = sum(r.nbytes for r in residuals if r.argument is not None and r.decision in ("kept", "input"))
-    tail = f"; of which arguments of the function {_size(args_b)}" if args_b else ""
-    out.append("totals: " + (", ".join(totals) or "nothing saved") + tail)
+    held = sum(r.nbytes for r in residuals if r.argument is None and r.decision in ("kept", "input"))
+    out.append("totals: " + (", ".join(totals) or "nothing saved")
+               + f"; held besides the arguments: {_size(held)}")
     return "\n".join(out)
 
 
@@ -324,12 +357,12 @@ def print_saved_residuals(f: Callable[..., Any], *args: Any, **kwargs: Any) -> N
         >>> f = remat(lambda W, x: torch.sin(torch.sin(x @ W)).sum(), policy="save-matmuls")
         >>> print_saved_residuals(f, torch.randn(4, 4, requires_grad=True), torch.randn(2, 4))
         ... # doctest: +ELLIPSIS
-        saved residuals of <lambda>: 3 storage(s), 3 save(s)
-        decision    size  shape   dtype    device  op                name  count  saved by  source
-        kept        32 B  [2, 4]  float32  cpu     -                 -         1  <lambda>  args[1]
-        kept        32 B  [2, 4]  float32  cpu     aten.mm.default   -         1  <lambda>  <doctest ...>:1
-        recomputed  32 B  [2, 4]  float32  cpu     aten.sin.default  -         1  <lambda>  <doctest ...>:1
-        totals: kept 64 B (2), recomputed 32 B (1); of which arguments of the function 32 B
+        saved residuals of <lambda>: 3 storage(s), 4 save(s)
+        decision    size  shape   dtype    device  op                name  count  held by            source
+        kept        32 B  [2, 4]  float32  cpu     -                 -         1  <lambda>           args[1]
+        kept        32 B  [2, 4]  float32  cpu     aten.mm.default   -         2  <lambda> (replay)  <doctest ...>:1
+        recomputed  32 B  [2, 4]  float32  cpu     aten.sin.default  -         1  <lambda>           <doctest ...>:1
+        totals: kept 64 B (2), recomputed 32 B (1); held besides the arguments: 32 B
     """
     print(format_saved_residuals(saved_residuals(f, *args, **kwargs), f"saved residuals of {_fn_name(f)}"))
 

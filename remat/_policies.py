@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_MIN_OFFLOAD_BYTES",
     "resolve_policy",
     "decide",
+    "decide_explicit",
 ]
 
 
@@ -103,7 +104,26 @@ Policy = Callable[..., Any]
 
 def decide(policy: Policy, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Decision:
     """Call ``policy`` and normalise its answer to a Decision, or explain what is wrong."""
+    return decide_explicit(policy, op, args, kwargs)[0]
+
+
+def decide_explicit(policy: Policy, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Decision, bool]:
+    """Like :func:`decide`, and whether the answer was the explicit :data:`Recompute`.
+
+    NOTE [names decide for the value]: a ``checkpoint_name`` tags the value an op
+    computed. A policy that saves the name saves that op's output (so the op is
+    not recomputed); a policy that answers :data:`Recompute` (the object, not
+    ``False``) for a name drops the value even if it would save the op that made
+    it. ``False`` only says the name is no reason to save: ``dots_saveable``
+    answers ``False`` for names and still keeps a named matmul output.
+    """
     out = policy(op, *args, **kwargs)
+    if out is Recompute:
+        return Recompute, True
+    return _normalize(policy, op, kwargs, out), False
+
+
+def _normalize(policy: Policy, op: Any, kwargs: dict[str, Any], out: Any) -> Decision:
     if out is True:
         return Saveable
     if out is False:
@@ -309,9 +329,9 @@ class save_anything_except_these_names:
     def __init__(self, *names: str) -> None:
         object.__setattr__(self, "names", _check_names("save_anything_except_these_names", names))
 
-    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
-        if _is_name(op):
-            return kwargs.get("name") not in self.names
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Decision | bool:
+        if _is_name(op) and kwargs.get("name") in self.names:
+            return Recompute  # explicit: drops the named value (NOTE [names decide for the value])
         return True
 
     def __repr__(self) -> str:
@@ -366,14 +386,17 @@ class save_from_both_policies:
                     "remat.policies.dots_saveable."
                 )
 
-    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Decision:
-        a = decide(self.left, op, args, kwargs)
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Decision | bool:
+        a, a_explicit = decide_explicit(self.left, op, args, kwargs)
         if a is Saveable:
             return a
-        b = decide(self.right, op, args, kwargs)
+        b, b_explicit = decide_explicit(self.right, op, args, kwargs)
         if b is Saveable or isinstance(b, Offloadable):
             return b
-        return a
+        if isinstance(a, Offloadable):
+            return a
+        # neither saves: an explicit Recompute from either side still drops a named value
+        return Recompute if (a_explicit or b_explicit) else False
 
     def __repr__(self) -> str:
         return f"save_from_both_policies({_describe(self.left)}, {_describe(self.right)})"

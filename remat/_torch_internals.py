@@ -79,6 +79,11 @@ def is_functional(t: torch.Tensor) -> bool:
     return bool(_F.is_functionaltensor(t))
 
 
+def is_zero_tensor(t: torch.Tensor) -> bool:
+    """Forward AD's ZeroTensor (an efficient "no tangent"): no public predicate exists."""
+    return bool(t._is_zerotensor())
+
+
 def is_dead_wrapper(t: torch.Tensor) -> bool:
     return bool(_F.is_dead_tensor_wrapper(t))
 
@@ -201,6 +206,14 @@ def current_dispatch_modes() -> list[Any]:
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     return list(_get_current_dispatch_mode_stack())
+
+
+def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
+    """Run remat's own copies below every dispatch mode: the user's modes and tracers (make_fx
+    inside torch.func.linearize) must not see them. No public API pops the mode stack."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 def tensor_tags(op: Any) -> tuple[Any, ...]:

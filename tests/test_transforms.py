@@ -200,7 +200,8 @@ def check_case(case: Case, pol: str) -> None:
             assert mm > base_mm  # everything but h1 is recomputed, matmuls included
     elif pol == "offload_cpu":
         assert mm == base_mm, "offload recomputed matmuls"
-        assert (eng.stats["offloaded"] > 0) == backward, f"offload stats {dict(eng.stats)}"
+        if backward:  # (a forward-only transform may still pack a tensor nobody reads)
+            assert eng.stats["offloaded"] > 0, f"nothing offloaded: {dict(eng.stats)}"
     if not backward:
         assert calls == base_calls, "a forward-only transform re-ran the function"
 
@@ -439,6 +440,12 @@ MUTATION_CASES = {
 }
 
 
+# nothing is recomputed (save-everything; offload outside torch.func) and the backward pass does not
+# read the mutated tensor, exactly as for plain f: no error, same gradients
+_NOTHING_READS_THE_MUTATED_VALUE = {("everything", "grad(grad)"), ("everything", "hessian"),
+                                    ("everything", "backward"), ("offload_cpu", "backward")}
+
+
 @pytest.mark.parametrize("pol", ["nothing", "dots", "everything", "offload_cpu"])
 @pytest.mark.parametrize("name", list(MUTATION_CASES))
 def test_mutated_input_raises(name: str, pol: str) -> None:
@@ -454,7 +461,7 @@ def test_mutated_input_raises(name: str, pol: str) -> None:
         ref, plain_raised = None, True
     g = remat(mlp, policy=POLICIES[pol])
     with use_engine(OffloadEngine()):
-        if pol == "everything" and not plain_raised and name != "vjp":
+        if not plain_raised and (pol, name) in _NOTHING_READS_THE_MUTATED_VALUE:
             assert_tree_close(run(g), ref, **TOL)  # nothing recomputed, nothing read the mutated value
         else:
             with pytest.raises(RematError, match="modified in place"):

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .configs import CONFIGS, default_configs, label, make_wrap
+from .configs import CONFIGS, NAMES, applies, default_configs, label, make_wrap
 from .measure import Config, format_table, measure, pareto_front, plot
 from .models import SIZES, make_model
 
@@ -81,14 +81,17 @@ def _device(p: argparse.ArgumentParser, spec: str) -> torch.device:
     return dev
 
 
-def _configs(p: argparse.ArgumentParser, spec: str | None, device: torch.device) -> list[str]:
+def _configs(p: argparse.ArgumentParser, spec: str | None, model: str, device: torch.device) -> list[str]:
     if spec is None:
-        return default_configs(device)
+        return default_configs(model, device)
     keys = [k.strip() for k in spec.split(",") if k.strip()]
     bad = [k for k in keys if k not in CONFIGS]
     if bad or not keys:
         p.error(f"--policies: unknown configuration(s) {', '.join(bad) or '(none given)'}; "
                 f"choose from {', '.join(CONFIGS)}")
+    if "names" in keys and model not in NAMES:
+        p.error(f"--policies: names: {applies('names', model, device)}; "
+                f"use it with --model {' or '.join(sorted(NAMES))}")
     return ["no-remat"] + [k for k in dict.fromkeys(keys) if k != "no-remat"]
 
 
@@ -96,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     device = _device(p, a.device)
-    keys = _configs(p, a.policies, device)
+    keys = _configs(p, a.policies, a.model, device)
     if a.warmup < 0:
         p.error("--warmup must be >= 0")
     if a.plot and importlib.util.find_spec("matplotlib") is None:
@@ -109,6 +112,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"remat.bench: {msg}", file=sys.stderr, flush=True)
 
     say(f"{a.model} {a.size}, {device}, {a.dtype}, configurations: {', '.join(keys)}")
+    for k in keys:
+        why = applies(k, a.model, device)
+        if why:
+            say(f"note: {k}: {why}; measured anyway, as asked")
     params, x, _, apply = make_model(a.model, a.size, dtype=dtype, device=device)
     for leaf in [t for blk in params for t in blk.values()]:
         leaf.requires_grad_(True)

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from .. import policies
 from .._transform import remat
 
-__all__ = ["CONFIGS", "NAMES", "TORCH_MATMULS", "make_wrap", "default_configs", "label"]
+__all__ = ["CONFIGS", "NAMES", "TORCH_MATMULS", "make_wrap", "applies", "default_configs", "label"]
 
 Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -34,7 +34,7 @@ CONFIGS: dict[str, str] = {
 }
 
 # the checkpoint_name tags of each reference model's block (remat/bench/models.py)
-NAMES: dict[str, tuple[str, ...]] = {"mlp": ("hidden",), "transformer": ("attn", "ff"), "cnn": ("conv",)}
+NAMES: dict[str, tuple[str, ...]] = {"transformer": ("attn", "ff"), "cnn": ("act",)}
 
 TORCH_MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
                  torch.ops.aten.baddbmm.default]
@@ -45,9 +45,18 @@ def label(key: str, model: str) -> str:
     return f"names({','.join(NAMES[model])})" if key == "names" else key
 
 
-def default_configs(device: torch.device | str) -> list[str]:
-    """Every configuration that makes sense on ``device`` (offloading to the CPU needs a GPU)."""
-    return [k for k in CONFIGS if k != "offload-to-cpu" or torch.device(device).type == "cuda"]
+def applies(key: str, model: str, device: torch.device | str) -> str | None:
+    """Why configuration ``key`` does not apply to ``model`` on ``device`` (None: it does)."""
+    if key == "offload-to-cpu" and torch.device(device).type != "cuda":
+        return "offloading to the CPU needs a GPU (on a CPU it only copies memory to memory)"
+    if key == "names" and model not in NAMES:
+        return f"the {model} model has no checkpoint_name tags"
+    return None
+
+
+def default_configs(model: str, device: torch.device | str) -> list[str]:
+    """Every configuration that applies to ``model`` on ``device``."""
+    return [k for k in CONFIGS if applies(k, model, device) is None]
 
 
 def _remat_wrap(policy: Any) -> Wrap:
@@ -88,6 +97,8 @@ def make_wrap(key: str, model: str) -> Wrap:
     if key == "save-matmuls":
         return _remat_wrap("save-matmuls")
     if key == "names":
+        if model not in NAMES:
+            raise ValueError(f"configuration 'names': the {model} model has no checkpoint_name tags")
         return _remat_wrap(policies.save_only_these_names(*NAMES[model]))
     if key == "offload-to-cpu":
         return _remat_wrap("offload-to-cpu")

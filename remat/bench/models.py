@@ -52,8 +52,8 @@ def _init(shape: tuple[int, ...], fan_in: int, gen: torch.Generator, dtype: torc
 
 
 def mlp_block(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-    """One MLP layer: gelu(h @ W + b), the pre-activation tagged "hidden" (for name policies)."""
-    return F.gelu(checkpoint_name(torch.addmm(p["b"], h, p["W"]), "hidden"))
+    """One MLP layer: gelu(h @ W + b)."""
+    return F.gelu(torch.addmm(p["b"], h, p["W"]))
 
 
 def make_mlp(layers: int = 4, batch: int = 128, width: int = 256, dtype: torch.dtype = torch.float32,
@@ -80,7 +80,9 @@ def transformer_block(p: dict[str, torch.Tensor], x: torch.Tensor, heads: int) -
     """Pre-LayerNorm transformer block with explicit attention softmax(q k^T / sqrt(d)) v.
 
     Name policies see the attention probabilities as "attn" and the MLP's hidden
-    pre-activation as "ff" (``checkpoint_name`` tags; no-ops outside remat).
+    activation (after gelu) as "ff" (``checkpoint_name`` tags; no-ops outside remat).
+    No matmul output is tagged: a name decides for the op that computed the value,
+    so a tag on a matmul would change what ``dots_saveable`` keeps.
     """
     B, S, D = x.shape
     dh = D // heads
@@ -95,7 +97,7 @@ def transformer_block(p: dict[str, torch.Tensor], x: torch.Tensor, heads: int) -
     o = torch.matmul(attn, v).transpose(1, 2).reshape(B, S, D)
     x = x + F.linear(o, p["wo"], p["bo"])
     h = F.layer_norm(x, (D,), p["ln2_w"], p["ln2_b"])
-    h = F.gelu(checkpoint_name(F.linear(h, p["w1"], p["b1"]), "ff"))
+    h = checkpoint_name(F.gelu(F.linear(h, p["w1"], p["b1"])), "ff")
     return x + F.linear(h, p["w2"], p["b2"])
 
 
@@ -135,9 +137,9 @@ def make_transformer(blocks: int = 2, batch: int = 2, seq: int = 64, d: int = 12
 
 
 def cnn_block(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """Residual conv block: x + conv(relu(group_norm(conv(x)))), the first conv's output tagged "conv"."""
-    h = checkpoint_name(F.conv2d(x, p["c1"], p["b1"], padding=1), "conv")
-    h = F.relu(F.group_norm(h, 4, p["g_w"], p["g_b"]))
+    """Residual conv block: x + conv(relu(group_norm(conv(x)))), the relu output tagged "act"."""
+    h = F.conv2d(x, p["c1"], p["b1"], padding=1)
+    h = checkpoint_name(F.relu(F.group_norm(h, 4, p["g_w"], p["g_b"])), "act")
     return x + F.conv2d(h, p["c2"], p["b2"], padding=1)
 
 

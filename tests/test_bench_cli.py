@@ -1,0 +1,94 @@
+"""``python -m remat.bench``: runs end to end on tiny settings, writes sane JSON, rejects bad flags clearly."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from remat.bench.__main__ import main
+
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+def _run(*flags: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "remat.bench", *flags], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_cli_json(tmp_path):
+    out = tmp_path / "r.json"
+    p = _run("--model", "transformer", "--size", "small", "--device", "cpu", "--steps", "1", "--warmup", "0",
+             "--threads", "1", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    rows = {r["label"]: r for r in doc["rows"]}
+    assert list(rows) == ["no-remat", "save-nothing", "save-matmuls", "names(attn,ff)", "torch-checkpoint",
+                          "torch-sac-matmuls"]  # no offload row without a GPU
+    assert doc["model"] == "transformer" and doc["device"] == "cpu" and doc["torch"] == torch.__version__
+    plain = rows["no-remat"]
+    assert plain["time_ratio"] == 1.0 and plain["recomputed_flops"] == 0
+    for r in rows.values():
+        assert r["time_s"] > 0 and r["peak_bytes"] >= r["retained_bytes"] > 0 and len(r["times_s"]) == 1
+    # save-nothing keeps only block inputs, as torch.utils.checkpoint does
+    assert rows["save-nothing"]["retained_bytes"] < rows["save-matmuls"]["retained_bytes"] < plain["retained_bytes"]
+    assert abs(rows["save-nothing"]["retained_bytes"] - rows["torch-checkpoint"]["retained_bytes"]) < 64 * 1024
+    # a full block forward is recomputed by both; matmuls are never recomputed under save-matmuls
+    assert rows["save-nothing"]["recomputed_flops"] >= rows["torch-checkpoint"]["recomputed_flops"] > 0
+    assert rows["save-matmuls"]["recomputed_flops"] == 0 and rows["torch-sac-matmuls"]["recomputed_flops"] == 0
+    assert any(r["pareto"] for r in rows.values())
+    assert "retained MiB" in p.stdout and "save-matmuls" in p.stdout  # the table
+    assert "timing round 1/1" in p.stderr  # progress goes to stderr
+
+
+def test_bad_flag_exits_2_in_a_subprocess():
+    p = _run("--model", "resnet", timeout=60)
+    assert p.returncode == 2 and "invalid choice: 'resnet'" in p.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--steps", "0"], "expected a positive integer"),
+    (["--size", "huge"], "invalid choice: 'huge'"),
+    (["--dtype", "int8"], "invalid choice: 'int8'"),
+    (["--policies", "save-nothing,bogus"], "unknown configuration.s. bogus"),
+    (["--policies", "names", "--model", "mlp"], "the mlp model has no checkpoint_name tags"),
+    (["--device", "tpu"], "not supported"),
+    (["--warmup", "-1"], "--warmup must be >= 0"),
+])
+def test_bad_flags(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(flags)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message.replace(".s.", "(s)") in err or __import__("re").search(message, err), err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_cuda_without_cuda(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cuda"])
+    assert e.value.code == 2
+    assert "CUDA is not available here" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(HAS_MPL, reason="checks the message shown without matplotlib")
+def test_plot_without_matplotlib(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["--plot", str(tmp_path / "p.png"), "--device", "cpu"])
+    assert e.value.code == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not HAS_MPL, reason="matplotlib is not installed")
+def test_plot(tmp_path):
+    png = tmp_path / "p.png"
+    p = _run("--model", "mlp", "--device", "cpu", "--steps", "1", "--warmup", "0", "--threads", "1",
+             "--policies", "save-nothing", "--plot", str(png))
+    assert p.returncode == 0, p.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

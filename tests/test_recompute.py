@@ -1,0 +1,332 @@
+"""When and how often the recompute runs, what it holds and for how long; nesting; randomness.
+
+Everything here is observed from outside the library: Python call counts of the
+wrapped function, tensor hooks firing in the backward pass, matmul ATen ops counted
+by a dispatch mode around the backward pass, and weak references to storages.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from remat import policies, remat
+
+from .helpers import Counted, OpCounter, assert_tree_close
+
+f64 = torch.float64
+
+
+def leaf(*shape, dtype=f64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()
+
+
+def mlp2(W1, W2, x):
+    """Two matmuls and elementwise work between them: everything a policy can choose from."""
+    h = torch.tanh(x @ W1)
+    h = torch.sin(h) * h
+    return (torch.exp(h @ W2) * 0.1).sin()
+
+
+# ---- once, lazily ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy,recomputes", [
+    ("save-nothing", 1), (policies.dots_saveable, 1), (policies.dots_with_no_batch_dims_saveable, 1),
+    ("save-everything", 0),
+])
+def test_recompute_runs_once_per_backward(policy, recomputes):
+    W1, W2, x = leaf(6, 6), leaf(6, 6, seed=1), leaf(4, 6, seed=2)
+    f = Counted(mlp2)
+    out = remat(f, policy=policy)(W1, W2, x)
+    assert f.calls == 1
+    torch.autograd.grad(out.sum(), (W1, W2, x))
+    # many dropped tensors (tanh, sin, mul, exp outputs), one recompute
+    assert f.calls == 1 + recomputes
+
+
+def test_recompute_is_lazy():
+    """Nothing is recomputed in the forward pass, nor before the backward pass reaches the call."""
+    W1, W2, x = leaf(6, 6), leaf(6, 6, seed=1), leaf(4, 6, seed=2)
+    f = Counted(mlp2)
+    out = remat(f)(W1, W2, x)
+    seen = []
+    out.register_hook(lambda g: seen.append(("output grad", f.calls)))
+    # work after the remat'd call: its backward runs before the call's own backward
+    loss = (out.cos() * 3).sum()
+    assert f.calls == 1
+    x.register_hook(lambda g: seen.append(("input grad", f.calls)))
+    loss.backward()
+    assert seen == [("output grad", 1), ("input grad", 2)]
+
+
+def test_recompute_starts_only_when_that_call_is_reached():
+    """Two calls: the backward pass reaches the second first; the first recomputes only then."""
+    W1, W2, x = leaf(6, 6), leaf(6, 6, seed=1), leaf(4, 6, seed=2)
+    a, b = Counted(mlp2), Counted(mlp2)
+    h = remat(a)(W1, W2, x)
+    out = remat(b)(W1, W2, h)
+    seen = []
+    h.register_hook(lambda g: seen.append((a.calls, b.calls)))
+    out.sum().backward()
+    assert seen == [(1, 2)]  # when b's backward is done, a has not been recomputed yet
+    assert (a.calls, b.calls) == (2, 2)
+
+
+def test_a_call_whose_gradient_is_not_needed_is_not_recomputed():
+    W1, W2, x = leaf(6, 6), leaf(6, 6, seed=1), leaf(4, 6, seed=2)
+    a, b = Counted(mlp2), Counted(mlp2)
+    u = remat(a)(W1, W2, x)
+    v = remat(b)(W1.detach() * 2, W2.detach(), x.detach())  # nothing here requires grad
+    torch.autograd.grad((u + v).sum(), x)
+    assert (a.calls, b.calls) == (2, 1)
+
+
+def test_dots_saveable_recomputes_no_matmul():
+    W1, W2, x = leaf(16, 16), leaf(16, 16, seed=1), leaf(8, 16, seed=2)
+    counts = {}
+    for name, fn in [("plain", mlp2), ("save-matmuls", remat(mlp2, policy=policies.dots_saveable)),
+                     ("save-nothing", remat(mlp2, policy="save-nothing"))]:
+        out = fn(W1, W2, x)
+        with OpCounter() as oc:
+            torch.autograd.grad(out.sum(), (W1, W2, x))
+        counts[name] = oc.count
+    # plain backward: 2 matmuls per product; save-nothing reruns both products once more
+    assert counts == {"plain": 4, "save-matmuls": 4, "save-nothing": 6}
+
+
+def test_dots_with_no_batch_dims_recomputes_only_batched_products():
+    B, W, x = leaf(3, 5, 5), leaf(5, 5, seed=1), leaf(3, 4, 5, seed=2)
+
+    def f(B, W, x):
+        h = torch.bmm(x, B).tanh()  # batched: recomputed
+        return (h.reshape(12, 5) @ W).sin()  # unbatched: kept
+
+    counts = {}
+    for name, fn in [("plain", f), ("nobatch", remat(f, policy=policies.dots_with_no_batch_dims_saveable))]:
+        out = fn(B, W, x)
+        with OpCounter() as oc:
+            g = torch.autograd.grad(out.sum(), (B, W, x))
+        counts[name] = sorted(map(str, oc.seen))
+        if name == "plain":
+            g0 = g
+    assert_tree_close(g, g0)
+    assert counts["nobatch"] == sorted(counts["plain"] + ["aten.bmm.default"])
+
+
+# ---- freeing -----------------------------------------------------------------------
+
+
+def storages(tensors):
+    return [weakref.ref(t.untyped_storage()) for t in tensors]
+
+
+def alive(refs):
+    return [r() is not None for r in refs]
+
+
+def test_forward_intermediates_are_freed_and_recomputed_copies_freed_after_the_call_backward():
+    made = []  # weak references to the storages of the intermediates, forward and recompute
+
+    def f(x):
+        a = x.sin()
+        b = a.exp()
+        made.append(storages([a, b]))
+        return b.cos()
+
+    x = leaf(50)
+    out = remat(f)(x)
+    assert [alive(r) for r in made] == [[False, False]]  # dropped: nothing holds them until the backward
+    seen = []
+    out.register_hook(lambda g: seen.append(("call's backward starts", len(made))))
+    x.register_hook(lambda g: seen.append(("call's backward done", [alive(r) for r in made])))
+    out.sum().backward()
+    # not recomputed before the call's backward; its copies are gone as soon as that backward is done
+    assert seen == [("call's backward starts", 1), ("call's backward done", [[False, False], [False, False]])]
+
+
+def test_recomputed_copies_are_freed_before_the_backward_pass_ends():
+    """Call 2's recomputed tensors are gone before call 1's backward starts."""
+    made = [[], []]
+
+    def make(i):
+        def f(x):
+            a = x.sin()
+            made[i].append(weakref.ref(a.untyped_storage()))
+            return a.exp()
+        return f
+
+    x = leaf(50)
+    h = remat(make(0))(x)
+    out = remat(make(1))(h)
+    assert [alive(r) for r in made] == [[False], [False]]
+    observed = []
+    h.register_hook(lambda g: observed.append([alive(r) for r in made]))
+    out.sum().backward()
+    # when call 2's backward is done (h's gradient is ready): call 2 recomputed and freed its copy,
+    # call 1 has not recomputed yet
+    assert observed == [[[False], [False, False]]]
+    assert [alive(r) for r in made] == [[False, False], [False, False]]
+
+
+def test_retain_graph_and_two_backward_passes():
+    W1, W2, x = leaf(6, 6), leaf(6, 6, seed=1), leaf(4, 6, seed=2)
+    f = Counted(mlp2)
+    out = remat(f)(W1, W2, x).sum()
+    g1 = torch.autograd.grad(out, (W1, W2, x), retain_graph=True)
+    assert f.calls == 2
+    g2 = torch.autograd.grad(out, (W1, W2, x), retain_graph=True)
+    assert f.calls == 3  # each backward pass recomputes once
+    out.backward()
+    assert f.calls == 4
+    want = torch.autograd.grad(mlp2(W1, W2, x).sum(), (W1, W2, x))
+    assert_tree_close(g1, want)
+    assert_tree_close(g2, want)
+    assert_tree_close((W1.grad, W2.grad, x.grad), want)
+
+
+def test_backward_twice_without_retain_graph_is_torchs_error():
+    x = leaf(5)
+    out = remat(lambda x: x.sin().exp())(x).sum()
+    out.backward()
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
+        out.backward()
+
+
+def test_two_backward_passes_through_different_outputs():
+    W1, W2, x = leaf(6, 6), leaf(6, 6, seed=1), leaf(4, 6, seed=2)
+    f = Counted(lambda W1, W2, x: (mlp2(W1, W2, x), torch.tanh(x @ W1).exp()))
+    a, b = remat(f)(W1, W2, x)
+    ga = torch.autograd.grad(a.sum(), (W1, x), retain_graph=True)
+    gb = torch.autograd.grad(b.sum(), (W1, x))
+    a0, b0 = f.fn(W1, W2, x)
+    assert_tree_close(ga, torch.autograd.grad(a0.sum(), (W1, x), retain_graph=True))
+    assert_tree_close(gb, torch.autograd.grad(b0.sum(), (W1, x)))
+
+
+# ---- nesting -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inner_policy", [None, policies.dots_saveable, policies.everything_saveable])
+@pytest.mark.parametrize("outer_policy", [None, policies.dots_saveable, policies.everything_saveable])
+def test_nested_remat(inner_policy, outer_policy):
+    W1, W2, x = leaf(6, 6), leaf(6, 6, seed=1), leaf(4, 6, seed=2)
+    inner = Counted(mlp2)
+    ri = remat(inner, policy=inner_policy)
+
+    def outer_fn(W1, W2, x):
+        return ri(W1, W2, ri(W1, W2, x).exp()).cos()
+
+    outer = Counted(outer_fn)
+    out = remat(outer, policy=outer_policy)(W1, W2, x)
+    assert (inner.calls, outer.calls) == (2, 1)
+    g = torch.autograd.grad(out.sum(), (W1, W2, x))
+    inner_fn = inner.fn
+    want = torch.autograd.grad(inner_fn(W1, W2, inner_fn(W1, W2, x).exp()).cos().sum(), (W1, W2, x))
+    assert_tree_close(g, want)
+    # each call recomputes at most once: the outer once (if it drops anything), which re-runs both
+    # inner calls, and each inner call once more for its own dropped tensors
+    outer_re = outer.calls - 1
+    assert outer_re == (0 if outer_policy is policies.everything_saveable else 1)
+    inner_re = 0 if inner_policy is policies.everything_saveable else 2
+    assert inner.calls == 2 + 2 * outer_re + inner_re
+
+
+def test_nested_remat_double_backward():
+    W1, W2, x = leaf(5, 5), leaf(5, 5, seed=1), leaf(3, 5, seed=2)
+    ri = remat(mlp2)
+
+    def outer(W1, W2, x):
+        return ri(W1, W2, ri(W1, W2, x))
+
+    def grads(fn):
+        g = torch.autograd.grad(fn(W1, W2, x).pow(2).sum(), (W1, W2, x), create_graph=True)
+        return [*g, *torch.autograd.grad(sum((t * t).sum() for t in g), (W1, W2, x))]
+
+    assert_tree_close(grads(remat(outer)), grads(lambda *a: mlp2(a[0], a[1], mlp2(*a))))
+
+
+def test_same_tensor_passed_twice_to_a_nested_call():
+    W, x = leaf(5, 5), leaf(3, 5, seed=1)
+    ri = remat(lambda a, b: (a @ b).tanh().sin())
+    g = torch.autograd.grad(remat(lambda W, x: ri(W, W) @ x.T)(W, x).sum(), (W, x))
+    want = torch.autograd.grad(((W @ W).tanh().sin() @ x.T).sum(), (W, x))
+    assert_tree_close(g, want)
+
+
+# ---- randomness --------------------------------------------------------------------
+
+
+def noisy(W, x):
+    h = F.dropout(torch.tanh(x @ W), p=0.5, training=True)
+    return (h * torch.rand_like(h) + torch.randn(h.shape, dtype=h.dtype)).sin() @ W
+
+
+@pytest.mark.parametrize("policy", ["save-nothing", policies.dots_saveable, "save-everything"])
+def test_random_ops_give_the_same_gradients_and_leave_the_rng_as_plain(policy):
+    W, x = leaf(16, 16), leaf(8, 16, seed=1)
+    torch.manual_seed(7)
+    f = Counted(noisy)
+    out = remat(f, policy=policy)(W, x)
+    g = torch.autograd.grad(out.sum(), (W, x))
+    state = torch.get_rng_state()
+    after = torch.rand(3)  # the caller's stream goes on as if remat was not there
+    torch.manual_seed(7)
+    out0 = noisy(W, x)
+    g0 = torch.autograd.grad(out0.sum(), (W, x))
+    assert torch.equal(state, torch.get_rng_state())
+    assert torch.equal(after, torch.rand(3))
+    assert f.calls == (1 if policy == "save-everything" else 2)
+    assert_tree_close((out, g), (out0, g0))
+
+
+def test_rng_state_drawn_between_forward_and_backward_does_not_leak_into_the_recompute():
+    W, x = leaf(16, 16), leaf(8, 16, seed=1)
+    torch.manual_seed(3)
+    out = remat(noisy)(W, x)
+    torch.rand(100)  # the caller draws numbers before the backward pass
+    state = torch.get_rng_state()
+    g = torch.autograd.grad(out.sum(), (W, x))
+    assert torch.equal(state, torch.get_rng_state())  # the recompute's draws are not the caller's
+    torch.manual_seed(3)
+    assert_tree_close(g, torch.autograd.grad(noisy(W, x).sum(), (W, x)))
+
+
+def test_preserve_rng_state_false():
+    """Documented: the recompute draws from the caller's current stream, so random functions get
+    other masks (wrong gradients); functions that draw nothing are unaffected, and the caller's
+    stream advances by the recompute's draws."""
+    W, x = leaf(16, 16), leaf(8, 16, seed=1)
+    torch.manual_seed(3)
+    g = torch.autograd.grad(remat(noisy, preserve_rng_state=False)(W, x).sum(), (W, x))
+    after = torch.get_rng_state()
+    torch.manual_seed(3)
+    g0 = torch.autograd.grad(noisy(W, x).sum(), (W, x))
+    assert not torch.equal(g[0], g0[0])
+    assert not torch.equal(after, torch.get_rng_state())
+    # deterministic functions: same gradients, RNG untouched
+    W1, W2, x = leaf(6, 6), leaf(6, 6, seed=1), leaf(4, 6, seed=2)
+    state = torch.get_rng_state()
+    g = torch.autograd.grad(remat(mlp2, preserve_rng_state=False)(W1, W2, x).sum(), (W1, W2, x))
+    assert torch.equal(state, torch.get_rng_state())
+    assert_tree_close(g, torch.autograd.grad(mlp2(W1, W2, x).sum(), (W1, W2, x)))
+
+
+def test_random_ops_in_nested_remat():
+    W, x = leaf(16, 16), leaf(8, 16, seed=1)
+    ri = remat(noisy)
+
+    def outer(W, x):
+        return ri(W, ri(W, x).tanh())
+
+    torch.manual_seed(5)
+    g = torch.autograd.grad(remat(outer)(W, x).sum(), (W, x))
+    state = torch.get_rng_state()
+    torch.manual_seed(5)
+    g0 = torch.autograd.grad(noisy(W, noisy(W, x).tanh()).sum(), (W, x))
+    assert torch.equal(state, torch.get_rng_state())
+    assert_tree_close(g, g0)
