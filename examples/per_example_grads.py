@@ -31,6 +31,7 @@ Run: ``python examples/per_example_grads.py`` (Linux, about 20 s on one CPU thre
 from __future__ import annotations
 
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -44,7 +45,7 @@ from remat import remat
 from remat.bench.models import make_transformer, transformer_block
 
 # batch = number of examples; long sequences, so that activations outweigh the per-example gradients
-CFG = {"blocks": 6, "batch": 8, "seq": 256, "d": 64, "heads": 4, "ff": 256}
+CFG = {"blocks": 4, "batch": 8, "seq": 256, "d": 64, "heads": 4, "ff": 256}
 
 
 def per_example_grads(use_remat: bool, method: str = "grad") -> tuple[Any, int]:
@@ -76,24 +77,26 @@ def per_example_grads(use_remat: bool, method: str = "grad") -> tuple[Any, int]:
     return grads, calls[0]
 
 
-def _peak_mib(variant: str, method: str) -> float:
-    """Run in a fresh process: peak RSS increase of one per-example-gradient call, after a warm-up call."""
+def _peaks_mib(variant: str) -> dict[str, float]:
+    """Run in a fresh process: peak RSS increase of one call per method, each after a warm-up call."""
     torch.set_num_threads(1)
     use = variant == "remat"
-    per_example_grads(use, method)  # warm up
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
 
     def status(key: str) -> int:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith(key))
 
-    before = status("VmRSS:")
-    grads, _ = per_example_grads(use, method)
-    peak = status("VmHWM:")
-    del grads
-    return (peak - before) / 1024
+    peaks = {}
+    for method in ("grad", "vjp"):
+        per_example_grads(use, method)  # warm up
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+        before = status("VmRSS:")
+        grads, _ = per_example_grads(use, method)
+        peaks[method] = (status("VmHWM:") - before) / 1024
+        del grads
+    return peaks
 
 
 def main() -> None:
@@ -114,19 +117,19 @@ def main() -> None:
 
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
     print(f"peak memory of the call (RSS, MiB, including the {n} per-example gradients):")
+    peaks = {}
+    for variant in ("plain", "remat"):
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--peak", variant], env=env,
+                             capture_output=True, text=True, check=True)
+        peaks[variant] = json.loads(out.stdout.strip().splitlines()[-1])
     for method, what in (("grad", "vmap(grad(loss))"), ("vjp", "vmap of vjp(loss), create_graph=False")):
-        peaks = {}
-        for variant in ("plain", "remat"):
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--peak", variant, method], env=env,
-                                 capture_output=True, text=True, check=True)
-            peaks[variant] = float(out.stdout.strip().splitlines()[-1])
-        print(f"  {what:<40} without remat {peaks['plain']:6.1f}, with remat {peaks['remat']:6.1f}")
+        print(f"  {what:<40} without remat {peaks['plain'][method]:6.1f}, with remat {peaks['remat'][method]:6.1f}")
     if not equal:
         raise SystemExit("per-example gradients differ with remat")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--peak":
-        print(_peak_mib(sys.argv[2], sys.argv[3]))
+    if len(sys.argv) == 3 and sys.argv[1] == "--peak":
+        print(json.dumps(_peaks_mib(sys.argv[2])))
     else:
         main()

@@ -21,6 +21,14 @@ NOTE [stash liveness]
     consume, so a mistake in this analysis shows up as NaNs, never silently.
     Random ops are always run again (never replayed) so the random stream stays
     aligned with the forward pass.
+
+NOTE [dead ops]
+    The same walk marks ops whose outputs nothing live reads (in a transformer
+    block: the last matmul and the residual add, whose results the backward pass
+    never needs). The recompute does not run them: like a released stashed
+    output, a dead op hands back a NaN-filled tensor of the recorded shape. JAX
+    gets the same from dead-code elimination; torch.utils.checkpoint runs the
+    whole function again. Random, in-place and view ops always run.
 """
 
 from __future__ import annotations
@@ -96,7 +104,8 @@ class OpRecord:
     refs: list[Any] = dataclasses.field(default_factory=list)  # weakrefs to the outputs
     stash: list[Any] | None = None  # per output: weakref, tensor, offloaded handle or None
     cow: bool = False  # a stashed output was later mutated in place: replay a copy
-    live: bool = True
+    live: bool = True  # set by Recorder.prune: False when nothing the recompute needs reads its outputs
+    skippable: bool = False  # a pure op allocating fresh outputs: may be skipped when dead
 
     def describe(self) -> str:
         what = f"checkpoint_name({self.name!r})" if self.name is not None else str(self.func)
@@ -179,6 +188,9 @@ class Recorder(TorchDispatchMode):
             # tensor (forward AD's "no tangent") is free to remake and a replayed copy would lose the
             # flag, so the ops that follow (and the op sequence) would differ.
             zero = any(ti.is_zero_tensor(t) for t in outs)
+            # NOTE [dead ops]: an op whose outputs nothing live reads need not run in the recompute
+            rec.skippable = (not random and not mutable and not zero and bool(outs) and rec.out_spec is not None
+                             and all(storage_key(t) not in in_keys for t in outs))
             if decision is not Recompute and not random and not mutable and not zero and outs and rec.out_spec is not None:
                 self._stash(rec, idx)
             if decision is Recompute or random or mutable:
@@ -318,6 +330,9 @@ class Replayer(TorchDispatchMode):
             raise self._diverged(f"op #{i} was {rec.describe()} in the forward pass but {func} now")
         if rec.stash is not None and not rec.random:
             return self._replay(rec, func, args, kwargs)
+        if not rec.live and rec.skippable:
+            with internal():  # dead: nothing needed reads it (NOTE [dead ops])
+                return optree.tree_unflatten(rec.out_spec, [_dead_value(m) for m in rec.out_meta])
         out = func(*args, **kwargs)
         outs = _tensors(out)
         got = [_meta(t)[:2] for t in outs]

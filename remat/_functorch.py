@@ -137,7 +137,7 @@ def decompose(value: Any, levels: Sequence[Level], height: int) -> Decomposed:
     v = value
     for j in range(height - 1, -1, -1):
         lv = levels[j]
-        info = None
+        info: Any = None
         if isinstance(v, torch.Tensor) and ti.maybe_level(v) == lv.level:
             if lv.kind == "vmap" and ti.is_batched(v):
                 info = ("vmap", ti.bdim(v))

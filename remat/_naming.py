@@ -59,4 +59,4 @@ def checkpoint_name(x: T, name: str) -> T:
         finally:
             PENDING_NAME.reset(tok)
 
-    return optree.tree_map(tag, x, none_is_leaf=True)  # type: ignore[no-any-return]
+    return optree.tree_map(tag, x, none_is_leaf=True)  # type: ignore[arg-type,return-value]

@@ -141,7 +141,8 @@ def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics
             )
         static_pos.add(j)
     dyn = tuple(_STATIC if i in static_pos else a for i, a in enumerate(args))
-    flat, spec = optree.tree_flatten((dyn, kwargs), none_is_leaf=True)
+    flat: list[Any]
+    flat, spec = optree.tree_flatten((dyn, kwargs), none_is_leaf=True)  # type: ignore[arg-type]
 
     def run(leaves: list[Any]) -> Any:
         dargs, kw = optree.tree_unflatten(spec, leaves)

@@ -1,0 +1,281 @@
+"""Bad input and failures: each raises a teaching error, and leaves nothing of remat installed.
+
+After every exception (bad arguments, a policy answering nonsense, a diverging or
+failing recompute, an exception inside the function mid-forward, an input modified
+in place) no saved-tensor hook, dispatch mode, functorch level or RNG state of
+remat's is left behind: the ``clean_after`` fixture reads torch's own stacks, and
+:func:`plain_autograd_still_works` runs an ordinary computation afterwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from remat import RematError, checkpoint_name, policies, remat
+
+from .conftest import CLEAN, ambient_state
+from .helpers import Counted
+
+pytestmark = pytest.mark.usefixtures("clean_after")
+
+
+def leaf(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+
+
+def plain_autograd_still_works():
+    """An ordinary computation afterwards: saved tensors are saved by autograd itself, not by remat."""
+    assert ambient_state() == CLEAN
+    x = leaf(4)
+    y = x.sin()  # saves x
+    assert y.grad_fn._saved_self is x  # no pack hook in between: autograd holds x itself
+    (g,) = torch.autograd.grad(y.exp().sum(), x)
+    torch.testing.assert_close(g, x.cos() * x.sin().exp(), rtol=1e-12, atol=1e-12)
+
+
+def two_sins(x):
+    return x.sin().sin()
+
+
+# ---- bad arguments ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [3, "f", torch.ones(2)])
+def test_not_callable(fn):
+    with pytest.raises(TypeError, match=r"remat: expected a function to wrap, got .* \(\w+\); write remat\(f, "):
+        remat(fn)
+
+
+def test_decorator_forms_still_check():
+    with pytest.raises(TypeError, match="expected a function to wrap"):
+        remat(policy="save-nothing")(42)
+    assert remat(policy="save-matmuls")(two_sins).policy is policies.dots_saveable
+
+
+def test_unknown_policy_string():
+    with pytest.raises(ValueError, match=r"remat: unknown policy 'save-all'; use one of 'save-nothing', "
+                                         r"'save-everything', 'save-matmuls', 'offload-to-cpu' or a callable"):
+        remat(two_sins, policy="save-all")
+
+
+@pytest.mark.parametrize("policy", [3, [policies.dots_saveable], policies.Saveable])
+def test_policy_not_callable(policy):
+    with pytest.raises(TypeError, match=r"remat: policy must be a callable policy\(op, \*args, \*\*kwargs\) or a "
+                                        r"string, got .*; for example policy=remat.policies.dots_saveable"):
+        remat(two_sins, policy=policy)
+
+
+@pytest.mark.parametrize("bad", [1.5, "0", (0, "x"), True, [None]])
+def test_static_argnums_type(bad):
+    with pytest.raises(TypeError, match=r"remat: static_argnums must be an int or a sequence of ints, got "):
+        remat(two_sins, static_argnums=bad)
+
+
+@pytest.mark.parametrize("nums", [2, (0, 5), -3])
+def test_static_argnums_out_of_range(nums):
+    f = remat(lambda x, flag: x.sin() if flag else x.cos(), static_argnums=nums)
+    with pytest.raises(ValueError, match=r"remat: static_argnums=\(.*\) names argument -?\d, but \S*<lambda> was "
+                                         r"called with 2 positional arguments"):
+        f(leaf(3), True)
+    plain_autograd_still_works()
+
+
+def test_static_argnums_work():
+    f = Counted(lambda x, flag: x.sin().sin() if flag == "sin" else x.cos().cos())
+    x = leaf(3)
+    (g,) = torch.autograd.grad(remat(f, static_argnums=1)(x, "sin").sum(), x)
+    (g0,) = torch.autograd.grad(x.sin().sin().sum(), x)
+    torch.testing.assert_close(g, g0, rtol=1e-12, atol=1e-12)
+    assert f.calls == 2
+
+
+def test_preserve_rng_state_type():
+    with pytest.raises(TypeError, match="remat: preserve_rng_state must be True or False, got 'yes'"):
+        remat(two_sins, preserve_rng_state="yes")
+
+
+# ---- a policy answering nonsense -----------------------------------------------------
+
+
+@pytest.mark.parametrize("answer", [None, "save", 1, policies.dots_saveable])
+def test_policy_returns_no_decision(answer):
+    x = leaf(3)
+    state = torch.get_rng_state()
+    with pytest.raises(RematError, match=r"remat: policy <lambda> returned .* for aten.sin.default; return True, "
+                                         r"False, remat.policies.Saveable, remat.policies.Recompute or "
+                                         r"remat.policies.Offloadable\(src, dst\)"):
+        remat(two_sins, policy=lambda op, *a, **k: answer)(x)
+    assert torch.equal(state, torch.get_rng_state())
+    plain_autograd_still_works()
+
+
+def test_policy_returns_no_decision_for_a_name():
+    def policy(op, *args, **kwargs):
+        return "keep" if op is checkpoint_name else False
+
+    with pytest.raises(RematError, match=r"policy policy returned 'keep' for checkpoint_name\('h'\); return True"):
+        remat(lambda x: checkpoint_name(x.sin(), "h").sin(), policy=policy)(leaf(3))
+    plain_autograd_still_works()
+
+
+def test_policy_that_raises():
+    def policy(op, *args, **kwargs):
+        raise KeyError("policy bug")
+
+    with pytest.raises(KeyError, match="policy bug"):
+        remat(two_sins, policy=policy)(leaf(3))
+    plain_autograd_still_works()
+
+
+# ---- the recompute diverges ---------------------------------------------------------
+
+
+def test_recompute_runs_another_op():
+    calls = [0]
+
+    def f(x):
+        calls[0] += 1  # global state: the recompute takes the other branch
+        return x.sin().sin() if calls[0] == 1 else x.cos().sin()
+
+    out = remat(f)(leaf(3))
+    with pytest.raises(RematError, match=r"the recompute of \S*\.f diverged from its forward pass: op #0 was "
+                                         r"aten.sin.default -> \[3\] float64 in the forward pass but "
+                                         r"aten.cos.default now. The wrapped function must run the same ops"):
+        out.sum().backward()
+    plain_autograd_still_works()
+
+
+def test_recompute_computes_another_shape():
+    calls = [0]
+
+    def f(x):
+        calls[0] += 1
+        return torch.cat([x] * calls[0]).sin().sin().sum()
+
+    out = remat(f)(leaf(3))
+    with pytest.raises(RematError, match=r"the recompute of \S*\.f diverged .*: op #0 aten.cat.default produced "
+                                         r"\[6\] float64 in the recompute but \[3\] float64 in the forward pass"):
+        out.backward()
+    plain_autograd_still_works()
+
+
+def test_recompute_runs_more_ops():
+    calls = [0]
+
+    def f(x):
+        calls[0] += 1
+        y = x.sin().sin()
+        return y.exp().exp() if calls[0] > 1 else y
+
+    out = remat(f)(leaf(3))
+    with pytest.raises(RematError, match=r"diverged from its forward pass: it ran aten.exp.default after the 2 ops "
+                                         r"of the forward pass"):
+        out.sum().backward()
+    plain_autograd_still_works()
+
+
+def test_recompute_runs_fewer_ops():
+    calls = [0]
+
+    def f(x):
+        calls[0] += 1
+        y = x.sin().sin()
+        return (y.exp() if calls[0] == 1 else y), y  # the dropped tensors are all read by then
+
+    y, _ = remat(f)(leaf(3))
+    with pytest.raises(RematError, match=r"diverged from its forward pass: it stopped after 2 ops; the forward "
+                                         r"pass went on with aten.exp.default"):
+        y.sum().backward()
+    plain_autograd_still_works()
+
+
+def test_exception_raised_in_the_recompute():
+    calls = [0]
+
+    def f(x):
+        calls[0] += 1
+        if calls[0] > 1:
+            raise KeyError("only in the recompute")
+        return x.sin().sin()
+
+    x = leaf(3)
+    out = remat(f)(x)
+    state = torch.get_rng_state()
+    torch.rand(3)
+    state = torch.get_rng_state()
+    with pytest.raises(KeyError, match="only in the recompute"):
+        out.sum().backward()
+    assert torch.equal(state, torch.get_rng_state())  # the forward's RNG state was restored only inside
+    plain_autograd_still_works()
+
+
+def test_exception_raised_mid_forward():
+    def f(x):
+        y = x.sin().exp()  # saves, records ops, then fails
+        torch.rand(2)
+        raise ValueError("boom in f")
+
+    x = leaf(3)
+    with pytest.raises(ValueError, match="boom in f"):
+        remat(f)(x)
+    plain_autograd_still_works()
+    # the same remat'd function works afterwards
+    g = remat(f, policy="save-nothing").__wrapped__
+    assert g is f
+    h = remat(two_sins)
+    (gx,) = torch.autograd.grad(h(x).sum(), x)
+    torch.testing.assert_close(gx, x.cos() * x.sin().cos(), rtol=1e-12, atol=1e-12)
+
+
+def test_exception_mid_forward_of_a_nested_call():
+    def inner(x):
+        raise RuntimeError("inner failed")
+
+    ri = remat(inner)
+    with pytest.raises(RuntimeError, match="inner failed"):
+        remat(lambda x: ri(x.sin()).sin())(leaf(3))
+    plain_autograd_still_works()
+
+
+# ---- in-place modification ------------------------------------------------------------
+
+
+def test_input_modified_in_place_before_the_backward():
+    x = leaf(3)
+    inp = x * 1
+    out = remat(two_sins)(inp)
+    inp.add_(1)
+    with pytest.raises(RematError, match=r"remat: input #0 \(shape \[3\], float64\) of two_sins was modified in "
+                                         r"place after its forward pass and before its backward pass; the recompute "
+                                         r"would read the new value. Clone it"):
+        out.sum().backward()
+    plain_autograd_still_works()
+
+
+def test_kept_input_modified_in_place_before_the_backward():
+    x = leaf(3)
+    inp = x * 1
+    out = remat(lambda t: t.sin(), policy="save-everything")(inp)
+    inp.mul_(2)
+    with pytest.raises(RematError, match=r"a tensor of shape \[3\] that \S*<lambda> saved for the backward pass was "
+                                         r"modified in place after it was saved \(version 0 -> 1\)"):
+        out.sum().backward()
+    plain_autograd_still_works()
+
+
+def test_input_modified_in_place_inside_the_function():
+    def f(x):
+        x.mul_(2)
+        return x.sin().sin()
+
+    with pytest.raises(RematError, match=r"f modified its input #0 \(shape \[3\], float64\) in place during its "
+                                         r"forward pass; .* Clone the input inside the function"):
+        remat(f)(leaf(3) * 1)
+    plain_autograd_still_works()
+
+
+def test_checkpoint_name_needs_a_string():
+    with pytest.raises(TypeError, match=r"checkpoint_name: name must be a string, got 3 \(int\)"):
+        checkpoint_name(torch.ones(1), 3)  # type: ignore[arg-type]
