@@ -33,7 +33,7 @@ import time
 import torch
 
 from remat.bench.configs import make_wrap
-from remat.bench.measure import Config, MiB, measure
+from remat.bench.measure import Config, MiB, measure, ratio
 from remat.bench.models import SIZES, make_model
 
 CONFIGS = ["no-remat", "save-nothing", "save-matmuls", "offload-to-cpu", "torch-checkpoint", "torch-sac-matmuls"]
@@ -105,14 +105,16 @@ def main() -> int:
     say(f"timing done in {time.perf_counter() - t0:.0f} s")
     by = {r.label: r for r in rows}
 
-    head = ["configuration", "retained MiB (RSS)", "retained MiB (census)", "ms/step", "time vs no-remat",
-            "time vs torch, same policy", "recomputed GFLOP"]
+    head = ["configuration", "retained MiB (RSS)", "retained MiB (census)", "ms/step", "vs no-remat (wall)",
+            "vs no-remat (CPU)", "vs torch, same policy (wall)", "vs torch, same policy (CPU)", "recomputed GFLOP"]
     body = []
+    base = by["no-remat"]
     for r in rows:
-        same = SAME_POLICY_IN_TORCH.get(r.label)
-        vs_torch = f"{r.time_s / by[same].time_s:.3f}x" if same else "-"
+        same = by.get(SAME_POLICY_IN_TORCH.get(r.label, ""))
         body.append([r.label, f"{rss[r.label] / MiB:.0f}", f"{r.retained_bytes / MiB:.0f}", f"{r.time_s * 1e3:.0f}",
-                     f"{r.time_ratio:.3f}x", vs_torch, f"{r.recomputed_flops / 1e9:.2f}"])
+                     f"{ratio(r, base):.3f}x", f"{ratio(r, base, cpu=True):.3f}x",
+                     f"{ratio(r, same):.3f}x" if same else "-", f"{ratio(r, same, cpu=True):.3f}x" if same else "-",
+                     f"{r.recomputed_flops / 1e9:.2f}"])
     widths = [max(len(c) for c in col) for col in zip(head, *body, strict=True)]
     cfg = SIZES["medium"]["transformer"]
     print(f"transformer stack {cfg}, float32, CPU, {a.threads} threads, median of {a.rounds} rounds, "

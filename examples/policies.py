@@ -24,6 +24,8 @@ Run::
 
 On a CPU-only machine the offload policies copy to the same host memory, so
 they save nothing there; on CUDA (``src="cuda"``) those bytes move to host memory.
+The held column counts storages allocated by ATen ops of the forward pass; the
+offload engine's host copies are not among them (the ``--rss`` table counts them).
 """
 
 from __future__ import annotations

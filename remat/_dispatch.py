@@ -217,10 +217,10 @@ class Recorder(TorchDispatchMode):
             return
         rec.decision = decision
         if decision is Recompute:
-            rec.stash = None
-            for v in rec.out_vids:
-                if self.stash_of.get(v, (None,))[0] == idx:
-                    del self.stash_of[v]
+            self._unstash(rec, idx)
+            # it now runs in the recompute: what it reads must come back there
+            for v in rec.in_vids:
+                self._ensure_recomputable(v)
             if self.on_demote is not None:  # tensors already saved as kept must now be dropped
                 self.on_demote(storage_key(x))
         else:
@@ -229,11 +229,53 @@ class Recorder(TorchDispatchMode):
             # it may have been saved as dropped before the name was known: the replay needs it
             self.promote(rec)
 
+    def _unstash(self, rec: OpRecord, idx: int) -> None:
+        rec.stash = None
+        for v in rec.out_vids:
+            if self.stash_of.get(v, (None,))[0] == idx:
+                del self.stash_of[v]
+
+    def _ensure_recomputable(self, vid: int) -> None:
+        """Value ``vid`` is read by an op that runs in the recompute: hold it, or recompute its op too."""
+        loc = self.stash_of.get(vid)
+        if loc is None:
+            return  # made by an op that runs in the recompute, or an input
+        rec = self.ops[loc[0]]
+        assert rec.stash is not None
+        ref = rec.stash[loc[1]]
+        if not isinstance(ref, weakref.ref) or ref() is not None:
+            self.promote(rec, loc[1])
+            return
+        # the saved output is gone already: run its op in the recompute as well
+        self._unstash(rec, loc[0])
+        for v in rec.in_vids:
+            self._ensure_recomputable(v)
+
     def made_here_decision(self, t: torch.Tensor) -> Decision | None:
         """The decision for the op of this call that returned ``t`` itself (None: not made here)."""
         v = self.vids.get(t)
         idx = None if v is None else self.made_by.get(v)
         return None if idx is None else self.ops[idx].decision
+
+    def drop_value(self, t: torch.Tensor) -> None:
+        """``t`` was saved as dropped: the recompute must make it, without the stash holding it.
+
+        A view (or name) of a recomputed output is itself recomputed, which costs
+        nothing: holding its stashed output would keep exactly what was dropped.
+        Any other op that made it is replayed, so its output is held.
+        """
+        v = self.vids.get(t)
+        loc = None if v is None else self.stash_of.get(v)
+        if loc is None:
+            return
+        rec = self.ops[loc[0]]
+        if any(storage_key(r()) != 0 and self.producers.get(storage_key(r())) != loc[0]
+               for r in rec.refs if r() is not None) and not isinstance(rec.decision, Offloadable):
+            self._unstash(rec, loc[0])
+            for iv in rec.in_vids:
+                self._ensure_recomputable(iv)
+        else:
+            self.promote(rec, loc[1])
 
     def promote_value(self, t: torch.Tensor) -> None:
         """``t`` must come back in the recompute: hold the stashed output of the op that made it."""
@@ -294,6 +336,14 @@ class Recorder(TorchDispatchMode):
             is_live = any(v in needed for v in rec.out_vids) or not rec.out_vids
             rec.live = is_live
             replayed = rec.stash is not None
+            if is_live and rec.stash is not None and any(
+                v in needed and isinstance(ref, weakref.ref) and ref() is None
+                for v, ref in zip(rec.out_vids, rec.stash)
+            ):
+                # a needed output that nothing held is gone (e.g. a name dropped the value of the op
+                # that read it, after that op ran): run this op again rather than replay NaNs
+                rec.stash = None
+                replayed = False
             if is_live and not replayed:
                 needed.update(rec.in_vids)
             if rec.stash is not None:

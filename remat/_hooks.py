@@ -236,7 +236,7 @@ class Frame:
                     # t itself (the engine detaches): the engine keeps a weakref to catch in-place writes
                     p = Packed(self, _OFFLOAD, s, pos, self._offload(t, decision), phys._version, meta, rec)
             else:  # an input or parameter held by reference, or a saved op output
-                p = Packed(self, _KEEP, s, pos, self._holdable(t, s), phys._version, meta, rec)
+                p = Packed(self, _KEEP, s, pos, _holdable(t), phys._version, meta, rec)
                 if rec is not None:
                     self._kept.setdefault(storage_key(phys), []).append((p, self.recorder.vid(phys)))
                 if rec is not None and rec.stash is not None and any(lv.kind == "grad" for lv in self.levels[:s]):
@@ -283,21 +283,6 @@ class Frame:
             self.needed_vids.add(vid)
             p.kind, p.payload = _DROP, None
 
-    def _holdable(self, t: torch.Tensor, s: int) -> torch.Tensor:
-        """What to hold for a kept saved tensor without a reference cycle.
-
-        A saved output's grad_fn is the node that saves it: holding it would make a
-        cycle through the C++ graph that Python's gc cannot see. A plain tensor is
-        detached. A functorch wrapper must keep its lower-level history (detach would
-        strip every level), so its inner value is re-wrapped in a dead wrapper, which
-        functorch treats as transparent, exactly like a saved wrapper of an exited level.
-        """
-        if not ti.is_wrapped(t):
-            return t.detach()
-        if s >= 0 and ti.maybe_level(t) == self.levels[s].level and t.grad_fn is not None:
-            return ti.dead_grad_wrapper(ti.unwrap_one(t))
-        return t
-
     def _offload(self, t: torch.Tensor, decision: Offloadable) -> Any:
         if not self.engine.applies(t, decision):
             return t
@@ -314,7 +299,7 @@ class Frame:
     def _drop(self, s: int, pos: int, phys: torch.Tensor, meta: tuple[Any, ...], rec: Any) -> Packed:
         self.drops.setdefault(s, {})[pos] = meta
         self.needed_vids.add(self.recorder.vid(phys))
-        self.recorder.promote_value(phys)  # if its op is replayed, the replay needs the output
+        self.recorder.drop_value(phys)  # the recompute must make it again
         return Packed(self, _DROP, s, pos, None, 0, meta, rec)
 
     def unpack(self, p: Packed) -> torch.Tensor:
@@ -340,7 +325,7 @@ class Frame:
             self.cache[s] = self._recompute(s)
             self.used[s] = set()
             # free at the end of this backward pass even if it does not read everything
-            ti.queue_backward_callback(self._release_all)
+            ti.queue_backward_callback(self._release_later())
         out = self.cache[s][p.pos]
         used = self.used[s]
         used.add(p.pos)
@@ -349,6 +334,20 @@ class Frame:
             self.cache.pop(s).clear()
             del self.used[s]
         return out
+
+    def _release_later(self) -> Callable[[], None]:
+        """A callback for the end of the backward pass that holds this frame weakly: a bound method
+        would keep the frame, and its stash of saved outputs, alive until the whole backward pass
+        ends instead of until the backward pass leaves this call (the peak then held every call's
+        stash at once)."""
+        wself = weakref.ref(self)
+
+        def release() -> None:
+            frame = wself()
+            if frame is not None:
+                frame._release_all()
+
+        return release
 
     def _release_all(self) -> None:
         for captured in self.cache.values():
@@ -376,7 +375,7 @@ class Frame:
             return self._in_cache
         # Fetch the inputs from the parent once per backward pass: each parent position is then
         # read once, as the parent's freeing of its recomputed tensors assumes.
-        ti.queue_backward_callback(self._release_all)
+        ti.queue_backward_callback(self._release_later())
         out = []
         for i, a in enumerate(self.flat):
             if i in self._routed_slots:
@@ -454,31 +453,39 @@ class _Capture:
                     )
                 with internal():
                     self.captured[pos] = t.detach() if self.detach else t
-        return _no_cycle(t)
+        return _holdable(t)
 
     def unpack(self, t: Any) -> Any:
         return t
 
 
-def _no_cycle(t: torch.Tensor) -> torch.Tensor:
-    """What a recompute's graph holds for a saved tensor: never the tensor itself.
+def _holdable(t: torch.Tensor) -> torch.Tensor:
+    """What to hold for a saved tensor (in a pack hook) without a reference cycle.
 
-    Holding a node's own output from its saved variable is a reference cycle
-    through C++ that Python's gc cannot see: the recompute's graph, with its
-    activations, would leak on every backward pass. Autograd restores the graph
-    metadata on unpack, so a detached alias is enough.
+    A saved output's grad_fn is the node that saves it: holding the tensor itself
+    would make a cycle through the C++ graph that Python's gc cannot see, and the
+    graph with its activations would leak on every step. Autograd restores the
+    graph metadata on unpack, so a plain tensor is detached. A functorch wrapper
+    must keep its lower-level history (detach would strip every level), so its
+    inner value is re-wrapped in a dead wrapper, which functorch treats as
+    transparent, exactly like a saved wrapper of an exited level.
     """
-    if ti.is_wrapped(t) or not t.requires_grad:
-        return t
-    with internal():
-        return t.detach()
+    if not ti.is_wrapped(t):
+        if not t.requires_grad:
+            return t
+        with internal():
+            return t.detach()
+    top = ti.peek_interpreter()
+    if top is not None and ti.maybe_level(t) == int(top.level()) and t.grad_fn is not None:
+        return ti.dead_grad_wrapper(ti.unwrap_one(t))
+    return t
 
 
 class _PassThrough:
     """An inner remat call re-run by an outer recompute: its saves are the outer graph's own."""
 
     def pack(self, t: torch.Tensor) -> Any:
-        return _no_cycle(t)
+        return _holdable(t)
 
     def unpack(self, t: Any) -> Any:
         return t

@@ -144,9 +144,13 @@ def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics
     flat: list[Any]
     flat, spec = optree.tree_flatten((dyn, kwargs), none_is_leaf=True)  # type: ignore[arg-type]
 
+    # run must not close over args: the frame holds run until the backward pass, and the
+    # tensors in args (which a nested call hands to its parent to drop) would stay alive
+    static_vals = {i: args[i] for i in static_pos}
+
     def run(leaves: list[Any]) -> Any:
         dargs, kw = optree.tree_unflatten(spec, leaves)
-        full = tuple(args[i] if i in static_pos else a for i, a in enumerate(dargs))
+        full = tuple(static_vals[i] if i in static_vals else a for i, a in enumerate(dargs))
         return fn(*full, **kw)
 
     if ti.is_compiling():

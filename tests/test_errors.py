@@ -213,7 +213,7 @@ def test_exception_raised_in_the_recompute():
 
 def test_exception_raised_mid_forward():
     def f(x):
-        y = x.sin().exp()  # saves, records ops, then fails
+        x.sin().exp()  # saves, records ops, then fails
         torch.rand(2)
         raise ValueError("boom in f")
 

@@ -21,7 +21,7 @@ from remat import checkpoint_name, policies, remat
 from remat.bench.models import make_cnn, make_mlp, make_transformer
 from remat.policies import Recompute, Saveable
 
-from .helpers import Counted, assert_tree_close, leaves, requires_grad_tree
+from .helpers import Counted, OpCounter, assert_tree_close, leaves, requires_grad_tree
 
 aten = torch.ops.aten
 
@@ -101,21 +101,22 @@ POLICIES = {
 }
 
 # (model, policy) pairs where the policy keeps everything the backward pass reads, so no
-# recompute may run. Worked out by hand from remat.bench.models, whose blocks tag values
-# with checkpoint_name (mlp: "hidden" = the addmm output gelu reads; cnn: "conv";
-# transformer: "attn", "ff"); a name decides for the op that computed the value:
+# recompute may run; every other pair drops something, so each block runs once more in
+# the backward pass. Worked out by hand from remat.bench.models, whose transformer tags
+# the softmax output "attn" and the gelu output "ff" and whose CNN tags the relu output
+# "act" (the MLP has no tag):
 # - save-everything keeps everything;
-# - save_anything_except_these_names("scores", "attn", "ff") saves everything in the MLP
-#   and the CNN (their tags are not in the list);
-# - save_any_names_but_these("scores") saves "hidden", and the MLP block saves nothing
-#   else that is not an input (addmm saves its inputs, gelu the named addmm output).
-# Every other pair drops something, so the block runs once more in the backward pass.
+# - the MLP block is gelu(addmm(b, h, W)): addmm saves its inputs, gelu the addmm output,
+#   so every policy that saves the addmm output (the dots policies, "mm" in the op name)
+#   saves all the backward reads; save_anything_except_these_names saves everything
+#   untagged, so it recomputes nothing in the MLP and the CNN (whose tag is not in its list).
+MLP_SAVES_ALL = ("dots_saveable", "checkpoint_dots", "str_save_matmuls", "dots_no_batch", "save_from_both",
+                 "custom_bools", "save_except_names")
 NO_RECOMPUTE = {
     *((m, p) for m in MODELS for p in ("everything_saveable", "str_save_everything")),
-    ("mlp", "save_except_names"), ("cnn", "save_except_names"), ("mlp", "save_names_but"),
+    *(("mlp", p) for p in MLP_SAVES_ALL),
+    ("cnn", "save_except_names"),
 }
-# .backward() (accumulating into .grad) for a representative subset; torch.autograd.grad for all
-BACKWARD_POLICIES = ["default", "everything_saveable", "dots_saveable", "save_only_names", "custom_decisions"]
 
 
 def run(model, policy, dtype, api, double=False):
@@ -140,7 +141,7 @@ def run(model, policy, dtype, api, double=False):
     return loss.detach(), [g.detach() for g in grads], counted.calls, len(params)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(model, dtype, api, double=False):
     """The plain model's loss and gradients (computed once per configuration)."""
     return run(model, "plain", dtype, api, double)
@@ -150,35 +151,65 @@ def check(model, policy, dtype, api, double=False):
     loss0, grads0, calls0, blocks = reference(model, dtype, api, double)
     loss, grads, calls, _ = run(model, policy, dtype, api, double)
     assert calls0 == blocks
-    # proves remat happened (or, where the policy keeps all the backward reads, that nothing was recomputed)
-    assert calls == (blocks if (model, policy) in NO_RECOMPUTE else 2 * blocks)
+    # proves remat happened (or, where the policy keeps all the backward reads, that nothing was
+    # recomputed): one recompute per block and backward pass; a double backward is two backward
+    # passes through the forward's nodes, and each recomputes (at most once per call)
+    passes = 2 if double else 1
+    assert calls == (blocks if (model, policy) in NO_RECOMPUTE else (1 + passes) * blocks)
     assert_tree_close(loss, loss0)
     assert_tree_close(grads, grads0)
 
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+# the named transformer (more tags: "qkv", "scores", "attn_out", "ff_in") runs the name policies only
+NAME_POLICIES = ["save_only_names", "save_except_names", "save_names_but", "save_from_both"]
+GRAD_CASES = [(m, p) for m in ("mlp", "transformer", "cnn") for p in POLICIES] + [
+    ("transformer_named", p) for p in NAME_POLICIES]
+BACKWARD_CASES = [(m, p) for m in ("mlp", "transformer", "cnn") for p in ("default", "dots_saveable",
+                                                                           "custom_decisions")] + [
+    ("transformer_named", "save_only_names")]
+DOUBLE_CASES = [(m, p) for m in ("mlp", "transformer", "cnn") for p in ("default", "dots_saveable")] + [
+    ("mlp", "custom_decisions"), ("cnn", "everything_saveable"), ("transformer_named", "save_only_names")]
 
 
 @DTYPES
-@pytest.mark.parametrize("policy", list(POLICIES))
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model,policy", GRAD_CASES)
 def test_gradients_match_plain(model, policy, dtype):
+    """torch.autograd.grad of remat'd blocks equals plain; the recompute ran (or, by design, did not)."""
     check(model, policy, dtype, "grad")
 
 
 @DTYPES
-@pytest.mark.parametrize("policy", BACKWARD_POLICIES)
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model,policy", BACKWARD_CASES)
 def test_backward_accumulates_the_same_grads(model, policy, dtype):
     check(model, policy, dtype, "backward")
 
 
 @DTYPES
-@pytest.mark.parametrize("policy", ["default", "dots_saveable", "save_only_names", "custom_decisions"])
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model,policy", DOUBLE_CASES)
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")  # run() resets .grad
 def test_double_backward_matches_plain(model, policy, dtype):
     """create_graph=True, then the gradient of a function of the gradients."""
     check(model, policy, dtype, "backward" if policy == "dots_saveable" else "grad", double=True)
+
+
+@pytest.mark.parametrize("model", ["mlp", "transformer", "cnn"])
+def test_dots_saveable_recomputes_no_matmul_in_the_models(model):
+    """Matmul/convolution ATen ops run during the backward pass, counted by a mode outside remat."""
+    counts = {}
+    for policy in ("plain", "dots_saveable", "dots_no_batch", "default"):
+        params, x, block, apply = MODELS[model](torch.float32)
+        params = requires_grad_tree(params)
+        pol = POLICIES.get(policy)
+        wrap = (lambda f: f) if policy == "plain" else (lambda f: remat(f, policy=pol))  # noqa: B023
+        loss = apply(params, x, wrap)
+        with OpCounter() as oc:
+            torch.autograd.grad(loss, leaves(params))
+        counts[policy] = oc.count
+    assert counts["dots_saveable"] == counts["plain"]
+    assert counts["default"] > counts["plain"]  # save-nothing does recompute the products
+    if model == "transformer":  # attention's batched products are recomputed, the linear layers' are not
+        assert counts["plain"] < counts["dots_no_batch"] < counts["default"]
 
 
 # ---- torch.func smoke tests (the full transform matrix lives in the transform tests) ----

