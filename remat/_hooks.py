@@ -69,7 +69,7 @@ from ._functorch import (
 from ._inspect import INSPECTOR
 from ._policies import Offloadable, Recompute
 
-__all__ = ["Frame", "active_context", "call_nested_replay"]
+__all__ = ["Frame", "active_context", "call_nested_replay", "holdable"]
 
 _KEEP, _OFFLOAD, _DROP, _INPUT = "kept", "offloaded", "recomputed", "input"
 
@@ -236,7 +236,7 @@ class Frame:
                     # t itself (the engine detaches): the engine keeps a weakref to catch in-place writes
                     p = Packed(self, _OFFLOAD, s, pos, self._offload(t, decision), phys._version, meta, rec)
             else:  # an input or parameter held by reference, or a saved op output
-                p = Packed(self, _KEEP, s, pos, _holdable(t), phys._version, meta, rec)
+                p = Packed(self, _KEEP, s, pos, holdable(t), phys._version, meta, rec)
                 if rec is not None:
                     self._kept.setdefault(storage_key(phys), []).append((p, self.recorder.vid(phys)))
                 if rec is not None and rec.stash is not None and any(lv.kind == "grad" for lv in self.levels[:s]):
@@ -453,13 +453,13 @@ class _Capture:
                     )
                 with internal():
                     self.captured[pos] = t.detach() if self.detach else t
-        return _holdable(t)
+        return holdable(t)
 
     def unpack(self, t: Any) -> Any:
         return t
 
 
-def _holdable(t: torch.Tensor) -> torch.Tensor:
+def holdable(t: torch.Tensor) -> torch.Tensor:
     """What to hold for a saved tensor (in a pack hook) without a reference cycle.
 
     A saved output's grad_fn is the node that saves it: holding the tensor itself
@@ -485,7 +485,7 @@ class _PassThrough:
     """An inner remat call re-run by an outer recompute: its saves are the outer graph's own."""
 
     def pack(self, t: torch.Tensor) -> Any:
-        return _holdable(t)
+        return holdable(t)
 
     def unpack(self, t: Any) -> Any:
         return t

@@ -277,7 +277,9 @@ def _run(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], p
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         insp.on_save(t, "kept", None)
-        return t if ti.is_wrapped(t) else t.detach()  # a detached alias avoids a reference cycle
+        from ._hooks import holdable  # (_hooks imports this module)
+
+        return holdable(t)  # never the tensor itself: a saved output would make a reference cycle
 
     tok = INSPECTOR.set(insp)
     try:

@@ -105,7 +105,20 @@ def _step(policy):
 
 
 def _frames():
-    return [o for o in gc.get_objects() if type(o) is Frame]
+    """Frames alive now that were not alive when this module's tests began (other tests may hold graphs)."""
+    return [o for o in gc.get_objects() if type(o) is Frame and id(o) not in _BASELINE]
+
+
+gc.collect()
+_BASELINE: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _frames_of_other_tests():
+    gc.collect()
+    _BASELINE.clear()
+    _BASELINE.update(id(o) for o in gc.get_objects() if type(o) is Frame)
+    yield
 
 
 @pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", "save-everything",
