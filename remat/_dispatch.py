@@ -104,6 +104,7 @@ class OpRecord:
     refs: list[Any] = dataclasses.field(default_factory=list)  # weakrefs to the outputs
     stash: list[Any] | None = None  # per output: weakref, tensor, offloaded handle or None
     cow: bool = False  # a stashed output was later mutated in place: replay a copy
+    versions: list[int | None] | None = None  # of the stashed outputs when the forward pass ended
     live: bool = True  # set by Recorder.prune: False when nothing the recompute needs reads its outputs
     skippable: bool = False  # a pure op allocating fresh outputs: may be skipped when dead
 
@@ -305,23 +306,33 @@ class Recorder(TorchDispatchMode):
                 rec.stash[i] = t
 
     def _before_mutation(self, func: Any, args: Any, kwargs: Any) -> None:
-        """Copy-on-write: a stashed output about to be mutated in place is copied first."""
+        """Copy-on-write: a stashed output about to be written in place (itself or through a view) is copied first."""
         self.mutated_inplace = True
         with internal():
-            for t in _tensors((args, kwargs)):
-                v = self.vids.get(t)
-                loc = self.stash_of.get(v) if v is not None else None
-                if loc is None:
+            keys = {storage_key(t) for t in _tensors((args, kwargs))} - {0}
+            for idx, rec in enumerate(self.ops):
+                if rec.stash is None:
                     continue
-                rec = self.ops[loc[0]]
-                assert rec.stash is not None
-                ref = rec.stash[loc[1]]
-                cur = ref() if isinstance(ref, weakref.ref) else ref
-                if isinstance(cur, torch.Tensor):
-                    rec.stash[loc[1]] = cur.detach().clone()
-                    rec.cow = True
-                elif cur is not None:  # offloaded: on CUDA the write must wait until its copy to the host ran
-                    cur.engine.before_write(cur)
+                for pos, ref in enumerate(rec.stash):
+                    cur = ref() if isinstance(ref, weakref.ref) else ref
+                    if isinstance(cur, torch.Tensor):
+                        if storage_key(cur) in keys:
+                            rec.stash[pos] = cur.detach().clone()
+                            rec.cow = True
+                    elif cur is not None and cur.engine.shares_storage(cur, keys):
+                        # offloaded: on CUDA the write must wait until its copy to the host ran
+                        cur.engine.before_write(cur)
+
+    def seal(self) -> None:
+        """End of the forward pass: note the version of every output kept for the replay.
+
+        The version lives on the op's own output (a result the caller may hold),
+        not on the detached alias in the stash, which has a counter of its own.
+        """
+        for rec in self.ops:
+            if rec.stash is not None:
+                outs = [r() for r in rec.refs]
+                rec.versions = [None if o is None else o._version for o in outs]
 
     def producer(self, phys: torch.Tensor) -> OpRecord | None:
         idx = self.producers.get(storage_key(phys))
@@ -397,14 +408,23 @@ class Replayer(TorchDispatchMode):
     def _replay(self, rec: OpRecord, func: Any, args: Any, kwargs: Any) -> Any:
         assert rec.stash is not None
         vals = []
+        versions = rec.versions or [None] * len(rec.stash)
         with internal():
-            for ref, meta in zip(rec.stash, rec.out_meta):
+            for ref, meta, v0 in zip(rec.stash, rec.out_meta, versions):
                 t = ref() if isinstance(ref, weakref.ref) else ref
                 if t is None:
                     t = _dead_value(meta)
                 elif not isinstance(t, torch.Tensor):
                     t = t.engine.fetch(t)  # offloaded: bring it back
                 else:
+                    orig = rec.refs[len(vals)]() if v0 is not None else None
+                    if orig is not None and orig._version != v0:
+                        raise RematError(
+                            f"remat: the output of {rec.describe()} that {self.rec.fn_name} kept for its "
+                            f"recompute was modified in place after the forward pass (version {v0} -> "
+                            f"{orig._version}), e.g. a result of the function changed before the backward pass. "
+                            "Clone a result before modifying it, or run the backward pass first."
+                        )
                     t = t.clone() if rec.cow else t.detach()
                 vals.append(t)
         return optree.tree_unflatten(rec.out_spec, vals)

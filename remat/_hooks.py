@@ -13,11 +13,24 @@ backward pass has read it all (or the backward pass ends).
 
 NOTE [nested remat]
     A remat call inside another remat call's forward pass gets a frame of its own
-    with its own policy. Without functorch levels its inputs are not held by the
-    inner frame but saved through the outer frame's hooks, so they are dropped if
-    the outer policy drops them and come back through the outer recompute
-    (two-level checkpointing: between forward and backward only the outer inputs
-    are held).
+    with its own policy. Without functorch levels (a *routed* frame) the outer
+    policy governs what survives the forward pass and the inner policy what is kept
+    during the outer recompute, as in JAX: the inner call's inputs and the tensors
+    its own policy keeps are not held by the inner frame but saved through the
+    outer frame (``parent.pack``), which drops them if the outer policy recomputes
+    the op that made them (they come back through the outer recompute) or keeps
+    them. So an outer save-nothing holds only its inputs between forward and
+    backward, whatever the inner policy (two-level checkpointing). For the
+    positions to line up, each routed frame records (``_Nested``) which of its
+    save positions went to the parent, and the routed calls made inside it; the
+    outer recompute re-runs each inner call (``call_nested_replay``) under a
+    ``_PassThrough`` that saves exactly those positions through the recompute's
+    capture again, in forward order (recursively for deeper nesting). Not routed:
+    the inner's stash of outputs to replay (``dots_saveable``'s matmul outputs,
+    NOTE [stash liveness]) and offloaded tensors, which the inner frame still
+    holds itself; a checkpoint_name that drops a value after it was routed leaves
+    it to the parent's decision. Under torch.func levels the inner frame holds its own saved
+    tensors (its levels differ from the outer's and its recompute rebuilds them).
 
 NOTE [offload under torch.func]
     An offloaded tensor comes back as a plain tensor, but under torch.func the
@@ -72,6 +85,7 @@ from ._policies import Offloadable, Recompute
 __all__ = ["Frame", "active_context", "call_nested_replay", "holdable"]
 
 _KEEP, _OFFLOAD, _DROP, _INPUT = "kept", "offloaded", "recomputed", "input"
+_ROUTED = "routed"  # a routed frame's kept tensor, saved through the parent frame (NOTE [nested remat])
 
 # The innermost remat context of this thread: a Frame in its forward pass, or a
 # recompute (_Capture / _PassThrough). Nested calls and checkpoint_name look here.
@@ -108,6 +122,20 @@ class Packed:
         self.record = record  # the OpRecord that produced it (None: an input), for inspection
 
 
+class _Nested:
+    """What the parent's recompute must know to re-run one routed call (NOTE [nested remat]).
+
+    ``routed``: the call's save positions handed to the parent (its kept tensors);
+    ``children``: the same for the routed calls made inside it, in call order.
+    """
+
+    __slots__ = ("routed", "children")
+
+    def __init__(self) -> None:
+        self.routed: set[int] = set()
+        self.children: list[_Nested] = []
+
+
 class Frame:
     """One call of a remat'd function."""
 
@@ -121,6 +149,9 @@ class Frame:
         # Two-level checkpointing (NOTE [nested remat]): inputs saved through the parent.
         self.parent: Frame | None = parent if parent is not None and h == 0 else None
         self.routed = self.parent is not None
+        self.nested = _Nested()  # the routed calls made in this forward pass, and this call's own routing
+        if self.parent is not None:
+            self.parent.nested.children.append(self.nested)
         self.engine = engine
         # a weak reference: a bound method would make frame -> recorder -> frame a cycle that
         # holds the stashed activations until the garbage collector runs
@@ -178,6 +209,7 @@ class Frame:
                     # under jvp the recompute must also produce tangents, which the saved
                     # primals do not name: keep every promoted output (NOTE [stash liveness])
                     self.recorder.prune(self.needed_vids)
+                self.recorder.seal()
         finally:
             self.needed_vids = set()
             self._kept = {}
@@ -235,6 +267,17 @@ class Frame:
                 else:
                     # t itself (the engine detaches): the engine keeps a weakref to catch in-place writes
                     p = Packed(self, _OFFLOAD, s, pos, self._offload(t, decision), phys._version, meta, rec)
+            elif self.routed:
+                # kept by this call's policy: the parent's policy decides whether it survives the
+                # forward pass (NOTE [nested remat]); the parent's recompute re-saves this position
+                assert self.parent is not None
+                self.nested.routed.add(pos)
+                tok = INSPECTOR.set(None)  # listed below, in this call's scope, with the parent's decision
+                try:
+                    handle = self.parent.pack(t)
+                finally:
+                    INSPECTOR.reset(tok)
+                p = Packed(self, _ROUTED, s, pos, handle, phys._version, meta, rec)
             else:  # an input or parameter held by reference, or a saved op output
                 p = Packed(self, _KEEP, s, pos, holdable(t), phys._version, meta, rec)
                 if rec is not None:
@@ -248,7 +291,10 @@ class Frame:
                 self.packed.append(p)
             insp = INSPECTOR.get()
             if insp is not None:  # remat.saved_residuals is listing what is saved (_inspect.py)
-                insp.on_save(t, p.kind, self)
+                final = p
+                while final.kind == _ROUTED:  # what the enclosing calls decided for it
+                    final = final.payload
+                insp.on_save(t, final.kind, self)
             return p
 
     def _promote_tangents(self) -> None:
@@ -320,6 +366,9 @@ class Frame:
             return self.engine.fetch(p.payload)  # type: ignore[no-any-return]
         if p.kind == _INPUT:
             return self._inputs()[p.payload]  # type: ignore[no-any-return]
+        if p.kind == _ROUTED:
+            assert self.parent is not None
+            return self.parent.unpack(p.payload)
         s = p.height
         if s not in self.cache:
             self.cache[s] = self._recompute(s)
@@ -435,6 +484,11 @@ class _Capture:
         self.fn_name = frame.fn_name
         self.wanted = frame.drops.get(s, {})
         self.captured: dict[int, torch.Tensor] = {}
+        self._children = iter(frame.nested.children)
+
+    def next_nested(self) -> _Nested | None:
+        """The routing of the next routed call this recompute re-runs (in forward order)."""
+        return next(self._children, None)
 
     def pack(self, t: torch.Tensor) -> Any:
         top = ti.peek_interpreter()
@@ -482,9 +536,26 @@ def holdable(t: torch.Tensor) -> torch.Tensor:
 
 
 class _PassThrough:
-    """An inner remat call re-run by an outer recompute: its saves are the outer graph's own."""
+    """An inner remat call re-run by an outer recompute: its saves are the outer graph's own.
+
+    The positions the call's forward pass routed to the parent (``nested.routed``) are
+    saved through ``ctx`` again, so the outer recompute sees them at the same positions.
+    """
+
+    def __init__(self, ctx: Any, nested: _Nested | None) -> None:
+        self.ctx = ctx
+        self.routed = set() if nested is None else nested.routed
+        self._children = iter(() if nested is None else nested.children)
+        self.n = 0
+
+    def next_nested(self) -> _Nested | None:
+        return next(self._children, None)
 
     def pack(self, t: torch.Tensor) -> Any:
+        pos = self.n
+        self.n += 1
+        if pos in self.routed:
+            return self.ctx.pack(t)
         return holdable(t)
 
     def unpack(self, t: Any) -> Any:
@@ -493,11 +564,13 @@ class _PassThrough:
 
 def call_nested_replay(ctx: Any, run: Callable[[list[Any]], Any], flat: list[Any]) -> Any:
     """Run an inner remat call inside an outer recompute (NOTE [nested remat])."""
-    if not ti.interpreter_stack():
+    nested = None
+    if not ti.interpreter_stack():  # the forward made a routed frame for this call
+        nested = ctx.next_nested()
         for a in flat:
             if isinstance(a, torch.Tensor):
                 ctx.pack(a)
-    pt = _PassThrough()
+    pt = _PassThrough(ctx, nested)
     with saved_tensors_hooks(pt.pack, pt.unpack), _activate(pt):
         return run(flat)
 

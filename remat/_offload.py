@@ -366,6 +366,11 @@ class OffloadEngine:
             self._inflight.popleft()
             self._inflight_bytes -= n
 
+    def shares_storage(self, o: Offloaded, storage_keys: set[int]) -> bool:
+        """Whether the tensor ``o`` was copied from lives in one of these storages (by data pointer)."""
+        orig = o.orig()
+        return orig is not None and int(orig.untyped_storage().data_ptr()) in storage_keys
+
     def before_write(self, o: Offloaded) -> None:
         """An op is about to write into ``o``'s source tensor: it must wait until the copy has read it."""
         c = o.copy

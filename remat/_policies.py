@@ -13,7 +13,8 @@ another device and back). The names and meanings follow ``jax.checkpoint_policie
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -180,7 +181,7 @@ def everything_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
     return True
 
 
-_NO_BATCH_DOTS = {
+_NO_BATCH_DOTS = frozenset({
     "mm",
     "addmm",
     "mv",
@@ -193,9 +194,9 @@ _NO_BATCH_DOTS = {
     "linear",
     "addr",
     "outer",
-}
-_BATCH_DOTS = {"bmm", "baddbmm", "addbmm", "matmul", "_scaled_mm_v2"}
-_CONVS = {
+})
+_BATCH_DOTS = frozenset({"bmm", "baddbmm", "addbmm", "matmul", "_scaled_mm_v2"})
+_CONVS = frozenset({
     "convolution",
     "_convolution",
     "conv1d",
@@ -214,7 +215,7 @@ _CONVS = {
     "slow_conv_transpose2d",
     "slow_conv_dilated2d",
     "thnn_conv2d",
-}
+})
 
 
 def _packet(op: Any) -> str:
@@ -517,11 +518,11 @@ class offload_dot_with_no_batch_dims:
 
 # ---- string shortcuts -------------------------------------------------------
 
-_SHORTCUTS: dict[str, Policy] = {
+_SHORTCUTS: Mapping[str, Policy] = MappingProxyType({
     "save-nothing": nothing_saveable,
     "save-everything": everything_saveable,
     "save-matmuls": dots_saveable,
-}
+})
 
 
 def resolve_policy(policy: Any) -> Policy:

@@ -26,6 +26,8 @@ import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from remat import checkpoint_name, policies, remat
 from remat._hooks import Frame
@@ -90,6 +92,89 @@ def test_save_only_these_names_holds_the_named_value_only():
 def test_save_anything_except_these_names_drops_the_named_value():
     assert held_after_forward(policies.save_anything_except_these_names("b"), name="b") == ["a", "d"]
     assert held_after_forward(policies.save_anything_except_these_names("other"), name="b") == ["a", "b", "d"]
+
+
+# ---- storage liveness under torch.func ------------------------------------------------
+
+
+class StorageCensus(TorchDispatchMode):
+    """Weak references to the storage of every op output, recorded from outside remat.
+
+    Under torch.func the mode sees the ops below the functorch layers, on plain tensors,
+    so the storages it records are the real ones the wrappers (and saved tensors) share.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[str, weakref.ref]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.records.append((func.__name__, weakref.ref(t.untyped_storage())))
+        return out
+
+    def alive(self, exclude: set[int]) -> list[str]:
+        """Sorted names of the ops whose output storages are still alive (a storage named by its first op)."""
+        first: dict[int, str] = {}
+        for name, ref in self.records:
+            s = ref()
+            if s is not None and id(s) not in exclude:
+                first.setdefault(id(s), name)
+        return sorted(first.values())
+
+
+def func_block(W1, W2, x):
+    """Two matmuls and elementwise ops, each with a distinct ATen op; the output is tanh's."""
+    a = x @ W1
+    b = a.sin()
+    c = b.exp()
+    d = b * c
+    e = d @ W2
+    return e.tanh()
+
+
+def held_under_func(policy, transform):
+    """Op names of the storages alive inside ``loss`` between the block's forward and the backward."""
+    g = torch.Generator().manual_seed(0)
+    W1, W2 = (torch.randn(256, 256, generator=g, dtype=torch.float64) / 16 for _ in range(2))
+    xs = torch.randn(3, 64, 256, generator=g, dtype=torch.float64)
+    inputs = {id(t.untyped_storage()) for t in (W1, W2, xs)}
+    f = Counted(func_block)
+    fn = f if policy == "plain" else remat(f, policy=policy)
+    held: list[list[str]] = []
+
+    def loss(W1, W2, x):
+        with StorageCensus() as census:
+            out = fn(W1, W2, x)
+        assert len(census.records) >= 6, census.records  # the mode saw the block's ops
+        held.append(census.alive(exclude=inputs))
+        return out.sum()
+
+    if transform == "grad":
+        grads = torch.func.grad(loss, argnums=(0, 1))(W1, W2, xs[0])
+    else:
+        grads = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)), in_dims=(None, None, 0))(W1, W2, xs)
+    assert all(gr.abs().sum() > 0 for gr in grads)
+    assert len(held) == 1  # loss ran once (vmap runs it once for the whole batch)
+    recomputed = f.calls - 1
+    return held[0], recomputed
+
+
+PLAIN_HOLDS = ["exp.default", "mm.default", "mul.Tensor", "sin.default", "tanh.default"]
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap(grad)"])
+@pytest.mark.parametrize("policy,held,recomputed", [
+    ("plain", PLAIN_HOLDS, 0),  # a (sin's input), b, c (mul's inputs), d (mm's input), the output
+    ("save-everything", PLAIN_HOLDS, 0),  # exactly what plain keeps, nothing recomputed
+    ("save-nothing", ["tanh.default"], 1),  # the output only: no intermediate of the block
+    ("save-matmuls", ["mm.default", "mm.default", "tanh.default"], 1),  # both mm outputs, nothing elementwise
+])
+def test_what_each_policy_holds_under_torch_func(transform, policy, held, recomputed):
+    assert held_under_func("plain", transform)[0] == PLAIN_HOLDS  # the census is not vacuous
+    assert held_under_func(policy, transform) == (held, recomputed)
 
 
 # ---- no leaks -----------------------------------------------------------------------
