@@ -310,7 +310,7 @@ class Recorder(TorchDispatchMode):
         self.mutated_inplace = True
         with internal():
             keys = {storage_key(t) for t in _tensors((args, kwargs))} - {0}
-            for idx, rec in enumerate(self.ops):
+            for rec in self.ops:
                 if rec.stash is None:
                     continue
                 for pos, ref in enumerate(rec.stash):
@@ -407,7 +407,7 @@ class Replayer(TorchDispatchMode):
 
     def _replay(self, rec: OpRecord, func: Any, args: Any, kwargs: Any) -> Any:
         assert rec.stash is not None
-        vals = []
+        vals: list[Any] = []
         versions = rec.versions or [None] * len(rec.stash)
         with internal():
             for ref, meta, v0 in zip(rec.stash, rec.out_meta, versions):

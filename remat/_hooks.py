@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -174,6 +175,7 @@ class Frame:
         self.packed: list[Packed] = []  # filled only when record_packs is set (inspection)
         self.record_packs = False
         self.cache: dict[int, dict[int, torch.Tensor]] = {}
+        self._lock = threading.RLock()  # re-entrant: a recompute may unpack the parent, or itself
         self.used: dict[int, set[int]] = {}
         self.recomputes = 0
         self.needed_vids: set[int] = set()
@@ -349,6 +351,12 @@ class Frame:
         return Packed(self, _DROP, s, pos, None, 0, meta, rec)
 
     def unpack(self, p: Packed) -> torch.Tensor:
+        # The autograd engine runs a graph spanning devices on one thread per device: two of them
+        # may reach this call at once. One recompute per level, and consistent bookkeeping.
+        with self._lock:
+            return self._unpack_counted(p)
+
+    def _unpack_counted(self, p: Packed) -> torch.Tensor:
         out = self._unpack(p)
         if self.routed:
             self._served += 1

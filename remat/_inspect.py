@@ -81,6 +81,14 @@ class SavedResidual:
         replayed: remat holds it to hand it back in the recompute instead of
             running its op again (a matmul output under ``dots_saveable`` that
             autograd itself does not save, say); memory held all the same.
+
+    Example:
+        >>> import torch
+        >>> from remat import remat, saved_residuals
+        >>> f = remat(lambda x: torch.sin(torch.sin(x)).sum(), policy="save-nothing")
+        >>> r = saved_residuals(f, torch.randn(3, 4, requires_grad=True))[-1]
+        >>> (r.decision, r.op, r.shape, r.dtype, r.nbytes, r.scope is not None)
+        ('recomputed', 'aten.sin.default', (3, 4), torch.float32, 48, True)
     """
 
     shape: tuple[int, ...]
@@ -413,7 +421,23 @@ def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> Non
 
 @dataclasses.dataclass
 class MemoryReport:
-    """What each policy cost on one function: ``rows`` are :class:`remat.bench.measure.Result`, first the baseline."""
+    """What each policy cost on one function: ``rows`` are :class:`remat.bench.measure.Result`, first the baseline.
+
+    Returned by :func:`memory_report`; ``str(report)`` is a table with one line per row.
+
+    Example:
+        >>> import torch
+        >>> from remat import MemoryReport, memory_report
+        >>> def make_loss(wrap):
+        ...     block = wrap(lambda w, h: torch.tanh(torch.tanh(h @ w) @ w))
+        ...     return lambda w, x: block(w, x).pow(2).sum()
+        >>> w, x = torch.randn(32, 32, requires_grad=True), torch.randn(16, 32)
+        >>> rep = memory_report(make_loss, w, x, policies=["save-matmuls"], steps=1)
+        >>> isinstance(rep, MemoryReport), [r.label for r in rep.rows]
+        (True, ['no remat', 'save-matmuls'])
+        >>> rep.row("save-matmuls").label in str(rep), list(rep.to_dict())
+        (True, ['rows'])
+    """
 
     rows: list[Any]
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -67,7 +68,17 @@ _ENGINE: contextvars.ContextVar[OffloadEngine | None] = contextvars.ContextVar("
 
 
 def default_engine() -> OffloadEngine:
-    """The engine serving remat calls in this context (NOTE [default engine])."""
+    """The engine serving remat calls in this context (NOTE [default engine]).
+
+    Example:
+        >>> from remat.offload import OffloadEngine, default_engine, use_engine
+        >>> isinstance(default_engine(), OffloadEngine), default_engine() is default_engine()
+        (True, True)
+        >>> eng = OffloadEngine()
+        >>> with use_engine(eng):
+        ...     default_engine() is eng
+        True
+    """
     eng = _ENGINE.get()
     if eng is None:
         eng = OffloadEngine()
@@ -77,7 +88,19 @@ def default_engine() -> OffloadEngine:
 
 @contextlib.contextmanager
 def use_engine(engine: OffloadEngine) -> Iterator[OffloadEngine]:
-    """Make ``engine`` serve the remat calls started inside the ``with`` block."""
+    """Make ``engine`` serve the remat calls started inside the ``with`` block.
+
+    Example:
+        >>> import torch
+        >>> from remat import remat, policies
+        >>> from remat.offload import OffloadEngine, use_engine
+        >>> f = remat(lambda x: x.exp().sin().sum(), policy=policies.offload_to_cpu(min_bytes=0))
+        >>> x = torch.randn(256, requires_grad=True)
+        >>> with use_engine(OffloadEngine()) as eng:
+        ...     f(x).backward()
+        >>> eng.stats["offloaded"] > 0, eng.stats["fetched"] > 0
+        (True, True)
+    """
     if not isinstance(engine, OffloadEngine):
         raise TypeError(f"use_engine: expected an OffloadEngine, got {engine!r} ({type(engine).__name__})")
     tok = _ENGINE.set(engine)
@@ -106,12 +129,19 @@ class _PinnedPool:
         self.allocated_bytes = 0
         self.allocations = 0  # buffers allocated (stays flat once warm)
         self.reuses = 0
+        # buffers come back from whichever thread drops the last reference (the autograd engine
+        # runs one thread per device): acquire and release must not interleave
+        self._lock = threading.Lock()
 
     @staticmethod
     def size_class(nbytes: int) -> int:
         return max(4096, 1 << max(nbytes - 1, 0).bit_length())
 
     def acquire(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            return self._acquire(nbytes)
+
+    def _acquire(self, nbytes: int) -> torch.Tensor:
         cls = self.size_class(nbytes)
         bucket = self.free[cls]
         for i, (buf, ev) in enumerate(bucket):
@@ -145,14 +175,16 @@ class _PinnedPool:
         return buf
 
     def release(self, buf: torch.Tensor, ready: Any) -> None:
-        self.free[buf.numel()].append((buf, ready))
+        with self._lock:
+            self.free[buf.numel()].append((buf, ready))
 
     def empty(self) -> int:
         """Drop every free buffer; returns the bytes dropped."""
-        n = sum(b.numel() for bucket in self.free.values() for b, _ in bucket)
-        self.free.clear()
-        self.allocated_bytes -= n
-        return n
+        with self._lock:
+            n = sum(b.numel() for bucket in self.free.values() for b, _ in bucket)
+            self.free.clear()
+            self.allocated_bytes -= n
+            return n
 
 
 class _Group:
@@ -191,7 +223,21 @@ class _HostCopy:
 
 
 class Offloaded:
-    """What autograd holds instead of an offloaded tensor: a view (dtype, shape, strides) of a host copy."""
+    """What autograd holds instead of an offloaded tensor: a view (dtype, shape, strides) of a host copy.
+
+    Made by :meth:`OffloadEngine.offload`; :meth:`OffloadEngine.fetch` gives the tensor back.
+
+    Example:
+        >>> import torch
+        >>> from remat.offload import OffloadEngine, Offloaded
+        >>> eng = OffloadEngine()
+        >>> x = torch.arange(6.0).reshape(2, 3)
+        >>> h = eng.offload(x.t(), "cpu")
+        >>> isinstance(h, Offloaded), tuple(h.shape), h.stride
+        (True, (3, 2), (1, 3))
+        >>> torch.equal(eng.fetch(h), x.t())
+        True
+    """
 
     __slots__ = ("engine", "copy", "dtype", "shape", "stride", "offset", "version", "orig", "round", "__weakref__")
 

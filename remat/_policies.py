@@ -48,7 +48,21 @@ __all__ = [
 
 
 class Decision:
-    """Base class of what a policy may return (besides ``True``/``False``)."""
+    """Base class of what a policy may return (besides ``True``/``False``).
+
+    Example:
+        >>> import torch
+        >>> from remat import remat
+        >>> from remat.policies import Decision, Recompute, Saveable
+        >>> isinstance(Saveable, Decision) and isinstance(Recompute, Decision)
+        True
+        >>> def keep_sin(op, *args, **kwargs) -> Decision:
+        ...     return Saveable if op is torch.ops.aten.sin.default else Recompute
+        >>> x = torch.randn(3, requires_grad=True)
+        >>> remat(lambda x: x.sin().exp().sum(), policy=keep_sin)(x).backward()
+        >>> torch.allclose(x.grad, x.cos() * x.sin().exp())
+        True
+    """
 
 
 class _Saveable(Decision):

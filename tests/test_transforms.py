@@ -15,7 +15,10 @@ that remat did what its policy says:
   recomputed tensors); save-everything never re-runs it;
 * matrix products seen by an ``OpCounter`` around the transformed computation:
   save-everything, dots_saveable and offload run exactly as many as plain ``f``
-  (no matmul recomputed), save-nothing runs more.
+  (no matmul recomputed), save-nothing and save_only_these_names run more
+  wherever a backward pass runs (exactly as many otherwise),
+  dots_with_no_batch_dims_saveable runs more exactly when the forward pass has a
+  batched matmul (bmm, convolution) and a backward pass runs.
 
 Forward-mode-only transforms (jvp, jacfwd, vmap, linearize) save nothing for a
 backward pass, so nothing is recomputed there under any policy
@@ -425,10 +428,10 @@ def test_pytrees_static_kwargs(case: Case, pol: str) -> None:
         assert counted.calls == base_calls + case.recomputes and oc.count > base_mm
     elif pol == "dots":
         assert counted.calls > base_calls and oc.count == base_mm
-    elif pol == "names":  # nothing of tree_fn is named: everything is recomputed, matmuls included
+    elif pol == "names":  # only the tanh outputs named h1 are kept: the matmul is recomputed
         assert counted.calls > base_calls and oc.count > base_mm
     elif pol == "offload_cpu":
-        assert counted.calls == base_calls and oc.count == base_mm
+        assert oc.count == base_mm, "offload recomputed matmuls"
     elif pol == "dots_no_batch":
         assert counted.calls > base_calls
         batched = bool(_forward_matmuls(case.run, case.fn) & BATCHED_MATMULS)
