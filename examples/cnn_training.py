@@ -10,9 +10,9 @@ The data are synthetic 3x8x8 images in 10 classes (no downloads): each class has
 fixed random pattern, and an image is its class pattern plus noise, so the network
 can learn the rule and the loss falls.
 
-The memory saved is measured from outside remat: a ``TorchDispatchMode`` records
-every storage the forward pass allocates, and after the forward pass we add up
-the bytes of those still alive (the activations held for the backward pass), once
+The memory saved is measured from outside remat: a ``TorchDispatchMode``
+(``remat.bench.measure.LiveCensus``) records every storage the forward pass
+allocates, and after the forward pass we add up the bytes of those still alive (the activations held for the backward pass), once
 with the block under ``remat`` and once without.
 
 Run: ``python examples/cnn_training.py`` (about 10 s on one CPU thread).
@@ -21,16 +21,15 @@ Run: ``python examples/cnn_training.py`` (about 10 s on one CPU thread).
 from __future__ import annotations
 
 import gc
-import weakref
+from collections.abc import Callable
 from typing import Any
 
-import optree
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import remat
+from remat.bench.measure import LiveCensus
 
 CLASSES, BATCH, STEPS = 10, 64, 300
 
@@ -67,36 +66,26 @@ def make_data(gen: torch.Generator) -> Any:
     return batch
 
 
-class LiveStorages(TorchDispatchMode):
-    """Remember every storage an op allocates (not a view of its inputs); report the bytes still alive."""
+def live_bytes_after(forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Run ``forward()``; return its loss and the bytes of the storages its ops allocated that are still alive.
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: dict[int, tuple[weakref.ref[Any], int]] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        ins = {id(t.untyped_storage()) for t in optree.tree_leaves((args, kwargs or {}))
-               if isinstance(t, torch.Tensor)}
-        for t in optree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                s = t.untyped_storage()
-                if id(s) not in ins and id(s) not in self.refs:
-                    self.refs[id(s)] = (weakref.ref(s), s.nbytes())
-        return out
-
-    def live_bytes(self, exclude: Any = ()) -> int:
+    The loss's own storage is not counted. The census (``remat.bench.measure.LiveCensus``)
+    is a ``TorchDispatchMode`` outside remat: it weighs each storage an op allocates
+    (not a view of its inputs) and watches it die; it never asks remat what it holds.
+    """
+    census = LiveCensus()
+    try:
+        with census:
+            loss = forward()
         gc.collect()
-        skip = {id(t.untyped_storage()) for t in exclude}
-        return sum(n for k, (r, n) in self.refs.items() if r() is not None and k not in skip)
+        return loss, census.live - loss.untyped_storage().nbytes()
+    finally:
+        census.close()
 
 
 def held_after_forward(model: Net, x: torch.Tensor, y: torch.Tensor, use_remat: bool) -> int:
     """Bytes of activations the forward pass leaves alive for the backward pass."""
-    live = LiveStorages()
-    with live:
-        loss = F.cross_entropy(model(x, use_remat), y)
-    held = live.live_bytes(exclude=[loss])
+    loss, held = live_bytes_after(lambda: F.cross_entropy(model(x, use_remat), y))
     loss.backward()  # frees them
     model.zero_grad()
     return held

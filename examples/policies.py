@@ -36,7 +36,7 @@ import math
 import os
 import subprocess
 import sys
-import weakref
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat import checkpoint_name, policies
+from remat.bench.measure import LiveCensus
 from remat.bench.models import SIZES, make_transformer
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
@@ -93,28 +94,21 @@ def all_policies(device: str) -> dict[str, Any]:
     }
 
 
-class LiveStorages(TorchDispatchMode):
-    """Remember every storage an op allocates (not a view of its inputs) and report those still alive."""
+def live_bytes_after(forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Run ``forward()``; return its loss and the bytes of the storages its ops allocated that are still alive.
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: dict[int, tuple[weakref.ref[Any], int]] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        ins = {id(t.untyped_storage()) for t in optree.tree_leaves((args, kwargs or {}))
-               if isinstance(t, torch.Tensor)}
-        for t in optree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                s = t.untyped_storage()
-                if id(s) not in ins and id(s) not in self.refs:
-                    self.refs[id(s)] = (weakref.ref(s), s.nbytes())
-        return out
-
-    def live_bytes(self, exclude: Any = ()) -> int:
+    The loss's own storage is not counted. The census (``remat.bench.measure.LiveCensus``)
+    is a ``TorchDispatchMode`` outside remat: it weighs each storage an op allocates
+    (not a view of its inputs) and watches it die; it never asks remat what it holds.
+    """
+    census = LiveCensus()
+    try:
+        with census:
+            loss = forward()
         gc.collect()
-        skip = {id(t.untyped_storage()) for t in exclude}
-        return sum(n for k, (r, n) in self.refs.items() if r() is not None and k not in skip)
+        return loss, census.live - loss.untyped_storage().nbytes()
+    finally:
+        census.close()
 
 
 class CountMatmuls(TorchDispatchMode):
@@ -137,13 +131,13 @@ def run(params: Any, x: torch.Tensor, heads: int, policy: Any) -> dict[str, Any]
 
     f = block if policy is None else remat.remat(block, policy=policy)
     params = optree.tree_map(lambda t: t.detach().requires_grad_(), params)
-    live = LiveStorages()
-    with live:
+    def forward() -> torch.Tensor:
         h = x
         for p in params:
             h = f(p, h)
-        loss = (h * h).mean()
-    held = live.live_bytes(exclude=[loss])
+        return (h * h).mean()
+
+    loss, held = live_bytes_after(forward)
     fwd_calls = calls[0]
     with CountMatmuls() as mm:
         grads = torch.autograd.grad(loss, optree.tree_leaves(params))

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -42,7 +43,6 @@ from typing import Any
 import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _torch_internals as ti
 from ._errors import RematError
@@ -71,6 +71,26 @@ class internal:
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in optree.tree_leaves(tree, none_is_leaf=True) if isinstance(x, torch.Tensor)]
+
+
+def _arg_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors among an ATen op's arguments (a tensor, or a list of them, per argument)."""
+    out = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(x for x in a if isinstance(x, torch.Tensor))
+    return out
+
+
+@functools.cache
+def _traits(func: Any) -> tuple[bool, bool]:
+    """(mutates an argument, draws random numbers) for an ATen op; fixed per op, so cached."""
+    return bool(func._schema.is_mutable), torch.Tag.nondeterministic_seeded in func.tags
+
+
+_ONE_LEAF = optree.tree_structure(0)  # type: ignore[arg-type]
 
 
 def _meta(t: torch.Tensor) -> tuple[Any, ...]:
@@ -123,7 +143,7 @@ class Recorder(TorchDispatchMode):
         self.fn_name = fn_name
         self.offload = offload  # tensor, decision -> what to stash (the tensor or an Offloaded)
         self.ops: list[OpRecord] = []
-        self.vids: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._vid_of: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}  # id(tensor) -> (ref, vid)
         self.next_vid = 0
         self.producers: dict[int, int] = {}  # storage key -> index of the op that allocated it
         self.stash_of: dict[int, tuple[int, int]] = {}  # vid -> (op index, output position)
@@ -132,32 +152,42 @@ class Recorder(TorchDispatchMode):
         self.mutated_inplace = False
 
     def vid(self, t: torch.Tensor) -> int:
-        v = self.vids.get(t)
-        if v is None:
-            v = self.vids[t] = self.next_vid
-            self.next_vid += 1
+        """A number naming this tensor object for the call (never reused, unlike ``id``)."""
+        e = self._vid_of.get(id(t))
+        if e is not None and e[0]() is t:
+            return e[1]
+        v = self.next_vid
+        self.next_vid += 1
+        self._vid_of[id(t)] = (weakref.ref(t), v)
         return v
+
+    def known_vid(self, t: torch.Tensor) -> int | None:
+        e = self._vid_of.get(id(t))
+        return e[1] if e is not None and e[0]() is t else None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if INTERNAL.get():
             return func(*args, **kwargs)
         name = PENDING_NAME.get() if func is _ALIAS else None
-        ins = _tensors((args, kwargs))
-        mutable = func._schema.is_mutable
+        ins = _arg_tensors(args, kwargs)
+        mutable, random = _traits(func)
         if mutable:
             self._before_mutation(func, args, kwargs)
         out = func(*args, **kwargs)
-        leaves, spec = optree.tree_flatten(out, none_is_leaf=True)
+        if isinstance(out, torch.Tensor):
+            leaves, spec = [out], _ONE_LEAF
+        else:
+            leaves, spec = optree.tree_flatten(out, none_is_leaf=True)
         outs = [t for t in leaves if isinstance(t, torch.Tensor)]
-        from ._naming import checkpoint_name
 
         explicit = False
         if name is not None:
+            from ._naming import checkpoint_name
+
             decision, explicit = decide_explicit(self.policy, checkpoint_name, args, {"name": name})
         else:
             decision = decide(self.policy, func, args, kwargs)
-        random = torch.Tag.nondeterministic_seeded in func.tags
         with internal():
             in_keys = {storage_key(t) for t in ins}
             in_vids = [self.vid(t) for t in ins]
@@ -254,7 +284,7 @@ class Recorder(TorchDispatchMode):
 
     def made_here_decision(self, t: torch.Tensor) -> Decision | None:
         """The decision for the op of this call that returned ``t`` itself (None: not made here)."""
-        v = self.vids.get(t)
+        v = self.known_vid(t)
         idx = None if v is None else self.made_by.get(v)
         return None if idx is None else self.ops[idx].decision
 
@@ -265,7 +295,7 @@ class Recorder(TorchDispatchMode):
         nothing: holding its stashed output would keep exactly what was dropped.
         Any other op that made it is replayed, so its output is held.
         """
-        v = self.vids.get(t)
+        v = self.known_vid(t)
         loc = None if v is None else self.stash_of.get(v)
         if loc is None:
             return
@@ -280,7 +310,7 @@ class Recorder(TorchDispatchMode):
 
     def promote_value(self, t: torch.Tensor) -> None:
         """``t`` must come back in the recompute: hold the stashed output of the op that made it."""
-        v = self.vids.get(t)
+        v = self.known_vid(t)
         if v is not None:
             self._promote(v)
 
