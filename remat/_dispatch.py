@@ -42,11 +42,11 @@ from typing import Any
 
 import optree
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _torch_internals as ti
 from ._errors import RematError
 from ._policies import Decision, Offloadable, Recompute, Saveable, decide, decide_explicit
+from ._torch_internals import TorchDispatchMode
 
 __all__ = ["INTERNAL", "PENDING_NAME", "internal", "OpRecord", "Recorder", "Replayer"]
 

@@ -38,10 +38,10 @@ from typing import Any
 import optree
 import torch
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _torch_internals as ti
 from ._dispatch import INTERNAL, PENDING_NAME, internal, iter_stashed, storage_key
+from ._torch_internals import TorchDispatchMode
 
 __all__ = ["INSPECTOR", "SavedResidual", "saved_residuals", "print_saved_residuals", "format_saved_residuals",
            "MemoryReport", "memory_report"]

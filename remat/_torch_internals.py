@@ -200,12 +200,10 @@ def queue_backward_callback(fn: Callable[[], None]) -> bool:
     return True
 
 
-# Python dispatch modes: remat's own bookkeeping ops (RNG state, wrapping)
-# must not be seen by the user's modes or by remat's own policy mode.
-def current_dispatch_modes() -> list[Any]:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return list(_get_current_dispatch_mode_stack())
+# TorchDispatchMode is the documented way to see ATen ops below autograd and every functorch
+# layer (the only place a policy can see matmuls under torch.func), but it lives in a private
+# module: remat imports it from here only.
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode  # noqa: E402
 
 
 def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
@@ -214,10 +212,6 @@ def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
-
-
-def tensor_tags(op: Any) -> tuple[Any, ...]:
-    return tuple(getattr(op, "tags", ()))
 
 
 def is_compiling() -> bool:

@@ -31,8 +31,9 @@ from typing import Any
 
 import optree
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
+
+from .._torch_internals import TorchDispatchMode
 
 __all__ = ["Config", "Result", "LiveCensus", "measure", "ratio", "format_table", "pareto_front", "plot", "MiB"]
 

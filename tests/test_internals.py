@@ -1,0 +1,47 @@
+"""Private PyTorch APIs are used in one module only (remat/_torch_internals.py), each with a reason."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import torch
+
+import remat._torch_internals as ti
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "remat"
+PRIVATE = re.compile(r"torch\._C\b|torch\._functorch\b|torch\.utils\._\w+|torch\._dynamo\b|torch\._subclasses\b")
+
+
+def test_private_torch_apis_only_in_the_internals_module():
+    offenders = []
+    for path in ROOT.rglob("*.py"):
+        if path.name == "_torch_internals.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if PRIVATE.search(line) and not line.lstrip().startswith("#"):
+                offenders.append(f"{path.relative_to(ROOT.parent)}:{n}: {line.strip()}")
+    assert offenders == [], "private torch APIs outside remat/_torch_internals.py:\n" + "\n".join(offenders)
+
+
+def test_internals_module_explains_its_uses():
+    text = (ROOT / "_torch_internals.py").read_text()
+    # every block that reaches into a private API is introduced by a comment or docstring saying why
+    assert text.lower().count("no public") >= 4
+
+
+def test_internals_work_on_this_torch():
+    assert ti.interpreter_stack() == []
+    assert ti.peek_interpreter() is None
+    t = torch.ones(2)
+    assert not ti.is_wrapped(t) and ti.unwrap_all(t) is t
+
+    def f(x):
+        (interp,) = ti.interpreter_stack()
+        assert interp.key() == ti.TransformType.Grad
+        assert ti.is_wrapped(x) and ti.unwrap_all(x).shape == x.shape
+        return (x * x).sum()
+
+    torch.func.grad(f)(torch.ones(3))
+    assert ti.saved_tensors_hooks_disabled_message() is None
+    assert not ti.is_compiling()
