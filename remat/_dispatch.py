@@ -150,6 +150,7 @@ class Recorder(TorchDispatchMode):
         self.made_by: dict[int, int] = {}  # vid -> index of the op that returned that tensor
         self.on_demote: Callable[[int], None] | None = None  # storage key: a name dropped it
         self.mutated_inplace = False
+        self.written: set[int] = set()  # storage keys an in-place op wrote (over-approximated: all its args)
 
     def vid(self, t: torch.Tensor) -> int:
         """A number naming this tensor object for the call (never reused, unlike ``id``)."""
@@ -241,7 +242,9 @@ class Recorder(TorchDispatchMode):
         recomputed; dropping the name drops it even if the policy saves that op.
         """
         idx = self.producers.get(storage_key(x))
-        if idx is None or idx == name_idx:
+        if idx is None or idx == name_idx or storage_key(x) in self.written:
+            # (written in place since its op ran: the op's output is not the named value;
+            # the name's own output is stashed as usual)
             return
         rec = self.ops[idx]
         if rec.random or rec.out_spec is None:
@@ -340,6 +343,7 @@ class Recorder(TorchDispatchMode):
         self.mutated_inplace = True
         with internal():
             keys = {storage_key(t) for t in _tensors((args, kwargs))} - {0}
+            self.written |= keys
             for rec in self.ops:
                 if rec.stash is None:
                     continue
@@ -371,7 +375,8 @@ class Recorder(TorchDispatchMode):
     def prune(self, needed_vids: set[int]) -> None:
         """Release stashed outputs nothing live will read (NOTE [stash liveness])."""
         if self.mutated_inplace:
-            return  # in-place ops make value identities unreliable: keep everything promoted
+            self.keep_all()  # in-place ops make value identities unreliable: no liveness analysis
+            return
         needed = set(needed_vids)
         for rec in reversed(self.ops):
             is_live = any(v in needed for v in rec.out_vids) or not rec.out_vids
@@ -394,8 +399,19 @@ class Recorder(TorchDispatchMode):
                             rec.stash[i] = None if ref() is None else ref
                 else:
                     rec.stash = [None] * len(rec.stash)
-        # weak entries that are still referenced are values the backward pass holds
-        # anyway (kept saved tensors); replay them while they live.
+            if rec.stash is not None and is_live:
+                # a live output still referenced now must still be there in the backward pass
+                self.promote(rec)
+
+    def keep_all(self) -> None:
+        """No pruning: every op stays live; an output already gone is made again by its op."""
+        for rec in self.ops:
+            if rec.stash is None:
+                continue
+            if any(isinstance(r, weakref.ref) and r() is None for r in rec.stash):
+                rec.stash = None  # run it again in the recompute rather than replay NaNs
+            else:
+                self.promote(rec)
 
 
 class Replayer(TorchDispatchMode):

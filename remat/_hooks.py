@@ -207,10 +207,13 @@ class Frame:
                 self._check_forward_mutation(flat)
                 self._replay_kept_above_grad()
                 self._promote_tangents()
-                if not any(lv.kind == "jvp" for lv in self.levels):
-                    # under jvp the recompute must also produce tangents, which the saved
-                    # primals do not name: keep every promoted output (NOTE [stash liveness])
-                    self.recorder.prune(self.needed_vids)
+                with below_all_levels():  # promoting detaches (and may offload) plain tensors
+                    if any(lv.kind == "jvp" for lv in self.levels):
+                        # under jvp the recompute must also produce tangents, which the saved
+                        # primals do not name: no liveness analysis (NOTE [stash liveness])
+                        self.recorder.keep_all()
+                    else:
+                        self.recorder.prune(self.needed_vids)
                 self.recorder.seal()
         finally:
             self.needed_vids = set()
