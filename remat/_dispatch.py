@@ -374,9 +374,9 @@ class Recorder(TorchDispatchMode):
 
     def prune(self, needed_vids: set[int]) -> None:
         """Release stashed outputs nothing live will read (NOTE [stash liveness])."""
-        if self.mutated_inplace:
-            self.keep_all()  # in-place ops make value identities unreliable: no liveness analysis
-            return
+        # In-place writes need no special case here: a write returns the tensor it wrote, so the
+        # walk sees it as producing that value again; every write runs in the recompute (writes
+        # are never replayed or skipped); and a stashed output is copied before a write (cow).
         needed = set(needed_vids)
         for rec in reversed(self.ops):
             is_live = any(v in needed for v in rec.out_vids) or not rec.out_vids

@@ -208,10 +208,11 @@ class Frame:
                 self._replay_kept_above_grad()
                 self._promote_tangents()
                 with below_all_levels():  # promoting detaches (and may offload) plain tensors
-                    if any(lv.kind == "jvp" for lv in self.levels):
+                    if any(lv.kind == "jvp" for lv in self.levels) or (self.levels and self.recorder.mutated_inplace):
                         # under jvp the recompute must also produce tangents, which the saved
-                        # primals do not name: no liveness analysis (NOTE [stash liveness])
-                        self.recorder.keep_all()
+                        # primals do not name; under torch.func, writes through the batching rules'
+                        # views are not all seen as values: no liveness analysis (NOTE [stash liveness])
+                        pass
                     else:
                         self.recorder.prune(self.needed_vids)
                 self.recorder.seal()
