@@ -333,6 +333,14 @@ class Recorder(TorchDispatchMode):
                 t = ref()
                 if t is None:
                     continue
+                if storage_key(t) in self.written:
+                    # written in place since its op ran (and not copied before: it was held weakly
+                    # then): what it holds now is not the op's output, so run the op again instead
+                    idx = next(j for j, r in enumerate(self.ops) if r is rec)
+                    self._unstash(rec, idx)
+                    for v in rec.in_vids:
+                        self._ensure_recomputable(v)
+                    return
                 t = t.detach()
                 if isinstance(rec.decision, Offloadable):
                     t = self.offload(t, rec.decision)

@@ -304,13 +304,14 @@ MODES = ["plain", "func_grad", "vmap_grad", "double", "nested"]
 # Known engine bugs: (mode, seed, policy) -> reason. xfail(strict) so they flip when fixed. (Fixed since the fuzzer
 # found them: names after in-place writes, and NaN replays when a function writes in place; their cases now pass.)
 R_VMAP_ASSERT = "vmap(grad) + save_anything_except_these_names + named value into einsum: functorch INTERNAL ASSERT"
-R_OFFLOAD_INPLACE = "torch.func.grad + offload_to_cpu + in-place on an intermediate: wrong grads (stale offloaded copy)"
+R_OFFLOAD_INPLACE = ("torch.func.grad + offload_to_cpu + an in-place write on an intermediate through a view: "
+                     "wrong gradients (the replayed offloaded copy does not alias the base the write goes to)")
 R_FUNC_INPLACE_NAME = ("torch.func + an in-place write in f + a name policy: the stash is not pruned under "
                        "torch.func when f writes in place, and a needed output that died is replayed as NaN")
 KNOWN: dict[tuple[str, int, str], str] = {
     ("func_grad", 11, "only_names"): R_FUNC_INPLACE_NAME,
-    ("vmap_grad", 9, "except_names"): R_FUNC_INPLACE_NAME,
     ("vmap_grad", 0, "offload"): R_OFFLOAD_INPLACE,
+    ("vmap_grad", 9, "except_names"): R_FUNC_INPLACE_NAME,
 }
 
 
