@@ -84,6 +84,9 @@ def _arg_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Te
     return out
 
 
+_OVERWRITES = frozenset({torch.ops.aten.copy_, torch.ops.aten.fill_, torch.ops.aten.zero_})
+
+
 @functools.cache
 def _traits(func: Any) -> tuple[bool, bool]:
     """(mutates an argument, draws random numbers) for an ATen op; fixed per op, so cached."""
@@ -150,6 +153,7 @@ class Recorder(TorchDispatchMode):
         self.made_by: dict[int, int] = {}  # vid -> index of the op that returned that tensor
         self.on_demote: Callable[[int], None] | None = None  # storage key: a name dropped it
         self.mutated_inplace = False
+        self.offloaded_written = False  # an output to offload was written in place (see Frame.forward)
         self.written: set[int] = set()  # storage keys an in-place op wrote (over-approximated: all its args)
 
     def vid(self, t: torch.Tensor) -> int:
@@ -349,9 +353,13 @@ class Recorder(TorchDispatchMode):
     def _before_mutation(self, func: Any, args: Any, kwargs: Any) -> None:
         """Copy-on-write: a stashed output about to be written in place (itself or through a view) is copied first."""
         self.mutated_inplace = True
+        # a write that depends on what it overwrites (not a fill, a copy or a random draw)
+        partial = (torch.Tag.inplace_view not in func.tags and torch.Tag.nondeterministic_seeded not in func.tags
+                   and func.overloadpacket not in _OVERWRITES)
         with internal():
             keys = {storage_key(t) for t in _tensors((args, kwargs))} - {0}
-            self.written |= keys
+            if torch.Tag.inplace_view not in func.tags:  # squeeze_ & co. change shapes, not data
+                self.written |= keys
             for rec in self.ops:
                 if rec.stash is None:
                     continue
@@ -361,7 +369,9 @@ class Recorder(TorchDispatchMode):
                         if storage_key(cur) in keys:
                             rec.stash[pos] = cur.detach().clone()
                             rec.cow = True
+                            self.offloaded_written |= partial and isinstance(rec.decision, Offloadable)
                     elif cur is not None and cur.engine.shares_storage(cur, keys):
+                        self.offloaded_written |= partial
                         # offloaded: on CUDA the write must wait until its copy to the host ran
                         cur.engine.before_write(cur)
 

@@ -203,6 +203,13 @@ class Frame:
                 es.enter_context(self.recorder)
                 es.enter_context(_activate(self))
                 out = self.run(flat)
+            if self.levels and self.recorder.offloaded_written:
+                raise RematError(
+                    f"remat: {self.fn_name} writes in place into a tensor that its offload policy "
+                    "offloads, under torch.func; remat does not support that yet (its replay could "
+                    "give wrong gradients). Make the write out of place (h = h * 2 instead of "
+                    "h.mul_(2)), or use a save or recompute policy under torch.func."
+                )
             with internal():
                 self._check_forward_mutation(flat)
                 self._replay_kept_above_grad()
