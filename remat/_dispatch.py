@@ -421,16 +421,6 @@ class Recorder(TorchDispatchMode):
                 # a live output still referenced now must still be there in the backward pass
                 self.promote(rec)
 
-    def keep_all(self) -> None:
-        """No pruning: every op stays live; an output already gone is made again by its op."""
-        for rec in self.ops:
-            if rec.stash is None:
-                continue
-            if any(isinstance(r, weakref.ref) and r() is None for r in rec.stash):
-                rec.stash = None  # run it again in the recompute rather than replay NaNs
-            else:
-                self.promote(rec)
-
 
 class Replayer(TorchDispatchMode):
     """Recompute: the same ops in the same order; stashed outputs handed back, not recomputed."""
@@ -439,7 +429,6 @@ class Replayer(TorchDispatchMode):
         super().__init__()
         self.rec = recorder
         self.pos = 0
-        self.ran_ops: list[Any] = []  # what actually executed (for counting in tests/inspection)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

@@ -172,8 +172,6 @@ class Frame:
         self.input_ids: dict[int, int] = {}  # id of an input tensor -> its slot, while routed forward runs
         self.counts: dict[int, int] = {}  # saving height -> number of tensors saved there
         self.drops: dict[int, dict[int, tuple[Any, ...]]] = {}  # height -> dropped position -> (shape, dtype)
-        self.packed: list[Packed] = []  # filled only when record_packs is set (inspection)
-        self.record_packs = False
         self.cache: dict[int, dict[int, torch.Tensor]] = {}
         self._lock = threading.RLock()  # re-entrant: a recompute may unpack the parent, or itself
         self.used: dict[int, set[int]] = {}
@@ -300,8 +298,6 @@ class Frame:
             if p.kind == _DROP and any(lv.kind == "jvp" for lv in self.levels[: max(s, 0)]):
                 # its tangents are read after the forward pass (no op may run inside a pack hook)
                 self._tangents_todo.append((t, s))
-            if self.record_packs:
-                self.packed.append(p)
             insp = INSPECTOR.get()
             if insp is not None:  # remat.saved_residuals is listing what is saved (_inspect.py)
                 final = p

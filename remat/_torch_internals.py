@@ -75,10 +75,6 @@ def is_grad_wrapper(t: torch.Tensor) -> bool:
     return bool(_F.is_gradtrackingtensor(t))
 
 
-def is_functional(t: torch.Tensor) -> bool:
-    return bool(_F.is_functionaltensor(t))
-
-
 def is_zero_tensor(t: torch.Tensor) -> bool:
     """Forward AD's ZeroTensor (an efficient "no tangent"): no public predicate exists."""
     return bool(t._is_zerotensor())
