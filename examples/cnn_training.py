@@ -20,8 +20,6 @@ Run: ``python examples/cnn_training.py`` (about 10 s on one CPU thread).
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from remat import remat
-from remat.bench.measure import LiveCensus
+from remat.bench.measure import live_bytes_after
 
 CLASSES, BATCH, STEPS = 10, 64, 300
 
@@ -64,23 +62,6 @@ def make_data(gen: torch.Generator) -> Any:
         return x, y
 
     return batch
-
-
-def live_bytes_after(forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Run ``forward()``; return its loss and the bytes of the storages its ops allocated that are still alive.
-
-    The loss's own storage is not counted. The census (``remat.bench.measure.LiveCensus``)
-    is a ``TorchDispatchMode`` outside remat: it weighs each storage an op allocates
-    (not a view of its inputs) and watches it die; it never asks remat what it holds.
-    """
-    census = LiveCensus()
-    try:
-        with census:
-            loss = forward()
-        gc.collect()
-        return loss, census.live - loss.untyped_storage().nbytes()
-    finally:
-        census.close()
 
 
 def held_after_forward(model: Net, x: torch.Tensor, y: torch.Tensor, use_remat: bool) -> int:

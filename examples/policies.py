@@ -31,12 +31,10 @@ offload engine's host copies are not among them (the ``--rss`` table counts them
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -46,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat import checkpoint_name, policies
-from remat.bench.measure import LiveCensus
+from remat.bench.measure import live_bytes_after
 from remat.bench.models import SIZES, make_transformer
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
@@ -92,23 +90,6 @@ def all_policies(device: str) -> dict[str, Any]:
                 offload_src=src, offload_dst="cpu"),
         "offload_dot_with_no_batch_dims": policies.offload_dot_with_no_batch_dims(src, "cpu"),
     }
-
-
-def live_bytes_after(forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Run ``forward()``; return its loss and the bytes of the storages its ops allocated that are still alive.
-
-    The loss's own storage is not counted. The census (``remat.bench.measure.LiveCensus``)
-    is a ``TorchDispatchMode`` outside remat: it weighs each storage an op allocates
-    (not a view of its inputs) and watches it die; it never asks remat what it holds.
-    """
-    census = LiveCensus()
-    try:
-        with census:
-            loss = forward()
-        gc.collect()
-        return loss, census.live - loss.untyped_storage().nbytes()
-    finally:
-        census.close()
 
 
 class CountMatmuls(TorchDispatchMode):

@@ -35,7 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .._torch_internals import TorchDispatchMode
 
-__all__ = ["Config", "Result", "LiveCensus", "measure", "ratio", "format_table", "pareto_front", "plot", "MiB"]
+__all__ = ["Config", "Result", "LiveCensus", "live_bytes_after", "measure", "ratio", "format_table", "pareto_front", "plot", "MiB"]
 
 MiB = float(1 << 20)
 Progress = Callable[[str], None]
@@ -131,6 +131,31 @@ class LiveCensus(TorchDispatchMode):
             f.detach()
         self._finalizers.clear()
         self._tracked.clear()
+
+
+def live_bytes_after(forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Run ``forward()``; return its loss and the bytes of the storages its ops allocated that are still alive.
+
+    The loss's own storage is not counted. The census is a :class:`LiveCensus`, a
+    ``TorchDispatchMode`` outside remat: it weighs each storage an op allocates and
+    watches it die; it never asks remat what it holds.
+
+    Example:
+        >>> import torch
+        >>> from remat.bench.measure import live_bytes_after
+        >>> x = torch.ones(256, requires_grad=True)
+        >>> loss, held = live_bytes_after(lambda: x.exp().sum())
+        >>> held  # exp saved its 1 KiB output for the backward pass
+        1024
+    """
+    census = LiveCensus()
+    try:
+        with census:
+            loss = forward()
+        gc.collect()
+        return loss, census.live - loss.untyped_storage().nbytes()
+    finally:
+        census.close()
 
 
 def _ptr(t: torch.Tensor) -> int:
