@@ -29,6 +29,24 @@ NOTE [dead ops]
     output, a dead op hands back a NaN-filled tensor of the recorded shape. JAX
     gets the same from dead-code elimination; torch.utils.checkpoint runs the
     whole function again. Random, in-place and view ops always run.
+
+NOTE [outside tensors]
+    An op may read a tensor that is neither an input of the call nor made by an
+    op of the call: a parameter, a buffer, a closed-over or global tensor. The
+    forward pass records, per op, each such read (the tensor, its version) and
+    the recompute checks that the same op reads the very same tensor, unmodified
+    (or, for a constant rebuilt on every call, an equal one that needs no
+    gradient). NOTE [state is an input] in ``_state.py`` puts module state and
+    closures back for the recompute; this check turns everything it cannot
+    reach into a ``RematError`` that names the tensor, never a wrong gradient.
+    Writes into outside tensors (BatchNorm's running statistics, any buffer
+    updated in place) happen once, in the forward pass: the forward copies the
+    written value before each such write, and the recompute writes into a copy
+    of that instead of the real buffer. A read of a buffer the call writes is
+    served from a copy of the value it read (the pre-write copy, or a copy taken
+    when the forward pass ends), so the recompute never depends on what happens
+    to the buffer afterwards (the same BatchNorm called again before this
+    backward pass, an optimizer step).
 """
 
 from __future__ import annotations
@@ -57,6 +75,14 @@ INTERNAL: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_internal"
 PENDING_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("remat_name", default=None)
 
 _ALIAS = torch.ops.aten.alias.default
+# A tensor built from Python data (torch.tensor(...)) enters dispatch through these: their output
+# is a value of the call, made afresh each time, not an outside tensor.
+_LIFTS = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.default,
+                    torch.ops.aten.lift_fresh_copy.default})
+# Ops that write their running-statistics arguments (3 and 4) in training mode (argument 5)
+# although their schemas do not say so.
+_HIDDEN_WRITES = frozenset({torch.ops.aten.native_batch_norm.default, torch.ops.aten.cudnn_batch_norm.default,
+                            torch.ops.aten.miopen_batch_norm.default})
 
 
 class internal:
@@ -91,6 +117,64 @@ _OVERWRITES = frozenset({torch.ops.aten.copy_, torch.ops.aten.fill_, torch.ops.a
 def _traits(func: Any) -> tuple[bool, bool]:
     """(mutates an argument, draws random numbers) for an ATen op; fixed per op, so cached."""
     return bool(func._schema.is_mutable), torch.Tag.nondeterministic_seeded in func.tags
+
+
+def _mutates(func: Any, args: tuple[Any, ...], schema_mutable: bool) -> bool:
+    return schema_mutable or (func in _HIDDEN_WRITES and len(args) > 5 and bool(args[5]))
+
+
+@functools.cache
+def _written_args(func: Any) -> frozenset[int]:
+    """Indices of the schema arguments an op writes."""
+    if func in _HIDDEN_WRITES:
+        return frozenset({3, 4})
+    return frozenset(i for i, a in enumerate(func._schema.arguments)
+                     if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _written_positions(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
+    """Positions, in :func:`_arg_tensors` order, of the tensors an op writes."""
+    written = _written_args(func)
+    names = [a.name for a in func._schema.arguments]
+    out: list[int] = []
+    pos = 0
+    items = [(i, a) for i, a in enumerate(args)]
+    items += [(names.index(k) if k in names else -1, a) for k, a in kwargs.items()]
+    for i, a in items:
+        if isinstance(a, torch.Tensor):
+            if i in written:
+                out.append(pos)
+            pos += 1
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                if isinstance(x, torch.Tensor):
+                    if i in written:
+                        out.append(pos)
+                    pos += 1
+    return out
+
+
+def _replace_tensors(args: tuple[Any, ...], kwargs: dict[str, Any],
+                     new: dict[int, torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args``/``kwargs`` with the tensors at positions ``new`` (:func:`_arg_tensors` order) replaced."""
+    pos = 0
+
+    def one(a: Any) -> Any:
+        nonlocal pos
+        if isinstance(a, torch.Tensor):
+            pos += 1
+            return new.get(pos - 1, a)
+        if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+            return type(a)(one(x) for x in a)
+        return a
+
+    args2 = tuple(one(a) for a in args)
+    kwargs2 = {k: one(a) for k, a in kwargs.items()}
+    return args2, kwargs2
+
+
+def _geometry(t: torch.Tensor) -> tuple[Any, ...]:
+    return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
 
 
 _ONE_LEAF = optree.tree_structure(0)  # type: ignore[arg-type]
@@ -130,6 +214,9 @@ class OpRecord:
     versions: list[int | None] | None = None  # of the stashed outputs when the forward pass ended
     live: bool = True  # set by Recorder.prune: False when nothing the recompute needs reads its outputs
     skippable: bool = False  # a pure op allocating fresh outputs: may be skipped when dead
+    # NOTE [outside tensors]: (position among the tensor args, tensor (weakly until seal), version)
+    outside: list[tuple[int, Any, int]] | None = None
+    subst: dict[int, torch.Tensor] | None = None  # position -> copy the recompute reads or writes instead
 
     def describe(self) -> str:
         what = f"checkpoint_name({self.name!r})" if self.name is not None else str(self.func)
@@ -155,6 +242,10 @@ class Recorder(TorchDispatchMode):
         self.mutated_inplace = False
         self.offloaded_written = False  # an output to offload was written in place (see Frame.forward)
         self.written: set[int] = set()  # storage keys an in-place op wrote (over-approximated: all its args)
+        self.input_keys: set[int] = set()  # storages of the call's inputs (set by the frame)
+        # NOTE [outside tensors]: storage key -> (geometry, version before, copy) per write into it
+        self.outside_writes: dict[int, list[tuple[tuple[Any, ...], int, torch.Tensor]]] = {}
+        self.describe_tensor: Callable[[torch.Tensor], str | None] = lambda t: None
 
     def vid(self, t: torch.Tensor) -> int:
         """A number naming this tensor object for the call (never reused, unlike ``id``)."""
@@ -177,8 +268,8 @@ class Recorder(TorchDispatchMode):
         name = PENDING_NAME.get() if func is _ALIAS else None
         ins = _arg_tensors(args, kwargs)
         mutable, random = _traits(func)
-        if mutable:
-            self._before_mutation(func, args, kwargs)
+        mutable = _mutates(func, args, mutable)
+        subst = self._before_mutation(func, args, kwargs, ins) if mutable else None
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor):
             leaves, spec = [out], _ONE_LEAF
@@ -194,8 +285,10 @@ class Recorder(TorchDispatchMode):
         else:
             decision = decide(self.policy, func, args, kwargs)
         with internal():
-            in_keys = {storage_key(t) for t in ins}
+            keys = [storage_key(t) for t in ins]
+            in_keys = set(keys)
             in_vids = [self.vid(t) for t in ins]
+            outside = None if func in _LIFTS else self._outside_reads(ins, keys, in_vids)
             rec = OpRecord(
                 func,
                 name,
@@ -206,18 +299,21 @@ class Recorder(TorchDispatchMode):
                 random,
                 out_spec=spec if len(outs) == len(leaves) else None,
             )
+            rec.outside, rec.subst = outside, subst
             idx = len(self.ops)
             self.ops.append(rec)
             rec.refs = [weakref.ref(t) for t in outs]
-            for v in rec.out_vids:
-                self.made_by[v] = idx
+            for t, v in zip(outs, rec.out_vids):
+                # an in-place write returns the outside tensor it wrote: that stays outside
+                if not (subst and self._is_outside_key(storage_key(t))):
+                    self.made_by[v] = idx
             if name is not None and ins and (decision is not Recompute or explicit):
                 self._name_decides(ins[0], decision, idx)
             for t in outs:
                 k = storage_key(t)
                 # a checkpoint_name alias shares its input's storage; its decision (the name's)
                 # governs that storage when it is saved, not the decision of the op that allocated it
-                if k and (k not in in_keys or name is not None):
+                if k and (k not in in_keys or name is not None or func in _LIFTS):
                     self.producers[k] = idx
             # a mutable op (squeeze_, add_, out=) is run again, never replayed: handing back its stashed
             # output would skip the write into its argument, which the caller goes on using. A zero
@@ -350,14 +446,54 @@ class Recorder(TorchDispatchMode):
                     t = self.offload(t, rec.decision)
                 rec.stash[i] = t
 
-    def _before_mutation(self, func: Any, args: Any, kwargs: Any) -> None:
-        """Copy-on-write: a stashed output about to be written in place (itself or through a view) is copied first."""
-        self.mutated_inplace = True
+    def _is_outside_key(self, k: int) -> bool:
+        return k != 0 and k not in self.producers and k not in self.input_keys
+
+    def _outside_reads(self, ins: list[torch.Tensor], keys: list[int],
+                       vids: list[int]) -> list[tuple[int, Any, int]] | None:
+        """The op's reads of outside tensors (NOTE [outside tensors]), held weakly until :meth:`seal`."""
+        found = None
+        for j, (t, k, v) in enumerate(zip(ins, keys, vids)):
+            if v in self.made_by or not self._is_outside_key(k):
+                continue
+            if found is None:
+                found = []
+            found.append((j, weakref.ref(t), t._version))
+        return found
+
+    def _before_mutation(self, func: Any, args: Any, kwargs: Any,
+                         ins: list[torch.Tensor]) -> dict[int, torch.Tensor] | None:
+        """Copy-on-write: a stashed output about to be written in place (itself or through a view) is copied first.
+
+        Returns copies of the outside tensors the op is about to write (NOTE [outside tensors]);
+        a write only into outside tensors changes no value of the call.
+        """
+        subst = None
+        inside = False
+        with internal():
+            for j in _written_positions(func, args, kwargs):
+                t = ins[j]
+                k = storage_key(t)
+                if self._is_outside_key(k):
+                    copy = t.detach().clone()
+                    self.outside_writes.setdefault(k, []).append((_geometry(t), t._version, copy))
+                    if subst is None:
+                        subst = {}
+                    subst[j] = copy
+                else:
+                    inside = True
+        if subst is None or inside:
+            self.mutated_inplace = True
+            self._copy_on_write(func, [ins[j] for j in _written_positions(func, args, kwargs)]
+                                if func in _HIDDEN_WRITES else _tensors((args, kwargs)))
+        return subst
+
+    def _copy_on_write(self, func: Any, written: list[torch.Tensor]) -> None:
         # a write that depends on what it overwrites (not a fill, a copy or a random draw)
         partial = (torch.Tag.inplace_view not in func.tags and torch.Tag.nondeterministic_seeded not in func.tags
                    and func.overloadpacket not in _OVERWRITES)
         with internal():
-            keys = {storage_key(t) for t in _tensors((args, kwargs))} - {0}
+            keys = {storage_key(t) for t in written} - {0}  # over-approximated: all its arguments
             if torch.Tag.inplace_view not in func.tags:  # squeeze_ & co. change shapes, not data
                 self.written |= keys
             for rec in self.ops:
@@ -380,11 +516,52 @@ class Recorder(TorchDispatchMode):
 
         The version lives on the op's own output (a result the caller may hold),
         not on the detached alias in the stash, which has a counter of its own.
+        Outside reads are settled (NOTE [outside tensors]): tensors still alive are
+        held for the recompute's check, reads of buffers the call writes are served
+        from copies.
         """
         for rec in self.ops:
             if rec.stash is not None:
                 outs = [r() for r in rec.refs]
                 rec.versions = [None if o is None else o._version for o in outs]
+            if rec.outside is not None:
+                self._settle_outside(rec)
+        self.outside_writes = {}
+
+    def _settle_outside(self, rec: OpRecord) -> None:
+        assert rec.outside is not None
+        keep = []
+        for j, ref, version in rec.outside:
+            t = ref()
+            if t is None:
+                continue  # a temporary (a wrapped scalar): made afresh by the recompute too
+            writes = self.outside_writes.get(storage_key(t))
+            if writes is None:
+                keep.append((j, t, version))
+                continue
+            if rec.subst is not None and j in rec.subst:
+                continue  # the write itself reads its pre-write copy
+            if t._version == version:
+                copy = t.detach().clone()  # not written since this read: its value now
+            else:
+                geo = _geometry(t)
+                copy = next((c for g, v, c in writes if g == geo and v == version), None)
+                if copy is None:
+                    raise RematError(
+                        f"remat: {self.fn_name} reads a tensor of shape {list(t.shape)}"
+                        f"{self._label(t)} that is not one of its inputs and then writes into it in place "
+                        f"(through another view) during the same call ({rec.describe()} read it); the "
+                        "recompute cannot read the value it had. Pass the tensor as an input, or move "
+                        "the in-place update out of the remat'd function."
+                    )
+            if rec.subst is None:
+                rec.subst = {}
+            rec.subst[j] = copy
+        rec.outside = keep or None
+
+    def _label(self, t: torch.Tensor) -> str:
+        label = self.describe_tensor(t)
+        return f" ({label})" if label else ""
 
     def producer(self, phys: torch.Tensor) -> OpRecord | None:
         idx = self.producers.get(storage_key(phys))
@@ -447,6 +624,8 @@ class Replayer(TorchDispatchMode):
         if not rec.live and rec.skippable:
             with internal():  # dead: nothing needed reads it (NOTE [dead ops])
                 return optree.tree_unflatten(rec.out_spec, [_dead_value(m) for m in rec.out_meta])
+        if rec.outside is not None or rec.subst is not None:
+            args, kwargs = self._outside_args(i, rec, args, kwargs)
         out = func(*args, **kwargs)
         outs = _tensors(out)
         got = [_meta(t)[:2] for t in outs]
@@ -482,6 +661,42 @@ class Replayer(TorchDispatchMode):
                 vals.append(t)
         return optree.tree_unflatten(rec.out_spec, vals)
 
+    def _outside_args(self, i: int, rec: OpRecord, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """Check the op reads the forward's outside tensors; hand it copies where recorded (NOTE [outside tensors])."""
+        with internal():
+            ins = _arg_tensors(args, kwargs)
+            for j, t0, version in rec.outside or ():
+                cur = ins[j] if j < len(ins) else None
+                if cur is None:
+                    raise self._diverged(f"op #{i} {rec.describe()} has fewer tensor arguments than in the forward pass")
+                same = cur is t0 or (storage_key(cur) == storage_key(t0) and _geometry(cur) == _geometry(t0))
+                if same:
+                    if cur._version != version:
+                        raise RematError(
+                            f"remat: a tensor of shape {list(cur.shape)}{self.rec._label(t0)} that "
+                            f"{self.rec.fn_name} reads without taking it as an argument was modified in place "
+                            f"after its forward pass (version {version} -> {cur._version}), before the "
+                            "backward pass recomputed from it; the recompute would read the new value. Run "
+                            "the backward pass before updating it (e.g. optimizer.step() after backward()), "
+                            "or clone it."
+                        )
+                    continue
+                if (not cur.requires_grad and not t0.requires_grad and cur.shape == t0.shape
+                        and cur.dtype == t0.dtype and cur.device == t0.device and torch.equal(cur, t0)):
+                    continue  # a constant made afresh on every call, with the same value
+                raise RematError(
+                    f"remat: the recompute of {self.rec.fn_name} read a different tensor of shape "
+                    f"{list(cur.shape)}{self.rec._label(t0)} than its forward pass did, as argument "
+                    f"#{j} of op #{i} {rec.func}: a tensor that is not an argument of the function (a "
+                    "module's parameter or buffer, a closed-over or global tensor) was replaced between "
+                    "the forward and the backward pass, and gradients would be wrong. Pass it to the "
+                    "function as an argument, or keep it in place until the backward pass; for modules, "
+                    "use remat.remat_module(module), whose parameters and buffers remat puts back."
+                )
+            if rec.subst is not None:
+                args, kwargs = _replace_tensors(args, kwargs, {j: c.clone() for j, c in rec.subst.items()})
+        return args, kwargs
+
     def finish(self) -> None:
         if self.pos != len(self.rec.ops):
             nxt = self.rec.ops[self.pos]
@@ -495,7 +710,9 @@ class Replayer(TorchDispatchMode):
             "The wrapped function must run the same ops on the same shapes every time it is "
             "called with the same inputs: avoid data-dependent Python branches on values that "
             "change between forward and backward, global state that changes (counters, caches, "
-            "a module switched between train() and eval()), and in-place mutation of inputs."
+            "a module switched between train() and eval()), and in-place mutation of inputs. A key/value "
+            "cache that grows on every call changes the shapes: for a Hugging Face model pass "
+            "use_cache=False (model.config.use_cache = False)."
         )
 
 

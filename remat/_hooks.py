@@ -82,6 +82,7 @@ from ._functorch import (
 )
 from ._inspect import INSPECTOR
 from ._policies import Offloadable, Recompute
+from ._state import Snapshot
 
 __all__ = ["Frame", "active_context", "call_nested_replay", "holdable"]
 
@@ -141,8 +142,9 @@ class Frame:
     """One call of a remat'd function."""
 
     def __init__(self, run: Callable[[list[Any]], Any], flat: list[Any], fn_name: str,
-                 policy: Callable[..., Any], preserve_rng: bool, engine: Any) -> None:
+                 policy: Callable[..., Any], preserve_rng: bool, engine: Any, state: Snapshot) -> None:
         self.run = run
+        self.state = state  # NOTE [state is an input]
         self.fn_name = fn_name
         self.levels: list[Level] = record_stack(fn_name)
         h = len(self.levels)
@@ -159,6 +161,7 @@ class Frame:
         wself = weakref.ref(self)
         self.recorder = Recorder(policy, fn_name, lambda t, d: wself()._offload(t, d))  # type: ignore[union-attr]
         self.recorder.on_demote = lambda key: wself()._demote(key)  # type: ignore[union-attr]
+        self.recorder.describe_tensor = state.label_of
         self._kept: dict[int, list[tuple[Packed, int]]] = {}  # storage key -> kept packs made here, vid
         with internal():
             tensors = [a for a in flat if isinstance(a, torch.Tensor)]
@@ -168,6 +171,10 @@ class Frame:
                 for a in flat
             ]
             self.versions = [ti.unwrap_all(a)._version if isinstance(a, torch.Tensor) else None for a in flat]
+            # the state's tensors are re-wrapped for the recompute's levels like the inputs
+            self.state_decs: list[Decomposed | None] = [
+                decompose(t, self.levels, h) if h and ti.is_wrapped(t) else None for t in state.tensors
+            ]
         self.flat: list[Any] = list(flat)  # for a routed frame: parent handles after forward()
         self.input_ids: dict[int, int] = {}  # id of an input tensor -> its slot, while routed forward runs
         self.counts: dict[int, int] = {}  # saving height -> number of tensors saved there
@@ -194,6 +201,8 @@ class Frame:
             # forward's input required grad: the parent hands inputs back detached
             self._routed_slots = {i: a.requires_grad for i, a in enumerate(flat) if isinstance(a, torch.Tensor)}
         self._forward_inputs = flat
+        with internal():
+            self.recorder.input_keys = {storage_key(ti.unwrap_all(a)) for a in flat if isinstance(a, torch.Tensor)}
         try:
             with contextlib.ExitStack() as es:
                 es.enter_context(ti.saved_tensors_hooks_enabled())
@@ -469,7 +478,11 @@ class Frame:
         replayer = Replayer(self.recorder)
         with contextlib.ExitStack() as es:
             es.enter_context(ti.saved_tensors_hooks_enabled())
-            vals, target = es.enter_context(replay(self.levels, self.decs, flat, s))
+            n = len(flat)
+            vals, target = es.enter_context(
+                replay(self.levels, self.decs + self.state_decs, flat + self.state.tensors, s))
+            vals, state_vals = vals[:n], vals[n:]
+            es.enter_context(self.state.restored(state_vals))
             capture.target = target
             es.enter_context(self.ambient.restored())
             es.enter_context(saved_tensors_hooks(capture.pack, capture.unpack))
@@ -482,7 +495,9 @@ class Frame:
             raise RematError(
                 f"remat: the recompute of {self.fn_name} saved {capture.n} tensors for the backward pass "
                 f"where its forward pass saved {self.counts.get(s, 0)}; the function must do the same "
-                "work every time it is called (no data-dependent branches or changing global state)."
+                "work every time it is called (no data-dependent branches or changing global state). If it "
+                "reads tensors that are not its arguments from somewhere remat does not look (a dict or a "
+                "global, under torch.func), pass them as arguments."
             )
         return captured
 

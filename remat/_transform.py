@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import sys
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, overload
 
@@ -13,8 +15,9 @@ from . import _torch_internals as ti
 from ._errors import RematError
 from ._hooks import Frame, active_context, call_nested_replay
 from ._policies import resolve_policy
+from ._state import brief_name, snapshot
 
-__all__ = ["remat", "checkpoint"]
+__all__ = ["remat", "checkpoint", "Rematted"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -99,15 +102,47 @@ def remat(fn: Any = None, *, policy: Any = None, static_argnums: int | Sequence[
     statics = _normalize_argnums(static_argnums)
     if not isinstance(preserve_rng_state, bool):
         raise TypeError(f"remat: preserve_rng_state must be True or False, got {preserve_rng_state!r}")
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    return Rematted(fn, pol, statics, preserve_rng_state)
 
-    @functools.wraps(fn)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        return _call(fn, name, pol, statics, preserve_rng_state, args, kwargs)
 
-    wrapped.policy = pol  # type: ignore[attr-defined]
-    wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
-    return wrapped
+class Rematted:
+    """What :func:`remat` returns: the function, rematerialized.
+
+    A callable object rather than a closure so that it survives ``copy.deepcopy``
+    and pickling (``torch.save(model)`` after ``block.forward = remat(block.forward)``:
+    the copy's forward runs the copy's module) and binds like a function when
+    used as a method decorator. ``__wrapped__`` is the original function, so
+    ``inspect.signature`` sees its signature.
+    """
+
+    def __init__(self, fn: Callable[..., Any], policy: Callable[..., Any], statics: tuple[int, ...],
+                 preserve_rng_state: bool) -> None:
+        self.__remat_target__ = fn
+        self.policy = policy
+        self.static_argnums = statics
+        self.preserve_rng_state = preserve_rng_state
+        self._name = brief_name(fn)
+        functools.update_wrapper(self, fn, updated=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _call(self.__remat_target__, self._name, self.policy, self.static_argnums,
+                     self.preserve_rng_state, args, kwargs)
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        return self if obj is None else types.MethodType(self, obj)
+
+    def __repr__(self) -> str:
+        return f"remat({self._name}, policy={getattr(self.policy, '__name__', self.policy)!r})"
+
+    def __reduce__(self) -> Any:
+        # a decorated module-level function pickles by reference, as the function would
+        mod = sys.modules.get(getattr(self, "__module__", None) or "")
+        obj: Any = mod
+        for part in (getattr(self, "__qualname__", "") or "").split("."):
+            obj = getattr(obj, part, None)
+        if obj is self:
+            return str(self.__qualname__)  # type: ignore[attr-defined]
+        return (Rematted, (self.__remat_target__, self.policy, self.static_argnums, self.preserve_rng_state))
 
 
 checkpoint = remat
@@ -164,7 +199,9 @@ def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics
     ctx = active_context()
     if ctx is not None and not isinstance(ctx, Frame):
         return call_nested_replay(ctx, run, flat)  # an outer recompute re-runs this call
-    frame = Frame(run, flat, name, policy, preserve_rng, _offload_engine())
+    # NOTE [state is an input]: what fn reads besides its arguments, held like them
+    state = snapshot(fn, [a for a in flat if not isinstance(a, torch.Tensor)] + list(static_vals.values()))
+    frame = Frame(run, flat, name, policy, preserve_rng, _offload_engine(), state)
     return frame.forward()
 
 

@@ -1,0 +1,226 @@
+"""What a remat'd function reads besides its arguments: module state and closures, found and put back.
+
+NOTE [state is an input]
+    A function often reads tensors that are not among its arguments: the
+    parameters and buffers of the modules it calls (a bound ``forward``, a
+    module passed as the function, a ``functools.partial`` holding one) and
+    tensors it closes over. They are inputs of the call like the arguments.
+    The recompute runs in the backward pass, by which time
+    ``torch.func.functional_call`` has put the module's own parameters back and
+    ``vjp``'s level has exited: reading them again would compute with other
+    values. So each call takes a :class:`Snapshot` of the state it can reach
+    (walking the function object: bound ``self``, partial arguments, closure
+    cells, nested functions, modules and their submodules), holds those tensors
+    until its backward pass like its inputs, and the recompute runs with them
+    put back (:meth:`Snapshot.restored`): module slots set in ``_parameters`` /
+    ``_buffers`` (what ``functional_call`` itself does), closure cells pointed
+    at the same values. Under torch.func the held tensors are re-wrapped for the
+    rebuilt levels exactly like the arguments (NOTE [per-level replay]).
+
+    What the walk cannot reach (a tensor in a global, in a dict inside a
+    closure that was mutated, an attribute of an arbitrary object) is caught
+    by the recompute's check that every op reads the same outside tensors as
+    in the forward pass (NOTE [outside tensors] in ``_dispatch.py``): a
+    ``RematError`` naming the tensor, never a wrong gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import optree
+import torch
+from torch import nn
+
+__all__ = ["Snapshot", "snapshot", "brief_name"]
+
+_MAX_DEPTH = 4  # functions reached through closures of closures of ...
+
+
+class _Slot:
+    """Where one piece of state lives, how to read it and set it."""
+
+    __slots__ = ("owner", "kind", "name", "label")
+
+    def __init__(self, owner: Any, kind: str, name: Any, label: str) -> None:
+        self.owner = owner  # a module (kind "_parameters"/"_buffers"), a cell ("cell") or an object ("attr")
+        self.kind = kind
+        self.name = name
+        self.label = label  # for messages: "GPT2Block.attn.c_attn.weight"
+
+    def get(self) -> Any:
+        if self.kind == "cell":
+            return self.owner.cell_contents
+        if self.kind == "attr":
+            return self.owner.__dict__[self.name]
+        return getattr(self.owner, self.kind)[self.name]
+
+    def set(self, value: Any) -> None:
+        if self.kind == "cell":
+            self.owner.cell_contents = value
+        elif self.kind == "attr":
+            self.owner.__dict__[self.name] = value
+        else:  # what torch.func.functional_call does (nn.utils._named_member_accessor.swap_tensor)
+            getattr(self.owner, self.kind)[self.name] = value
+
+
+class Snapshot:
+    """The state one call read: slots, and per slot the value (a tensor, or a pytree of them for a cell)."""
+
+    __slots__ = ("slots", "values", "specs", "tensors")
+
+    def __init__(self) -> None:
+        self.slots: list[_Slot] = []
+        self.values: list[Any] = []  # the slot's value at the forward pass
+        self.specs: list[Any] = []  # None: the value is a tensor; else the treespec of a container
+        self.tensors: list[torch.Tensor] = []  # every tensor, flat, in slot order
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def _add(self, slot: _Slot, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            self.slots.append(slot)
+            self.values.append(value)
+            self.specs.append(None)
+            self.tensors.append(value)
+            return
+        leaves, spec = optree.tree_flatten(value, none_is_leaf=True)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if tensors and len(leaves) > 0:
+            self.slots.append(slot)
+            self.values.append(value)
+            self.specs.append(spec)
+            self.tensors.extend(tensors)
+
+    @contextlib.contextmanager
+    def restored(self, tensors: list[torch.Tensor]) -> Iterator[None]:
+        """Run with every slot holding what it held in the forward pass (``tensors``: the held
+        tensors, re-wrapped for the recompute's levels). Slots already holding exactly that are
+        left alone (the common case: no functional_call, no transform)."""
+        undo: list[tuple[_Slot, Any]] = []
+        it = iter(tensors)
+        try:
+            for slot, value, spec in zip(self.slots, self.values, self.specs):
+                if spec is None:
+                    want = next(it)
+                else:
+                    leaves = optree.tree_leaves(value, none_is_leaf=True)
+                    new = [next(it) if isinstance(x, torch.Tensor) else x for x in leaves]
+                    same = all(a is b for a, b in zip(new, leaves))
+                    want = value if same else optree.tree_unflatten(spec, new)
+                cur = slot.get()
+                if cur is not want:
+                    undo.append((slot, cur))
+                    slot.set(want)
+            yield
+        finally:
+            for slot, cur in reversed(undo):
+                slot.set(cur)
+
+    def label_of(self, t: torch.Tensor) -> str | None:
+        """The slot a (plain) tensor came from, for messages: same storage as a held tensor."""
+        from ._torch_internals import unwrap_all
+
+        key = _key(t)
+        for slot, value, spec in zip(self.slots, self.values, self.specs):
+            for x in [value] if spec is None else optree.tree_leaves(value, none_is_leaf=True):
+                if isinstance(x, torch.Tensor) and _key(unwrap_all(x)) == key:
+                    return slot.label
+        return None
+
+
+def _key(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def snapshot(fn: Any, extra: list[Any]) -> Snapshot:
+    """The state ``fn`` can reach (and the non-tensor arguments in ``extra``: modules, functions)."""
+    snap = Snapshot()
+    seen: set[int] = set()
+    _walk(fn, snap, seen, brief_name(fn), 0)
+    for a in extra:
+        if not isinstance(a, torch.Tensor) and (callable(a) or isinstance(a, nn.Module)):
+            _walk(a, snap, seen, brief_name(a), 0)
+    return snap
+
+
+def _walk(obj: Any, snap: Snapshot, seen: set[int], label: str, depth: int) -> None:
+    if id(obj) in seen or depth > _MAX_DEPTH:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, nn.Module):
+        _walk_module(obj, snap, seen, label)
+    elif isinstance(obj, types.MethodType):
+        owner = obj.__self__
+        owner_label = label.rpartition(".")[0] or label
+        if isinstance(owner, nn.Module):
+            _walk(owner, snap, seen, owner_label, depth)
+        elif not isinstance(owner, type) and id(owner) not in seen:
+            seen.add(id(owner))
+            _walk_attrs(owner, snap, seen, owner_label, depth)
+        _walk(obj.__func__, snap, seen, label, depth)
+    elif isinstance(obj, functools.partial):
+        _walk(obj.func, snap, seen, label, depth + 1)
+        for a in (*obj.args, *obj.keywords.values()):
+            if isinstance(a, nn.Module) or callable(a):
+                _walk(a, snap, seen, brief_name(a), depth + 1)
+    elif isinstance(obj, types.FunctionType):
+        for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell (a name assigned later)
+                continue
+            if isinstance(value, nn.Module) or isinstance(value, (types.FunctionType, types.MethodType,
+                                                                   functools.partial)):
+                _walk(value, snap, seen, f"{label}:{name}", depth + 1)
+            elif id(cell) not in seen:
+                seen.add(id(cell))
+                snap._add(_Slot(cell, "cell", name, f"{name} (closed over by {label})"), value)
+    elif hasattr(obj, "__remat_target__"):  # remat's own wrappers: look at what they wrap
+        _walk(obj.__remat_target__, snap, seen, label, depth)
+    elif not isinstance(obj, type) and callable(obj):
+        _walk_attrs(obj, snap, seen, label, depth)
+
+
+def _walk_attrs(obj: Any, snap: Snapshot, seen: set[int], label: str, depth: int) -> None:
+    """An object's own tensors and modules (one level): a callable object, or a method's ``self``."""
+    for name, value in list(getattr(obj, "__dict__", {}).items()):
+        if isinstance(value, torch.Tensor):
+            snap._add(_Slot(obj, "attr", name, f"{label}.{name}"), value)
+        elif isinstance(value, nn.Module):
+            _walk(value, snap, seen, f"{label}.{name}", depth + 1)
+
+
+def _walk_module(root: nn.Module, snap: Snapshot, seen: set[int], label: str) -> None:
+    for prefix, m in root.named_modules(remove_duplicate=False):
+        if m is not root and id(m) in seen:
+            continue
+        seen.add(id(m))
+        where = f"{label}.{prefix}" if prefix else label
+        for kind in ("_parameters", "_buffers"):
+            for name, t in getattr(m, kind).items():
+                if t is not None:
+                    snap._add(_Slot(m, kind, name, f"{where}.{name}"), t)
+
+
+def brief_name(fn: Any, limit: int = 60) -> str:
+    """A short name for messages: ``GPT2Block.forward``, ``MLP``, ``f``; never a long repr."""
+    if isinstance(fn, functools.partial):
+        return brief_name(fn.func, limit)
+    if isinstance(fn, nn.Module):
+        return type(fn).__name__
+    if hasattr(fn, "__remat_target__"):
+        return brief_name(fn.__remat_target__, limit)
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    if isinstance(name, str):
+        return name
+    text = f"{type(fn).__name__} object"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
