@@ -17,10 +17,15 @@ from ._inspect import format_saved_residuals as format_saved_residuals
 from ._inspect import memory_report as memory_report
 from ._inspect import print_saved_residuals as print_saved_residuals
 from ._inspect import saved_residuals as saved_residuals
+from ._module import remat_module as remat_module
+from ._module import remat_modules as remat_modules
+from ._module import unremat_module as unremat_module
+from ._module import unremat_modules as unremat_modules
 from ._naming import checkpoint_name as checkpoint_name
 from ._transform import checkpoint as checkpoint
 from ._transform import remat as remat
 
-__all__ = ["remat", "checkpoint", "checkpoint_name", "policies", "offload", "RematError", "saved_residuals",
+__all__ = ["remat", "checkpoint", "checkpoint_name", "remat_module", "remat_modules", "unremat_module",
+           "unremat_modules", "policies", "offload", "RematError", "saved_residuals",
            "print_saved_residuals", "format_saved_residuals", "SavedResidual", "memory_report", "MemoryReport"]
 __version__ = "0.1.0"
