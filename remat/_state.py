@@ -106,6 +106,7 @@ class Snapshot:
         it = iter(tensors)
         try:
             for slot, value, spec in zip(self.slots, self.values, self.specs):
+                want: Any
                 if spec is None:
                     want = next(it)
                 else:
@@ -221,6 +222,6 @@ def brief_name(fn: Any, limit: int = 60) -> str:
         return brief_name(fn.__remat_target__, limit)
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
     if isinstance(name, str):
-        return name
+        return name.rpartition("<locals>.")[2]
     text = f"{type(fn).__name__} object"
     return text if len(text) <= limit else text[: limit - 3] + "..."

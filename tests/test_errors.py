@@ -140,7 +140,7 @@ def test_recompute_runs_another_op():
         return x.sin().sin() if calls[0] == 1 else x.cos().sin()
 
     out = remat(f)(leaf(3))
-    with pytest.raises(RematError, match=r"the recompute of \S*\.f diverged from its forward pass: op #0 was "
+    with pytest.raises(RematError, match=r"the recompute of f diverged from its forward pass: op #0 was "
                                          r"aten.sin.default -> \[3\] float64 in the forward pass but "
                                          r"aten.cos.default now. The wrapped function must run the same ops"):
         out.sum().backward()
@@ -155,7 +155,7 @@ def test_recompute_computes_another_shape():
         return torch.cat([x] * calls[0]).sin().sin().sum()
 
     out = remat(f)(leaf(3))
-    with pytest.raises(RematError, match=r"the recompute of \S*\.f diverged .*: op #0 aten.cat.default produced "
+    with pytest.raises(RematError, match=r"the recompute of f diverged .*: op #0 aten.cat.default produced "
                                          r"\[6\] float64 in the recompute but \[3\] float64 in the forward pass"):
         out.backward()
     plain_autograd_still_works()

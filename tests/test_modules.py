@@ -1,0 +1,496 @@
+"""Module state is an input: parameters, buffers and closed-over tensors read inside a remat'd function.
+
+Every case compares ``remat`` against the same model without remat under the same
+transform (float64 at 1e-10, float32 bitwise), and counts calls to prove that the
+recompute ran. The cases that used to give silent wrong gradients: a remat'd
+``forward`` under ``functional_call`` with parameters that differ from the
+module's own (the recompute read the module's own), a closure over a tensor of a
+``vjp``/``jacrev`` level, BatchNorm's statistics written twice.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, grad, jacrev, vjp, vmap
+
+import remat
+from remat import RematError, policies
+from remat.bench.measure import live_bytes_after
+
+from .helpers import assert_tree_close
+
+DT = torch.float64
+TOL = {"rtol": 1e-10, "atol": 1e-10}
+POLICIES = {
+    "nothing": policies.nothing_saveable,
+    "dots": policies.dots_saveable,
+    "everything": policies.everything_saveable,
+    "offload": policies.offload_to_cpu(min_bytes=0),
+}
+
+
+class Tally(nn.Module):
+    """Counts its forward calls: a recompute of the enclosing block runs it again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x
+
+
+class ConvNet(nn.Module):
+    """A small CNN with BatchNorm; ``self.body`` is the block that gets rematerialized."""
+
+    def __init__(self, bn: bool = True) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.body = nn.Sequential(
+            nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4) if bn else nn.Identity(), nn.Tanh(),
+            nn.Conv2d(4, 4, 3, padding=1), nn.Tanh(), Tally(),
+        )
+        self.head = nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(torch.tanh(self.stem(x))).flatten(1))
+
+
+def _net(dtype: torch.dtype = DT, bn: bool = True) -> ConvNet:
+    torch.manual_seed(0)
+    return ConvNet(bn).to(dtype)
+
+
+def _x(dtype: torch.dtype = DT, n: int = 2) -> torch.Tensor:
+    return torch.randn(n, 3, 6, 6, generator=torch.Generator().manual_seed(1), dtype=dtype)
+
+
+def _tally(m: ConvNet) -> int:
+    return m.body[-1].calls  # type: ignore[no-any-return]
+
+
+def _swapped(m: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters that differ from the module's own: what functional_call is for."""
+    return {k: v.detach() + 0.25 for k, v in m.named_parameters()}
+
+
+def _bound_method(m: ConvNet, policy: Any) -> None:
+    m.body.forward = remat.remat(m.body.forward, policy=policy)  # the pattern the docs show
+
+
+def _remat_module(m: ConvNet, policy: Any) -> None:
+    remat.remat_module(m.body, policy=policy)
+
+
+WRAPS = {"bound_method": _bound_method, "remat_module": _remat_module}
+
+
+def _loss(m: nn.Module, p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return functional_call(m, p, (x,)).square().sum()
+
+
+TRANSFORMS: dict[str, Callable[[nn.Module, dict[str, torch.Tensor], torch.Tensor], Any]] = {
+    "grad": lambda m, p, x: grad(lambda p: _loss(m, p, x))(p),
+    "vjp": lambda m, p, x: vjp(lambda p: _loss(m, p, x), p)[1](torch.ones((), dtype=DT))[0],
+    "jacrev": lambda m, p, x: jacrev(lambda p: functional_call(m, p, (x,)).sum(0))(p),
+    "vmap_grad": lambda m, p, x: vmap(grad(lambda p, xi: _loss(m, p, xi[None])), in_dims=(None, 0))(p, x),
+}
+
+
+def _eager(m: nn.Module, p: dict[str, torch.Tensor], x: torch.Tensor) -> dict[str, torch.Tensor]:
+    leaves = {k: v.clone().requires_grad_() for k, v in p.items()}
+    _loss(m, leaves, x).backward()
+    return {k: v.grad for k, v in leaves.items()}  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("wrap", list(WRAPS))
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("transform", ["eager", *TRANSFORMS])
+def test_functional_call_with_other_parameters(transform: str, policy: str, wrap: str, clean_after: None) -> None:
+    """The recompute uses the parameters functional_call swapped in, not the module's own."""
+    plain, ours = _net(bn=False), _net(bn=False)
+    WRAPS[wrap](ours, POLICIES[policy])
+    p, x = _swapped(plain), _x()
+    run = _eager if transform == "eager" else TRANSFORMS[transform]
+    want = run(plain, p, x)
+    before = _tally(ours)
+    got = run(ours, p, x)
+    assert_tree_close(got, want, **TOL)
+    calls = _tally(ours) - before
+    base = _tally(plain)
+    # save-nothing and dots re-run the block in the backward pass, save-everything does not; offload
+    # re-runs it under torch.func only, replaying the offloaded outputs (NOTE [offload under torch.func])
+    rerun = policy in ("nothing", "dots") or (policy == "offload" and transform != "eager")
+    assert calls == (2 * base if rerun else base), (calls, base)
+
+
+def test_float32_bitwise_under_functional_call(clean_after: None) -> None:
+    plain, ours = _net(torch.float32, bn=False), _net(torch.float32, bn=False)
+    remat.remat_module(ours.body)
+    p, x = _swapped(plain), _x(torch.float32)
+    assert_tree_close(_eager(ours, p, x), _eager(plain, p, x))
+    assert_tree_close(grad(lambda p: _loss(ours, p, x))(p), grad(lambda p: _loss(plain, p, x))(p))
+
+
+def test_seed_patterns_remat_of_a_submodule_call(clean_after: None) -> None:
+    """``checkpoint(self.conv1, x)`` inside a forward, written ``remat(self.conv1)(x)``."""
+
+    class Seed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv1 = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(), nn.Conv2d(4, 4, 3, padding=1))
+            self.fc2 = nn.Sequential(nn.Linear(4 * 36, 8), nn.GELU(), nn.Linear(8, 2))
+            self.use_remat = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w = remat.remat if self.use_remat else (lambda f: f)
+            h = torch.relu(w(self.conv1)(x)).flatten(1)
+            return w(self.fc2)(h)
+
+    torch.manual_seed(0)
+    ours = Seed().to(DT)
+    plain = copy.deepcopy(ours)
+    plain.use_remat = False
+    p, x = _swapped(plain), _x()
+    assert_tree_close(_eager(ours, p, x), _eager(plain, p, x), **TOL)
+    assert_tree_close(grad(lambda p: _loss(ours, p, x))(p), grad(lambda p: _loss(plain, p, x))(p), **TOL)
+    # the module's own parameters, plain autograd
+    for m in (ours, plain):
+        _loss(m, {}, x).backward()
+    for (name, a), b in zip(plain.named_parameters(), ours.parameters()):
+        assert torch.allclose(a.grad, b.grad, **TOL), name  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("transform", ["vjp", "jacrev", "grad", "vmap_grad"])
+def test_closure_over_a_tensor_of_the_level(transform: str, clean_after: None) -> None:
+    """A remat'd closure reading a wrapper of the transform's level (dead when vjp's backward runs)."""
+    x0 = torch.randn(3, 4, dtype=DT, generator=torch.Generator().manual_seed(2))
+    calls = [0]
+
+    def make(use: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+        def f(W: torch.Tensor) -> torch.Tensor:
+            c = W * 2
+
+            def inner(x: torch.Tensor) -> torch.Tensor:
+                calls[0] += 1
+                return torch.tanh(torch.tanh(x @ c) @ c).sum(-1)
+
+            return (remat.remat(inner) if use else inner)(x0)
+        return f
+
+    W = torch.randn(4, 4, dtype=DT, generator=torch.Generator().manual_seed(3))
+    runs: dict[str, Callable[[Callable[..., Any]], Any]] = {
+        "vjp": lambda f: vjp(f, W)[1](torch.ones(3, dtype=DT))[0],
+        "jacrev": lambda f: jacrev(f)(W),
+        "grad": lambda f: grad(lambda W: f(W).sum())(W),
+        "vmap_grad": lambda f: vmap(grad(lambda W: f(W).sum()))(torch.stack([W, W + 1])),
+    }
+    want = runs[transform](make(False))
+    calls[0] = 0
+    got = runs[transform](make(True))
+    assert_tree_close(got, want, **TOL)
+    assert calls[0] == 2  # forward and recompute
+
+
+# ---- BatchNorm: buffers written once --------------------------------------------------------
+
+def _stats(m: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in m.named_buffers()}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, DT], ids=["f32", "f64"])
+def test_batchnorm_statistics_written_once_eager(steps: int, policy: str, dtype: torch.dtype,
+                                                 clean_after: None) -> None:
+    plain, ours = _net(dtype), _net(dtype)
+    remat.remat_module(ours.body, policy=POLICIES[policy])
+    opt_a = torch.optim.SGD(plain.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(ours.parameters(), lr=0.1)
+    for step in range(steps):
+        x = _x(dtype) + step
+        for m, opt in ((plain, opt_a), (ours, opt_b)):
+            opt.zero_grad()
+            m(x).square().sum().backward()
+            opt.step()
+    assert ours.body[1].num_batches_tracked.item() == steps
+    assert_tree_close(_stats(ours), _stats(plain))  # bit for bit, float64 included
+    for (name, a), b in zip(plain.named_parameters(), ours.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_batchnorm_called_twice_before_backward(clean_after: None) -> None:
+    """The same BatchNorm block run on two batches before one backward pass (a GAN's D(real), D(fake))."""
+    plain, ours = _net(), _net()
+    plain.body[1].momentum = ours.body[1].momentum = None  # cumulative average: reads num_batches_tracked
+    remat.remat_module(ours.body)
+    for m in (plain, ours):
+        (m(_x()).sum() + m(_x() * 2).square().sum()).backward()
+    assert_tree_close(_stats(ours), _stats(plain))
+    for (name, a), b in zip(plain.named_parameters(), ours.parameters()):
+        assert torch.allclose(a.grad, b.grad, **TOL), name  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp"])
+def test_batchnorm_under_torch_func_with_buffers_passed_in(transform: str, clean_after: None) -> None:
+    """torch.func's recipe: buffers made inside the transformed function, passed with functional_call,
+    returned as aux. remat writes them once, as plain torch.func does."""
+    plain, ours = _net(), _net()
+    remat.remat_module(ours.body)
+    x = _x()
+
+    def run(m: nn.Module) -> tuple[Any, dict[str, torch.Tensor]]:
+        start = {k: v.clone() for k, v in m.named_buffers()}
+
+        def f(p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            bufs = {k: v.clone() for k, v in start.items()}  # made inside: torch.func lets BatchNorm write them
+            return functional_call(m, {**p, **bufs}, (x,)).square().sum(), bufs
+
+        if transform == "grad":
+            g, bufs = grad(f, has_aux=True)(_swapped(m))
+        else:
+            _, pull, bufs = vjp(f, _swapped(m), has_aux=True)
+            g = pull(torch.ones((), dtype=DT))[0]
+        return g, bufs
+
+    (g0, b0), (g1, b1) = run(plain), run(ours)
+    assert_tree_close(g1, g0, **TOL)
+    assert_tree_close(b1, b0)
+    assert b1["body.1.num_batches_tracked"].item() == 1
+    assert _tally(ours) == 2  # the recompute ran
+    assert_tree_close(_stats(ours), _stats(plain))  # the module's own buffers untouched by both
+
+
+def test_buffer_read_then_written_in_place(clean_after: None) -> None:
+    """An EMA-style buffer read before the call writes it: the recompute reads the value the forward read."""
+
+    class EMA(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("scale", torch.ones(4, dtype=DT))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.tanh(torch.tanh(x + self.scale) * 2)  # add saves nothing: plain autograd allows the write
+            self.scale.mul_(0.5)
+            return y + self.scale
+
+    plain, ours = EMA(), EMA()
+    remat.remat_module(ours)
+    for m in (plain, ours):
+        x = torch.linspace(-1, 1, 8, dtype=DT).reshape(2, 4).requires_grad_()
+        m(x).sum().backward()
+        m.xgrad = x.grad  # type: ignore[assignment]
+    assert torch.allclose(ours.xgrad, plain.xgrad, **TOL)
+    assert torch.equal(ours.scale, plain.scale)
+
+
+# ---- module API ----------------------------------------------------------------------------
+
+def test_remat_module_keeps_class_names_and_hooks(clean_after: None) -> None:
+    m = _net()
+    names = [n for n, _ in m.named_parameters()]
+    keys = list(m.state_dict())
+    pre, post = [], []
+    m.body.register_forward_pre_hook(lambda mod, args: pre.append(1))
+    m.body.register_forward_hook(lambda mod, args, out: post.append(1))
+    assert remat.remat_module(m.body, policy="save-nothing") is m.body
+    assert isinstance(m.body, nn.Sequential)
+    assert [n for n, _ in m.named_parameters()] == names and list(m.state_dict()) == keys
+    m(_x()).sum().backward()
+    # the recompute runs the block's forward again, but its hooks stay outside the remat'd region
+    assert _tally(m) == 2 and pre == [1] and post == [1]
+
+
+def test_remat_modules_selectors_and_undo(clean_after: None) -> None:
+    m = _net()
+    assert remat.remat_modules(m, nn.Conv2d) == ["stem", "body.0", "body.3"]
+    assert remat.remat_modules(m, (nn.Linear, nn.Sequential), policy="save-matmuls") == ["body", "head"]
+    assert remat.remat_modules(m, lambda name, mod: name == "head") == ["head"]
+    assert sorted(remat.unremat_modules(m)) == ["body", "body.0", "body.3", "head", "stem"]
+    assert not any("forward" in vars(mod) for mod in m.modules())
+    # undo restores a forward the module had of its own
+    def own(x: torch.Tensor) -> torch.Tensor:
+        return nn.Linear.forward(m.head, x)
+
+    m.head.forward = own
+    remat.remat_module(m.head)
+    assert remat.unremat_module(m.head).forward is own
+    with pytest.raises(TypeError, match="where must be an nn.Module subclass"):
+        remat.remat_modules(m, "Linear")
+    with pytest.raises(TypeError, match="expected an nn.Module"):
+        remat.remat_module(lambda x: x)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("wrap", list(WRAPS))
+def test_deepcopy_uses_the_copys_parameters(wrap: str, clean_after: None) -> None:
+    m = _net(bn=False)
+    WRAPS[wrap](m, policies.nothing_saveable)
+    c = copy.deepcopy(m)
+    with torch.no_grad():
+        for t in c.parameters():
+            t.add_(0.5)
+    x = _x()
+    c(x).square().sum().backward()
+    assert all(t.grad is None for t in m.parameters())  # the original module was not run
+    ref = _net(bn=False)
+    with torch.no_grad():
+        for t in ref.parameters():
+            t.add_(0.5)
+    ref(x).square().sum().backward()
+    for (name, a), b in zip(ref.named_parameters(), c.parameters()):
+        assert torch.allclose(a.grad, b.grad, **TOL), name  # type: ignore[arg-type]
+    assert _tally(c) == 2  # the copy's forward is remat'd too
+
+
+@pytest.mark.parametrize("wrap", list(WRAPS))
+def test_torch_save_and_pickle_round_trip(wrap: str, clean_after: None) -> None:
+    m = _net()
+    WRAPS[wrap](m, policies.dots_saveable)
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    again = pickle.loads(pickle.dumps(m))
+    x = _x()
+    m(x).sum().backward()
+    for other in (loaded, again):
+        assert other.body.forward.policy is policies.dots_saveable
+        assert other.body.forward.__remat_target__.__self__ is other.body
+        other(x).sum().backward()
+        assert _tally(other) == 2
+        for (name, a), b in zip(m.named_parameters(), other.parameters()):
+            assert torch.equal(a.grad, b.grad), name  # type: ignore[arg-type]
+
+
+def test_decorated_function_pickles_by_reference() -> None:
+    assert pickle.loads(pickle.dumps(_decorated)) is _decorated
+    assert copy.deepcopy(_decorated) is _decorated
+
+
+@remat.remat(policy="save-nothing")
+def _decorated(x: torch.Tensor) -> torch.Tensor:
+    return x.sin().sin()
+
+
+def test_remat_as_a_method_decorator(clean_after: None) -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4).to(DT)
+
+        @remat.remat
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(torch.tanh(self.lin(x)))
+
+    b = Block()
+    p = {k: v.detach() + 1 for k, v in b.named_parameters()}
+    x = torch.randn(2, 4, dtype=DT)
+    got = grad(lambda p: functional_call(b, p, (x,)).sum())(p)
+    lin = nn.Linear(4, 4).to(DT)
+    want = grad(lambda p: torch.tanh(torch.tanh(functional_call(lin, {k[4:]: v for k, v in p.items()}, (x,)))).sum())(p)
+    assert_tree_close(got, want, **TOL)
+
+
+# ---- what remat cannot put back raises, naming the tensor ------------------------------------
+
+_GLOBAL_TABLE: dict[str, torch.Tensor] = {}
+
+
+def test_replaced_global_tensor_raises_naming_it(clean_after: None) -> None:
+    _GLOBAL_TABLE["w"] = torch.randn(4, 4, dtype=DT)
+
+    @remat.remat
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.tanh(x @ _GLOBAL_TABLE["w"])).sum()
+
+    x = torch.randn(3, 4, dtype=DT, requires_grad=True)
+    out = f(x)
+    _GLOBAL_TABLE["w"] = _GLOBAL_TABLE["w"] + 1  # replaced behind remat's back, in a place it does not look
+    with pytest.raises(RematError, match=r"read a different tensor of shape \[4, 4\].*Pass it to the function"):
+        out.backward()
+
+
+def test_dict_in_a_closure_replaced_is_put_back(clean_after: None) -> None:
+    table = {"w": torch.randn(4, 4, dtype=DT)}
+
+    @remat.remat
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.tanh(x @ table["w"])).sum()
+
+    x = torch.randn(3, 4, dtype=DT, requires_grad=True)
+    y = x.detach().clone().requires_grad_()
+    w = table["w"]
+    f(x).backward()
+    out = f(y)
+    table["w"] = w + 1  # the closure's dict now holds another tensor: the recompute reads the forward's
+    out.backward()
+    assert torch.allclose(x.grad, y.grad, **TOL)  # type: ignore[arg-type]
+
+
+def test_parameter_modified_in_place_before_backward_raises(clean_after: None) -> None:
+    m = _net(bn=False)
+    remat.remat_module(m.body)
+    loss = m(_x()).sum()
+    with torch.no_grad():
+        m.body[0].weight.add_(1)  # an optimizer step before the backward pass
+    with pytest.raises(RematError, match=r"shape \[4, 4, 3, 3\] \(Sequential\.0\.weight\).*modified in place"):
+        loss.backward()
+
+
+def test_constant_made_on_every_call_is_fine(clean_after: None) -> None:
+    @remat.remat
+    def f(x: torch.Tensor) -> torch.Tensor:
+        c = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=DT)
+        return torch.tanh(torch.tanh(x @ c) * c).sum()
+
+    x = torch.randn(2, 2, dtype=DT, requires_grad=True)
+    f(x).backward()
+    y = x.detach().clone().requires_grad_()
+    c = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=DT)
+    torch.tanh(torch.tanh(y @ c) * c).sum().backward()
+    assert torch.allclose(x.grad, y.grad, **TOL)  # type: ignore[arg-type]
+
+
+def test_errors_name_the_function_briefly(clean_after: None) -> None:
+    class Flaky(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.n = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.n += 1
+            h = torch.tanh(self.lin(x))
+            return torch.tanh(h if self.n == 1 else h[:, :2]).sum()
+
+    m = remat.remat_module(Flaky())
+    out = m(torch.randn(2, 4))
+    with pytest.raises(RematError) as err:
+        out.backward()
+    msg = str(err.value)
+    assert "Flaky.forward" in msg and "\n" not in msg and "Linear(" not in msg
+    assert repr(m.forward) == "remat(Flaky.forward, policy='nothing_saveable')"
+
+
+# ---- memory: it really drops what it claims ---------------------------------------------------
+
+@pytest.mark.parametrize("policy,at_most", [("save-nothing", 0.2), ("save-matmuls", 0.7)])
+def test_remat_module_retains_less(policy: str, at_most: float) -> None:
+    """Bytes held between forward and backward, counted from outside remat (live storages)."""
+    torch.manual_seed(0)
+    block = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.LayerNorm(256)) for _ in range(4)])
+    x = torch.randn(64, 256, requires_grad=True)
+    _, plain = live_bytes_after(lambda: block(x).sum())
+    remat.remat_module(block, policy=policy)
+    out, ours = live_bytes_after(lambda: block(x).sum())
+    assert ours <= at_most * plain, (ours, plain)
+    out.backward()  # and it still runs
