@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -182,7 +183,7 @@ def _walk(obj: Any, snap: Snapshot, seen: set[int], label: str, depth: int) -> N
             if isinstance(value, nn.Module) or isinstance(value, (types.FunctionType, types.MethodType,
                                                                    functools.partial)):
                 _walk(value, snap, seen, f"{label}:{name}", depth + 1)
-            elif id(cell) not in seen:
+            elif isinstance(value, (torch.Tensor, list, tuple, dict)) and id(cell) not in seen:
                 seen.add(id(cell))
                 snap._add(_Slot(cell, "cell", name, f"{name} (closed over by {label})"), value)
     elif hasattr(obj, "__remat_target__"):  # remat's own wrappers: look at what they wrap
@@ -201,15 +202,43 @@ def _walk_attrs(obj: Any, snap: Snapshot, seen: set[int], label: str, depth: int
 
 
 def _walk_module(root: nn.Module, snap: Snapshot, seen: set[int], label: str) -> None:
-    for prefix, m in root.named_modules(remove_duplicate=False):
+    slots, values, specs, tensors = snap.slots, snap.values, snap.specs, snap.tensors
+    for m, mslots in _module_slots(root):
         if m is not root and id(m) in seen:
             continue
         seen.add(id(m))
+        for slot in mslots:
+            t = getattr(m, slot.kind)[slot.name]  # a parameter or buffer: a tensor, or None
+            if t is not None:
+                slots.append(slot)
+                values.append(t)
+                specs.append(None)
+                tensors.append(t)
+
+
+# The slots of a module tree, per root module: walking named_modules() and building labels on every
+# call costs ~50 us for a transformer block, reading cached slots ~2 us. Validated on each use by the
+# sizes of the dicts (a parameter, buffer or submodule registered or removed since); a slot missed by
+# a change that keeps the sizes would still be caught by the recompute's check (NOTE [outside tensors]).
+_SLOTS: weakref.WeakKeyDictionary[nn.Module, tuple[list[Any], list[int], list[tuple[nn.Module, list[_Slot]]]]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _module_slots(root: nn.Module) -> list[tuple[nn.Module, list[_Slot]]]:
+    cached = _SLOTS.get(root)
+    if cached is not None and [len(d) for d in cached[0]] == cached[1]:
+        return cached[2]
+    dicts: list[Any] = []
+    out: list[tuple[nn.Module, list[_Slot]]] = []
+    label = type(root).__name__
+    for prefix, m in root.named_modules(remove_duplicate=False):
         where = f"{label}.{prefix}" if prefix else label
-        for kind in ("_parameters", "_buffers"):
-            for name, t in getattr(m, kind).items():
-                if t is not None:
-                    snap._add(_Slot(m, kind, name, f"{where}.{name}"), t)
+        slots = [_Slot(m, kind, name, f"{where}.{name}") for kind in ("_parameters", "_buffers")
+                 for name in getattr(m, kind)]
+        out.append((m, slots))
+        dicts += [m._parameters, m._buffers, m._modules]
+    _SLOTS[root] = (dicts, [len(d) for d in dicts], out)
+    return out
 
 
 def brief_name(fn: Any, limit: int = 60) -> str:

@@ -29,7 +29,7 @@ def number(pattern: str, text: str) -> float:
 
 
 def test_every_example_has_a_test() -> None:
-    tested = {"cnn_training.py", "mlp_resume.py", "per_example_grads.py", "policies.py"}
+    tested = {"cnn_training.py", "mlp_resume.py", "per_example_grads.py", "policies.py", "modules.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -88,3 +88,13 @@ def test_policies() -> None:
     assert nothing[0] < dots[0] < plain[0]  # held memory
     assert nothing[1] == 2 * plain[1] and everything[1] == plain[1]  # recompute ran / did not
     assert dots[2] == plain[2] < nothing[2]  # dots_saveable recomputes no matrix product
+
+
+def test_modules() -> None:
+    out = run_example("modules.py")
+    assert "remat_modules changed ['conv1', 'fc2'] (state_dict keys unchanged: True)" in out
+    assert "remat(self.conv1)(x): parameters and BatchNorm statistics bitwise equal to plain: True" in out
+    assert "remat_modules: parameters and BatchNorm statistics bitwise equal to plain: True" in out
+    assert "plain 5, remat 5, torch.utils.checkpoint 10" in out  # torch's checkpoint counts twice
+    assert out.count("gradients bitwise equal: True") == 2
+    assert "keep the remat'd forward: True, same outputs: True" in out
