@@ -62,9 +62,9 @@ def test_block_extraction() -> None:
 def test_docs_pages_exist_and_are_linked() -> None:
     index = (ROOT / "docs" / "index.md").read_text()
     for name in ["getting-started.md", "policies.md", "how-it-works.md", "comparison.md", "transforms.md",
-                 "offloading.md", "inspecting.md", "benchmarks.md"]:
+                 "offloading.md", "inspecting.md", "benchmarks.md", "models.md"]:
         assert f"({name})" in index, f"docs/index.md does not link {name}"
-    for name in ["index.md", "getting-started.md", "policies.md", "how-it-works.md", "comparison.md"]:
+    for name in ["index.md", "getting-started.md", "policies.md", "how-it-works.md", "comparison.md", "models.md"]:
         assert python_blocks((ROOT / "docs" / name).read_text()) or name in ("index.md", "how-it-works.md"), name
 
 
