@@ -119,6 +119,12 @@ def _traits(func: Any) -> tuple[bool, bool]:
     return bool(func._schema.is_mutable), torch.Tag.nondeterministic_seeded in func.tags
 
 
+@functools.cache
+def _ignored(func: Any) -> bool:
+    """Profiler markers (``record_function``, also run by FSDP2's hooks): no values, not ops of the call."""
+    return getattr(func, "namespace", None) == "profiler"
+
+
 def _mutates(func: Any, args: tuple[Any, ...], schema_mutable: bool) -> bool:
     return schema_mutable or (func in _HIDDEN_WRITES and len(args) > 5 and bool(args[5]))
 
@@ -263,7 +269,7 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if INTERNAL.get():
+        if INTERNAL.get() or _ignored(func):
             return func(*args, **kwargs)
         name = PENDING_NAME.get() if func is _ALIAS else None
         ins = _arg_tensors(args, kwargs)
@@ -609,7 +615,7 @@ class Replayer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if INTERNAL.get():
+        if INTERNAL.get() or _ignored(func):
             return func(*args, **kwargs)
         ops = self.rec.ops
         i = self.pos

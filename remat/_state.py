@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import types
 import weakref
 from collections.abc import Iterator
@@ -72,9 +73,10 @@ class _Slot:
 class Snapshot:
     """The state one call read: slots, and per slot the value (a tensor, or a pytree of them for a cell)."""
 
-    __slots__ = ("slots", "values", "specs", "tensors")
+    __slots__ = ("slots", "values", "specs", "tensors", "sharded")
 
     def __init__(self) -> None:
+        self.sharded: list[str] = []  # submodules sharded by FSDP2 (fully_shard) below a module the call runs
         self.slots: list[_Slot] = []
         self.values: list[Any] = []  # the slot's value at the forward pass
         self.specs: list[Any] = []  # None: the value is a tensor; else the treespec of a container
@@ -203,7 +205,9 @@ def _walk_attrs(obj: Any, snap: Snapshot, seen: set[int], label: str, depth: int
 
 def _walk_module(root: nn.Module, snap: Snapshot, seen: set[int], label: str) -> None:
     slots, values, specs, tensors = snap.slots, snap.values, snap.specs, snap.tensors
-    for m, mslots in _module_slots(root):
+    mods, sharded = _module_slots(root)
+    snap.sharded += sharded
+    for m, mslots in mods:
         if m is not root and id(m) in seen:
             continue
         seen.add(id(m))
@@ -220,16 +224,21 @@ def _walk_module(root: nn.Module, snap: Snapshot, seen: set[int], label: str) ->
 # call costs ~50 us for a transformer block, reading cached slots ~2 us. Validated on each use by the
 # sizes of the dicts (a parameter, buffer or submodule registered or removed since); a slot missed by
 # a change that keeps the sizes would still be caught by the recompute's check (NOTE [outside tensors]).
-_SLOTS: weakref.WeakKeyDictionary[nn.Module, tuple[list[Any], list[int], list[tuple[nn.Module, list[_Slot]]]]] = (
+_Mods = list[tuple[nn.Module, list[_Slot]]]
+_SLOTS: weakref.WeakKeyDictionary[nn.Module, tuple[list[Any], list[int], _Mods, list[str]]] = (
     weakref.WeakKeyDictionary())
 
 
-def _module_slots(root: nn.Module) -> list[tuple[nn.Module, list[_Slot]]]:
+def _module_slots(root: nn.Module) -> tuple[_Mods, list[str]]:
+    """The slots of every module in the tree, and the names of the submodules sharded by FSDP2."""
     cached = _SLOTS.get(root)
     if cached is not None and [len(d) for d in cached[0]] == cached[1]:
-        return cached[2]
+        return cached[2], cached[3]
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # nothing is sharded unless FSDP was imported
+    fsdp_module = getattr(fsdp, "FSDPModule", None)
+    sharded: list[str] = []
     dicts: list[Any] = []
-    out: list[tuple[nn.Module, list[_Slot]]] = []
+    out: _Mods = []
     label = type(root).__name__
     for prefix, m in root.named_modules(remove_duplicate=False):
         where = f"{label}.{prefix}" if prefix else label
@@ -237,8 +246,10 @@ def _module_slots(root: nn.Module) -> list[tuple[nn.Module, list[_Slot]]]:
                  for name in getattr(m, kind)]
         out.append((m, slots))
         dicts += [m._parameters, m._buffers, m._modules]
-    _SLOTS[root] = (dicts, [len(d) for d in dicts], out)
-    return out
+        if prefix and fsdp_module is not None and isinstance(m, fsdp_module):
+            sharded.append(where)
+    _SLOTS[root] = (dicts, [len(d) for d in dicts], out, sharded)
+    return out, sharded
 
 
 def brief_name(fn: Any, limit: int = 60) -> str:

@@ -10,6 +10,7 @@ from typing import Any, TypeVar, overload
 
 import optree
 import torch
+from torch import nn
 
 from . import _torch_internals as ti
 from ._errors import RematError
@@ -29,6 +30,7 @@ class _Static:
 
 
 _STATIC = _Static()
+_MISSING = object()
 
 
 @overload
@@ -125,8 +127,26 @@ class Rematted:
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _call(self.__remat_target__, self._name, self.policy, self.static_argnums,
-                     self.preserve_rng_state, args, kwargs)
+        target = self.__remat_target__
+        if isinstance(target, nn.Module):
+            return self._call_module(target, args, kwargs)
+        return _call(target, self._name, self.policy, self.static_argnums, self.preserve_rng_state, args, kwargs)
+
+    def _call_module(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``remat(module)(x)``: the module's hooks run once, outside the remat'd region, as under
+        :func:`remat.remat_module` (FSDP2's unshard/reshard hooks, DDP's, users' hooks that record
+        activations); only ``forward`` is rematerialized, for the duration of this call."""
+        own = module.__dict__.get("forward", _MISSING)
+        inner = Rematted(module.forward, self.policy, self.static_argnums, self.preserve_rng_state)
+        inner._name = f"{self._name}.forward"
+        module.__dict__["forward"] = inner
+        try:
+            return module(*args, **kwargs)
+        finally:
+            if own is _MISSING:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = own
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         return self if obj is None else types.MethodType(self, obj)
@@ -201,6 +221,14 @@ def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics
         return call_nested_replay(ctx, run, flat)  # an outer recompute re-runs this call
     # NOTE [state is an input]: what fn reads besides its arguments, held like them
     state = snapshot(fn, [a for a in flat if not isinstance(a, torch.Tensor)] + list(static_vals.values()))
+    if state.sharded:
+        raise RematError(
+            f"remat: {name} runs submodules sharded with FSDP2's fully_shard ({', '.join(state.sharded[:3])}"
+            f"{', ...' if len(state.sharded) > 3 else ''}) inside the remat'd region; their all-gather hooks "
+            "do different work in the recompute, so remat cannot replay it. Rematerialize the sharded "
+            "modules themselves (remat.remat_modules(model, Block) where each Block is fully_shard'ed; "
+            "their hooks stay outside), or remat modules below them."
+        )
     frame = Frame(run, flat, name, policy, preserve_rng, _offload_engine(), state)
     return frame.forward()
 

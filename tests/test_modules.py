@@ -494,3 +494,18 @@ def test_remat_module_retains_less(policy: str, at_most: float) -> None:
     out, ours = live_bytes_after(lambda: block(x).sum())
     assert ours <= at_most * plain, (ours, plain)
     out.backward()  # and it still runs
+
+
+def test_remat_of_a_module_runs_its_hooks_once_outside(clean_after: None) -> None:
+    """``remat(module)(x)``: hooks (FSDP2's, users' activation recorders) run once, the forward is remat'd."""
+    plain, ours = _net(bn=False), _net(bn=False)
+    seen = []
+    ours.body.register_forward_hook(lambda mod, args, out: seen.append(out.detach().clone()))
+    x = _x()
+    for m, wrap in ((plain, lambda f: f), (ours, remat.remat)):
+        h = torch.tanh(m.stem(x))
+        m.head(wrap(m.body)(h).flatten(1)).square().sum().backward()
+    assert len(seen) == 1 and _tally(ours) == 2  # the hook ran once; the block's forward twice
+    assert "forward" not in vars(ours.body)  # nothing left on the module
+    for (name, a), b in zip(plain.named_parameters(), ours.parameters()):
+        assert torch.allclose(a.grad, b.grad, **TOL), name  # type: ignore[arg-type]

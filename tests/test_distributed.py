@@ -1,0 +1,336 @@
+"""Data parallelism: DDP and FSDP2 (``fully_shard``) over gloo, two processes, with blocks remat'd in place.
+
+Each case trains a small float64 stack of residual blocks (LayerNorm, Linear,
+tanh-GELU, Linear) for two SGD steps on two ranks, each rank on half the batch,
+with every block remat'd in place (``remat_module`` before DDP or
+``fully_shard``, ``remat_modules(net, Block)`` after it; or not, for the
+baselines), and records per step the loss, every parameter's full gradient (FSDP2's sharded
+DTensor gradients gathered with ``full_tensor()``), how many times each block's
+Python forward ran and how many matmuls the backward pass ran. The tests then
+check, per case:
+
+- loss and gradients equal those of one process running the same model without
+  remat over the whole batch (``allclose`` at 1e-10: the all-reduce sums the two
+  halves in another order), and are the same on both ranks;
+- loss and gradients equal, bitwise, those of the same distributed run without
+  remat: remat changes no result;
+- the recompute ran: each block's forward runs twice per step under remat, once
+  without, and the backward pass runs one more matmul per block under
+  save-nothing (the recompute of the first Linear), none more under
+  ``dots_saveable``;
+- under FSDP2 with ``reshard_after_forward=True`` (the default) the blocks'
+  parameters were sharded again between forward and backward, so the
+  recompute read parameters FSDP2 had gathered anew.
+
+A block whose *submodules* are sharded (FSDP2's hooks would then run inside the
+remat'd region, doing other work in the recompute) raises a ``RematError`` that
+says to remat the sharded modules themselves
+(``test_fsdp_sharded_children_inside_remat_raise_a_clear_error``).
+
+The second step runs with the parameters the first step's update wrote (into
+FSDP2's shards): a recompute that read stale or resharded parameters would
+change its gradients. All cases run in one ``torch.multiprocessing.spawn`` of
+two processes (started once per module, results passed back through files),
+each case in its own process group so that one failing case does not derail
+the others; the spawn has a time limit so that a hang fails instead of
+blocking CI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from remat import policies, remat_module, remat_modules
+
+from .helpers import OpCounter, assert_tree_close
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(),
+    reason="torch.distributed or its gloo backend is not available in this torch build",
+)
+
+WORLD = 2
+DIM, HIDDEN, BLOCKS, BATCH, STEPS, LR = 8, 16, 3, 8, 2, 0.1
+SPAWN_TIMEOUT_S = 90  # the whole spawn, every case; a hang fails the tests instead of blocking CI
+COLLECTIVE_TIMEOUT_S = 20  # one collective; a rank stuck in a failed case gives up and moves on
+POLICIES: dict[str, Any] = {"none": None, "save-nothing": "save-nothing", "dots_saveable": policies.dots_saveable}
+# per step, beyond the plain backward pass: save-nothing recomputes each block's `up` product (GELU's backward
+# reads its output) but not `down`'s, whose output the backward pass never reads (NOTE [dead ops]);
+# dots_saveable keeps both products
+EXTRA_BACKWARD_MATMULS = {"none": 0, "save-nothing": BLOCKS, "dots_saveable": 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    parallel: str  # "ddp" or "fsdp"
+    policy: str  # a key of POLICIES
+    reshard_after_forward: bool = True  # fsdp: the blocks' setting (True is fully_shard's default)
+    remat_first: bool = False  # fsdp: remat_module before fully_shard instead of after
+    shard_linears: bool = False  # fsdp: fully_shard each block's Linears instead of the block
+
+    @property
+    def id(self) -> str:
+        parts = [self.parallel]
+        if self.parallel == "fsdp":
+            parts.append("reshard" if self.reshard_after_forward else "no-reshard")
+            if self.remat_first:
+                parts.append("remat-first")
+            if self.shard_linears:
+                parts.append("linears-sharded")
+        return "-".join([*parts, self.policy])
+
+    @property
+    def baseline(self) -> Case:
+        """The same distributed run without remat."""
+        return dataclasses.replace(self, policy="none", remat_first=False)
+
+
+CASES = [
+    *(Case("ddp", p) for p in POLICIES),
+    *(Case("fsdp", p, reshard_after_forward=r) for r in (True, False) for p in POLICIES),
+    Case("fsdp", "save-nothing", remat_first=True),
+    Case("fsdp", "none", shard_linears=True),  # the baseline of SHARDED_CHILDREN
+]
+REMAT_CASES = [c for c in CASES if c.policy != "none"]
+# A remat'd block whose Linears are sharded: FSDP2's hooks of the Linears run inside the remat'd region
+# (test_fsdp_sharded_children_inside_remat).
+SHARDED_CHILDREN = Case("fsdp", "save-nothing", shard_linears=True)
+
+
+# ---- the model ---------------------------------------------------------------------
+
+
+class Count(nn.Module):
+    """Identity that counts its calls: inside a remat'd block it runs again in the recompute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.act = nn.GELU(approximate="tanh")
+        self.count = Count()
+        self.down = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.count(self.act(self.up(self.norm(x)))))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_net() -> Net:
+    torch.manual_seed(0)
+    return Net().double()
+
+
+def make_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(BATCH, DIM, generator=g, dtype=torch.float64),
+            torch.randn(BATCH, 1, generator=g, dtype=torch.float64))
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x) - y) ** 2).mean()
+
+
+def train(model: nn.Module, named: nn.Module, x: torch.Tensor, y: torch.Tensor, full_loss: Any,
+          full_grad: Any) -> dict[str, Any]:
+    """STEPS steps of SGD; per step the (global) loss, the full gradients, block calls and backward matmuls."""
+    from torch.distributed.tensor import DTensor
+
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out: dict[str, Any] = {"loss": [], "grads": [], "calls": [], "matmuls": [], "sharded": []}
+    for _ in range(STEPS):
+        counts = [b.count.calls for b in named.blocks]
+        loss = loss_fn(model, x, y)
+        # FSDP2 registers the sharded parameters again after a block's forward pass if it reshards
+        out["sharded"].append([isinstance(b.up.weight, DTensor) for b in named.blocks])
+        with OpCounter() as oc:
+            loss.backward()
+        out["calls"].append([b.count.calls - c for b, c in zip(named.blocks, counts)])
+        out["matmuls"].append(oc.count)
+        out["loss"].append(full_loss(loss.detach()))
+        out["grads"].append({n: full_grad(p.grad).clone() for n, p in named.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out
+
+
+# ---- the distributed runs ----------------------------------------------------------
+
+
+def run_case(case: Case, rank: int, group: dist.ProcessGroup) -> dict[str, Any]:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    net = make_net()
+    x, y = make_data()
+    share = BATCH // WORLD
+    x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+
+    def remat_each_block() -> None:
+        if case.policy != "none":
+            for b in net.blocks:
+                remat_module(b, policy=POLICIES[case.policy])
+
+    def full_loss(loss: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(loss, group=group)
+        return loss / WORLD
+
+    if case.parallel == "ddp":
+        remat_each_block()
+        model: nn.Module = DistributedDataParallel(net, process_group=group)
+        return train(model, net, x, y, full_loss, lambda g: g)
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    if case.remat_first:
+        remat_each_block()
+    for b in net.blocks:
+        for m in (b.up, b.down) if case.shard_linears else (b,):
+            fully_shard(m, mesh=mesh, reshard_after_forward=case.reshard_after_forward)
+    fully_shard(net, mesh=mesh)
+    if not case.remat_first and case.policy != "none":
+        # fully_shard changed the blocks' class to a subclass (FSDPBlock): selecting by Block still finds them
+        names = remat_modules(net, Block, policy=POLICIES[case.policy])
+        assert names == [f"blocks.{i}" for i in range(BLOCKS)], names
+    return train(net, net, x, y, full_loss, lambda g: g.full_tensor() if isinstance(g, DTensor) else g)
+
+
+def worker(rank: int, port: int, cases: list[Case], out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # two processes on two cores
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timeout)
+    try:
+        results: dict[str, Any] = {}
+        for case in cases:
+            group = dist.new_group(backend="gloo", timeout=timeout)  # a failed case leaves the next one alone
+            try:
+                results[case.id] = run_case(case, rank, group)
+            except Exception:
+                results[case.id] = {"error": traceback.format_exc()}
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(cases: list[Case], out_dir: Path) -> list[dict[str, Any]]:
+    """Run ``cases`` on WORLD processes; each rank's results, or an error if a rank failed or the time ran out."""
+    ctx = mp.spawn(worker, args=(free_port(), cases, str(out_dir)), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the distributed run did not finish in {SPAWN_TIMEOUT_S} s (a hang?)")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn([*CASES, SHARDED_CHILDREN], tmp_path_factory.mktemp("distributed"))
+
+
+def result(runs: list[dict[str, Any]], case: Case, rank: int) -> dict[str, Any]:
+    """One rank's results for ``case``; fails the test with every rank's traceback if any rank raised."""
+    errors = [f"rank {r}:\n{run[case.id]['error']}" for r, run in enumerate(runs) if "error" in run[case.id]]
+    if errors:
+        pytest.fail(f"{case.id} raised\n" + "\n".join(errors))
+    return runs[rank][case.id]
+
+
+@pytest.fixture(scope="module")
+def single_process() -> dict[str, Any]:
+    """The same model without remat, one process, the whole batch."""
+    net = make_net()
+    x, y = make_data()
+    return train(net, net, x, y, lambda loss: loss, lambda g: g)
+
+
+# ---- the tests ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_matches_single_process_without_remat(runs, single_process, case):
+    for rank in range(WORLD):
+        got = result(runs, case, rank)
+        assert_tree_close((got["loss"], got["grads"]), (single_process["loss"], single_process["grads"]),
+                          rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("case", REMAT_CASES, ids=lambda c: c.id)
+def test_matches_same_run_without_remat(runs, case):
+    for rank in range(WORLD):
+        got, want = result(runs, case, rank), result(runs, case.baseline, rank)
+        assert_tree_close((got["loss"], got["grads"]), (want["loss"], want["grads"]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.parallel == "fsdp"], ids=lambda c: c.id)
+def test_fsdp_resharded_between_forward_and_backward(runs, case):
+    """After the forward pass the blocks' parameters were sharded again (or stayed gathered, without resharding)."""
+    for rank in range(WORLD):
+        assert result(runs, case, rank)["sharded"] == [[case.reshard_after_forward] * BLOCKS] * STEPS
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_recompute_ran(runs, case):
+    calls_per_step = 1 if case.policy == "none" else 2
+    for rank in range(WORLD):
+        got, plain = result(runs, case, rank), result(runs, case.baseline, rank)
+        assert got["calls"] == [[calls_per_step] * BLOCKS] * STEPS
+        assert [m - p for m, p in zip(got["matmuls"], plain["matmuls"])] == [EXTRA_BACKWARD_MATMULS[case.policy]] * STEPS
+
+
+def test_fsdp_sharded_children_inside_remat_raise_a_clear_error(runs):
+    """A block whose submodules are sharded runs FSDP2's all-gather hooks inside the remat'd region, which
+    do other work in the recompute: remat refuses at the first call, saying what to remat instead."""
+    for run in runs:
+        error = run[SHARDED_CHILDREN.id].get("error", "")
+        assert "RematError" in error and "sharded with FSDP2's fully_shard" in error, error
+        assert "Rematerialize the sharded modules themselves" in error
