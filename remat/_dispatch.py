@@ -220,7 +220,7 @@ class OpRecord:
     versions: list[int | None] | None = None  # of the stashed outputs when the forward pass ended
     live: bool = True  # set by Recorder.prune: False when nothing the recompute needs reads its outputs
     skippable: bool = False  # a pure op allocating fresh outputs: may be skipped when dead
-    # NOTE [outside tensors]: (position among the tensor args, tensor (weakly until seal), version)
+    # NOTE [outside tensors]: (position among the tensor args, tensor, its version when read)
     outside: list[tuple[int, Any, int]] | None = None
     subst: dict[int, torch.Tensor] | None = None  # position -> copy the recompute reads or writes instead
 
@@ -457,14 +457,19 @@ class Recorder(TorchDispatchMode):
 
     def _outside_reads(self, ins: list[torch.Tensor], keys: list[int],
                        vids: list[int]) -> list[tuple[int, Any, int]] | None:
-        """The op's reads of outside tensors (NOTE [outside tensors]), held weakly until :meth:`seal`."""
+        """The op's reads of outside tensors (NOTE [outside tensors]).
+
+        Held strongly: an outside tensor that dies during the forward pass was replaced (a cache
+        slot reassigned, a buffer rebound), exactly what the recompute must notice; the
+        temporaries that also die (wrapped scalars) are tiny and pass as equal constants.
+        """
         found = None
         for j, (t, k, v) in enumerate(zip(ins, keys, vids)):
             if v in self.made_by or not self._is_outside_key(k):
                 continue
             if found is None:
                 found = []
-            found.append((j, weakref.ref(t), t._version))
+            found.append((j, t, t._version))
         return found
 
     def _before_mutation(self, func: Any, args: Any, kwargs: Any,
@@ -537,10 +542,7 @@ class Recorder(TorchDispatchMode):
     def _settle_outside(self, rec: OpRecord) -> None:
         assert rec.outside is not None
         keep = []
-        for j, ref, version in rec.outside:
-            t = ref()
-            if t is None:
-                continue  # a temporary (a wrapped scalar): made afresh by the recompute too
+        for j, t, version in rec.outside:
             writes = self.outside_writes.get(storage_key(t))
             if writes is None:
                 keep.append((j, t, version))
@@ -697,7 +699,9 @@ class Replayer(TorchDispatchMode):
                     "module's parameter or buffer, a closed-over or global tensor) was replaced between "
                     "the forward and the backward pass, and gradients would be wrong. Pass it to the "
                     "function as an argument, or keep it in place until the backward pass; for modules, "
-                    "use remat.remat_module(module), whose parameters and buffers remat puts back."
+                    "use remat.remat_module(module), whose parameters and buffers remat puts back. A key/value "
+                    "cache updated by the call is such a tensor: for a Hugging Face model pass use_cache=False "
+                    "(model.config.use_cache = False)."
                 )
             if rec.subst is not None:
                 args, kwargs = _replace_tensors(args, kwargs, {j: c.clone() for j, c in rec.subst.items()})

@@ -533,7 +533,8 @@ class _Capture:
                         f"remat: the recompute of {self.fn_name} saved a tensor of shape "
                         f"{list(t.shape)} {t.dtype} where its forward pass saved {list(meta[0])} "
                         f"{meta[1]} (saved tensor #{pos}); the function must compute the same "
-                        "shapes every time it is called."
+                        "shapes every time it is called (a key/value cache that grows on every call changes "
+                        "them: for a Hugging Face model pass use_cache=False (model.config.use_cache = False))."
                     )
                 with internal():
                     self.captured[pos] = t.detach() if self.detach else t
