@@ -32,21 +32,32 @@ NOTE [dead ops]
 
 NOTE [outside tensors]
     An op may read a tensor that is neither an input of the call nor made by an
-    op of the call: a parameter, a buffer, a closed-over or global tensor. The
-    forward pass records, per op, each such read (the tensor, its version) and
-    the recompute checks that the same op reads the very same tensor, unmodified
-    (or, for a constant rebuilt on every call, an equal one that needs no
-    gradient). NOTE [state is an input] in ``_state.py`` puts module state and
-    closures back for the recompute; this check turns everything it cannot
-    reach into a ``RematError`` that names the tensor, never a wrong gradient.
-    Writes into outside tensors (BatchNorm's running statistics, any buffer
-    updated in place) happen once, in the forward pass: the forward copies the
-    written value before each such write, and the recompute writes into a copy
-    of that instead of the real buffer. A read of a buffer the call writes is
-    served from a copy of the value it read (the pre-write copy, or a copy taken
-    when the forward pass ends), so the recompute never depends on what happens
-    to the buffer afterwards (the same BatchNorm called again before this
-    backward pass, an optimizer step).
+    op of the call: a parameter, a buffer, a closed-over or global tensor, a
+    constant built from Python data. NOTE [state is an input] in ``_state.py``
+    puts module state and closures back for the recompute; this is the safety
+    net for everything it cannot reach, at the dispatch level:
+
+    * an outside tensor that needs a gradient, or is large (> 64 KiB), is held and
+      the recompute checks that the same op reads the very same tensor at the same
+      version (or an equal one that needs no gradient): else a ``RematError``
+      naming it. Held strongly, so a tensor replaced (and freed) during the call
+      cannot pass for a temporary;
+    * a small one that needs no gradient (running statistics, a mask, a constant
+      from ``torch.tensor``) is copied when the forward pass ends and the recompute
+      reads the copy: exact whatever happens to it afterwards, including writes
+      torch does not count as versions (a batch norm outside the call);
+    * the recompute must pass the same Python numbers to each op (a step counter
+      in the module: a ``RematError``, not a silently different scale).
+
+    Writes into outside tensors (BatchNorm's running statistics, whose writes the
+    op's schema does not declare; any buffer updated in place) happen once, in
+    the forward pass: before each such write the forward copies the value about
+    to be overwritten (and, for every read of that storage since the last write,
+    the value that read saw), and the recompute writes into a copy of it instead,
+    reading what the forward read. Reads after the call's last write are served
+    from copies taken when the forward pass ends. The frame also hands the
+    recompute stand-ins for such buffers, so autograd's view of the real ones
+    (their versions, their history) is untouched.
 """
 
 from __future__ import annotations
@@ -179,6 +190,29 @@ def _replace_tensors(args: tuple[Any, ...], kwargs: dict[str, Any],
     return args2, kwargs2
 
 
+_SMALL = 64 * 1024  # bytes: outside tensors up to this size that need no gradient are copied, not checked
+_NUMBERS = (int, float, bool, complex)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def _scalars(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """An op's Python number arguments (top level), in order."""
+    out = [a for a in args if type(a) in _NUMBERS]
+    if kwargs:
+        out += [a for a in kwargs.values() if type(a) in _NUMBERS]
+    return tuple(out)
+
+
+def _same_scalars(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return len(a) == len(b) and all(x == y or (x != x and y != y) for x, y in zip(a, b))  # NaN equals NaN
+
+
 def _geometry(t: torch.Tensor) -> tuple[Any, ...]:
     return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
 
@@ -223,6 +257,7 @@ class OpRecord:
     # NOTE [outside tensors]: (position among the tensor args, tensor, its version when read)
     outside: list[tuple[int, Any, int]] | None = None
     subst: dict[int, torch.Tensor] | None = None  # position -> copy the recompute reads or writes instead
+    scalars: tuple[Any, ...] = ()  # the op's Python number arguments: the recompute must pass the same
 
     def describe(self) -> str:
         what = f"checkpoint_name({self.name!r})" if self.name is not None else str(self.func)
@@ -250,7 +285,8 @@ class Recorder(TorchDispatchMode):
         self.written: set[int] = set()  # storage keys an in-place op wrote (over-approximated: all its args)
         self.input_keys: set[int] = set()  # storages of the call's inputs (set by the frame)
         # NOTE [outside tensors]: storage key -> (geometry, version before, copy) per write into it
-        self.outside_writes: dict[int, list[tuple[tuple[Any, ...], int, torch.Tensor]]] = {}
+        self.written_outside: set[int] = set()  # storages of outside tensors the call wrote
+        self._pending: dict[int, list[tuple[OpRecord, int, torch.Tensor]]] = {}  # outside reads since the last write
         self.describe_tensor: Callable[[torch.Tensor], str | None] = lambda t: None
 
     def vid(self, t: torch.Tensor) -> int:
@@ -294,7 +330,8 @@ class Recorder(TorchDispatchMode):
             keys = [storage_key(t) for t in ins]
             in_keys = set(keys)
             in_vids = [self.vid(t) for t in ins]
-            outside = None if func in _LIFTS else self._outside_reads(ins, keys, in_vids)
+            outside = self._outside_reads(ins, keys, in_vids)
+            scalars = _scalars(args, kwargs)
             rec = OpRecord(
                 func,
                 name,
@@ -305,7 +342,9 @@ class Recorder(TorchDispatchMode):
                 random,
                 out_spec=spec if len(outs) == len(leaves) else None,
             )
-            rec.outside, rec.subst = outside, subst
+            rec.outside, rec.subst, rec.scalars = outside, subst, scalars
+            for j, t, _ in outside or ():  # reads a later write in this call would invalidate
+                self._pending.setdefault(storage_key(t), []).append((rec, j, t))
             idx = len(self.ops)
             self.ops.append(rec)
             rec.refs = [weakref.ref(t) for t in outs]
@@ -486,11 +525,16 @@ class Recorder(TorchDispatchMode):
                 t = ins[j]
                 k = storage_key(t)
                 if self._is_outside_key(k):
-                    copy = t.detach().clone()
-                    self.outside_writes.setdefault(k, []).append((_geometry(t), t._version, copy))
+                    # the reads of this storage since its last write saw what it holds now: copy it for them
+                    # (at their own geometry), and the value about to be overwritten for the write itself
+                    for rec, pos, read in self._pending.pop(k, ()):
+                        if rec.subst is None:
+                            rec.subst = {}
+                        rec.subst.setdefault(pos, read.detach().clone())
+                    self.written_outside.add(k)
                     if subst is None:
                         subst = {}
-                    subst[j] = copy
+                    subst[j] = t.detach().clone()
                 else:
                     inside = True
         if subst is None or inside:
@@ -537,34 +581,25 @@ class Recorder(TorchDispatchMode):
                 rec.versions = [None if o is None else o._version for o in outs]
             if rec.outside is not None:
                 self._settle_outside(rec)
-        self.outside_writes = {}
+        self._pending = {}
 
     def _settle_outside(self, rec: OpRecord) -> None:
         assert rec.outside is not None
         keep = []
         for j, t, version in rec.outside:
-            writes = self.outside_writes.get(storage_key(t))
-            if writes is None:
-                keep.append((j, t, version))
-                continue
             if rec.subst is not None and j in rec.subst:
-                continue  # the write itself reads its pre-write copy
-            if t._version == version:
-                copy = t.detach().clone()  # not written since this read: its value now
-            else:
-                geo = _geometry(t)
-                copy = next((c for g, v, c in writes if g == geo and v == version), None)
-                if copy is None:
-                    raise RematError(
-                        f"remat: {self.fn_name} reads a tensor of shape {list(t.shape)}"
-                        f"{self._label(t)} that is not one of its inputs and then writes into it in place "
-                        f"(through another view) during the same call ({rec.describe()} read it); the "
-                        "recompute cannot read the value it had. Pass the tensor as an input, or move "
-                        "the in-place update out of the remat'd function."
-                    )
+                continue  # served from a copy taken before a write overwrote what it read
+            written = storage_key(t) in self.written_outside
+            if not written and (t.requires_grad or _nbytes(t) > _SMALL):
+                keep.append((j, t, version))  # checked by the recompute: the same tensor, unmodified
+                continue
+            # read after the call's last write into it: its value now; or a buffer or constant that needs
+            # no gradient and is small (running statistics, a tensor built from Python data): a copy the
+            # recompute reads whatever happens to it next (even writes torch does not count as versions,
+            # like a batch norm's, outside the call)
             if rec.subst is None:
                 rec.subst = {}
-            rec.subst[j] = copy
+            rec.subst[j] = t.detach().clone()
         rec.outside = keep or None
 
     def _label(self, t: torch.Tensor) -> str:
@@ -632,6 +667,12 @@ class Replayer(TorchDispatchMode):
         if not rec.live and rec.skippable:
             with internal():  # dead: nothing needed reads it (NOTE [dead ops])
                 return optree.tree_unflatten(rec.out_spec, [_dead_value(m) for m in rec.out_meta])
+        if rec.scalars and not _same_scalars(_scalars(args, kwargs), rec.scalars):
+            raise self._diverged(
+                f"op #{i} {func} was called with the numbers {list(_scalars(args, kwargs))} in the recompute "
+                f"but {list(rec.scalars)} in the forward pass (a Python number computed from state that "
+                "changed, such as a step counter)"
+            )
         if rec.outside is not None or rec.subst is not None:
             args, kwargs = self._outside_args(i, rec, args, kwargs)
         out = func(*args, **kwargs)

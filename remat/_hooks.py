@@ -229,7 +229,7 @@ class Frame:
                         pass
                     else:
                         self.recorder.prune(self.needed_vids)
-                self.recorder.seal()
+                    self.recorder.seal()  # its copies must be plain tensors
         finally:
             self.needed_vids = set()
             self._kept = {}
@@ -482,6 +482,14 @@ class Frame:
             vals, target = es.enter_context(
                 replay(self.levels, self.decs + self.state_decs, flat + self.state.tensors, s))
             vals, state_vals = vals[:n], vals[n:]
+            written = self.recorder.written_outside
+            if written:
+                # state the forward pass wrote (a BatchNorm's statistics): the recompute's writes go to a
+                # copy at the dispatch level (NOTE [outside tensors]), but autograd would still bump the real
+                # buffer's version and give it the recompute's history: let the recompute write a stand-in
+                with internal():
+                    state_vals = [v.detach().clone() if storage_key(ti.unwrap_all(t)) in written else v
+                                  for t, v in zip(self.state.tensors, state_vals)]
             es.enter_context(self.state.restored(state_vals))
             capture.target = target
             es.enter_context(self.ambient.restored())

@@ -94,9 +94,9 @@ class Snapshot:
             return
         leaves, spec = optree.tree_flatten(value, none_is_leaf=True)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        if tensors and len(leaves) > 0:
+        if tensors:
             self.slots.append(slot)
-            self.values.append(value)
+            self.values.append((value, leaves))  # the leaves as they were: the container may change later
             self.specs.append(spec)
             self.tensors.extend(tensors)
 
@@ -113,10 +113,11 @@ class Snapshot:
                 if spec is None:
                     want = next(it)
                 else:
-                    leaves = optree.tree_leaves(value, none_is_leaf=True)
+                    container, leaves = value
                     new = [next(it) if isinstance(x, torch.Tensor) else x for x in leaves]
-                    same = all(a is b for a, b in zip(new, leaves))
-                    want = value if same else optree.tree_unflatten(spec, new)
+                    want = container
+                    if not _holds(container, new):
+                        want = optree.tree_unflatten(spec, new)  # a new container: the user's is left alone
                 cur = slot.get()
                 if cur is not want:
                     undo.append((slot, cur))
@@ -132,10 +133,19 @@ class Snapshot:
 
         key = _key(t)
         for slot, value, spec in zip(self.slots, self.values, self.specs):
-            for x in [value] if spec is None else optree.tree_leaves(value, none_is_leaf=True):
+            for x in [value] if spec is None else value[1]:
                 if isinstance(x, torch.Tensor) and _key(unwrap_all(x)) == key:
                     return slot.label
         return None
+
+
+def _holds(container: Any, leaves: list[Any]) -> bool:
+    """Does ``container`` hold exactly these leaves now (same objects, same structure)?"""
+    try:
+        now = optree.tree_leaves(container, none_is_leaf=True)
+    except Exception:
+        return False
+    return len(now) == len(leaves) and all(a is b for a, b in zip(now, leaves))
 
 
 def _key(t: torch.Tensor) -> int:
@@ -197,7 +207,7 @@ def _walk(obj: Any, snap: Snapshot, seen: set[int], label: str, depth: int) -> N
 def _walk_attrs(obj: Any, snap: Snapshot, seen: set[int], label: str, depth: int) -> None:
     """An object's own tensors and modules (one level): a callable object, or a method's ``self``."""
     for name, value in list(getattr(obj, "__dict__", {}).items()):
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, (torch.Tensor, list, tuple, dict)):
             snap._add(_Slot(obj, "attr", name, f"{label}.{name}"), value)
         elif isinstance(value, nn.Module):
             _walk(value, snap, seen, f"{label}.{name}", depth + 1)
@@ -221,18 +231,20 @@ def _walk_module(root: nn.Module, snap: Snapshot, seen: set[int], label: str) ->
 
 
 # The slots of a module tree, per root module: walking named_modules() and building labels on every
-# call costs ~50 us for a transformer block, reading cached slots ~2 us. Validated on each use by the
-# sizes of the dicts (a parameter, buffer or submodule registered or removed since); a slot missed by
-# a change that keeps the sizes would still be caught by the recompute's check (NOTE [outside tensors]).
+# call costs ~50 us for a transformer block, reading cached slots a few. Validated on each use by the
+# sizes of the dicts (a parameter, buffer or submodule registered or removed since) and the identity of
+# every child module (one replaced); a slot missed by any other change would still be caught by the
+# recompute's check (NOTE [outside tensors]).
 _Mods = list[tuple[nn.Module, list[_Slot]]]
-_SLOTS: weakref.WeakKeyDictionary[nn.Module, tuple[list[Any], list[int], _Mods, list[str]]] = (
+_SLOTS: weakref.WeakKeyDictionary[nn.Module, tuple[list[Any], list[int], _Mods, list[str], list[Any]]] = (
     weakref.WeakKeyDictionary())
 
 
 def _module_slots(root: nn.Module) -> tuple[_Mods, list[str]]:
     """The slots of every module in the tree, and the names of the submodules sharded by FSDP2."""
     cached = _SLOTS.get(root)
-    if cached is not None and [len(d) for d in cached[0]] == cached[1]:
+    if cached is not None and [len(d) for d in cached[0]] == cached[1] and all(
+            a is b for a, b in zip(_children(cached[2]), cached[4])):
         return cached[2], cached[3]
     fsdp = sys.modules.get("torch.distributed.fsdp")  # nothing is sharded unless FSDP was imported
     fsdp_module = getattr(fsdp, "FSDPModule", None)
@@ -248,8 +260,13 @@ def _module_slots(root: nn.Module) -> tuple[_Mods, list[str]]:
         dicts += [m._parameters, m._buffers, m._modules]
         if prefix and fsdp_module is not None and isinstance(m, fsdp_module):
             sharded.append(where)
-    _SLOTS[root] = (dicts, [len(d) for d in dicts], out, sharded)
+    _SLOTS[root] = (dicts, [len(d) for d in dicts], out, sharded, _children(out))
     return out, sharded
+
+
+def _children(mods: _Mods) -> list[Any]:
+    """Every child module of the cached tree, in order: a replaced submodule invalidates the cache."""
+    return [c for m, _ in mods for c in m._modules.values()]
 
 
 def brief_name(fn: Any, limit: int = 60) -> str:

@@ -130,7 +130,14 @@ class Rematted:
         target = self.__remat_target__
         if isinstance(target, nn.Module):
             return self._call_module(target, args, kwargs)
-        return _call(target, self._name, self.policy, self.static_argnums, self.preserve_rng_state, args, kwargs)
+        statics = self.static_argnums
+        while isinstance(target, functools.partial):
+            # a partial's tensors are inputs of the call like the arguments (held, re-wrapped for levels)
+            n = len(target.args)
+            statics = tuple(i + n if i >= 0 else i for i in statics)
+            args, kwargs = (*target.args, *args), {**target.keywords, **kwargs}
+            target = target.func
+        return _call(target, self._name, self.policy, statics, self.preserve_rng_state, args, kwargs)
 
     def _call_module(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``remat(module)(x)``: the module's hooks run once, outside the remat'd region, as under

@@ -11,6 +11,7 @@ module's own (the recompute read the module's own), a closure over a tensor of a
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import pickle
 from collections.abc import Callable
@@ -405,17 +406,21 @@ def test_remat_as_a_method_decorator(clean_after: None) -> None:
 _GLOBAL_TABLE: dict[str, torch.Tensor] = {}
 
 
-def test_replaced_global_tensor_raises_naming_it(clean_after: None) -> None:
-    _GLOBAL_TABLE["w"] = torch.randn(4, 4, dtype=DT)
+@pytest.mark.parametrize("kind", ["requires_grad", "large"])
+def test_replaced_global_tensor_raises_naming_it(kind: str, clean_after: None) -> None:
+    """A tensor remat cannot put back (a global) replaced between forward and backward: checked. (Small
+    ones that need no gradient are copied instead, and exact: test_buffer_updated_outside_the_call...)"""
+    n = 4 if kind == "requires_grad" else 128  # 128 x 128 float64: 128 KiB, above the copy threshold
+    _GLOBAL_TABLE["w"] = torch.randn(n, n, dtype=DT).requires_grad_(kind == "requires_grad")
 
     @remat.remat
     def f(x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(torch.tanh(x @ _GLOBAL_TABLE["w"])).sum()
 
-    x = torch.randn(3, 4, dtype=DT, requires_grad=True)
+    x = torch.randn(3, n, dtype=DT, requires_grad=True)
     out = f(x)
-    _GLOBAL_TABLE["w"] = _GLOBAL_TABLE["w"] + 1  # replaced behind remat's back, in a place it does not look
-    with pytest.raises(RematError, match=r"read a different tensor of shape \[4, 4\].*Pass it to the function"):
+    _GLOBAL_TABLE["w"] = (_GLOBAL_TABLE["w"] + 1).detach().requires_grad_(kind == "requires_grad")
+    with pytest.raises(RematError, match=rf"read a different tensor of shape \[{n}, {n}\].*Pass it to the function"):
         out.backward()
 
 
@@ -509,3 +514,179 @@ def test_remat_of_a_module_runs_its_hooks_once_outside(clean_after: None) -> Non
     assert "forward" not in vars(ours.body)  # nothing left on the module
     for (name, a), b in zip(plain.named_parameters(), ours.parameters()):
         assert torch.allclose(a.grad, b.grad, **TOL), name  # type: ignore[arg-type]
+
+
+# ---- found by review: buffers read around batch norm's writes, Python state, containers ---------
+
+class _ReadAroundBN(nn.Module):
+    """Reads the running mean before BatchNorm writes it (batch norm's write does not bump its version)."""
+
+    def __init__(self, twice: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4).to(DT)
+        self.bn = nn.BatchNorm1d(4).to(DT)
+        self.twice = twice
+        with torch.no_grad():
+            self.bn.running_mean.fill_(0.7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        c = (h - self.bn.running_mean).sin()
+        y = self.bn(h) * c
+        if self.twice:  # read between two writes, then write again
+            y = self.bn(y) * (h - self.bn.running_mean).cos()
+        return y
+
+
+@pytest.mark.parametrize("twice", [False, True], ids=["read-then-bn", "bn-read-bn"])
+@pytest.mark.parametrize("policy", ["nothing", "dots", "everything"])
+def test_buffer_read_around_batchnorm_writes(policy: str, twice: bool, clean_after: None) -> None:
+    torch.manual_seed(0)
+    plain = _ReadAroundBN(twice)
+    ours = remat.remat_module(copy.deepcopy(plain), policy=POLICIES[policy])
+    x = torch.randn(5, 4, dtype=DT)
+    for m in (plain, ours):
+        m(x).square().sum().backward()
+    for (name, a), b in zip(plain.named_parameters(), ours.parameters()):
+        assert torch.allclose(a.grad, b.grad, **TOL), name  # type: ignore[arg-type]
+    assert_tree_close(_stats(ours), _stats(plain))
+
+
+def test_buffer_updated_outside_the_call_before_backward(clean_after: None) -> None:
+    """A remat'd function reads running statistics that a BatchNorm outside it updates before the backward."""
+    bn = nn.BatchNorm1d(4).to(DT)
+    x = torch.randn(5, 4, dtype=DT, requires_grad=True)
+    y = x.detach().clone().requires_grad_()
+
+    def f(v: torch.Tensor) -> torch.Tensor:
+        return torch.tanh((v - bn.running_mean).sin() * 3)
+
+    out = remat.remat(f)(x)
+    want = f(y)
+    bn(torch.randn(5, 4, dtype=DT))  # writes the statistics (without a version bump)
+    out.sum().backward()
+    want.sum().backward()
+    assert torch.allclose(x.grad, y.grad, **TOL)  # type: ignore[arg-type]
+
+
+def test_constant_from_changed_python_state_is_the_forwards(clean_after: None) -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3).to(DT)
+            self.c = 2.0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (self.lin(x) * torch.tensor(self.c, dtype=DT)).sin()
+
+    torch.manual_seed(0)
+    plain = Scaled()
+    ours = remat.remat_module(copy.deepcopy(plain))
+    x = torch.randn(4, 3, dtype=DT)
+    for m in (plain, ours):
+        out = m(x)
+        m.c = 3.0  # changed before the backward pass: the recompute uses the forward's constant
+        out.sum().backward()
+    assert torch.allclose(ours.lin.weight.grad, plain.lin.weight.grad, **TOL)  # type: ignore[arg-type]
+
+
+def test_python_number_from_changed_state_raises(clean_after: None) -> None:
+    class Warm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.steps = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.steps += 1  # the recompute sees 2
+            return torch.tanh(self.lin(x) * min(1.0, self.steps / 100)).sin()
+
+    out = remat.remat_module(Warm())(torch.randn(3, 4))
+    with pytest.raises(RematError, match=r"called with the numbers \[0\.02\] in the recompute but \[0\.01\]"):
+        out.sum().backward()
+
+
+def test_buffer_written_in_forward_keeps_its_version_and_history(clean_after: None) -> None:
+    class CopyBuf(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("buf", torch.zeros(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.lin(x))
+            self.buf.copy_(h.mean(0))
+            return torch.tanh(h * self.buf).sin()  # mul saves buf: its version is checked on unpack
+
+    m = remat.remat_module(CopyBuf())
+    out = m(torch.randn(3, 4))
+    version, history = m.buf._version, m.buf.grad_fn
+    out.sum().backward()  # the recompute writes a stand-in, not the buffer
+    assert m.buf._version == version and m.buf.grad_fn is history
+
+
+def test_closed_over_list_changed_after_forward(clean_after: None) -> None:
+    ws = [torch.randn(3, 3, dtype=DT), torch.randn(3, 3, dtype=DT)]
+    f = remat.remat(lambda x: ((x @ ws[0]).sin() @ ws[1]).cos())
+    x = torch.randn(2, 3, dtype=DT, requires_grad=True)
+    y = x.detach().clone().requires_grad_()
+    out = f(x)
+    want = ((y @ ws[0]).sin() @ ws[1]).cos()
+    ws.pop()  # the user's list changes; the recompute reads the forward's
+    out.sum().backward()
+    want.sum().backward()
+    assert torch.allclose(x.grad, y.grad, **TOL) and len(ws) == 1  # type: ignore[arg-type]
+
+
+def test_replaced_submodule_refreshes_the_cached_slots(clean_after: None) -> None:
+    torch.manual_seed(0)
+    m = remat.remat_module(nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3)).to(DT))
+    x = torch.randn(4, 3, dtype=DT)
+    m(x).sum().backward()
+    m[0] = nn.Linear(3, 3).to(DT)  # same dict sizes, another module (LoRA injection, a new head)
+    plain = copy.deepcopy(m)
+    remat.unremat_module(plain)
+    p = {k: v.detach() + 0.1 for k, v in m.named_parameters()}
+    assert_tree_close(grad(lambda p: functional_call(m, p, (x,)).square().sum())(p),
+                      grad(lambda p: functional_call(plain, p, (x,)).square().sum())(p), **TOL)
+
+
+def test_partial_with_tensor_arguments_under_vjp(clean_after: None) -> None:
+    def f(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return (x @ W).sin() * x.sum()
+
+    W, x = torch.randn(4, 4, dtype=DT), torch.randn(3, 4, dtype=DT)
+
+    def loss(wrap: Callable[[Any], Any]) -> Callable[..., torch.Tensor]:
+        return lambda W, x: wrap(functools.partial(f, W))(x).square().sum()
+
+    want = vjp(loss(lambda g: g), W, x)[1](torch.ones((), dtype=DT))
+    got = vjp(loss(remat.remat), W, x)[1](torch.ones((), dtype=DT))
+    assert_tree_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("n", [2, 20_000], ids=["small-copied", "large-checked"])
+def test_outside_tensor_replaced_during_the_call(n: int, clean_after: None) -> None:
+    """An object (not a module: remat does not put it back) whose tensor the call reads, then replaces by a
+    same-shaped slice of its own output (a sliding-window cache): small gradient-free ones are read from a
+    copy (exact), larger ones are checked (RematError). Never the new tensor silently."""
+
+    class Cache:
+        def __init__(self, keys: torch.Tensor) -> None:
+            self.keys = keys
+
+    def f(x: torch.Tensor, cache: Cache) -> torch.Tensor:
+        full = torch.cat([cache.keys, x.sin()])
+        cache.keys = full[-n:].detach()
+        return torch.logsumexp(full, 0)
+
+    prefix = torch.linspace(-5, 5, n, dtype=DT)
+    x = torch.randn(4, dtype=DT, requires_grad=True)
+    (want,) = torch.autograd.grad(f(x, Cache(prefix.clone())), x)
+    out = remat.remat(f)(x, Cache(prefix.clone()))
+    if n == 2:
+        (got,) = torch.autograd.grad(out, x)
+        assert torch.allclose(got, want, **TOL)
+    else:
+        with pytest.raises(RematError, match=r"read a different tensor of shape \[20000\].*use_cache=False"):
+            torch.autograd.grad(out, x)
