@@ -277,7 +277,7 @@ class Frame:
                     # promote's detach and copy must make plain tensors: in a pack hook the saving
                     # level is still active and would wrap them (the replay would then wrap twice)
                     assert rec is not None  # an Offloadable decision comes from a recorded op
-                    with below_all_levels():
+                    with below_all_levels(), ti.plain_ops_in_pack_hook():
                         self.recorder.promote(rec)
                         # the saved tensor may be a view made by a later op (transpose, reshape) whose
                         # output is stashed weakly and dies with the wrapper: promote that op too, or

@@ -210,5 +210,13 @@ def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
     return _disable_current_modes()
 
 
+# torch 2.11 (fixed by 2.13): an op run in a saved-tensor pack hook under a torch.func level, with the
+# functorch layers popped, while a Python dispatch mode is active trips an internal assert in the
+# Python fallback kernel ("tls_on_entry.has_value()"). remat's own detach/copy there need no mode:
+# run them with the modes popped. No public API pops the mode stack (see no_dispatch_modes).
+def plain_ops_in_pack_hook() -> contextlib.AbstractContextManager[Any]:
+    return no_dispatch_modes()
+
+
 def is_compiling() -> bool:
     return bool(torch.compiler.is_compiling())
