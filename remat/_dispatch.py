@@ -486,10 +486,9 @@ class Recorder(TorchDispatchMode):
                     for v in rec.in_vids:
                         self._ensure_recomputable(v)
                     return
-                t = t.detach()
-                if isinstance(rec.decision, Offloadable):
-                    t = self.offload(t, rec.decision)
-                rec.stash[i] = t
+                # the engine detaches; it is handed the op's own output so that it can watch that tensor
+                # for in-place writes (a detached alias would die at once)
+                rec.stash[i] = self.offload(t, rec.decision) if isinstance(rec.decision, Offloadable) else t.detach()
 
     def _is_outside_key(self, k: int) -> bool:
         return k != 0 and k not in self.producers and k not in self.input_keys

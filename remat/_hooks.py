@@ -348,8 +348,9 @@ class Frame:
             p.kind, p.payload = _DROP, None
 
     def _offload(self, t: torch.Tensor, decision: Offloadable) -> Any:
+        """What the recorder stashes for an output to offload (``t``: the op's own output)."""
         if not self.engine.applies(t, decision):
-            return t
+            return t.detach()  # kept; detached, or it would hold its own graph (see holdable)
         with ti.no_dispatch_modes():  # remat's copy, not an op of the user's modes or of a tracer
             return self.engine.offload(t, decision.dst, group=self)
 

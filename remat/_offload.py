@@ -316,10 +316,14 @@ class OffloadEngine:
 
     # ---- forward ---------------------------------------------------------------
     def applies(self, t: torch.Tensor, decision: Any) -> bool:
-        """Whether ``decision`` (an Offloadable) moves ``t``: right source device, plain strided, large enough."""
+        """Whether ``decision`` (an Offloadable) moves ``t``: right source device, plain strided (no conjugate or
+        negative bit, not quantized or nested), large enough."""
         if decision.src is not None and torch.device(decision.src).type != t.device.type:
             return False
         if t.layout is not torch.strided or t.is_meta or type(t) not in (torch.Tensor, torch.nn.Parameter):
+            return False
+        if t.is_conj() or t.is_neg() or t.is_quantized or t.is_nested:
+            # rebuilt from raw storage, a conjugate or negative view would lose its bit: keep these
             return False
         nbytes = t.numel() * t.element_size()
         return nbytes > 0 and nbytes >= decision.min_bytes

@@ -477,3 +477,38 @@ def test_docs_examples_run() -> None:
     assert blocks
     for code in blocks:
         exec(compile(code, "docs/offloading.md", "exec"), {})
+
+
+# ---- issue 13, items 1 and 2: wrong results the CPU shows ---------------------------------------
+
+def test_in_place_write_into_a_promoted_offloaded_output_under_torch_func_raises() -> None:
+    """``a = x.exp(); a.mul_(2)`` under torch.func.grad: the offloaded copy of exp's output was made by
+    ``promote`` from a detached alias that died at once, so the write went unseen (4 exp(x) came out).
+    Plain torch.func raises for this program; remat raises too."""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        a = x.exp()
+        a.mul_(2)
+        return a.sin().sum()
+
+    x = torch.randn(5, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        grad(f)(x)
+    with pytest.raises(RematError, match="writes in place into a tensor that its offload policy offloads"):
+        grad(remat(f, policy=policies.offload_to_cpu(min_bytes=0)))(x)
+
+
+@pytest.mark.parametrize("view", ["conj", "neg"])
+def test_conjugate_and_negative_views_are_not_offloaded_raw(view: str) -> None:
+    """Rebuilt from raw storage, a conj/neg view lost its bit (gradient error 5.4): such tensors are kept."""
+    def f(h: torch.Tensor) -> torch.Tensor:
+        s = (h * 2).sin()
+        c = s.conj() if view == "conj" else torch._neg_view(s)
+        out = c.exp() * c
+        return (out.real if out.is_complex() else out).sum()
+
+    dtype = torch.complex128 if view == "conj" else torch.float64
+    h = torch.randn(6, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    a, b = h.clone().requires_grad_(), h.clone().requires_grad_()
+    f(a).backward()
+    remat(f, policy=policies.offload_to_cpu(min_bytes=0))(b).backward()
+    assert torch.allclose(a.grad, b.grad, rtol=1e-12, atol=1e-12)
