@@ -129,9 +129,13 @@ class _PinnedPool:
         self.allocated_bytes = 0
         self.allocations = 0  # buffers allocated (stays flat once warm)
         self.reuses = 0
-        # buffers come back from whichever thread drops the last reference (the autograd engine
-        # runs one thread per device): acquire and release must not interleave
+        self.evictions = 0  # free buffers dropped at the cap to make room for another size
+        # buffers come back from whichever thread drops the last reference (the autograd engine runs
+        # one thread per device), and from __del__ whenever the garbage collector runs, possibly on a
+        # thread inside acquire: release only appends to a deque (atomic, takes no lock) and acquire
+        # drains it under the lock. A lock taken in release could deadlock there.
         self._lock = threading.Lock()
+        self._returned: collections.deque[tuple[torch.Tensor, Any]] = collections.deque()
 
     @staticmethod
     def size_class(nbytes: int) -> int:
@@ -141,7 +145,25 @@ class _PinnedPool:
         with self._lock:
             return self._acquire(nbytes)
 
+    def _drain(self) -> None:
+        while self._returned:
+            buf, ready = self._returned.popleft()
+            self.free[buf.numel()].append((buf, ready))
+
+    def _evict(self, need: int) -> None:
+        """At the cap: drop free buffers of other sizes whose copies are done, until ``need`` more bytes fit."""
+        for cls in sorted(self.free, reverse=True):
+            bucket = self.free[cls]
+            for entry in list(bucket):
+                if self.max_bytes is None or self.allocated_bytes + need <= self.max_bytes:
+                    return
+                if entry[1] is None or entry[1].query():
+                    bucket.remove(entry)
+                    self.allocated_bytes -= cls
+                    self.evictions += 1
+
     def _acquire(self, nbytes: int) -> torch.Tensor:
+        self._drain()
         cls = self.size_class(nbytes)
         bucket = self.free[cls]
         for i, (buf, ev) in enumerate(bucket):
@@ -149,6 +171,8 @@ class _PinnedPool:
                 del bucket[i]
                 self.reuses += 1
                 return buf
+        if self.max_bytes is not None and self.allocated_bytes + cls > self.max_bytes:
+            self._evict(cls)
         if self.max_bytes is not None and self.allocated_bytes + cls > self.max_bytes:
             if bucket:  # at the cap: wait for a buffer of this size whose copy is still running
                 buf, ev = bucket.pop(0)
@@ -175,16 +199,31 @@ class _PinnedPool:
         return buf
 
     def release(self, buf: torch.Tensor, ready: Any) -> None:
-        with self._lock:
-            self.free[buf.numel()].append((buf, ready))
+        self._returned.append((buf, ready))
 
     def empty(self) -> int:
         """Drop every free buffer; returns the bytes dropped."""
         with self._lock:
+            self._drain()
             n = sum(b.numel() for bucket in self.free.values() for b, _ in bucket)
             self.free.clear()
             self.allocated_bytes -= n
             return n
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[lo, hi)`` of its storage that a strided tensor reads (lo a multiple of its element size)."""
+    es = t.element_size()
+    if t.numel() == 0:
+        return 0, 0
+    lo = t.storage_offset()
+    hi = lo + 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride >= 0:
+            hi += (size - 1) * stride
+        else:
+            lo += (size - 1) * stride
+    return int(lo) * es, int(hi) * es
 
 
 class _Group:
@@ -241,9 +280,11 @@ class Offloaded:
 
     __slots__ = ("engine", "copy", "dtype", "shape", "stride", "offset", "version", "orig", "round", "__weakref__")
 
-    def __init__(self, engine: OffloadEngine, copy: _HostCopy, t: torch.Tensor, orig: torch.Tensor) -> None:
+    def __init__(self, engine: OffloadEngine, copy: _HostCopy, t: torch.Tensor, orig: torch.Tensor,
+                 shift: int = 0) -> None:
         self.engine, self.copy = engine, copy
-        self.dtype, self.shape, self.stride, self.offset = t.dtype, t.shape, t.stride(), t.storage_offset()
+        # shift: elements of the storage before the copied bytes (a copy of the span of a small view)
+        self.dtype, self.shape, self.stride, self.offset = t.dtype, t.shape, t.stride(), t.storage_offset() - shift
         self.version = t._version
         self.orig = weakref.ref(orig)  # to catch in-place writes after saving, as autograd does
         self.round = 0
@@ -329,11 +370,23 @@ class OffloadEngine:
         return nbytes > 0 and nbytes >= decision.min_bytes
 
     def offload(self, t: torch.Tensor, dst: str, group: Any = None) -> Offloaded:
-        """Start copying ``t``'s storage to device ``dst``; the caller then drops ``t``."""
+        """Start copying ``t``'s storage to device ``dst``; the caller then drops ``t``.
+
+        The whole storage is copied once per call and shared by its views (``q``, ``k``, ``v`` split
+        from one product), unless ``t`` spans less than half of it (a small slice of a large
+        buffer): then only the bytes it spans.
+        """
         with internal(), torch.no_grad():
             src = t.detach()
             storage = src.untyped_storage()
             grp = self._group(group)
+            lo, hi = _span(src)
+            if 2 * (hi - lo) < storage.nbytes():
+                span = self._copy_out(src, storage, torch.device(dst), grp, lo, hi)
+                if grp is not None:
+                    grp.copies.append(weakref.ref(span))
+                self.stats["offloaded"] += 1
+                return Offloaded(self, span, src, t, shift=lo // src.element_size())
             copy = self._shared_copy(grp, storage, src._version)
             if copy is None:
                 copy = self._copy_out(src, storage, torch.device(dst), grp)
@@ -366,9 +419,12 @@ class OffloadEngine:
         c = cref()
         return c if c is not None and sref() is storage and ver == version else None
 
-    def _copy_out(self, src: torch.Tensor, storage: Any, dst: torch.device, grp: _Group | None) -> _HostCopy:
-        nbytes = storage.nbytes()
-        raw = torch.empty(0, dtype=torch.uint8, device=src.device).set_(storage)
+    def _copy_out(self, src: torch.Tensor, storage: Any, dst: torch.device, grp: _Group | None,
+                  lo: int = 0, hi: int | None = None) -> _HostCopy:
+        """Copy bytes ``[lo, hi)`` of ``storage`` (default: all of it)."""
+        hi = storage.nbytes() if hi is None else hi
+        nbytes = hi - lo
+        raw = torch.empty(0, dtype=torch.uint8, device=src.device).set_(storage, lo, (nbytes,), (1,))
         c = _HostCopy(self, self._next_cid, grp, src.device, nbytes)
         self._next_cid += 1
         if src.device.type == "cuda" and dst.type == "cpu" and self.pin_memory:
@@ -506,7 +562,9 @@ class OffloadEngine:
             self._start_group(nxt)
 
     def _start_group(self, grp: _Group) -> None:
-        for ref in grp.copies:
+        # the backward pass reads a call's tensors in the reverse of the order they were saved: copy the
+        # last-saved first, so the first one needed arrives first
+        for ref in reversed(grp.copies):
             c = ref()
             if c is not None and c.live > 0 and c.dev is None and (c.dev_weak is None or c.dev_weak() is None):
                 self._start_h2d(c, ahead=True)

@@ -391,14 +391,61 @@ def test_pinned_pool_reuses_buffers_and_reports_failures() -> None:
             pool.release(b, None)
     assert made == [8192, 8192, 4096] and pool.allocations == 3 and pool.reuses == 6
     pool.acquire(5000), pool.acquire(5000)
+    pool.acquire(5000)  # at the cap: the free 4 KiB buffer is evicted to make room (issue 13, item 7)
+    assert pool.evictions == 1 and pool.allocated_bytes == 3 * 8192
     with pytest.raises(RematError, match="past the engine's max_pinned_bytes"):
-        pool.acquire(5000)
+        pool.acquire(5000)  # nothing left to evict
 
     def broken(n: int) -> torch.Tensor:
         raise RuntimeError("cudaErrorMemoryAllocation")
 
     with pytest.raises(RematError, match="could not allocate .* pinned host memory.*pin_memory=False"):
         _PinnedPool(alloc=broken).acquire(10)
+
+
+def test_pinned_pool_release_while_acquiring_does_not_deadlock() -> None:
+    """A _HostCopy's __del__ returns its buffer whenever the garbage collector runs, possibly on a thread
+    inside acquire (holding the pool's lock): release must not take that lock (issue 13, item 7)."""
+    import threading
+
+    pool: _PinnedPool
+
+    def alloc(n: int) -> torch.Tensor:
+        pool.release(torch.empty(4096, dtype=torch.uint8), None)  # as if the GC ran a __del__ right here
+        return torch.empty(n, dtype=torch.uint8)
+
+    pool = _PinnedPool(alloc=alloc)
+    worker = threading.Thread(target=lambda: pool.acquire(100), daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "deadlock: release waited for the lock acquire holds"
+    pool.acquire(100)  # the returned buffer is reused
+    assert pool.reuses == 1
+
+
+def test_small_view_of_a_large_storage_copies_only_its_span() -> None:
+    """A saved slice of a huge buffer copies the bytes it spans, not the whole storage (issue 13, item 9)."""
+    big = torch.randn(1000, 100, dtype=torch.float64)
+    eng = OffloadEngine()
+    for view in (big[10:12], big[500:502].t(), big[999:], big[3:5, ::7]):
+        h = eng.offload(view, "cpu")
+        assert h.copy.nbytes < big.untyped_storage().nbytes() // 2
+        assert torch.equal(eng.fetch(h), view)
+    h = eng.offload(big[:600], "cpu")  # more than half: the whole storage, shared by its views
+    assert h.copy.nbytes == big.untyped_storage().nbytes() and torch.equal(eng.fetch(h), big[:600])
+
+
+def test_prefetch_copies_a_call_last_saved_first() -> None:
+    """The backward pass reads a call's tensors in reverse: its copies back start in reverse (item 3)."""
+    f = remat(lambda x: x.sin().sin().sin().sin().sum(), policy=policies.offload_to_cpu(min_bytes=0))
+    eng = OffloadEngine(trace=True)
+    x = torch.randn(64, requires_grad=True)
+    with use_engine(eng):
+        loss = f(x)
+        d2h = [cid for what, _, cid in eng.trace if what == "d2h"]
+        loss.backward()
+    h2d = [cid for what, _, cid in eng.trace if what == "h2d"]
+    assert len(d2h) >= 3 and h2d == d2h[::-1]
 
 
 # ---- GPU -----------------------------------------------------------------------------------------
