@@ -86,6 +86,7 @@ INTERNAL: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_internal"
 PENDING_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("remat_name", default=None)
 
 _ALIAS = torch.ops.aten.alias.default
+_TO_COPY = torch.ops.aten._to_copy.default
 # A tensor built from Python data (torch.tensor(...)) enters dispatch through these: their output
 # is a value of the call, made afresh each time, not an outside tensor.
 _LIFTS = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.default,
@@ -332,6 +333,10 @@ class Recorder(TorchDispatchMode):
             in_vids = [self.vid(t) for t in ins]
             outside = self._outside_reads(ins, keys, in_vids)
             scalars = _scalars(args, kwargs)
+            if outside and func is _TO_COPY and isinstance(decision, Offloadable):
+                # a cast of a parameter (autocast's bf16 weights): moving a parameter-sized copy each step
+                # costs more than casting again in the recompute, and parameters are kept by reference anyway
+                decision = Recompute
             rec = OpRecord(
                 func,
                 name,

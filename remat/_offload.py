@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from . import _torch_internals as _ti
 from ._dispatch import internal
 from ._errors import RematError
 
@@ -376,6 +377,12 @@ class OffloadEngine:
         from one product), unless ``t`` spans less than half of it (a small slice of a large
         buffer): then only the bytes it spans.
         """
+        if _ti.cuda_graph_capturing():
+            raise RematError(
+                "remat: an offload policy ran under CUDA graph capture; its copies to host memory and "
+                "pinned-buffer pool are host-side work a graph cannot replay. Capture with a save or "
+                "recompute policy, or offload outside the captured region."
+            )
         with internal(), torch.no_grad():
             src = t.detach()
             storage = src.untyped_storage()
@@ -446,6 +453,13 @@ class OffloadEngine:
     def _d2h_async(self, c: _HostCopy, raw: torch.Tensor) -> None:
         self._bound_inflight(c.nbytes)
         buf = self._pool.acquire(c.nbytes)
+        try:
+            self._d2h_start(c, raw, buf)
+        except BaseException:
+            self._pool.release(buf, None)  # nothing was queued into it: back to the pool
+            raise
+
+    def _d2h_start(self, c: _HostCopy, raw: torch.Tensor, buf: torch.Tensor) -> None:
         cur = torch.cuda.current_stream(raw.device)
         side = self._stream(self._d2h, raw.device)
         produced = torch.cuda.Event()
@@ -567,7 +581,12 @@ class OffloadEngine:
         for ref in reversed(grp.copies):
             c = ref()
             if c is not None and c.live > 0 and c.dev is None and (c.dev_weak is None or c.dev_weak() is None):
-                self._start_h2d(c, ahead=True)
+                try:
+                    self._start_h2d(c, ahead=True)
+                except torch.OutOfMemoryError:
+                    # no room to copy ahead: the rest of this group is copied back when read
+                    self.stats["prefetch_oom"] += 1
+                    return
 
     # ---- inspection ------------------------------------------------------------
     def _log(self, what: str, c: _HostCopy) -> None:

@@ -218,5 +218,10 @@ def plain_ops_in_pack_hook() -> contextlib.AbstractContextManager[Any]:
     return no_dispatch_modes()
 
 
+def cuda_graph_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (public API; here so tests can stand it in)."""
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 def is_compiling() -> bool:
     return bool(torch.compiler.is_compiling())

@@ -448,6 +448,54 @@ def test_prefetch_copies_a_call_last_saved_first() -> None:
     assert len(d2h) >= 3 and h2d == d2h[::-1]
 
 
+def test_autocast_casts_of_parameters_are_recomputed_not_offloaded() -> None:
+    """Autocast's bf16 copy of a weight (``_to_copy`` of a parameter) would move a parameter-sized copy every
+    step: it is recast in the recompute instead (issue 13, item 6)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 256)
+    x = torch.randn(4, 256)
+    f = remat(lambda x: lin(x).relu().square().sum(), policy=policies.offload_to_cpu(min_bytes=0))
+    eng = OffloadEngine()
+    with use_engine(eng), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = f(x)
+    loss.backward()
+    weight_cast = 256 * 256 * 2
+    assert 0 < eng.stats["offloaded_bytes"] < weight_cast, eng.stats
+    got = lin.weight.grad.clone()  # type: ignore[union-attr]
+    lin.weight.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = lin(x).relu().square().sum()
+    loss.backward()
+    assert torch.equal(got, lin.weight.grad)  # type: ignore[arg-type]
+
+
+def test_offload_under_cuda_graph_capture_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import remat._torch_internals as ti
+
+    monkeypatch.setattr(ti, "cuda_graph_capturing", lambda: True)  # remat's own probe, not torch
+    f = remat(lambda x: x.sin().exp().sum(), policy=policies.offload_to_cpu(min_bytes=0))
+    with pytest.raises(RematError, match="under CUDA graph capture"):
+        f(torch.randn(8, requires_grad=True))
+
+
+def test_out_of_memory_while_prefetching_falls_back_to_fetching_when_read() -> None:
+    class Tight(OffloadEngine):
+        def _start_h2d(self, c: Any, ahead: bool = False) -> None:
+            if ahead:
+                raise torch.OutOfMemoryError("no room to copy ahead")
+            super()._start_h2d(c, ahead)
+
+    f = remat(lambda x: x.sin().sin().sin().sum(), policy=policies.offload_to_cpu(min_bytes=0))
+    x = torch.randn(64, dtype=torch.float64, requires_grad=True)
+    eng = Tight()
+    with use_engine(eng):
+        f(x).backward()
+    y = x.detach().clone().requires_grad_()
+    y.sin().sin().sin().sum().backward()
+    assert torch.equal(x.grad, y.grad)  # type: ignore[arg-type]
+    assert eng.stats["prefetch_oom"] >= 1 and eng.stats["h2d"] >= 2 and eng.stats["prefetched"] == 0
+
+
 # ---- GPU -----------------------------------------------------------------------------------------
 
 
