@@ -83,6 +83,18 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class CountCalls(torch.nn.Module):
+    """An identity module that counts its calls: inside a remat'd block it runs again in the recompute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x
+
+
 def requires_grad_tree(tree: Any) -> Any:
     return optree.tree_map(lambda t: t.detach().clone().requires_grad_(), tree)
 

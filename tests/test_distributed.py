@@ -55,7 +55,7 @@ from torch import nn
 
 from remat import policies, remat_module, remat_modules
 
-from .helpers import OpCounter, assert_tree_close
+from .helpers import CountCalls, OpCounter, assert_tree_close
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(),
@@ -113,25 +113,13 @@ SHARDED_CHILDREN = Case("fsdp", "save-nothing", shard_linears=True)
 # ---- the model ---------------------------------------------------------------------
 
 
-class Count(nn.Module):
-    """Identity that counts its calls: inside a remat'd block it runs again in the recompute."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return x
-
-
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(DIM)
         self.up = nn.Linear(DIM, HIDDEN)
         self.act = nn.GELU(approximate="tanh")
-        self.count = Count()
+        self.count = CountCalls()
         self.down = nn.Linear(HIDDEN, DIM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

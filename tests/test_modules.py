@@ -26,7 +26,7 @@ import remat
 from remat import RematError, policies
 from remat.bench.measure import live_bytes_after
 
-from .helpers import assert_tree_close
+from .helpers import CountCalls, assert_tree_close
 
 DT = torch.float64
 TOL = {"rtol": 1e-10, "atol": 1e-10}
@@ -38,18 +38,6 @@ POLICIES = {
 }
 
 
-class Tally(nn.Module):
-    """Counts its forward calls: a recompute of the enclosing block runs it again."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return x
-
-
 class ConvNet(nn.Module):
     """A small CNN with BatchNorm; ``self.body`` is the block that gets rematerialized."""
 
@@ -58,7 +46,7 @@ class ConvNet(nn.Module):
         self.stem = nn.Conv2d(3, 4, 3, padding=1)
         self.body = nn.Sequential(
             nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4) if bn else nn.Identity(), nn.Tanh(),
-            nn.Conv2d(4, 4, 3, padding=1), nn.Tanh(), Tally(),
+            nn.Conv2d(4, 4, 3, padding=1), nn.Tanh(), CountCalls(),
         )
         self.head = nn.Linear(4 * 6 * 6, 3)
 
