@@ -348,8 +348,14 @@ class OffloadEngine:
         self._pool = _PinnedPool(max_pinned_bytes)
         self._d2h: dict[torch.device, Any] = {}
         self._h2d: dict[torch.device, Any] = {}
-        self._inflight: collections.deque[tuple[Any, int]] = collections.deque()
-        self._inflight_bytes = 0
+        # per source device: copies to the host still running (event, bytes), and their bytes; one device's
+        # copies do not hold back another's forward pass
+        self._inflight: dict[torch.device, collections.deque[tuple[Any, int]]] = collections.defaultdict(
+            collections.deque)
+        self._inflight_bytes: collections.Counter[torch.device] = collections.Counter()
+        # the autograd engine runs one thread per device: offload, fetch and the bookkeeping of reads
+        # (also from a handle's __del__, whenever the garbage collector runs) take this lock
+        self._lock = threading.RLock()
         self._groups: weakref.WeakKeyDictionary[Any, _Group] = weakref.WeakKeyDictionary()
         self._order: list[weakref.ref[_Group]] = []  # groups in the order they first offloaded
         self._next_gid = 0
@@ -377,6 +383,10 @@ class OffloadEngine:
         from one product), unless ``t`` spans less than half of it (a small slice of a large
         buffer): then only the bytes it spans.
         """
+        with self._lock:
+            return self._offload(t, dst, group)
+
+    def _offload(self, t: torch.Tensor, dst: str, group: Any) -> Offloaded:
         if _ti.cuda_graph_capturing():
             raise RematError(
                 "remat: an offload policy ran under CUDA graph capture; its copies to host memory and "
@@ -451,7 +461,7 @@ class OffloadEngine:
         return s
 
     def _d2h_async(self, c: _HostCopy, raw: torch.Tensor) -> None:
-        self._bound_inflight(c.nbytes)
+        self._bound_inflight(c.nbytes, raw.device)
         buf = self._pool.acquire(c.nbytes)
         try:
             self._d2h_start(c, raw, buf)
@@ -472,19 +482,21 @@ class OffloadEngine:
             done.record(side)
         raw.record_stream(side)  # the allocator must not reuse the device memory before the copy ends
         c.buf, c.d2h_done = buf, done
-        self._inflight.append((done, c.nbytes))
-        self._inflight_bytes += c.nbytes
+        self._inflight[raw.device].append((done, c.nbytes))
+        self._inflight_bytes[raw.device] += c.nbytes
 
-    def _bound_inflight(self, nbytes: int) -> None:
-        while self._inflight:
-            ev, n = self._inflight[0]
+    def _bound_inflight(self, nbytes: int, device: torch.device) -> None:
+        """Forget the finished copies from ``device``; past ``max_inflight_bytes`` of running ones, wait."""
+        queue = self._inflight[device]
+        while queue:
+            ev, n = queue[0]
             if not ev.query():
-                if self._inflight_bytes + nbytes <= self.max_inflight_bytes:
+                if self._inflight_bytes[device] + nbytes <= self.max_inflight_bytes:
                     return
                 ev.synchronize()
                 self.stats["waits"] += 1
-            self._inflight.popleft()
-            self._inflight_bytes -= n
+            queue.popleft()
+            self._inflight_bytes[device] -= n
 
     def shares_storage(self, o: Offloaded, storage_keys: set[int]) -> bool:
         """Whether the tensor ``o`` was copied from lives in one of these storages (by data pointer)."""
@@ -500,7 +512,7 @@ class OffloadEngine:
     # ---- backward --------------------------------------------------------------
     def fetch(self, o: Offloaded) -> torch.Tensor:
         """The tensor back on its source device; the current stream waits for its copy if still running."""
-        with internal(), torch.no_grad():
+        with self._lock, internal(), torch.no_grad():
             c = o.copy
             orig = o.orig()
             if orig is not None and orig._version != o.version:
@@ -536,6 +548,10 @@ class OffloadEngine:
 
     def _read(self, c: _HostCopy) -> None:
         """One more handle of ``c`` has been read (or died unread): past the last, hold the device copy weakly."""
+        with self._lock:
+            self._read_locked(c)
+
+    def _read_locked(self, c: _HostCopy) -> None:
         c.pending -= 1
         if c.pending <= 0 and c.dev is not None:
             c.dev_weak = weakref.ref(c.dev.untyped_storage())

@@ -496,6 +496,63 @@ def test_out_of_memory_while_prefetching_falls_back_to_fetching_when_read() -> N
     assert eng.stats["prefetch_oom"] >= 1 and eng.stats["h2d"] >= 2 and eng.stats["prefetched"] == 0
 
 
+class _FakeEvent:
+    """A copy's completion event, on a fake clock: done once ``clock[0] >= at``; synchronize advances it."""
+
+    def __init__(self, clock: list[int], at: int) -> None:
+        self.clock, self.at = clock, at
+
+    def query(self) -> bool:
+        return self.clock[0] >= self.at
+
+    def synchronize(self) -> None:
+        self.clock[0] = max(self.clock[0], self.at)
+
+
+def test_inflight_budget_is_per_device_and_waits_only_past_it() -> None:
+    """Copies still running from one device do not make another device's forward pass wait (item 8); a
+    device waits for its oldest copy only past max_inflight_bytes, and forgets finished ones."""
+    clock = [0]
+    eng = OffloadEngine(max_inflight_bytes=100)
+    a, b = torch.device("cuda", 0), torch.device("cuda", 1)  # keys only: nothing runs on a device
+    for at in (1, 2):
+        eng._inflight[a].append((_FakeEvent(clock, at), 50))
+        eng._inflight_bytes[a] += 50
+    eng._bound_inflight(60, b)  # device b has nothing running: no wait
+    assert eng.stats["waits"] == 0 and clock[0] == 0
+    eng._bound_inflight(40, a)  # 100 running on a + 40 > 100: wait for the oldest only (then 50 + 40 fit)
+    assert eng.stats["waits"] == 1 and clock[0] == 1 and eng._inflight_bytes[a] == 50
+    clock[0] = 5
+    eng._bound_inflight(10, a)  # finished copies are forgotten without waiting
+    assert eng.stats["waits"] == 1 and eng._inflight_bytes[a] == 0 and not eng._inflight[a]
+
+
+def test_one_engine_serves_backward_passes_on_two_threads() -> None:
+    """The autograd engine runs a thread per device: fetches and reads from two threads share one engine."""
+    import threading
+
+    eng = OffloadEngine()
+    pol = policies.offload_to_cpu(min_bytes=0)
+    results: dict[int, Any] = {}
+
+    def work(i: int) -> None:
+        with use_engine(eng):
+            x = torch.randn(256, dtype=torch.float64, generator=torch.Generator().manual_seed(i), requires_grad=True)
+            for _ in range(20):
+                x.grad = None
+                remat(lambda v: v.sin().exp().cos().sum(), policy=pol)(x).backward()
+            y = x.detach().clone().requires_grad_()
+            y.sin().exp().cos().sum().backward()
+            results[i] = torch.equal(x.grad, y.grad)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == {0: True, 1: True}
+
+
 # ---- GPU -----------------------------------------------------------------------------------------
 
 
