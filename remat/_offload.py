@@ -19,7 +19,16 @@ On CUDA (``src`` a CUDA device, ``dst`` ``"cpu"``):
   oldest. ``record_stream`` keeps the caching allocator from handing the device
   memory out again before its copy has finished.
 * In the backward pass host-to-device copies run on a second stream. The first
-  time the backward pass reaches a remat call (NOTE [prefetch]) the engine starts
+  time the backward pass reaches a remat call (NOTE [keep last]
+    The backward pass begins with the call the forward pass ended with: copying
+    that call's tensors to the host and straight back is a round trip the
+    backward pass would wait for. So on CUDA a call's copies are deferred: its
+    storages stay on the device, held by their handles, and their copies start
+    when a call ``keep_last`` calls later starts offloading (or just before an
+    in-place write into one of them). Whatever is still kept when the backward
+    pass arrives is read where it is, like plain autograd's saved tensors.
+
+NOTE [prefetch]) the engine starts
   the copies of all that call's tensors and of the call the backward pass will
   reach next, so the copies overlap the compute; the backward pass waits on an
   event only when it reads a tensor whose copy is still running.
@@ -230,11 +239,12 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 class _Group:
     """The offloaded storages of one remat call."""
 
-    __slots__ = ("gid", "copies", "by_storage", "reached", "__weakref__")
+    __slots__ = ("gid", "copies", "by_storage", "reached", "deferred", "__weakref__")
 
     def __init__(self, gid: int) -> None:
         self.gid = gid
         self.copies: list[weakref.ref[_HostCopy]] = []
+        self.deferred: list[weakref.ref[_HostCopy]] = []  # copies not started yet (NOTE [keep last])
         self.by_storage: dict[int, tuple[Any, int, weakref.ref[_HostCopy]]] = {}
         self.reached = False
 
@@ -243,7 +253,7 @@ class _HostCopy:
     """One storage's bytes on the host, and its device copy while the backward pass needs it."""
 
     __slots__ = ("engine", "cid", "group", "src", "nbytes", "host", "buf", "d2h_done", "dev", "dev_weak",
-                 "h2d_done", "live", "pending", "round", "__weakref__")
+                 "h2d_done", "live", "pending", "round", "deferred", "vsrc", "saved_version", "__weakref__")
 
     def __init__(self, engine: OffloadEngine, cid: int, group: _Group | None, src: torch.device, nbytes: int) -> None:
         self.engine, self.cid, self.group, self.src, self.nbytes = engine, cid, group, src, nbytes
@@ -256,6 +266,10 @@ class _HostCopy:
         self.live = 0  # live handles
         self.pending = 0  # handles not yet read since the last host-to-device copy
         self.round = 0  # number of host-to-device copies started
+        self.deferred: tuple[torch.Tensor, torch.device] | None = None  # kept on the device (NOTE [keep last])
+        # while kept: an alias of the saved tensor (same version counter, no extra memory), to see writes
+        self.vsrc: torch.Tensor | None = None
+        self.saved_version: int | None = None  # if the kept bytes were written before their copy: raise
 
     def __del__(self) -> None:
         if self.buf is not None:
@@ -315,7 +329,11 @@ class OffloadEngine:
             first reads one of them (NOTE [prefetch]). ``False``: each tensor
             is copied back when it is read.
         trace: record ``(event, group, copy)`` tuples in ``engine.trace``
-            (``"d2h"``, ``"h2d"``, ``"use"``), for tests and debugging.
+            (``"d2h"``, ``"h2d"``, ``"use"``, ``"keep"``), for tests and debugging.
+        keep_last: on CUDA, the tensors of the ``keep_last`` most recent remat
+            calls stay on the device until a later call offloads (NOTE [keep
+            last]): the backward pass starts with them, so their round trip
+            would only be waited for. ``0``: offload everything at once.
 
     ``engine.stats`` counts handles offloaded (``offloaded``), host copies made
     and their bytes (``copies``, ``offloaded_bytes``), handles that shared a copy
@@ -336,12 +354,16 @@ class OffloadEngine:
     """
 
     def __init__(self, pin_memory: bool = True, max_inflight_bytes: int = 8 << 30, max_pinned_bytes: int | None = None,
-                 prefetch: bool = True, trace: bool = False) -> None:
+                 prefetch: bool = True, trace: bool = False, keep_last: int = 1) -> None:
         if not isinstance(max_inflight_bytes, int) or max_inflight_bytes <= 0:
             raise ValueError(f"OffloadEngine: max_inflight_bytes must be a positive int, got {max_inflight_bytes!r}")
         if max_pinned_bytes is not None and (not isinstance(max_pinned_bytes, int) or max_pinned_bytes < 0):
             raise ValueError(f"OffloadEngine: max_pinned_bytes must be None or an int >= 0, got {max_pinned_bytes!r}")
+        if not isinstance(keep_last, int) or keep_last < 0:
+            raise ValueError(f"OffloadEngine: keep_last must be an int >= 0, got {keep_last!r}")
         self.pin_memory = pin_memory
+        self.keep_last = keep_last
+        self._keep_devices = frozenset({"cuda"})  # where keeping saves a round trip (tests add "cpu")
         self.max_inflight_bytes = max_inflight_bytes
         self.prefetch = prefetch
         self.trace: list[tuple[str, int, int]] | None = [] if trace else None
@@ -424,6 +446,7 @@ class OffloadEngine:
             self._next_gid += 1
             self._order = [r for r in self._order if r() is not None]
             self._order.append(weakref.ref(grp))
+            self._flush_older()
         return grp
 
     @staticmethod
@@ -444,15 +467,48 @@ class OffloadEngine:
         raw = torch.empty(0, dtype=torch.uint8, device=src.device).set_(storage, lo, (nbytes,), (1,))
         c = _HostCopy(self, self._next_cid, grp, src.device, nbytes)
         self._next_cid += 1
-        if src.device.type == "cuda" and dst.type == "cpu" and self.pin_memory:
+        if grp is not None and self.keep_last > 0 and src.device.type in self._keep_devices:
+            c.dev, c.deferred = raw, (raw, dst)  # NOTE [keep last]: copied when a later call offloads
+            c.vsrc, c.saved_version = src, src._version
+            grp.deferred.append(weakref.ref(c))
+            self.stats["kept_on_device"] += 1
+            self._log("keep", c)
+            return c
+        self._copy_raw(c, raw, dst)
+        return c
+
+    def _copy_raw(self, c: _HostCopy, raw: torch.Tensor, dst: torch.device) -> None:
+        if raw.device.type == "cuda" and dst.type == "cpu" and self.pin_memory:
             self._d2h_async(c, raw)
         else:
-            c.host = torch.empty(nbytes, dtype=torch.uint8, device=dst)
+            c.host = torch.empty(c.nbytes, dtype=torch.uint8, device=dst)
             c.host.copy_(raw)  # synchronous (CPU, pageable memory, other device pairs)
         self.stats["copies"] += 1
-        self.stats["offloaded_bytes"] += nbytes
+        self.stats["offloaded_bytes"] += c.nbytes
         self._log("d2h", c)
-        return c
+
+    def _flush(self, c: _HostCopy) -> None:
+        """Start the copy of a kept storage (NOTE [keep last]) and let go of the device bytes."""
+        assert c.deferred is not None
+        raw, dst = c.deferred
+        c.deferred = None
+        if c.vsrc is not None and c.vsrc._version == c.saved_version:
+            c.saved_version = None  # unchanged since it was saved: the copy holds what was saved
+        c.vsrc = None
+        self._copy_raw(c, raw, dst)
+        c.dev = None
+
+    def _flush_older(self) -> None:
+        """A call started offloading: start the copies of the calls older than the ``keep_last`` newest."""
+        groups = [r() for r in self._order]
+        for grp in groups[: max(len(groups) - self.keep_last, 0)]:
+            if grp is None or not grp.deferred:
+                continue
+            for ref in grp.deferred:
+                c = ref()
+                if c is not None and c.deferred is not None:
+                    self._flush(c)
+            grp.deferred = []
 
     def _stream(self, table: dict[torch.device, Any], dev: torch.device) -> Any:
         s = table.get(dev)
@@ -506,6 +562,10 @@ class OffloadEngine:
     def before_write(self, o: Offloaded) -> None:
         """An op is about to write into ``o``'s source tensor: it must wait until the copy has read it."""
         c = o.copy
+        if c.deferred is not None:
+            with self._lock:
+                if c.deferred is not None:
+                    self._flush(c)  # a kept storage: copy what was saved before the write
         if c.d2h_done is not None:
             torch.cuda.current_stream(c.src).wait_event(c.d2h_done)
 
@@ -514,12 +574,14 @@ class OffloadEngine:
         """The tensor back on its source device; the current stream waits for its copy if still running."""
         with self._lock, internal(), torch.no_grad():
             c = o.copy
-            orig = o.orig()
-            if orig is not None and orig._version != o.version:
+            orig = c.vsrc if c.deferred is not None else o.orig()
+            now = orig._version if orig is not None else (-1 if c.saved_version is not None else o.version)
+            if now != o.version:
                 raise RematError(
                     f"remat: a tensor of shape {list(o.shape)} that was offloaded for the backward pass was "
-                    f"modified in place after it was saved (version {o.version} -> {orig._version}). Do not "
-                    "modify intermediate results in place after an op has used them; clone them first."
+                    f"modified in place after it was saved (version {o.version} -> "
+                    f"{'a later one' if now < 0 else now}). Do not modify intermediate results in place after "
+                    "an op has used them; clone them first."
                 )
             grp = c.group
             if grp is not None and (c.dev is None or not grp.reached):
@@ -537,8 +599,9 @@ class OffloadEngine:
                 cur = torch.cuda.current_stream(c.src)
                 cur.wait_event(c.h2d_done)
                 dev.record_stream(cur)  # freed only after the backward kernels reading it ran
-            out = torch.empty(0, dtype=o.dtype, device=c.src).set_(dev.untyped_storage(), o.offset, o.shape,
-                                                                     o.stride)
+            # a kept storage is read in place: dev is then a view of it, starting where the copy would
+            offset = o.offset + dev.storage_offset() // o.dtype.itemsize
+            out = torch.empty(0, dtype=o.dtype, device=c.src).set_(dev.untyped_storage(), offset, o.shape, o.stride)
             if o.round != c.round:
                 o.round = c.round
                 self._read(c)
@@ -552,6 +615,8 @@ class OffloadEngine:
             self._read_locked(c)
 
     def _read_locked(self, c: _HostCopy) -> None:
+        if c.deferred is not None:
+            return  # never copied: the device bytes are all there is, held until the handles die
         c.pending -= 1
         if c.pending <= 0 and c.dev is not None:
             c.dev_weak = weakref.ref(c.dev.untyped_storage())

@@ -553,6 +553,78 @@ def test_one_engine_serves_backward_passes_on_two_threads() -> None:
     assert results == {0: True, 1: True}
 
 
+def _keeping_engine(keep_last: int = 1) -> OffloadEngine:
+    eng = OffloadEngine(trace=True, keep_last=keep_last)
+    eng._keep_devices = frozenset({"cpu"})  # what CUDA does (NOTE [keep last]), on the CPU
+    return eng
+
+
+def test_last_call_stays_on_the_device_older_calls_are_copied() -> None:
+    """Item 5: the call the backward pass starts with is not copied out and straight back."""
+    pol = policies.offload_to_cpu(min_bytes=0)
+    calls = [remat(lambda v: v.sin().sin().sin(), policy=pol) for _ in range(3)]
+    x = torch.randn(64, dtype=torch.float64, requires_grad=True)
+    eng = _keeping_engine()
+    with use_engine(eng):
+        h = x
+        for f in calls:
+            h = f(h)
+        loss = h.sum()
+        groups = {what: sorted({g for w, g, _ in eng.trace if w == what}) for what in ("d2h", "keep")}
+        loss.backward()
+    assert groups == {"d2h": [0, 1], "keep": [0, 1, 2]}  # the first two calls copied once the next began
+    assert {g for w, g, _ in eng.trace if w == "h2d"} == {0, 1}  # the last is read where it is
+    y = x.detach().clone().requires_grad_()
+    y.sin().sin().sin().sin().sin().sin().sin().sin().sin().sum().backward()
+    assert torch.equal(x.grad, y.grad)  # type: ignore[arg-type]
+
+
+def test_kept_storages_exact_for_views_spans_and_a_second_backward() -> None:
+    big = torch.randn(400, 50, dtype=torch.float64)
+
+    def f(v: torch.Tensor) -> torch.Tensor:
+        qkv = (v * 2).exp()
+        q, k = qkv[:, :25], qkv[:, 25:]  # two views of one storage, one kept copy
+        part = (big * v.sum()).sin()[3:5]  # a small span of a large storage
+        return (q.tanh() * k.sin()).sum() + part.cos().sum()
+
+    x = torch.randn(400, 50, dtype=torch.float64, requires_grad=True)
+    eng = _keeping_engine()
+    with use_engine(eng):
+        loss = remat(f, policy=policies.offload_to_cpu(min_bytes=0))(x)
+        loss.backward(retain_graph=True)
+        first = x.grad.clone()  # type: ignore[union-attr]
+        loss.backward()
+    y = x.detach().clone().requires_grad_()
+    f(y).backward()
+    assert torch.equal(first, y.grad) and torch.equal(x.grad, 2 * y.grad)  # type: ignore[arg-type]
+    assert eng.stats["kept_on_device"] > 0 and eng.stats["copies"] == 0
+
+
+def test_kept_storage_written_in_place_raises_like_autograd() -> None:
+    def f(v: torch.Tensor) -> torch.Tensor:
+        a = v.exp()
+        a.mul_(2)  # exp saved its output; plain autograd raises on backward
+        return a.sin().sum()
+
+    x = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        f(x).backward()
+    eng = _keeping_engine()
+    with use_engine(eng), pytest.raises(RematError, match="modified in place after it was saved"):
+        remat(f, policy=policies.offload_to_cpu(min_bytes=0))(x).backward()
+    eng = _keeping_engine()  # written before a later call copies it: the copy is known stale
+    g = remat(lambda v: v.cos(), policy=policies.offload_to_cpu(min_bytes=0))
+    with use_engine(eng):
+        a = remat(lambda v: v.exp(), policy=policies.offload_to_cpu(min_bytes=0))(x)
+        s = a + 1  # add saves nothing: only remat holds a
+        with torch.no_grad():
+            a.mul_(2)
+        loss = g(s).sum()  # this call's offloading starts the (stale) copy of the first call's
+        with pytest.raises(RematError, match="modified in place after it was saved"):
+            loss.backward()
+
+
 # ---- GPU -----------------------------------------------------------------------------------------
 
 
