@@ -14,12 +14,28 @@ On CUDA (``src`` a CUDA device, ``dst`` ``"cpu"``):
   produced the tensor by an event recorded on the current stream, into
   page-locked (pinned) buffers drawn from a reusable pool: once the pool is warm
   no step allocates pinned memory (``pinned_allocations()`` stays flat).
-* The forward pass never waits for the host, except when more than
-  ``max_inflight_bytes`` of copies are still running: then it waits for the
-  oldest. ``record_stream`` keeps the caching allocator from handing the device
-  memory out again before its copy has finished.
-* In the backward pass host-to-device copies run on a second stream. The first
-  time the backward pass reaches a remat call (NOTE [keep last]
+* The forward pass never waits for the host. The device bytes of a running copy
+  are held by the engine, not ``record_stream``'ed (NOTE [stream-ordered
+  reuse]); past ``max_inflight_bytes`` of running copies per device, the compute
+  stream (not the host) is made to wait for the oldest.
+* The most recent call's storages are not copied at all until a later call
+  offloads (NOTE [keep last]).
+* In the backward pass host-to-device copies run on a second stream, in the
+  reverse of the order the tensors were saved. The first time the backward pass
+  reaches a remat call (NOTE [prefetch]) the engine starts the copies of all that
+  call's tensors and of the call the backward pass will reach next, so the copies
+  overlap the compute; the backward pass waits on an event only when it reads a
+  tensor whose copy is still running. Out of memory while copying ahead, it falls
+  back to copying each tensor when read.
+* A pinned buffer goes back to the pool when its tensor's handles die, marked
+  with the event of the last copy that reads it; it is reused only once that
+  event has completed.
+
+Anywhere else (``src`` and ``dst`` both ``"cpu"``, or other device pairs) the same
+code runs with synchronous copies, which is what the tests check on machines
+without a GPU.
+
+NOTE [keep last]
     The backward pass begins with the call the forward pass ended with: copying
     that call's tensors to the host and straight back is a round trip the
     backward pass would wait for. So on CUDA a call's copies are deferred: its
@@ -28,17 +44,16 @@ On CUDA (``src`` a CUDA device, ``dst`` ``"cpu"``):
     in-place write into one of them). Whatever is still kept when the backward
     pass arrives is read where it is, like plain autograd's saved tensors.
 
-NOTE [prefetch]) the engine starts
-  the copies of all that call's tensors and of the call the backward pass will
-  reach next, so the copies overlap the compute; the backward pass waits on an
-  event only when it reads a tensor whose copy is still running.
-* A pinned buffer goes back to the pool when its tensor's handles die, marked
-  with the event of the last copy that reads it; it is reused only once that
-  event has completed.
-
-Anywhere else (``src`` and ``dst`` both ``"cpu"``, or other device pairs) the same
-code runs with synchronous copies, which is what the tests check on machines
-without a GPU.
+NOTE [stream-ordered reuse]
+    ``record_stream`` lets the caching allocator's reserved memory grow far above
+    what is allocated while the host runs ahead, and adds hidden synchronizations.
+    Instead, as torchtune and FSDP2 do: a device-to-host copy's source bytes are
+    held by the engine until its event is seen complete (polled at the next
+    offload and in the backward pass), or until the compute stream has been made
+    to wait for it (``wait_event``: no host wait); then dropped, so their reuse is
+    ordered after the copy. A host-to-device copy writes into bytes allocated for
+    the compute stream, after an event recorded there, and the compute stream
+    waits for the copy before reading them or letting them go.
 
 NOTE [default engine]
     One engine serves every remat call of a thread (so prefetching can look from
@@ -320,8 +335,9 @@ class OffloadEngine:
         pin_memory: copy CUDA tensors into page-locked host buffers from a
             reusable pool (asynchronous copies). ``False``: pageable memory and
             synchronous copies.
-        max_inflight_bytes: bound on the bytes of device-to-host copies still
-            running; past it the forward pass waits for the oldest copy.
+        max_inflight_bytes: bound, per device, on the bytes of device-to-host
+            copies still running; past it the compute stream (not the host)
+            waits for the oldest copy (NOTE [stream-ordered reuse]).
         max_pinned_bytes: bound on the pinned pool (``None``: no bound); past it
             offloading raises :class:`~remat.RematError`.
         prefetch: in the backward pass, start the copies of a remat call's
@@ -337,8 +353,11 @@ class OffloadEngine:
 
     ``engine.stats`` counts handles offloaded (``offloaded``), host copies made
     and their bytes (``copies``, ``offloaded_bytes``), handles that shared a copy
-    (``shared``), reads (``fetched``), host-to-device copies (``h2d``; of which
-    started ahead of need: ``prefetched``) and forward waits (``waits``).
+    (``shared``), storages kept on the device (``kept_on_device``), reads
+    (``fetched``), host-to-device copies (``h2d``; of which started ahead of need:
+    ``prefetched``; copies ahead given up for lack of memory: ``prefetch_oom``) and
+    the times the compute stream was made to wait for a copy past the in-flight
+    budget (``stream_waits``; the host itself never waits in the forward pass).
 
     Example:
         >>> import torch
@@ -372,7 +391,7 @@ class OffloadEngine:
         self._h2d: dict[torch.device, Any] = {}
         # per source device: copies to the host still running (event, bytes), and their bytes; one device's
         # copies do not hold back another's forward pass
-        self._inflight: dict[torch.device, collections.deque[tuple[Any, int]]] = collections.defaultdict(
+        self._inflight: dict[torch.device, collections.deque[tuple[Any, int, Any]]] = collections.defaultdict(
             collections.deque)
         self._inflight_bytes: collections.Counter[torch.device] = collections.Counter()
         # the autograd engine runs one thread per device: offload, fetch and the bookkeeping of reads
@@ -536,23 +555,36 @@ class OffloadEngine:
             c.host.copy_(raw, non_blocking=True)
             done = torch.cuda.Event()
             done.record(side)
-        raw.record_stream(side)  # the allocator must not reuse the device memory before the copy ends
+        # NOTE [stream-ordered reuse]: the device bytes are held (not record_stream'ed) until the copy is
+        # known done, or until the compute stream has been made to wait for it; only then dropped
         c.buf, c.d2h_done = buf, done
-        self._inflight[raw.device].append((done, c.nbytes))
+        self._inflight[raw.device].append((done, c.nbytes, raw))
         self._inflight_bytes[raw.device] += c.nbytes
 
     def _bound_inflight(self, nbytes: int, device: torch.device) -> None:
-        """Forget the finished copies from ``device``; past ``max_inflight_bytes`` of running ones, wait."""
+        """Drop the finished copies' device bytes; past ``max_inflight_bytes`` of running ones, make the
+        compute stream (not the host) wait for the oldest, then drop its bytes (NOTE [stream-ordered reuse])."""
         queue = self._inflight[device]
         while queue:
-            ev, n = queue[0]
+            ev, n, _ = queue[0]
             if not ev.query():
                 if self._inflight_bytes[device] + nbytes <= self.max_inflight_bytes:
                     return
-                ev.synchronize()
-                self.stats["waits"] += 1
+                self._stream_wait(device, ev)
+                self.stats["stream_waits"] += 1
             queue.popleft()
             self._inflight_bytes[device] -= n
+
+    def _poll(self, device: torch.device) -> None:
+        """Drop the device bytes of the copies to the host that have finished."""
+        queue = self._inflight.get(device)
+        while queue and queue[0][0].query():
+            self._inflight_bytes[device] -= queue.popleft()[1]
+
+    @staticmethod
+    def _stream_wait(device: torch.device, ev: Any) -> None:
+        """Work queued next on ``device``'s current stream runs after ``ev`` (the host does not wait)."""
+        torch.cuda.current_stream(device).wait_event(ev)
 
     def shares_storage(self, o: Offloaded, storage_keys: set[int]) -> bool:
         """Whether the tensor ``o`` was copied from lives in one of these storages (by data pointer)."""
@@ -596,9 +628,8 @@ class OffloadEngine:
                     dev = c.dev
             assert dev is not None
             if c.h2d_done is not None:
-                cur = torch.cuda.current_stream(c.src)
-                cur.wait_event(c.h2d_done)
-                dev.record_stream(cur)  # freed only after the backward kernels reading it ran
+                torch.cuda.current_stream(c.src).wait_event(c.h2d_done)
+                self._poll(c.src)
             # a kept storage is read in place: dev is then a view of it, starting where the copy would
             offset = o.offset + dev.storage_offset() // o.dtype.itemsize
             out = torch.empty(0, dtype=o.dtype, device=c.src).set_(dev.untyped_storage(), offset, o.shape, o.stride)
@@ -619,16 +650,24 @@ class OffloadEngine:
             return  # never copied: the device bytes are all there is, held until the handles die
         c.pending -= 1
         if c.pending <= 0 and c.dev is not None:
+            if c.h2d_done is not None:  # dropped maybe unread: its reuse must come after the copy into it
+                self._stream_wait(c.src, c.h2d_done)
             c.dev_weak = weakref.ref(c.dev.untyped_storage())
             c.dev = None
 
     def _start_h2d(self, c: _HostCopy, ahead: bool = False) -> None:
         assert c.host is not None
         if c.src.type == "cuda" and c.host.device.type == "cpu" and c.d2h_done is not None:
+            # NOTE [stream-ordered reuse]: the device bytes belong to the compute stream (which reads them,
+            # and frees them in its own order); the copy stream writes them after that stream's earlier work
+            cur = torch.cuda.current_stream(c.src)
+            dev = torch.empty(c.nbytes, dtype=torch.uint8, device=c.src)
+            allocated = torch.cuda.Event()
+            allocated.record(cur)
             side = self._stream(self._h2d, c.src)
             with torch.cuda.stream(side):
                 side.wait_event(c.d2h_done)
-                dev = torch.empty(c.nbytes, dtype=torch.uint8, device=c.src)
+                side.wait_event(allocated)
                 dev.copy_(c.host, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(side)
