@@ -188,6 +188,7 @@ class Frame:
         self._served = 0  # routed frame: unpacks served in this backward
         self._mixed: list[tuple[Packed, int]] = []  # NOTE [kept under higher-order grad]: (packed, vid)
         self._tangents_todo: list[tuple[torch.Tensor, int]] = []  # dropped under a jvp level (_promote_tangents)
+        self._offloaded = False  # this call handed a tensor to the offload engine
 
     # ---- forward -------------------------------------------------------------
     def forward(self) -> Any:
@@ -230,6 +231,8 @@ class Frame:
                     else:
                         self.recorder.prune(self.needed_vids)
                     self.recorder.seal()  # its copies must be plain tensors
+                if self._offloaded:
+                    self.engine.end_of_call()  # NOTE [stream-ordered reuse] in _offload.py
         finally:
             self.needed_vids = set()
             self._kept = {}
@@ -351,6 +354,7 @@ class Frame:
         """What the recorder stashes for an output to offload (``t``: the op's own output)."""
         if not self.engine.applies(t, decision):
             return t.detach()  # kept; detached, or it would hold its own graph (see holdable)
+        self._offloaded = True
         with ti.no_dispatch_modes():  # remat's copy, not an op of the user's modes or of a tracer
             return self.engine.offload(t, decision.dst, group=self)
 

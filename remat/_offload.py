@@ -354,7 +354,7 @@ class OffloadEngine:
     ``engine.stats`` counts handles offloaded (``offloaded``), host copies made
     and their bytes (``copies``, ``offloaded_bytes``), handles that shared a copy
     (``shared``), storages kept on the device (``kept_on_device``), reads
-    (``fetched``), host-to-device copies (``h2d``; of which started ahead of need:
+    (``fetched``), host-to-device copies (``h2d``, ``h2d_bytes``; of which started ahead of need:
     ``prefetched``; copies ahead given up for lack of memory: ``prefetch_oom``) and
     the times the compute stream was made to wait for a copy past the in-flight
     budget (``stream_waits``; the host itself never waits in the forward pass).
@@ -575,6 +575,13 @@ class OffloadEngine:
             queue.popleft()
             self._inflight_bytes[device] -= n
 
+    def end_of_call(self) -> None:
+        """A remat call's forward pass ended: let go of the device bytes of its finished copies now,
+        rather than at the next offload or read (they would be held through the rest of the forward)."""
+        with self._lock:
+            for device in list(self._inflight):
+                self._poll(device)
+
     def _poll(self, device: torch.device) -> None:
         """Drop the device bytes of the copies to the host that have finished."""
         queue = self._inflight.get(device)
@@ -617,7 +624,7 @@ class OffloadEngine:
                 )
             grp = c.group
             if grp is not None and (c.dev is None or not grp.reached):
-                self._reach(grp)
+                self._reach(grp, c)
             dev = c.dev
             if dev is None:
                 s = c.dev_weak() if c.dev_weak is not None else None
@@ -677,16 +684,17 @@ class OffloadEngine:
         c.round += 1
         c.pending = c.live
         self.stats["h2d"] += 1
+        self.stats["h2d_bytes"] += c.nbytes
         if ahead:
             self.stats["prefetched"] += 1
         self._log("h2d", c)
 
-    def _reach(self, grp: _Group) -> None:
+    def _reach(self, grp: _Group, needed: _HostCopy) -> None:
         """The backward pass reached ``grp``: fetch all of it and the group it reaches next (NOTE [prefetch])."""
         grp.reached = True
         if not self.prefetch:
             return
-        self._start_group(grp)
+        self._start_group(grp, needed)
         self._order = [r for r in self._order if r() is not None]
         groups = [r() for r in self._order]
         i = next((k for k, g in enumerate(groups) if g is grp), 0)
@@ -695,14 +703,15 @@ class OffloadEngine:
             assert nxt is not None
             self._start_group(nxt)
 
-    def _start_group(self, grp: _Group) -> None:
+    def _start_group(self, grp: _Group, needed: _HostCopy | None = None) -> None:
+        """Start the copies back of ``grp`` (``needed``: the one being read now, not ahead of need)."""
         # the backward pass reads a call's tensors in the reverse of the order they were saved: copy the
         # last-saved first, so the first one needed arrives first
         for ref in reversed(grp.copies):
             c = ref()
             if c is not None and c.live > 0 and c.dev is None and (c.dev_weak is None or c.dev_weak() is None):
                 try:
-                    self._start_h2d(c, ahead=True)
+                    self._start_h2d(c, ahead=c is not needed)
                 except torch.OutOfMemoryError:
                     # no room to copy ahead: the rest of this group is copied back when read
                     self.stats["prefetch_oom"] += 1

@@ -638,6 +638,19 @@ def test_kept_storage_written_in_place_raises_like_autograd() -> None:
             loss.backward()
 
 
+def test_prefetched_counts_only_copies_started_before_they_were_needed() -> None:
+    """The copy being read when the backward reaches a call is not "ahead of need"; bytes back are counted."""
+    f = remat(lambda x: x.sin().sin().sin().sin().sum(), policy=policies.offload_to_cpu(min_bytes=0))
+    eng = OffloadEngine(trace=True)
+    x = torch.randn(64, requires_grad=True)
+    with use_engine(eng):
+        f(x).backward()
+    h2d = [cid for what, _, cid in eng.trace if what == "h2d"]
+    first_use = next(cid for what, _, cid in eng.trace if what == "use")
+    assert eng.stats["h2d"] == len(h2d) == 3 and eng.stats["prefetched"] == 2  # all but the one read first
+    assert first_use in h2d and eng.stats["h2d_bytes"] == eng.stats["offloaded_bytes"]
+
+
 # ---- GPU -----------------------------------------------------------------------------------------
 
 
