@@ -76,6 +76,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -135,6 +136,15 @@ def use_engine(engine: OffloadEngine) -> Iterator[OffloadEngine]:
         _ENGINE.reset(tok)
 
 
+def _default_pinned_cap() -> int | None:
+    """Half the host's physical memory: page-locked memory the OS cannot swap, so a leak (a graph kept
+    alive step after step) must end in a clear error, not a frozen machine. None where unknown."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // 2
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def _alloc_pinned(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
@@ -147,9 +157,16 @@ class _PinnedPool:
     shapes as the step before reuses every buffer.
     """
 
+    # a size class not asked for in this many acquisitions gives its free buffers back (shapes that vary
+    # from step to step would otherwise leave a buffer behind in every class they ever used)
+    IDLE_ACQUIRES = 1024
+
     def __init__(self, max_bytes: int | None = None, alloc: Callable[[int], torch.Tensor] | None = None) -> None:
         self.max_bytes = max_bytes
         self.alloc = alloc or _alloc_pinned
+        self._tick = 0
+        self._last_use: dict[int, int] = {}  # size class -> tick of its last acquisition
+        self.trimmed = 0  # free buffers given back because their size class went unused
         self.free: dict[int, list[tuple[torch.Tensor, Any]]] = collections.defaultdict(list)
         self.allocated_bytes = 0
         self.allocations = 0  # buffers allocated (stays flat once warm)
@@ -187,9 +204,22 @@ class _PinnedPool:
                     self.allocated_bytes -= cls
                     self.evictions += 1
 
+    def _trim(self) -> None:
+        for cls, last in list(self._last_use.items()):
+            if self._tick - last > self.IDLE_ACQUIRES and self.free.get(cls):
+                keep = [(b, ev) for b, ev in self.free[cls] if ev is not None and not ev.query()]
+                n = len(self.free[cls]) - len(keep)
+                self.free[cls] = keep
+                self.allocated_bytes -= n * cls
+                self.trimmed += n
+
     def _acquire(self, nbytes: int) -> torch.Tensor:
         self._drain()
         cls = self.size_class(nbytes)
+        self._tick += 1
+        self._last_use[cls] = self._tick
+        if self._tick % 64 == 0:
+            self._trim()
         bucket = self.free[cls]
         for i, (buf, ev) in enumerate(bucket):
             if ev is None or ev.query():
@@ -338,8 +368,10 @@ class OffloadEngine:
         max_inflight_bytes: bound, per device, on the bytes of device-to-host
             copies still running; past it the compute stream (not the host)
             waits for the oldest copy (NOTE [stream-ordered reuse]).
-        max_pinned_bytes: bound on the pinned pool (``None``: no bound); past it
-            offloading raises :class:`~remat.RematError`.
+        max_pinned_bytes: bound on the pinned pool (``None``: half the host's
+            physical memory); past it, after evicting free buffers of other
+            sizes, offloading raises :class:`~remat.RematError`. Free buffers of
+            a size no longer asked for are given back after a while.
         prefetch: in the backward pass, start the copies of a remat call's
             tensors, and of the call the backward pass reaches next, when it
             first reads one of them (NOTE [prefetch]). ``False``: each tensor
@@ -386,7 +418,7 @@ class OffloadEngine:
         self.max_inflight_bytes = max_inflight_bytes
         self.prefetch = prefetch
         self.trace: list[tuple[str, int, int]] | None = [] if trace else None
-        self._pool = _PinnedPool(max_pinned_bytes)
+        self._pool = _PinnedPool(_default_pinned_cap() if max_pinned_bytes is None else max_pinned_bytes)
         self._d2h: dict[torch.device, Any] = {}
         self._h2d: dict[torch.device, Any] = {}
         # per source device: copies to the host still running (event, bytes), and their bytes; one device's

@@ -423,6 +423,34 @@ def test_pinned_pool_release_while_acquiring_does_not_deadlock() -> None:
     assert pool.reuses == 1
 
 
+def test_pinned_pool_gives_back_sizes_no_longer_used_and_has_a_default_cap() -> None:
+    """Shapes that vary from step to step must not leave a pinned buffer in every size class they used (item 7)."""
+    pool = _PinnedPool(alloc=lambda n: torch.empty(n, dtype=torch.uint8))
+    pool.release(pool.acquire(100_000), None)  # a 128 KiB class, used once
+    assert pool.allocated_bytes == 131072
+    for _ in range(_PinnedPool.IDLE_ACQUIRES + 128):
+        pool.release(pool.acquire(100), None)  # later steps use another size only
+    assert pool.trimmed == 1 and pool.allocated_bytes == 4096
+    assert OffloadEngine()._pool.max_bytes is not None  # half the host's memory unless told otherwise
+
+
+def test_pinned_buffer_returns_to_the_pool_when_starting_its_copy_fails() -> None:
+    """Item 9: a buffer acquired before an exception is not lost."""
+    class Failing(OffloadEngine):
+        def _d2h_start(self, c: Any, raw: torch.Tensor, buf: torch.Tensor) -> None:
+            raise RuntimeError("CUDA error: launch failure")
+
+    eng = Failing()
+    eng._pool = _PinnedPool(alloc=lambda n: torch.empty(n, dtype=torch.uint8))
+    from remat._offload import _HostCopy
+
+    c = _HostCopy(eng, 0, None, torch.device("cpu"), 1000)
+    with pytest.raises(RuntimeError, match="launch failure"):
+        eng._d2h_async(c, torch.empty(1000, dtype=torch.uint8))
+    eng._pool.acquire(1000)
+    assert eng._pool.allocations == 1 and eng._pool.reuses == 1
+
+
 def test_small_view_of_a_large_storage_copies_only_its_span() -> None:
     """A saved slice of a huge buffer copies the bytes it spans, not the whole storage (issue 13, item 9)."""
     big = torch.randn(1000, 100, dtype=torch.float64)
