@@ -72,6 +72,7 @@ from typing import Any
 import optree
 import torch
 
+from . import _outside as ox
 from . import _torch_internals as ti
 from ._errors import RematError
 from ._policies import Decision, Offloadable, Recompute, Saveable, decide, decide_explicit
@@ -91,10 +92,6 @@ _TO_COPY = torch.ops.aten._to_copy.default
 # is a value of the call, made afresh each time, not an outside tensor.
 _LIFTS = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.default,
                     torch.ops.aten.lift_fresh_copy.default})
-# Ops that write their running-statistics arguments (3 and 4) in training mode (argument 5)
-# although their schemas do not say so.
-_HIDDEN_WRITES = frozenset({torch.ops.aten.native_batch_norm.default, torch.ops.aten.cudnn_batch_norm.default,
-                            torch.ops.aten.miopen_batch_norm.default})
 
 
 class internal:
@@ -135,87 +132,6 @@ def _traits(func: Any) -> tuple[bool, bool]:
 def _ignored(func: Any) -> bool:
     """Profiler markers (``record_function``, also run by FSDP2's hooks): no values, not ops of the call."""
     return getattr(func, "namespace", None) == "profiler"
-
-
-def _mutates(func: Any, args: tuple[Any, ...], schema_mutable: bool) -> bool:
-    return schema_mutable or (func in _HIDDEN_WRITES and len(args) > 5 and bool(args[5]))
-
-
-@functools.cache
-def _written_args(func: Any) -> frozenset[int]:
-    """Indices of the schema arguments an op writes."""
-    if func in _HIDDEN_WRITES:
-        return frozenset({3, 4})
-    return frozenset(i for i, a in enumerate(func._schema.arguments)
-                     if a.alias_info is not None and a.alias_info.is_write)
-
-
-def _written_positions(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
-    """Positions, in :func:`_arg_tensors` order, of the tensors an op writes."""
-    written = _written_args(func)
-    names = [a.name for a in func._schema.arguments]
-    out: list[int] = []
-    pos = 0
-    items = [(i, a) for i, a in enumerate(args)]
-    items += [(names.index(k) if k in names else -1, a) for k, a in kwargs.items()]
-    for i, a in items:
-        if isinstance(a, torch.Tensor):
-            if i in written:
-                out.append(pos)
-            pos += 1
-        elif isinstance(a, (list, tuple)):
-            for x in a:
-                if isinstance(x, torch.Tensor):
-                    if i in written:
-                        out.append(pos)
-                    pos += 1
-    return out
-
-
-def _replace_tensors(args: tuple[Any, ...], kwargs: dict[str, Any],
-                     new: dict[int, torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``args``/``kwargs`` with the tensors at positions ``new`` (:func:`_arg_tensors` order) replaced."""
-    pos = 0
-
-    def one(a: Any) -> Any:
-        nonlocal pos
-        if isinstance(a, torch.Tensor):
-            pos += 1
-            return new.get(pos - 1, a)
-        if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
-            return type(a)(one(x) for x in a)
-        return a
-
-    args2 = tuple(one(a) for a in args)
-    kwargs2 = {k: one(a) for k, a in kwargs.items()}
-    return args2, kwargs2
-
-
-_SMALL = 64 * 1024  # bytes: outside tensors up to this size that need no gradient are copied, not checked
-_NUMBERS = (int, float, bool, complex)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    try:
-        return int(t.untyped_storage().nbytes())
-    except (RuntimeError, NotImplementedError):
-        return 0
-
-
-def _scalars(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """An op's Python number arguments (top level), in order."""
-    out = [a for a in args if type(a) in _NUMBERS]
-    if kwargs:
-        out += [a for a in kwargs.values() if type(a) in _NUMBERS]
-    return tuple(out)
-
-
-def _same_scalars(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    return len(a) == len(b) and all(x == y or (x != x and y != y) for x, y in zip(a, b))  # NaN equals NaN
-
-
-def _geometry(t: torch.Tensor) -> tuple[Any, ...]:
-    return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
 
 
 _ONE_LEAF = optree.tree_structure(0)  # type: ignore[arg-type]
@@ -311,7 +227,7 @@ class Recorder(TorchDispatchMode):
         name = PENDING_NAME.get() if func is _ALIAS else None
         ins = _arg_tensors(args, kwargs)
         mutable, random = _traits(func)
-        mutable = _mutates(func, args, mutable)
+        mutable = ox.mutates(func, args, mutable)
         subst = self._before_mutation(func, args, kwargs, ins) if mutable else None
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor):
@@ -332,7 +248,7 @@ class Recorder(TorchDispatchMode):
             in_keys = set(keys)
             in_vids = [self.vid(t) for t in ins]
             outside = self._outside_reads(ins, keys, in_vids)
-            scalars = _scalars(args, kwargs)
+            scalars = ox.scalars(args, kwargs)
             if outside and func is _TO_COPY and isinstance(decision, Offloadable):
                 # a cast of a parameter (autocast's bf16 weights): moving a parameter-sized copy each step
                 # costs more than casting again in the recompute, and parameters are kept by reference anyway
@@ -525,7 +441,7 @@ class Recorder(TorchDispatchMode):
         subst = None
         inside = False
         with internal():
-            for j in _written_positions(func, args, kwargs):
+            for j in ox.written_positions(func, args, kwargs):
                 t = ins[j]
                 k = storage_key(t)
                 if self._is_outside_key(k):
@@ -543,8 +459,8 @@ class Recorder(TorchDispatchMode):
                     inside = True
         if subst is None or inside:
             self.mutated_inplace = True
-            self._copy_on_write(func, [ins[j] for j in _written_positions(func, args, kwargs)]
-                                if func in _HIDDEN_WRITES else _tensors((args, kwargs)))
+            self._copy_on_write(func, [ins[j] for j in ox.written_positions(func, args, kwargs)]
+                                if func in ox.HIDDEN_WRITES else _tensors((args, kwargs)))
         return subst
 
     def _copy_on_write(self, func: Any, written: list[torch.Tensor]) -> None:
@@ -594,7 +510,7 @@ class Recorder(TorchDispatchMode):
             if rec.subst is not None and j in rec.subst:
                 continue  # served from a copy taken before a write overwrote what it read
             written = storage_key(t) in self.written_outside
-            if not written and (t.requires_grad or _nbytes(t) > _SMALL):
+            if not written and (t.requires_grad or ox.nbytes(t) > ox.SMALL):
                 keep.append((j, t, version))  # checked by the recompute: the same tensor, unmodified
                 continue
             # read after the call's last write into it: its value now; or a buffer or constant that needs
@@ -671,9 +587,9 @@ class Replayer(TorchDispatchMode):
         if not rec.live and rec.skippable:
             with internal():  # dead: nothing needed reads it (NOTE [dead ops])
                 return optree.tree_unflatten(rec.out_spec, [_dead_value(m) for m in rec.out_meta])
-        if rec.scalars and not _same_scalars(_scalars(args, kwargs), rec.scalars):
+        if rec.scalars and not ox.same_scalars(ox.scalars(args, kwargs), rec.scalars):
             raise self._diverged(
-                f"op #{i} {func} was called with the numbers {list(_scalars(args, kwargs))} in the recompute "
+                f"op #{i} {func} was called with the numbers {list(ox.scalars(args, kwargs))} in the recompute "
                 f"but {list(rec.scalars)} in the forward pass (a Python number computed from state that "
                 "changed, such as a step counter)"
             )
@@ -722,7 +638,7 @@ class Replayer(TorchDispatchMode):
                 cur = ins[j] if j < len(ins) else None
                 if cur is None:
                     raise self._diverged(f"op #{i} {rec.describe()} has fewer tensor arguments than in the forward pass")
-                same = cur is t0 or (storage_key(cur) == storage_key(t0) and _geometry(cur) == _geometry(t0))
+                same = cur is t0 or (storage_key(cur) == storage_key(t0) and ox.geometry(cur) == ox.geometry(t0))
                 if same:
                     if cur._version != version:
                         raise RematError(
@@ -749,7 +665,7 @@ class Replayer(TorchDispatchMode):
                     "(model.config.use_cache = False)."
                 )
             if rec.subst is not None:
-                args, kwargs = _replace_tensors(args, kwargs, {j: c.clone() for j, c in rec.subst.items()})
+                args, kwargs = ox.replace_tensors(args, kwargs, {j: c.clone() for j, c in rec.subst.items()})
         return args, kwargs
 
     def finish(self) -> None:

@@ -1,0 +1,98 @@
+"""Op arguments as NOTE [outside tensors] in ``_dispatch.py`` needs them: which an op writes, which are
+Python numbers, how to swap tensors in. Pure functions over ATen ops and their arguments."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+__all__ = ["HIDDEN_WRITES", "SMALL", "mutates", "written_positions", "replace_tensors", "nbytes", "scalars",
+           "same_scalars", "geometry"]
+
+# Ops that write their running-statistics arguments (3 and 4) in training mode (argument 5)
+# although their schemas do not say so.
+HIDDEN_WRITES = frozenset({torch.ops.aten.native_batch_norm.default, torch.ops.aten.cudnn_batch_norm.default,
+                           torch.ops.aten.miopen_batch_norm.default})
+
+
+def mutates(func: Any, args: tuple[Any, ...], schema_mutable: bool) -> bool:
+    return schema_mutable or (func in HIDDEN_WRITES and len(args) > 5 and bool(args[5]))
+
+
+@functools.cache
+def written_args(func: Any) -> frozenset[int]:
+    """Indices of the schema arguments an op writes."""
+    if func in HIDDEN_WRITES:
+        return frozenset({3, 4})
+    return frozenset(i for i, a in enumerate(func._schema.arguments)
+                     if a.alias_info is not None and a.alias_info.is_write)
+
+
+def written_positions(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
+    """Positions, in ``_dispatch._arg_tensors`` order, of the tensors an op writes."""
+    written = written_args(func)
+    names = [a.name for a in func._schema.arguments]
+    out: list[int] = []
+    pos = 0
+    items = [(i, a) for i, a in enumerate(args)]
+    items += [(names.index(k) if k in names else -1, a) for k, a in kwargs.items()]
+    for i, a in items:
+        if isinstance(a, torch.Tensor):
+            if i in written:
+                out.append(pos)
+            pos += 1
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                if isinstance(x, torch.Tensor):
+                    if i in written:
+                        out.append(pos)
+                    pos += 1
+    return out
+
+
+def replace_tensors(args: tuple[Any, ...], kwargs: dict[str, Any],
+                     new: dict[int, torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args``/``kwargs`` with the tensors at positions ``new`` (``_dispatch._arg_tensors`` order) replaced."""
+    pos = 0
+
+    def one(a: Any) -> Any:
+        nonlocal pos
+        if isinstance(a, torch.Tensor):
+            pos += 1
+            return new.get(pos - 1, a)
+        if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+            return type(a)(one(x) for x in a)
+        return a
+
+    args2 = tuple(one(a) for a in args)
+    kwargs2 = {k: one(a) for k, a in kwargs.items()}
+    return args2, kwargs2
+
+
+SMALL = 64 * 1024  # bytes: outside tensors up to this size that need no gradient are copied, not checked
+NUMBERS = (int, float, bool, complex)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def scalars(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """An op's Python number arguments (top level), in order."""
+    out = [a for a in args if type(a) in NUMBERS]
+    if kwargs:
+        out += [a for a in kwargs.values() if type(a) in NUMBERS]
+    return tuple(out)
+
+
+def same_scalars(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return len(a) == len(b) and all(x == y or (x != x and y != y) for x, y in zip(a, b))  # NaN equals NaN
+
+
+def geometry(t: torch.Tensor) -> tuple[Any, ...]:
+    return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
