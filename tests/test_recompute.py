@@ -8,6 +8,8 @@ by a dispatch mode around the backward pass, and weak references to storages.
 from __future__ import annotations
 
 import weakref
+from contextlib import nullcontext
+from typing import Any
 
 import pytest
 import torch
@@ -351,3 +353,26 @@ def test_dropping_a_named_value_whose_input_is_already_freed(policy):
     g = torch.autograd.grad(remat(counted, policy=policy)(x, w), (x, w))
     assert counted.calls == 2
     assert_tree_close(g, torch.autograd.grad(f(x, w), (x, w)))
+
+
+@pytest.mark.parametrize("where", ["forward-under-autocast", "backward-under-autocast"])
+def test_recompute_runs_under_the_forwards_autocast_state(where: str) -> None:
+    """The recompute replays the forward's autocast state, whatever is active when the backward runs."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 16)
+    x = torch.randn(4, 16)
+
+    def f(v: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(lin(v)).float().square().sum()
+
+    def grads(fn: Any) -> torch.Tensor:
+        lin.weight.grad = None
+        fwd = torch.autocast("cpu", dtype=torch.bfloat16) if where == "forward-under-autocast" else nullcontext()
+        bwd = torch.autocast("cpu", dtype=torch.bfloat16) if where == "backward-under-autocast" else nullcontext()
+        with fwd:
+            loss = fn(x)
+        with bwd:
+            loss.backward()
+        return lin.weight.grad.clone()  # type: ignore[union-attr]
+
+    assert torch.equal(grads(remat(f)), grads(f))
