@@ -172,7 +172,7 @@ class OpRecord:
     live: bool = True  # set by Recorder.prune: False when nothing the recompute needs reads its outputs
     skippable: bool = False  # a pure op allocating fresh outputs: may be skipped when dead
     # NOTE [outside tensors]: (position among the tensor args, tensor, its version when read)
-    outside: list[tuple[int, Any, int]] | None = None
+    outside: list[tuple[int, torch.Tensor, int]] | None = None
     subst: dict[int, torch.Tensor] | None = None  # position -> copy the recompute reads or writes instead
     scalars: tuple[Any, ...] = ()  # the op's Python number arguments: the recompute must pass the same
 
@@ -201,7 +201,6 @@ class Recorder(TorchDispatchMode):
         self.offloaded_written = False  # an output to offload was written in place (see Frame.forward)
         self.written: set[int] = set()  # storage keys an in-place op wrote (over-approximated: all its args)
         self.input_keys: set[int] = set()  # storages of the call's inputs (set by the frame)
-        # NOTE [outside tensors]: storage key -> (geometry, version before, copy) per write into it
         self.written_outside: set[int] = set()  # storages of outside tensors the call wrote
         self._pending: dict[int, list[tuple[OpRecord, int, torch.Tensor]]] = {}  # outside reads since the last write
         self.describe_tensor: Callable[[torch.Tensor], str | None] = lambda t: None
@@ -415,7 +414,7 @@ class Recorder(TorchDispatchMode):
         return k != 0 and k not in self.producers and k not in self.input_keys
 
     def _outside_reads(self, ins: list[torch.Tensor], keys: list[int],
-                       vids: list[int]) -> list[tuple[int, Any, int]] | None:
+                       vids: list[int]) -> list[tuple[int, torch.Tensor, int]] | None:
         """The op's reads of outside tensors (NOTE [outside tensors]).
 
         Held strongly: an outside tensor that dies during the forward pass was replaced (a cache
@@ -440,8 +439,9 @@ class Recorder(TorchDispatchMode):
         """
         subst = None
         inside = False
+        written = ox.written_positions(func, args, kwargs)
         with internal():
-            for j in ox.written_positions(func, args, kwargs):
+            for j in written:
                 t = ins[j]
                 k = storage_key(t)
                 if self._is_outside_key(k):
@@ -459,8 +459,9 @@ class Recorder(TorchDispatchMode):
                     inside = True
         if subst is None or inside:
             self.mutated_inplace = True
-            self._copy_on_write(func, [ins[j] for j in ox.written_positions(func, args, kwargs)]
-                                if func in ox.HIDDEN_WRITES else _tensors((args, kwargs)))
+            # schema writes: all arguments (over-approximated, as always); batch norm's: the statistics
+            self._copy_on_write(func, [ins[j] for j in written] if func in ox.HIDDEN_WRITES
+                                else _tensors((args, kwargs)))
         return subst
 
     def _copy_on_write(self, func: Any, written: list[torch.Tensor]) -> None:
@@ -468,7 +469,7 @@ class Recorder(TorchDispatchMode):
         partial = (torch.Tag.inplace_view not in func.tags and torch.Tag.nondeterministic_seeded not in func.tags
                    and func.overloadpacket not in _OVERWRITES)
         with internal():
-            keys = {storage_key(t) for t in written} - {0}  # over-approximated: all its arguments
+            keys = {storage_key(t) for t in written} - {0}
             if torch.Tag.inplace_view not in func.tags:  # squeeze_ & co. change shapes, not data
                 self.written |= keys
             for rec in self.ops:
@@ -491,9 +492,8 @@ class Recorder(TorchDispatchMode):
 
         The version lives on the op's own output (a result the caller may hold),
         not on the detached alias in the stash, which has a counter of its own.
-        Outside reads are settled (NOTE [outside tensors]): tensors still alive are
-        held for the recompute's check, reads of buffers the call writes are served
-        from copies.
+        Outside reads are settled (NOTE [outside tensors]): each is either kept for the
+        recompute's check or served from a copy.
         """
         for rec in self.ops:
             if rec.stash is not None:

@@ -38,6 +38,9 @@ import optree
 import torch
 from torch import nn
 
+from ._dispatch import storage_key
+from ._torch_internals import unwrap_all
+
 __all__ = ["Snapshot", "snapshot", "brief_name"]
 
 _MAX_DEPTH = 4  # functions reached through closures of closures of ...
@@ -81,9 +84,6 @@ class Snapshot:
         self.values: list[Any] = []  # the slot's value at the forward pass
         self.specs: list[Any] = []  # None: the value is a tensor; else the treespec of a container
         self.tensors: list[torch.Tensor] = []  # every tensor, flat, in slot order
-
-    def __len__(self) -> int:
-        return len(self.slots)
 
     def _add(self, slot: _Slot, value: Any) -> None:
         if isinstance(value, torch.Tensor):
@@ -129,12 +129,10 @@ class Snapshot:
 
     def label_of(self, t: torch.Tensor) -> str | None:
         """The slot a (plain) tensor came from, for messages: same storage as a held tensor."""
-        from ._torch_internals import unwrap_all
-
-        key = _key(t)
+        key = storage_key(t)
         for slot, value, spec in zip(self.slots, self.values, self.specs):
             for x in [value] if spec is None else value[1]:
-                if isinstance(x, torch.Tensor) and _key(unwrap_all(x)) == key:
+                if isinstance(x, torch.Tensor) and storage_key(unwrap_all(x)) == key:
                     return slot.label
         return None
 
@@ -146,13 +144,6 @@ def _holds(container: Any, leaves: list[Any]) -> bool:
     except Exception:
         return False
     return len(now) == len(leaves) and all(a is b for a, b in zip(now, leaves))
-
-
-def _key(t: torch.Tensor) -> int:
-    try:
-        return int(t.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):
-        return 0
 
 
 def snapshot(fn: Any, extra: list[Any]) -> Snapshot:
@@ -171,7 +162,7 @@ def _walk(obj: Any, snap: Snapshot, seen: set[int], label: str, depth: int) -> N
         return
     seen.add(id(obj))
     if isinstance(obj, nn.Module):
-        _walk_module(obj, snap, seen, label)
+        _walk_module(obj, snap, seen)
     elif isinstance(obj, types.MethodType):
         owner = obj.__self__
         owner_label = label.rpartition(".")[0] or label
@@ -213,7 +204,7 @@ def _walk_attrs(obj: Any, snap: Snapshot, seen: set[int], label: str, depth: int
             _walk(value, snap, seen, f"{label}.{name}", depth + 1)
 
 
-def _walk_module(root: nn.Module, snap: Snapshot, seen: set[int], label: str) -> None:
+def _walk_module(root: nn.Module, snap: Snapshot, seen: set[int]) -> None:
     slots, values, specs, tensors = snap.slots, snap.values, snap.specs, snap.tensors
     mods, sharded = _module_slots(root)
     snap.sharded += sharded
