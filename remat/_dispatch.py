@@ -62,6 +62,7 @@ NOTE [outside tensors]
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -78,7 +79,7 @@ from ._errors import RematError
 from ._policies import Decision, Offloadable, Recompute, Saveable, decide, decide_explicit
 from ._torch_internals import TorchDispatchMode
 
-__all__ = ["INTERNAL", "PENDING_NAME", "internal", "OpRecord", "Recorder", "Replayer"]
+__all__ = ["INTERNAL", "PENDING_NAME", "internal", "OpRecord", "OpTap", "Recorder", "Replayer"]
 
 # remat's own bookkeeping (detach, copies, RNG state) must not be seen as ops of
 # the user's function by any remat mode on the stack.
@@ -128,13 +129,27 @@ def _traits(func: Any) -> tuple[bool, bool]:
     return bool(func._schema.is_mutable), torch.Tag.nondeterministic_seeded in func.tags
 
 
+_METADATA = frozenset({torch.ops.aten.sym_size, torch.ops.aten.sym_stride, torch.ops.aten.sym_numel,
+                       torch.ops.aten.sym_storage_offset})
+
+
 @functools.cache
 def _ignored(func: Any) -> bool:
-    """Profiler markers (``record_function``, also run by FSDP2's hooks): no values, not ops of the call."""
-    return getattr(func, "namespace", None) == "profiler"
+    """Not ops of the call: profiler markers (``record_function``, also run by FSDP2's hooks) and the size
+    queries a tensor subclass with custom sizes dispatches, which torch makes whenever it needs a size (their
+    number differs between the forward pass and the recompute). Neither computes a value."""
+    return getattr(func, "namespace", None) == "profiler" or getattr(func, "overloadpacket", None) in _METADATA
 
 
 _ONE_LEAF = optree.tree_structure(0)  # type: ignore[arg-type]
+_TENSOR = object()  # OpRecord.consts: a tensor leaf of the output
+_CONSTANT_TYPES = (int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout,
+                   torch.memory_format)
+
+
+def _constants(leaves: list[Any]) -> bool:
+    """Whether an op output's non-tensor leaves are plain values a replay can hand back as they were."""
+    return all(isinstance(x, (torch.Tensor, *_CONSTANT_TYPES)) for x in leaves)
 
 
 def _meta(t: torch.Tensor) -> tuple[Any, ...]:
@@ -175,6 +190,18 @@ class OpRecord:
     outside: list[tuple[int, torch.Tensor, int]] | None = None
     subst: dict[int, torch.Tensor] | None = None  # position -> copy the recompute reads or writes instead
     scalars: tuple[Any, ...] = ()  # the op's Python number arguments: the recompute must pass the same
+    lifted: tuple[Any, ...] | None = None  # a lift_fresh: the fingerprint of the value it lifted
+    in_keys: list[int] = dataclasses.field(default_factory=list)  # storages of the tensor arguments
+    out_keys: list[int] = dataclasses.field(default_factory=list)  # storages of the tensor outputs
+    consts: list[Any] | None = None  # an output with non-tensor leaves (numbers): all its leaves, to replay
+
+    def rebuild(self, tensors: list[Any]) -> Any:
+        """The op's output, its tensors replaced by ``tensors`` (its numbers as the forward pass returned them)."""
+        if self.consts is None:
+            return optree.tree_unflatten(self.out_spec, tensors)
+        it = iter(tensors)
+        return optree.tree_unflatten(
+            self.out_spec, [next(it) if c is _TENSOR else c for c in self.consts])
 
     def describe(self) -> str:
         what = f"checkpoint_name({self.name!r})" if self.name is not None else str(self.func)
@@ -204,6 +231,36 @@ class Recorder(TorchDispatchMode):
         self.written_outside: set[int] = set()  # storages of outside tensors the call wrote
         self._pending: dict[int, list[tuple[OpRecord, int, torch.Tensor]]] = {}  # outside reads since the last write
         self.describe_tensor: Callable[[torch.Tensor], str | None] = lambda t: None
+        self._paused = False
+
+    def route_stash(self, route: Callable[[torch.Tensor], Any]) -> list[tuple[int, int]]:
+        """Hand every output held for the replay to ``route`` (the enclosing call), in op order; returns where
+        they were (op index, output position). Not copies made before an in-place write (``cow``): the
+        enclosing recompute would see the written value."""
+        out = []
+        for idx, rec in enumerate(self.ops):
+            if rec.stash is None or rec.cow:
+                continue
+            for j, held in enumerate(rec.stash):
+                if isinstance(held, torch.Tensor):
+                    rec.stash[j] = route(held)
+                    out.append((idx, j))
+        return out
+
+    def note_unpacked(self, t: torch.Tensor) -> None:
+        """``t``, recomputed for a backward pass inside the forward pass, stands for a value of the call."""
+        with internal():
+            self.made_by[self.vid(t)] = -1
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ops run inside are not the call's: a recompute during the forward pass (NOTE [backward inside
+        the forward pass] in ``_hooks.py``) runs below this mode, still on the stack."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     def vid(self, t: torch.Tensor) -> int:
         """A number naming this tensor object for the call (never reused, unlike ``id``)."""
@@ -221,7 +278,7 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if INTERNAL.get() or _ignored(func):
+        if INTERNAL.get() or self._paused or _ignored(func):
             return func(*args, **kwargs)
         name = PENDING_NAME.get() if func is _ALIAS else None
         ins = _arg_tensors(args, kwargs)
@@ -246,7 +303,13 @@ class Recorder(TorchDispatchMode):
             keys = [storage_key(t) for t in ins]
             in_keys = set(keys)
             in_vids = [self.vid(t) for t in ins]
-            outside = self._outside_reads(ins, keys, in_vids)
+            if func in _LIFTS and ins and ox.nbytes(ins[0]) > ox.SMALL:
+                # a large tensor built from Python data in the call, made afresh by the recompute: not held,
+                # the recompute checks it built the same value (a small one is copied like an outside tensor:
+                # the recompute reads the forward's value whatever the Python data became)
+                outside, lifted = None, ox.fingerprint(ins[0])
+            else:
+                outside, lifted = self._outside_reads(ins, keys, in_vids), None
             scalars = ox.scalars(args, kwargs)
             if outside and func is _TO_COPY and isinstance(decision, Offloadable):
                 # a cast of a parameter (autocast's bf16 weights): moving a parameter-sized copy each step
@@ -260,9 +323,12 @@ class Recorder(TorchDispatchMode):
                 in_vids,
                 [self.vid(t) for t in outs],
                 random,
-                out_spec=spec if len(outs) == len(leaves) else None,
+                out_spec=spec if len(outs) == len(leaves) or _constants(leaves) else None,
             )
-            rec.outside, rec.subst, rec.scalars = outside, subst, scalars
+            if len(outs) != len(leaves):
+                # the numbers, and a marker (not the tensor: the stash decides what is held) per tensor
+                rec.consts = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves] if rec.out_spec else None
+            rec.outside, rec.subst, rec.scalars, rec.lifted = outside, subst, scalars, lifted
             for j, t, _ in outside or ():  # reads a later write in this call would invalidate
                 self._pending.setdefault(storage_key(t), []).append((rec, j, t))
             idx = len(self.ops)
@@ -274,8 +340,9 @@ class Recorder(TorchDispatchMode):
                     self.made_by[v] = idx
             if name is not None and ins and (decision is not Recompute or explicit):
                 self._name_decides(ins[0], decision, idx)
-            for t in outs:
-                k = storage_key(t)
+            rec.in_keys = keys
+            rec.out_keys = [storage_key(t) for t in outs]
+            for k in rec.out_keys:
                 # a checkpoint_name alias shares its input's storage; its decision (the name's)
                 # governs that storage when it is saved, not the decision of the op that allocated it
                 if k and (k not in in_keys or name is not None or func in _LIFTS):
@@ -288,9 +355,12 @@ class Recorder(TorchDispatchMode):
             # NOTE [dead ops]: an op whose outputs nothing live reads need not run in the recompute
             rec.skippable = (not random and not mutable and not zero and bool(outs) and rec.out_spec is not None
                              and all(storage_key(t) not in in_keys for t in outs))
-            if decision is not Recompute and not random and not mutable and not zero and outs and rec.out_spec is not None:
+            stashable = not random and not mutable and not zero and bool(outs) and rec.out_spec is not None
+            if decision is not Recompute and stashable:
                 self._stash(rec, idx)
-            if decision is Recompute or random or mutable:
+            else:
+                # it runs again in the recompute (recomputed, or not replayable: random, a write, no tensor
+                # output such as .item()): what it reads must come back there
                 for v in in_vids:
                     self._promote(v)
         return out
@@ -354,7 +424,7 @@ class Recorder(TorchDispatchMode):
         """The decision for the op of this call that returned ``t`` itself (None: not made here)."""
         v = self.known_vid(t)
         idx = None if v is None else self.made_by.get(v)
-        return None if idx is None else self.ops[idx].decision
+        return None if idx is None or idx < 0 else self.ops[idx].decision
 
     def drop_value(self, t: torch.Tensor) -> None:
         """``t`` was saved as dropped: the recompute must make it, without the stash holding it.
@@ -522,13 +592,34 @@ class Recorder(TorchDispatchMode):
             rec.subst[j] = t.detach().clone()
         rec.outside = keep or None
 
+    def unused_ops(self, used_keys: set[int]) -> set[int]:
+        """Ops whose outputs reach none of the storages ``used_keys`` (NOTE [unused outputs] in ``_hooks.py``).
+
+        Walks the ops backwards by storage, so that a write through a view counts as
+        producing its base; a storage freed and reused only makes more ops used.
+        """
+        active = set(used_keys)
+        unused = set()
+        for idx in range(len(self.ops) - 1, -1, -1):
+            rec = self.ops[idx]
+            if not rec.out_keys or 0 in rec.out_keys or any(k in active for k in rec.out_keys):
+                active.update(rec.in_keys)
+            else:
+                unused.add(idx)
+        return unused
+
     def _label(self, t: torch.Tensor) -> str:
         label = self.describe_tensor(t)
         return f" ({label})" if label else ""
 
     def producer(self, phys: torch.Tensor) -> OpRecord | None:
-        idx = self.producers.get(storage_key(phys))
-        return None if idx is None else self.ops[idx]
+        key = storage_key(phys)
+        if key:
+            idx = self.producers.get(key)
+        else:  # no storage to name it (a wrapper tensor subclass): the op that returned this very tensor
+            v = self.known_vid(phys)
+            idx = None if v is None else self.made_by.get(v)
+        return None if idx is None or idx < 0 else self.ops[idx]
 
     def prune(self, needed_vids: set[int]) -> None:
         """Release stashed outputs nothing live will read (NOTE [stash liveness])."""
@@ -565,10 +656,12 @@ class Recorder(TorchDispatchMode):
 class Replayer(TorchDispatchMode):
     """Recompute: the same ops in the same order; stashed outputs handed back, not recomputed."""
 
-    def __init__(self, recorder: Recorder) -> None:
+    def __init__(self, recorder: Recorder, unused: set[int] = frozenset()) -> None:  # type: ignore[assignment]
         super().__init__()
         self.rec = recorder
         self.pos = 0
+        self.unused = unused  # ops feeding only outputs this backward pass does not differentiate
+        self.unused_keys: set[int] = set()  # storages of the placeholders handed back for them
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -582,11 +675,16 @@ class Replayer(TorchDispatchMode):
         rec = ops[i]
         if func is not rec.func:
             raise self._diverged(f"op #{i} was {rec.describe()} in the forward pass but {func} now")
+        if rec.skippable and i in self.unused:
+            with internal():  # NOTE [unused outputs]
+                dead = [_dead_value(m) for m in rec.out_meta]
+                self.unused_keys.update(storage_key(t) for t in dead)
+                return rec.rebuild(dead)
         if rec.stash is not None and not rec.random:
             return self._replay(rec, func, args, kwargs)
         if not rec.live and rec.skippable:
             with internal():  # dead: nothing needed reads it (NOTE [dead ops])
-                return optree.tree_unflatten(rec.out_spec, [_dead_value(m) for m in rec.out_meta])
+                return rec.rebuild([_dead_value(m) for m in rec.out_meta])
         if rec.scalars and not ox.same_scalars(ox.scalars(args, kwargs), rec.scalars):
             raise self._diverged(
                 f"op #{i} {func} was called with the numbers {list(ox.scalars(args, kwargs))} in the recompute "
@@ -595,6 +693,15 @@ class Replayer(TorchDispatchMode):
             )
         if rec.outside is not None or rec.subst is not None:
             args, kwargs = self._outside_args(i, rec, args, kwargs)
+        if rec.lifted is not None:
+            with internal():
+                now = ox.fingerprint(_arg_tensors(args, kwargs)[0])
+            if now != rec.lifted:
+                raise self._diverged(
+                    f"op #{i} {func} lifted a tensor built from Python data (torch.tensor, torch.from_numpy) "
+                    f"of shape {list(now[0])} whose value differs from the forward pass's (data read from "
+                    "state that changed in between)"
+                )
         out = func(*args, **kwargs)
         outs = _tensors(out)
         got = [_meta(t)[:2] for t in outs]
@@ -615,6 +722,8 @@ class Replayer(TorchDispatchMode):
                 t = ref() if isinstance(ref, weakref.ref) else ref
                 if t is None:
                     t = _dead_value(meta)
+                elif getattr(t, "routed", False):
+                    t = t.fetch().detach()  # held by the enclosing call (NOTE [nested remat] in _hooks.py)
                 elif not isinstance(t, torch.Tensor):
                     t = t.engine.fetch(t)  # offloaded: bring it back
                 else:
@@ -628,7 +737,7 @@ class Replayer(TorchDispatchMode):
                         )
                     t = t.clone() if rec.cow else t.detach()
                 vals.append(t)
-        return optree.tree_unflatten(rec.out_spec, vals)
+        return rec.rebuild(vals)
 
     def _outside_args(self, i: int, rec: OpRecord, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Check the op reads the forward's outside tensors; hand it copies where recorded (NOTE [outside tensors])."""
@@ -687,6 +796,30 @@ class Replayer(TorchDispatchMode):
         )
 
 
+class OpTap(TorchDispatchMode):
+    """Keep the tensor outputs of the ops at positions ``wanted``, counted as :class:`Recorder` counts them.
+
+    An outer recompute re-running a routed call taps the outputs that call's forward pass
+    stashed and routed to the outer call (NOTE [nested remat] in ``_hooks.py``).
+    """
+
+    def __init__(self, wanted: set[int]) -> None:
+        super().__init__()
+        self.wanted = wanted
+        self.pos = 0
+        self.outputs: dict[int, list[torch.Tensor]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if INTERNAL.get() or _ignored(func):
+            return out
+        if self.pos in self.wanted:
+            self.outputs[self.pos] = _tensors(out)
+        self.pos += 1
+        return out
+
+
 def _dead_value(meta: tuple[Any, ...] | None) -> Any:
     assert meta is not None
     shape, dtype, device, stride = meta
@@ -700,7 +833,7 @@ def iter_stashed(recorder: Recorder) -> Iterator[tuple[OpRecord, torch.Tensor | 
     """Every stashed output still held strongly (for inspection and tests)."""
     for rec in recorder.ops:
         for ref in rec.stash or ():
-            if ref is not None and not isinstance(ref, weakref.ref):
+            if ref is not None and not isinstance(ref, weakref.ref) and not getattr(ref, "routed", False):
                 yield rec, ref
 
 

@@ -32,6 +32,41 @@ NOTE [nested remat]
     it to the parent's decision. Under torch.func levels the inner frame holds its own saved
     tensors (its levels differ from the outer's and its recompute rebuilds them).
 
+NOTE [free as used]
+    Each recomputed tensor is let go as soon as the backward pass has read it (as
+    ``torch.utils.checkpoint`` does), so memory falls node by node; what is never
+    read goes when the backward pass ends. A tensor read again (a second backward
+    pass, ``grad_fn._saved_self``) is recomputed again.
+
+NOTE [backward inside the forward pass]
+    The function may run a backward pass of its own (``torch.autograd.grad`` for a
+    gradient penalty) that reads tensors this call dropped before its forward pass
+    has ended. The recompute then runs the function only as far as the forward pass
+    got: it stops (``_StopRecompute`` from the capture hook) once it has made every
+    tensor saved so far, with the forward's recorder paused (it is still on the mode
+    stack); the backward pass's own ops are recorded as ops of the call and replayed
+    like any other. Its results are released when the forward pass ends. The tensors
+    it hands out stand for values of the call, not outside tensors. Not supported
+    under torch.func levels or in a routed (nested) call: ``RematError``.
+
+NOTE [unused outputs]
+    When the backward pass differentiates only some outputs of the call, the
+    recompute skips the ops that feed only the others (JAX's dead-code elimination,
+    ``test_remat_eqn_dce``). The frame holds its outputs weakly (an output's node
+    would make a cycle through the graph) and asks the engine whether it will run
+    each output's node; a prehook (``_Ran``) notes the nodes it already ran, which
+    the engine no longer reports (the root), and, held weakly too, tells when an
+    output's node died with its tensor (nothing can reach it). Then ``Recorder.unused_ops`` walks the
+    ops backwards by storage from the used outputs; the rest are skipped like dead
+    ops: the saved tensors they would make are read only by nodes that do not run.
+    Plain autograd and a lone ``grad``/``vjp`` level (under deeper nestings every
+    output counts as used). The analysis is a guess, checked: the forward's nodes can
+    also be reached other than through the outputs (a double backward reaches them
+    through the first backward's graph; a value leaked to a global), so when the
+    backward pass reads a saved tensor that the recompute handed back as a
+    placeholder for a skipped op, the frame recomputes that level again in full and
+    serves it from there: never a NaN, at worst one more recompute.
+
 NOTE [offload under torch.func]
     An offloaded tensor comes back as a plain tensor, but under torch.func the
     backward pass needs it wrapped for the level that saved it, which may be
@@ -68,7 +103,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from . import _torch_internals as ti
 from ._ambient import AmbientState
-from ._dispatch import Recorder, Replayer, internal, storage_key
+from ._dispatch import OpTap, Recorder, Replayer, internal, storage_key
 from ._errors import RematError
 from ._functorch import (
     Decomposed,
@@ -82,6 +117,7 @@ from ._functorch import (
 )
 from ._inspect import INSPECTOR
 from ._policies import Offloadable, Recompute
+from ._reentrant import NeedsRegion
 from ._state import Snapshot
 
 __all__ = ["Frame", "active_context", "call_nested_replay", "holdable"]
@@ -128,14 +164,30 @@ class _Nested:
     """What the parent's recompute must know to re-run one routed call (NOTE [nested remat]).
 
     ``routed``: the call's save positions handed to the parent (its kept tensors);
-    ``children``: the same for the routed calls made inside it, in call order.
+    ``stash``: the outputs of its replay stash handed to the parent when its forward pass ended,
+    as (op index, output position); ``children``: the same for the routed calls made inside it, in call order.
     """
 
-    __slots__ = ("routed", "children")
+    __slots__ = ("routed", "stash", "children")
 
     def __init__(self) -> None:
         self.routed: set[int] = set()
+        self.stash: list[tuple[int, int]] = []
         self.children: list[_Nested] = []
+
+
+class _ParentHandle:
+    """A stashed output of a routed call, saved through its parent (NOTE [nested remat])."""
+
+    __slots__ = ("parent", "packed")
+    routed = True
+
+    def __init__(self, parent: Frame, packed: Packed) -> None:
+        self.parent = parent
+        self.packed = packed
+
+    def fetch(self) -> torch.Tensor:
+        return self.parent.unpack(self.packed)
 
 
 class Frame:
@@ -179,9 +231,9 @@ class Frame:
         self.input_ids: dict[int, int] = {}  # id of an input tensor -> its slot, while routed forward runs
         self.counts: dict[int, int] = {}  # saving height -> number of tensors saved there
         self.drops: dict[int, dict[int, tuple[Any, ...]]] = {}  # height -> dropped position -> (shape, dtype)
-        self.cache: dict[int, dict[int, torch.Tensor]] = {}
+        self.cache: dict[int, dict[int, torch.Tensor]] = {}  # height -> recomputed, not yet read
         self._lock = threading.RLock()  # re-entrant: a recompute may unpack the parent, or itself
-        self.used: dict[int, set[int]] = {}
+        self.forwarding = False  # NOTE [backward inside the forward pass]
         self.recomputes = 0
         self.needed_vids: set[int] = set()
         self._in_cache: list[Any] | None = None  # routed frame: inputs fetched from the parent, this backward
@@ -189,6 +241,9 @@ class Frame:
         self._mixed: list[tuple[Packed, int]] = []  # NOTE [kept under higher-order grad]: (packed, vid)
         self._tangents_todo: list[tuple[torch.Tensor, int]] = []  # dropped under a jvp level (_promote_tangents)
         self._offloaded = False  # this call handed a tensor to the offload engine
+        self._outs: list[tuple[Any, int, Any]] = []  # NOTE [unused outputs]: tensor, storage, prehook (weakly)
+        self._ran: set[int] = set()  # outputs whose node ran in this backward pass (_Ran)
+        self._skipped: dict[int, set[int]] = {}  # height -> storages of placeholders for unused ops
 
     # ---- forward -------------------------------------------------------------
     def forward(self) -> Any:
@@ -204,13 +259,30 @@ class Frame:
         self._forward_inputs = flat
         with internal():
             self.recorder.input_keys = {storage_key(ti.unwrap_all(a)) for a in flat if isinstance(a, torch.Tensor)}
+        self.forwarding = True
         try:
             with contextlib.ExitStack() as es:
                 es.enter_context(ti.saved_tensors_hooks_enabled())
                 es.enter_context(saved_tensors_hooks(self.pack, self.unpack))
                 es.enter_context(self.recorder)
                 es.enter_context(_activate(self))
-                out = self.run(flat)
+                try:
+                    out = self.run(flat)
+                except RuntimeError as e:
+                    if "support saved tensor hooks" not in str(e):
+                        raise
+                    raise NeedsRegion(self, e) from e  # NOTE [reentrant region] in _reentrant.py
+            if not self.routed and (not self.levels or (len(self.levels) == 1 and self.levels[0].kind == "grad")):
+                # NOTE [unused outputs]: weakly, an output's node would make a cycle through the graph
+                self._outs = []
+                for i, t in enumerate(_tensor_leaves(out)):
+                    ran = None
+                    if t.grad_fn is not None:  # the engine says nothing of nodes it ran already (the root)
+                        ran = _Ran(self, i)
+                        t.grad_fn.register_prehook(ran)
+                    with internal():
+                        key = storage_key(ti.unwrap_all(t))
+                    self._outs.append((weakref.ref(t), key, None if ran is None else weakref.ref(ran)))
             if self.levels and self.recorder.offloaded_written:
                 raise RematError(
                     f"remat: {self.fn_name} writes in place into a tensor that its offload policy "
@@ -218,22 +290,35 @@ class Frame:
                     "give wrong gradients). Make the write out of place (h = h * 2 instead of "
                     "h.mul_(2)), or use a save or recompute policy under torch.func."
                 )
+            self.forwarding = False
+            self._release_all()  # what a backward pass inside the forward pass recomputed (partial)
             with internal():
                 self._check_forward_mutation(flat)
                 self._replay_kept_above_grad()
                 self._promote_tangents()
                 with below_all_levels():  # promoting detaches (and may offload) plain tensors
-                    if any(lv.kind == "jvp" for lv in self.levels) or (self.levels and self.recorder.mutated_inplace):
+                    if any(lv.kind == "jvp" for lv in self.levels) or (
+                            self.levels and self.recorder.mutated_inplace
+                            and any(isinstance(r.decision, Offloadable) for r in self.recorder.ops)):
                         # under jvp the recompute must also produce tangents, which the saved
-                        # primals do not name; under torch.func, writes through the batching rules'
-                        # views are not all seen as values: no liveness analysis (NOTE [stash liveness])
+                        # primals do not name; under torch.func, an output offloaded and then written in
+                        # place (squeeze_) is replayed through copies the walk does not see: no liveness
+                        # analysis (NOTE [stash liveness])
                         pass
                     else:
                         self.recorder.prune(self.needed_vids)
                     self.recorder.seal()  # its copies must be plain tensors
                 if self._offloaded:
                     self.engine.end_of_call()  # NOTE [stream-ordered reuse] in _offload.py
+            if self.routed:
+                # the replay stash too is saved through the parent, whose policy decides whether it survives
+                # the forward pass; the parent's recompute re-saves it after re-running this call (_PassThrough)
+                assert self.parent is not None
+                parent = self.parent
+                with internal():
+                    self.nested.stash = self.recorder.route_stash(lambda t: _ParentHandle(parent, parent.pack(t)))
         finally:
+            self.forwarding = False
             self.needed_vids = set()
             self._kept = {}
             self._mixed = []
@@ -241,6 +326,27 @@ class Frame:
             self.input_ids = {}
             del self._forward_inputs
         return out
+
+    def rewind(self) -> None:
+        """Undo what a forward pass cut short did, so that the call can run again (NOTE [reentrant region]):
+        the random-number state goes back to where it was; writes into outside tensors cannot be undone."""
+        if self.recorder.written_outside:
+            raise RematError(
+                f"remat: {self.fn_name} enters torch.func.grad, vjp, jacrev or hessian, so remat runs it again "
+                "as one region (NOTE [reentrant region]), but the first attempt already updated a buffer in place "
+                "(a BatchNorm's running statistics) and running it again would update it twice. Move the inner "
+                "transform before the in-place update, or remat the parts on either side of it."
+            )
+        if self.ambient.cpu_rng is not None:
+            torch.set_rng_state(self.ambient.cpu_rng)
+            for d, st in self.ambient.cuda_rng.items():
+                torch.cuda.set_rng_state(st, d)
+        elif any(r.random for r in self.recorder.ops):
+            raise RematError(
+                f"remat: {self.fn_name} enters torch.func.grad, vjp, jacrev or hessian, so remat runs it again "
+                "as one region (NOTE [reentrant region]), but it drew random numbers before and "
+                "preserve_rng_state=False: the second run would draw others. Pass preserve_rng_state=True."
+            )
 
     def _check_forward_mutation(self, flat: list[Any]) -> None:
         now = [ti.unwrap_all(a)._version if isinstance(a, torch.Tensor) else None for a in flat]
@@ -368,7 +474,12 @@ class Frame:
     def _drop(self, s: int, pos: int, phys: torch.Tensor, meta: tuple[Any, ...], rec: Any) -> Packed:
         self.drops.setdefault(s, {})[pos] = meta
         self.needed_vids.add(self.recorder.vid(phys))
-        self.recorder.drop_value(phys)  # the recompute must make it again
+        if self.levels:
+            # the stash may hold what made it (detach): plain tensors, not wrappers of the saving level
+            with below_all_levels(), ti.plain_ops_in_pack_hook():
+                self.recorder.drop_value(phys)
+        else:
+            self.recorder.drop_value(phys)  # the recompute must make it again
         return Packed(self, _DROP, s, pos, None, 0, meta, rec)
 
     def unpack(self, p: Packed) -> torch.Tensor:
@@ -379,6 +490,7 @@ class Frame:
 
     def _unpack_counted(self, p: Packed) -> torch.Tensor:
         out = self._unpack(p)
+        _note_unpacked(out)  # NOTE [backward inside the forward pass]
         if self.routed:
             self._served += 1
             if self._served >= sum(self.counts.values()):
@@ -399,18 +511,23 @@ class Frame:
             assert self.parent is not None
             return self.parent.unpack(p.payload)
         s = p.height
-        if s not in self.cache:
-            self.cache[s] = self._recompute(s)
-            self.used[s] = set()
+        cached = self.cache.get(s)
+        if cached is None or p.pos not in cached:
+            # not recomputed yet in this backward pass, or read once already (a second backward
+            # pass, an inner one during the forward pass, a saved tensor read twice): recompute
+            cached = self.cache[s] = self._recompute(s)
             # free at the end of this backward pass even if it does not read everything
             ti.queue_backward_callback(self._release_later())
-        out = self.cache[s][p.pos]
-        used = self.used[s]
-        used.add(p.pos)
-        if len(used) == len(self.drops[s]):
-            # clear, not just forget: the recompute graph these tensors hold must not outlive them
-            self.cache.pop(s).clear()
-            del self.used[s]
+        # NOTE [free as used]: each recomputed tensor is let go as soon as the backward pass has
+        # read it, as torch.utils.checkpoint does, so the backward's peak falls as it goes
+        out = cached.pop(p.pos)
+        if self._skipped.get(s) and storage_key(ti.unwrap_all(out)) in self._skipped[s]:
+            # NOTE [unused outputs]: a node the analysis did not foresee reads it (a double backward reaches
+            # the forward's nodes through the first backward's graph): recompute everything, and use that
+            cached = self.cache[s] = self._recompute(s, skip_unused=False)
+            out = cached.pop(p.pos)
+        if not cached:
+            del self.cache[s]
         return out
 
     def _release_later(self) -> Callable[[], None]:
@@ -428,10 +545,10 @@ class Frame:
         return release
 
     def _release_all(self) -> None:
+        self._ran.clear()
         for captured in self.cache.values():
             captured.clear()
         self.cache.clear()
-        self.used.clear()
         self._in_cache = None
         self._served = 0
 
@@ -467,7 +584,38 @@ class Frame:
         self._in_cache = out
         return out
 
-    def _recompute(self, s: int) -> dict[int, torch.Tensor]:
+    def _unused_ops(self, s: int) -> set[int]:
+        """NOTE [unused outputs]: the ops the recompute may skip because they feed only outputs this backward
+        pass does not differentiate (JAX removes them with its dead-code elimination, ``test_remat_eqn_dce``).
+
+        An output whose tensor is still alive is unused when the engine will not run its node; one whose
+        tensor and node both died (its prehook with it) is unused too; otherwise it counts as used. The ops
+        reaching no used output are skipped like dead ops (NOTE [dead ops]): the saved tensors they would
+        make are read only by nodes that do not run.
+        """
+        if not self._outs:
+            return set()
+        used: set[int] = set()
+        skipped = False
+        for i, (ref, key, ran) in enumerate(self._outs):
+            t = ref()
+            if t is None:
+                # the tensor died: its node too (and the prehook it held) unless something computed from it lives
+                # (only on the first recompute: a later one is usually a double backward, which reaches the
+                # forward's nodes through the first backward's graph, and would recompute twice)
+                if ran is not None and ran() is None and s not in self._skipped:
+                    skipped = True
+                else:
+                    used.add(key)
+                continue
+            node = t.grad_fn
+            if node is None or i in self._ran or ti.will_engine_execute(node):
+                used.add(key)
+            else:
+                skipped = True
+        return self.recorder.unused_ops(used) if skipped else set()
+
+    def _recompute(self, s: int, skip_unused: bool = True) -> dict[int, torch.Tensor]:
         self.recomputes += 1
         check_lower_levels(self.levels, s, self.fn_name)
         flat = self._inputs()
@@ -480,8 +628,26 @@ class Frame:
                 )
         detach = s < 0 and not torch.is_grad_enabled()
         capture = _Capture(self, s, detach)
-        replayer = Replayer(self.recorder)
+        # the backward pass of the outputs' own level (plain autograd, or a lone grad/vjp level)
+        unused = (self._unused_ops(s) if skip_unused and not self.forwarding and s == len(self.levels) - 1
+                  else set())
+        # NOTE [backward inside the forward pass]
+        partial = self.forwarding
+        if partial:
+            if self.levels:
+                raise RematError(
+                    f"remat: {self.fn_name} runs a backward pass (torch.autograd.grad) inside its own forward "
+                    "pass that reads a tensor remat dropped, under torch.func transforms, which remat does not "
+                    "support yet. Use a policy that saves what the inner backward pass reads "
+                    "(policies.everything_saveable), or remat the function outside the transform."
+                )
+            capture.stop_after = self.counts.get(s, 0)
+        replayer = Replayer(self.recorder, unused)
         with contextlib.ExitStack() as es:
+            # every call still in its forward pass has its recorder on the mode stack: none of them may see
+            # the recompute's ops (this call's, if it is forwarding, and its enclosing calls')
+            for frame in _forwarding_frames():
+                es.enter_context(frame.recorder.paused())
             es.enter_context(ti.saved_tensors_hooks_enabled())
             n = len(flat)
             vals, target = es.enter_context(
@@ -501,10 +667,16 @@ class Frame:
             es.enter_context(saved_tensors_hooks(capture.pack, capture.unpack))
             es.enter_context(replayer)
             es.enter_context(_activate(capture))
-            self.run(vals)
-            replayer.finish()
+            try:
+                self.run(vals)
+                replayer.finish()
+            except _StopRecompute:
+                pass
+        self._skipped[s] = replayer.unused_keys
         captured, capture.captured, capture.frame = capture.captured, {}, None  # no cycle via the hooks
-        if capture.n != self.counts.get(s, 0):
+        if partial and capture.n >= self.counts.get(s, 0):
+            pass  # stopped once it had made everything saved so far
+        elif capture.n != self.counts.get(s, 0):
             raise RematError(
                 f"remat: the recompute of {self.fn_name} saved {capture.n} tensors for the backward pass "
                 f"where its forward pass saved {self.counts.get(s, 0)}; the function must do the same "
@@ -513,6 +685,49 @@ class Frame:
                 "global, under torch.func), pass them as arguments."
             )
         return captured
+
+
+def _forwarding_frames() -> list[Frame]:
+    """The calls in their forward pass on this thread, innermost first (NOTE [backward inside the forward pass])."""
+    out = []
+    ctx = _ACTIVE.get()
+    while isinstance(ctx, Frame) and ctx.forwarding:
+        out.append(ctx)
+        ctx = ctx.parent
+    return out
+
+
+def _note_unpacked(t: torch.Tensor) -> None:
+    """A saved tensor handed to a backward pass that runs inside forward passes: a value of those calls."""
+    for frame in _forwarding_frames():
+        frame.recorder.note_unpacked(t)
+
+
+def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    import optree
+
+    return [x for x in optree.tree_leaves(tree, none_is_leaf=True) if isinstance(x, torch.Tensor)]
+
+
+class _Ran:
+    """A prehook on an output's node noting that the backward pass ran it (NOTE [unused outputs]); it holds
+    the frame weakly, or the node would keep the frame and its stash alive (a cycle through the graph)."""
+
+    __slots__ = ("frame", "i", "__weakref__")
+
+    def __init__(self, frame: Frame, i: int) -> None:
+        self.frame = weakref.ref(frame)
+        self.i = i
+
+    def __call__(self, grad_outputs: Any) -> None:
+        frame = self.frame()
+        if frame is not None:
+            frame._ran.add(self.i)
+            ti.queue_backward_callback(frame._release_later())
+
+
+class _StopRecompute(Exception):
+    """Raised by a partial recompute's pack hook once it has made every tensor it was asked for."""
 
 
 class _Capture:
@@ -528,6 +743,7 @@ class _Capture:
         self.wanted = frame.drops.get(s, {})
         self.captured: dict[int, torch.Tensor] = {}
         self._children = iter(frame.nested.children)
+        self.stop_after: int | None = None  # a partial recompute: stop after this many saves
 
     def next_nested(self) -> _Nested | None:
         """The routing of the next routed call this recompute re-runs (in forward order)."""
@@ -551,6 +767,8 @@ class _Capture:
                     )
                 with internal():
                     self.captured[pos] = t.detach() if self.detach else t
+            if self.stop_after is not None and self.n >= self.stop_after:
+                raise _StopRecompute
         return holdable(t)
 
     def unpack(self, t: Any) -> Any:
@@ -615,8 +833,16 @@ def call_nested_replay(ctx: Any, run: Callable[[list[Any]], Any], flat: list[Any
             if isinstance(a, torch.Tensor):
                 ctx.pack(a)
     pt = _PassThrough(ctx, nested)
+    tap = OpTap({i for i, _ in nested.stash} if nested is not None else set())
     with saved_tensors_hooks(pt.pack, pt.unpack), _activate(pt):
-        return run(flat)
+        if not tap.wanted:
+            return run(flat)
+        with tap:
+            out = run(flat)
+    assert nested is not None
+    for i, j in nested.stash:  # the stash the forward pass routed, re-saved in the same order
+        ctx.pack(tap.outputs[i][j])
+    return out
 
 
 def _shape(t: torch.Tensor) -> str:

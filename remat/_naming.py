@@ -9,6 +9,7 @@ import torch
 
 from ._dispatch import PENDING_NAME
 from ._hooks import active_context
+from ._inspect import INSPECTOR
 
 __all__ = ["checkpoint_name"]
 
@@ -23,7 +24,8 @@ def checkpoint_name(x: T, name: str) -> T:
     the name in ``kwargs["name"]``, and decides for the tagged value alone:
     :func:`remat.policies.save_only_these_names` keeps it,
     :func:`remat.policies.save_anything_except_these_names` drops it. Outside
-    ``remat`` it does nothing. Works under every ``torch.func`` transform: the tag
+    ``remat`` it does nothing (:func:`remat.saved_residuals` still shows the name,
+    as JAX's does). Works under every ``torch.func`` transform: the tag
     is an ``aten.alias`` seen by remat's dispatch mode below the functorch layers.
 
     Args:
@@ -47,8 +49,8 @@ def checkpoint_name(x: T, name: str) -> T:
     """
     if not isinstance(name, str):
         raise TypeError(f"checkpoint_name: name must be a string, got {name!r} ({type(name).__name__})")
-    if active_context() is None:
-        return x
+    if active_context() is None and INSPECTOR.get() is None:
+        return x  # outside remat, and not listed by saved_residuals: nothing to tag
 
     def tag(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):

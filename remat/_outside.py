@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 __all__ = ["HIDDEN_WRITES", "SMALL", "mutates", "written_positions", "replace_tensors", "nbytes", "scalars",
-           "same_scalars", "geometry"]
+           "same_scalars", "geometry", "fingerprint"]
 
 # Ops that write their running-statistics arguments (3 and 4) in training mode (argument 5)
 # although their schemas do not say so.
@@ -96,3 +96,25 @@ def same_scalars(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 
 def geometry(t: torch.Tensor) -> tuple[Any, ...]:
     return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+
+_CHUNK = 1 << 22  # bytes per step of fingerprint: bounds its temporary (8 bytes per byte)
+
+
+def fingerprint(t: torch.Tensor) -> tuple[Any, ...]:
+    """A checksum of a tensor's value (shape, dtype and every byte, position-weighted), holding nothing.
+
+    A tensor built from Python data inside the call (``torch.tensor(...)``, ``torch.from_numpy``) is made
+    afresh by the recompute; remat keeps only this, not the tensor, to check the recompute built the same.
+    """
+    b = t.detach().contiguous().view(-1)
+    if b.dtype is torch.bool:
+        b = b.view(torch.uint8)
+    b = b.view(torch.uint8)
+    s1 = s2 = 0
+    for lo in range(0, b.numel(), _CHUNK):
+        c = b[lo:lo + _CHUNK].to(torch.int64)
+        w = torch.arange(lo, lo + c.numel(), dtype=torch.int64) % 65521 + 1
+        s1 += int(c.sum())
+        s2 += int((c * w).sum())
+    return (tuple(t.shape), t.dtype, s1, s2)

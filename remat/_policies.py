@@ -276,7 +276,25 @@ def dots_with_no_batch_dims_saveable(op: Any, *args: Any, **kwargs: Any) -> bool
         >>> policies.dots_with_no_batch_dims_saveable(torch.ops.aten.bmm.default)
         False
     """
-    return _packet(op) in _NO_BATCH_DOTS
+    p = _packet(op)
+    return p in _NO_BATCH_DOTS or (p in _BATCH_DOTS and not _has_batch_dims(p, args))
+
+
+def _has_batch_dims(packet: str, args: tuple[Any, ...]) -> bool:
+    """Whether a batched product op (bmm, baddbmm) contracts with batch dimensions.
+
+    JAX decides on ``dot_general``'s dimension numbers. torch's ``einsum`` lowers every
+    contraction, ``"ij,jk->ik"`` included, to ``bmm`` on views with a batch of 1: so a batch
+    of 1 whose operands are views of tensors of at most two dimensions (no batch dimension
+    in the contraction the user wrote) is a plain product. A batch of 1 cut from a tensor
+    that had one (``"bij,bjk->bik"`` with b = 1) stays batched.
+    """
+    ops = [a for a in args[:3] if isinstance(a, torch.Tensor)]
+    if packet == "baddbmm" or packet == "addbmm":
+        ops = ops[1:]
+    if len(ops) < 2 or ops[0].dim() != 3 or ops[0].shape[0] != 1:
+        return True
+    return any((t._base if t._is_view() and t._base is not None else t).dim() > 2 for t in ops[:2])
 
 
 checkpoint_dots_with_no_batch_dims = dots_with_no_batch_dims_saveable
@@ -525,7 +543,7 @@ class offload_dot_with_no_batch_dims:
         Offloadable(self.offload_src, self.offload_dst)
 
     def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Decision:
-        if dots_with_no_batch_dims_saveable(op):
+        if dots_with_no_batch_dims_saveable(op, *args, **kwargs):
             return Offloadable(self.offload_src, self.offload_dst)
         return Recompute
 

@@ -181,6 +181,25 @@ def saved_tensors_hooks_enabled() -> Iterator[None]:
             torch._C._autograd._saved_tensors_hooks_disable(msg)
 
 
+# torch.func.grad, vjp, jacrev and hessian refuse to start while any saved-tensor hooks are
+# installed ("don't yet support saved tensor hooks"). remat's reentrant region (_reentrant.py)
+# runs a function that enters them with grad mode off (nothing is saved) and recomputes it in its
+# own backward, where the enclosing calls' hooks have nothing to do with its ops: it sets the
+# hook stack aside for that span. No public API reads or pops the stack (saved_tensors_hooks only
+# pushes and pops its own pair).
+@contextlib.contextmanager
+def saved_tensors_hooks_set_aside() -> Iterator[None]:
+    popped = []
+    while (top := torch._C._autograd._top_saved_tensors_default_hooks(True)) is not None:
+        popped.append(top)
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(popped):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
 def saved_tensors_hooks_disabled_message() -> str | None:
     return torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
 
@@ -194,6 +213,18 @@ def queue_backward_callback(fn: Callable[[], None]) -> bool:
     except RuntimeError:  # not inside a backward pass
         return False
     return True
+
+
+def will_engine_execute(node: Any) -> bool:
+    """Whether the running backward pass will execute autograd node ``node`` (True outside a backward pass).
+
+    NOTE [unused outputs] in ``_hooks.py``: no public API tells which outputs of a call the
+    backward pass differentiates; torch's own ``register_multi_grad_hook`` asks the engine this way.
+    """
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return True
 
 
 # TorchDispatchMode is the documented way to see ATen ops below autograd and every functorch

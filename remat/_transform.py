@@ -16,6 +16,7 @@ from . import _torch_internals as ti
 from ._errors import RematError
 from ._hooks import Frame, active_context, call_nested_replay
 from ._policies import resolve_policy
+from ._reentrant import NeedsRegion, run_region
 from ._state import brief_name, snapshot
 
 __all__ = ["remat", "checkpoint", "Rematted"]
@@ -124,6 +125,7 @@ class Rematted:
         self.static_argnums = statics
         self.preserve_rng_state = preserve_rng_state
         self._name = brief_name(fn)
+        self._region = False  # runs as a reentrant region (NOTE [reentrant region] in _reentrant.py)
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -137,7 +139,7 @@ class Rematted:
             statics = tuple(i + n if i >= 0 else i for i in statics)
             args, kwargs = (*target.args, *args), {**target.keywords, **kwargs}
             target = target.func
-        return _call(target, self._name, self.policy, statics, self.preserve_rng_state, args, kwargs)
+        return _call(target, self._name, self.policy, statics, self.preserve_rng_state, args, kwargs, self)
 
     def _call_module(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``remat(module)(x)``: the module's hooks run once, outside the remat'd region, as under
@@ -191,7 +193,7 @@ def _normalize_argnums(static_argnums: Any) -> tuple[int, ...]:
 
 
 def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics: tuple[int, ...],
-          preserve_rng: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+          preserve_rng: bool, args: tuple[Any, ...], kwargs: dict[str, Any], owner: Any = None) -> Any:
     n = len(args)
     static_pos = set()
     for i in statics:
@@ -223,8 +225,9 @@ def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics
         )
     if not torch.is_grad_enabled() and not ti.interpreter_stack():
         return run(flat)  # nothing will be saved: no frame needed
+    region = owner is not None and owner._region
     ctx = active_context()
-    if ctx is not None and not isinstance(ctx, Frame):
+    if ctx is not None and not isinstance(ctx, Frame) and not region:
         return call_nested_replay(ctx, run, flat)  # an outer recompute re-runs this call
     # NOTE [state is an input]: what fn reads besides its arguments, held like them
     state = snapshot(fn, [a for a in flat if not isinstance(a, torch.Tensor)] + list(static_vals.values()))
@@ -236,8 +239,26 @@ def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics
             "modules themselves (remat.remat_modules(model, Block) where each Block is fully_shard'ed; "
             "their hooks stay outside), or remat modules below them."
         )
+    if region:
+        return run_region(run, flat, name, policy, preserve_rng, state)
     frame = Frame(run, flat, name, policy, preserve_rng, _offload_engine(), state)
-    return frame.forward()
+    try:
+        return frame.forward()
+    except NeedsRegion as e:
+        # NOTE [reentrant region]: fn (or a remat'd function it calls) enters a torch.func reverse transform
+        if e.origin is frame and owner is not None:
+            owner._region = True
+        if frame.routed or owner is None or ti.interpreter_stack():
+            if frame.routed:
+                raise  # the outermost remat call runs again
+            raise RematError(
+                f"remat: {name} enters torch.func.grad, vjp, jacrev or hessian, which torch refuses to run "
+                "while saved-tensor hooks are installed; remat runs such a function as one region under plain "
+                "autograd, but not under torch.func transforms. Put remat inside the inner transform "
+                "(torch.func.grad(remat(f))), or remat the function the inner transform differentiates."
+            ) from e.cause
+        frame.rewind()
+    return _call(fn, name, policy, statics, preserve_rng, args, kwargs, owner)
 
 
 def _offload_engine() -> Any:

@@ -301,15 +301,9 @@ TRANSFORM_SEEDS = list(range(12))
 TRANSFORM_POLICIES = ["nothing", "everything", "dots", "only_names", "except_names", "offload"]
 MODES = ["plain", "func_grad", "vmap_grad", "double", "nested"]
 
-# Known engine bugs: (mode, seed, policy) -> reason. xfail(strict) so they flip when fixed. (Fixed since the fuzzer
-# found them: names after in-place writes, and NaN replays when a function writes in place; their cases now pass.)
-R_VMAP_ASSERT = "vmap(grad) + save_anything_except_these_names + named value into einsum: functorch INTERNAL ASSERT"
-R_FUNC_INPLACE_NAME = ("torch.func + an in-place write in f + a name policy: the stash is not pruned under "
-                       "torch.func when f writes in place, and a needed output that died is replayed as NaN")
-KNOWN: dict[tuple[str, int, str], str] = {
-    ("func_grad", 11, "only_names"): R_FUNC_INPLACE_NAME,
-    ("vmap_grad", 9, "except_names"): R_FUNC_INPLACE_NAME,
-}
+# Known engine bugs: none left. (Fixed since the fuzzer found them: names after in-place writes, NaN replays when a
+# function writes in place, and under torch.func a name policy with an in-place write, and vmap(grad) with a dropped
+# named value fed to einsum: see the repro tests below.)
 
 
 def gen(mode: str, seed: int) -> dict[str, Any]:
@@ -318,10 +312,7 @@ def gen(mode: str, seed: int) -> dict[str, Any]:
 
 
 def _mark(mode: str, seed: int, name: str) -> Any:
-    marks = []
-    if (mode, seed, name) in KNOWN:
-        marks.append(pytest.mark.xfail(strict=True, reason=KNOWN[(mode, seed, name)]))
-    return pytest.param(mode, seed, name, id=f"{mode}-p{seed}-{name}", marks=marks)
+    return pytest.param(mode, seed, name, id=f"{mode}-p{seed}-{name}")
 
 
 def _cases() -> list[Any]:
@@ -423,7 +414,6 @@ def test_repro_name_with_inplace_on_other_value_nan_weight_grad() -> None:
     assert close(got, want) is None
 
 
-@pytest.mark.xfail(strict=True, reason=R_VMAP_ASSERT, raises=RuntimeError)
 def test_repro_vmap_grad_dropped_name_into_einsum() -> None:
     def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         h = checkpoint_name(x * 1.0, "t0")

@@ -219,6 +219,26 @@ def test_memory_report():
     assert "save-matmuls" in str(rep) and rep.to_dict()["rows"][0]["label"] == "no remat"
 
 
+def test_memory_report_on_blocks_that_call_modules():
+    """nn.Modules inside the remat'd block: the FLOP count must not run module hooks inside the recompute."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)).double()
+
+    def make_loss(wrap):
+        blk = wrap(lambda x: mlp(x))
+        return lambda x: blk(blk(x)).pow(2).sum()
+
+    x = torch.randn(8, 16, dtype=torch.float64, requires_grad=True)
+    torch_ckpt = ("torch-checkpoint", lambda f: lambda *a: torch.utils.checkpoint.checkpoint(f, *a, use_reentrant=False))
+    rep = remat.memory_report(make_loss, x, policies=["save-nothing", "save-matmuls", torch_ckpt], steps=1)
+    plain, nothing, dots, tc = rep.rows
+    # save-nothing recomputes the first linear of each call (the second's output is read by nothing: torch's
+    # checkpoint stops early, remat skips it as a dead op); save-matmuls none
+    assert nothing.recomputed_flops == tc.recomputed_flops == 2 * (2 * 8 * 16 * 32), rep
+    assert dots.recomputed_flops == 0 and plain.recomputed_flops == 0
+    assert nothing.retained_bytes < plain.retained_bytes
+
+
 def test_errors():
     with pytest.raises(TypeError, match="expected a function"):
         remat.saved_residuals(3)

@@ -158,7 +158,8 @@ _MEASURE = textwrap.dedent(r"""
     L, N, D = 6, 256, 512  # 6 blocks, activations of 512 KiB each (float32)
     Ws = [torch.randn(D, D) / D ** 0.5 for _ in range(L)]
     x = torch.randn(N, D, requires_grad=True)
-    pol = {"nothing": policies.nothing_saveable, "everything": policies.everything_saveable}
+    pol = {"nothing": policies.nothing_saveable, "everything": policies.everything_saveable,
+           "dots": policies.dots_saveable}
 
     def block(W, h):
         for _ in range(3):
@@ -202,7 +203,7 @@ def _retained(configs: tuple[str, ...]) -> dict[str, int]:
     return json.loads(res.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-CONFIGS = ("-/-", "-/nothing", "nothing/nothing", "nothing/everything", "everything/nothing")
+CONFIGS = ("-/-", "-/nothing", "nothing/nothing", "nothing/everything", "everything/nothing", "nothing/dots")
 act = 256 * 512 * 4  # bytes of one activation in _MEASURE
 
 
@@ -218,6 +219,13 @@ def test_two_level_checkpointing_memory() -> None:
     assert held["nothing/nothing"] < 1.5 * act, mib
     # outer save-everything over inner save-nothing: the inner policy decides again (one input per block)
     assert 4 * act < held["everything/nothing"] < 9 * act, mib
+
+
+def test_outer_save_nothing_over_inner_dots_saveable_memory() -> None:
+    """The inner call's replay stash (its matmul outputs) is routed through the outer call too: an outer
+    save-nothing keeps only its inputs (it kept 18 matmul outputs, more than plain autograd, before)."""
+    held = _retained(CONFIGS)
+    assert held["nothing/dots"] < 1.5 * act, {k: round(v / 2**20, 1) for k, v in held.items()}
 
 
 def test_outer_save_nothing_over_inner_save_everything_memory() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remat import checkpoint_name, policies, remat
+from remat import checkpoint_name, policies, remat, saved_residuals
 from remat.policies import Offloadable, Recompute, Saveable
 
 aten = torch.ops.aten
@@ -317,3 +317,34 @@ def test_a_policy_gets_the_op_arguments():
 
     remat(lambda a, b: a @ b, policy=spy)(torch.ones(2, 3, requires_grad=True), torch.ones(3, 4))
     assert shapes == [[(2, 3), (3, 4)]]
+
+
+EINSUMS = [  # (equation, operand shapes, has batch dimensions in JAX's dot_general terms)
+    ("ij,jk->ik", [(5, 4), (4, 3)], False),
+    ("ij,kj->ik", [(5, 4), (3, 4)], False),
+    ("ij,j->i", [(5, 4), (4,)], False),
+    ("i,i->", [(4,), (4,)], False),
+    ("bij,bjk->bik", [(2, 5, 4), (2, 4, 3)], True),
+    ("bij,bjk->bik", [(1, 5, 4), (1, 4, 3)], True),  # a batch of one is still a batch
+    ("ij,ij->i", [(5, 4), (5, 4)], True),
+]
+
+
+@pytest.mark.parametrize("eq,shapes,batched", EINSUMS, ids=[f"{e}-{s[0][0]}" for e, s, _ in EINSUMS])
+def test_einsum_contractions_are_classified_by_their_batch_dims(eq, shapes, batched):
+    """einsum lowers every contraction to bmm; the policy decides on the contraction (JAX's dimension numbers)."""
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True) for s in shapes]
+
+    def f(*a):
+        return torch.einsum(eq, *a).sin().sum()
+
+    want = torch.autograd.grad(f(*args), args)
+    for pol, kept_as in ((policies.dots_with_no_batch_dims_saveable, "kept"),
+                         (policies.offload_dot_with_no_batch_dims(None, "cpu"), "offloaded")):
+        dots = [r for r in saved_residuals(remat(f, policy=pol), *args) if r.op and "bmm" in r.op]
+        assert len(dots) == 1, dots
+        assert dots[0].decision == ("recomputed" if batched else kept_as), dots
+        got = torch.autograd.grad(remat(f, policy=pol)(*args), args)
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)

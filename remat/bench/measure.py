@@ -31,11 +31,11 @@ from typing import Any
 
 import optree
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import flop_registry
 
 from .._torch_internals import TorchDispatchMode
 
-__all__ = ["Config", "Result", "LiveCensus", "live_bytes_after", "measure", "ratio", "format_table", "pareto_front", "plot", "MiB"]
+__all__ = ["FlopCount", "Config", "Result", "LiveCensus", "live_bytes_after", "measure", "ratio", "format_table", "pareto_front", "plot", "MiB"]
 
 MiB = float(1 << 20)
 Progress = Callable[[str], None]
@@ -210,11 +210,32 @@ def _memory(cfg: Config, args: Sequence[Any], wrt: list[torch.Tensor], device: t
         census.close()
 
 
+class FlopCount(TorchDispatchMode):
+    """FLOPs of the ops torch has formulas for (matrix products, convolutions, attention), counted at dispatch.
+
+    torch's ``FlopCounterMode`` with the same formulas, without its module tracker: the
+    tracker's module hooks run ops of their own (``view_as`` of each parameter) when a
+    recompute calls the modules again, which a recompute must not see.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += int(formula(*args, **kwargs, out_val=out))
+        return out
+
+
 def _backward_flops(cfg: Config, args: Sequence[Any], wrt: list[torch.Tensor]) -> int:
     loss = cfg.loss_fn(*args)
-    with FlopCounterMode(display=False) as fc:
+    with FlopCount() as fc:
         torch.autograd.grad(loss, wrt)
-    return int(fc.get_total_flops())
+    return fc.total
 
 
 def measure(configs: Sequence[Config], args: Sequence[Any], *, steps: int = 5, warmup: int = 1,

@@ -1,0 +1,218 @@
+"""A backward pass inside the remat'd function: ``torch.autograd.grad`` in the forward pass (a gradient penalty,
+torch's nested-checkpoint tests). Compared with the function without remat, float64 and float32 bitwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from remat import RematError, policies, remat
+
+from .helpers import OpCounter, assert_tree_close
+
+SIN = {torch.ops.aten.sin.default}
+POLICIES = {"nothing": policies.nothing_saveable, "dots": policies.dots_saveable,
+            "everything": policies.everything_saveable}
+
+
+def _x(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def penalty(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A loss plus the norm of its gradient with respect to x (create_graph: differentiated again)."""
+    y = torch.sin(torch.sin(x @ w))
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    return (y * y).sum() + (g * g).sum()
+
+
+def twice(x: torch.Tensor) -> torch.Tensor:
+    """Two inner backward passes at different points of the forward pass."""
+    a = torch.sin(x)
+    (g1,) = torch.autograd.grad(a.sum(), x, create_graph=True)
+    b = torch.sin(a * g1)
+    (g2,) = torch.autograd.grad(b.sum(), x, create_graph=True)
+    return (b * g2).sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_autograd_grad_inside_the_forward_pass(policy: str, dtype: torch.dtype) -> None:
+    x, w = _x(4, 3, dtype=dtype).requires_grad_(), _x(3, 3, dtype=dtype, seed=1).requires_grad_()
+    want = torch.autograd.grad(penalty(x, w), (x, w))
+    loss = remat(penalty, policy=POLICIES[policy])(x, w)
+    with OpCounter(SIN) as c:
+        got = torch.autograd.grad(loss, (x, w))
+    assert_tree_close(got, want)
+    if policy != "everything":
+        assert c.count >= 1  # the recompute ran
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_two_inner_backward_passes(dtype: torch.dtype) -> None:
+    x = _x(5, dtype=dtype).requires_grad_()
+    want = torch.autograd.grad(twice(x), x)
+    got = torch.autograd.grad(remat(twice)(x), x)
+    assert_tree_close(got, want)
+
+
+def test_inner_backward_with_backward_and_double_backward() -> None:
+    x, w = _x(4, 3, dtype=torch.float64).requires_grad_(), _x(3, 3, dtype=torch.float64, seed=1).requires_grad_()
+    (gw,) = torch.autograd.grad(penalty(x, w), w, create_graph=True)
+    want = torch.autograd.grad(gw.sum(), x)
+    (gw2,) = torch.autograd.grad(remat(penalty)(x, w), w, create_graph=True)
+    got = torch.autograd.grad(gw2.sum(), x)
+    assert_tree_close(got, want)
+    loss = remat(penalty)(x, w)
+    loss.backward()
+    assert_tree_close((x.grad, w.grad), torch.autograd.grad(penalty(x, w), (x, w)))
+
+
+@pytest.mark.parametrize("outer_policy", ["nothing", "dots", "everything"])
+def test_inner_backward_in_a_nested_remat_call(outer_policy: str) -> None:
+    x, w = _x(4, 3, dtype=torch.float64).requires_grad_(), _x(3, 3, dtype=torch.float64, seed=1).requires_grad_()
+    inner = remat(penalty)
+    outer = remat(lambda x, w: inner(torch.sin(x), w) * 2, policy=POLICIES[outer_policy])
+    want = torch.autograd.grad(penalty(torch.sin(x), w) * 2, (x, w))
+    assert_tree_close(torch.autograd.grad(outer(x, w), (x, w)), want)
+
+    def outer_grad(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # the inner backward reads the inner call
+        y = remat(lambda x: torch.sin(torch.sin(x @ w)))(x)
+        (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        return (g * y).sum()
+
+    want = torch.autograd.grad(outer_grad(x, w), (x, w))
+    assert_tree_close(torch.autograd.grad(remat(outer_grad, policy=POLICIES[outer_policy])(x, w), (x, w)), want)
+
+
+# ---- a torch.func reverse transform inside remat: the reentrant region (NOTE [reentrant region]) ---------------
+
+
+def per_example_penalty(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A loss built from per-example input gradients (torch.func.grad inside vmap, inside the remat'd function)."""
+    gx = torch.func.vmap(torch.func.grad(lambda xi: torch.tanh(torch.tanh(xi @ w)).sum()))(x)
+    return (gx * gx).sum() + torch.tanh(x @ w).sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_torch_func_grad_inside_remat(policy: str, dtype: torch.dtype) -> None:
+    w, x = _x(3, 3, dtype=dtype).requires_grad_(), _x(4, 3, dtype=dtype, seed=1).requires_grad_()
+    want = torch.autograd.grad(per_example_penalty(w, x), (w, x))
+    f = remat(per_example_penalty, policy=POLICIES[policy])
+    loss = f(w, x)
+    tanh = {torch.ops.aten.tanh.default}
+    with OpCounter(tanh) as c:
+        got = torch.autograd.grad(loss, (w, x))
+    assert_tree_close(got, want)
+    # the recompute ran the function again; save-everything replays every tanh
+    assert c.count == 0 if policy == "everything" else c.count > 0
+    # the next call goes straight to the region: the function runs once in the forward pass
+    calls = []
+    g = remat(lambda w, x: calls.append(1) or per_example_penalty(w, x), policy=POLICIES[policy])
+    g(w, x)
+    assert len(calls) == 2  # found out on the first call: runs again as a region
+    calls.clear()
+    got2 = torch.autograd.grad(g(w, x), (w, x))
+    assert len(calls) == 2  # forward + recompute, no failed attempt
+    assert_tree_close(got2, want)
+
+
+@pytest.mark.parametrize("inner", ["vjp", "jacrev", "hessian"])
+def test_other_reverse_transforms_inside_remat(inner: str) -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        g = lambda v: torch.sin(v).pow(2).sum()  # noqa: E731
+        if inner == "vjp":
+            out = torch.func.vjp(g, x)[1](torch.ones((), dtype=x.dtype))[0]
+        elif inner == "jacrev":
+            out = torch.func.jacrev(g)(x)
+        else:
+            out = torch.func.hessian(g)(x).sum(0)
+        return (out * x).sum()
+
+    x = _x(4, dtype=torch.float64).requires_grad_()
+    want = torch.autograd.grad(f(x), x)
+    got = torch.autograd.grad(remat(f)(x), x)
+    assert_tree_close(got, want)
+
+
+def test_region_double_backward_and_modules() -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3).double()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        gx = torch.func.grad(lambda v: torch.tanh(lin(v)).sum())(x)  # the module's parameters: state inputs
+        return (gx * torch.sin(lin(x))).sum()
+
+    x = _x(3, dtype=torch.float64).requires_grad_()
+    params = (x, *lin.parameters())
+    (gw,) = torch.autograd.grad(f(x), lin.weight, create_graph=True)
+    want = torch.autograd.grad(gw.sum(), params)
+    (gw2,) = torch.autograd.grad(remat(f)(x), lin.weight, create_graph=True)
+    got = torch.autograd.grad(gw2.sum(), params)
+    assert_tree_close(got, want)
+
+
+def test_region_inside_an_outer_remat_call() -> None:
+    w, x = _x(3, 3, dtype=torch.float64).requires_grad_(), _x(4, 3, dtype=torch.float64, seed=1).requires_grad_()
+    inner = remat(per_example_penalty, policy=policies.dots_saveable)
+    outer = remat(lambda w, x: inner(w, torch.sin(x)) * 2)
+    want = torch.autograd.grad(per_example_penalty(w, torch.sin(x)) * 2, (w, x))
+    for _ in range(2):  # the first call finds out inside the outer call, which runs again
+        assert_tree_close(torch.autograd.grad(outer(w, x), (w, x)), want)
+
+
+def test_region_replays_random_numbers() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.dropout(torch.sin(x), 0.5, training=True)
+        return (torch.func.grad(lambda v: torch.tanh(v).sum())(h) * h).sum()
+
+    x = _x(64, dtype=torch.float64).requires_grad_()
+    torch.manual_seed(3)
+    want = torch.autograd.grad(f(x), x)
+    torch.manual_seed(3)
+    got = torch.autograd.grad(remat(f)(x), x)
+    assert_tree_close(got, want)
+
+
+def test_region_holds_only_its_inputs_under_save_nothing() -> None:
+    from remat.bench.measure import LiveCensus
+
+    w, x = _x(64, 64, dtype=torch.float64).requires_grad_(), _x(32, 64, dtype=torch.float64, seed=1).requires_grad_()
+    held = {}
+    for name, fn in (("plain", per_example_penalty), ("remat", remat(per_example_penalty))):
+        fn(w, x)  # the remat'd one finds out on its first call
+        census = LiveCensus()
+        try:
+            with census:
+                loss = fn(w, x)
+        finally:
+            census.close()
+        held[name] = census.live - loss.numel() * loss.element_size()
+        torch.autograd.grad(loss, (w, x))
+    assert held["plain"] > 32 * 64 * 8 * 3, held  # several activations
+    assert held["remat"] == 0, held  # nothing but the inputs, which already existed
+
+
+def test_region_under_an_outer_torch_func_transform_says_so() -> None:
+    x = _x(3, dtype=torch.float64)
+    f = remat(lambda v: torch.func.grad(lambda u: torch.sin(u).sum())(v).sum())
+    with pytest.raises(RematError, match="not under torch.func transforms"):
+        torch.func.grad(f)(x)
+
+
+_HIDDEN: dict[str, torch.Tensor] = {}  # a module global: remat does not look there
+
+
+def _reads_hidden(x: torch.Tensor) -> torch.Tensor:
+    return (torch.func.grad(lambda v: torch.sin(v).sum())(x) * _HIDDEN["w"]).sum()
+
+
+def test_region_reading_an_unknown_tensor_that_requires_grad_raises() -> None:
+    _HIDDEN["w"] = _x(3, dtype=torch.float64).requires_grad_()
+    x = _x(3, dtype=torch.float64).requires_grad_()
+    try:
+        with pytest.raises(RematError, match="its gradient would be lost"):
+            remat(_reads_hidden)(x)
+    finally:
+        _HIDDEN.clear()

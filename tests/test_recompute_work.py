@@ -1,0 +1,291 @@
+"""What the recompute computes and holds, counted from outside remat (issue 9: the peers' suites).
+
+Each test compares with the function without remat (or with ``torch.utils.checkpoint`` where
+the claim is "no worse than torch"), and counts ops with a dispatch mode (``OpCounter``),
+bytes with ``LiveCensus`` (a dispatch mode weighing the storages ops allocate) or liveness of
+the memory itself (weak references to numpy buffers), never with remat's own bookkeeping.
+
+* recomputed tensors are let go as the backward pass reads them (NOTE [free as used]);
+* a tensor built from Python data inside the function is not held (NOTE [outside tensors]);
+* values that depend on no differentiated input follow the policy, as in JAX;
+* outputs the backward pass does not differentiate are not recomputed (NOTE [unused outputs]);
+* an op output with a non-tensor part is replayed, not run again;
+* under torch.func an in-place op keeps dead-op elimination and stash pruning on.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.checkpoint as tcp
+
+from remat import RematError, policies, remat
+from remat.bench.measure import LiveCensus
+
+from .helpers import MATMUL_OPS, OpCounter, assert_tree_close
+
+SIN = {torch.ops.aten.sin.default}
+EXP = {torch.ops.aten.exp.default}
+
+
+def _x(*shape: int, dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=dtype)
+
+
+# ---- freed as used -----------------------------------------------------------------------------------
+
+
+def _chain(x: torch.Tensor) -> torch.Tensor:
+    for _ in range(6):
+        x = torch.sin(x)
+    return x
+
+
+def _backward_live(wrap, n: int = 4096) -> tuple[list[int], int, torch.Tensor]:
+    """Live op-allocated bytes each time the backward pass runs a cos (one per sin node), and the peak."""
+    x = _x(n).requires_grad_()
+    loss = wrap(_chain)(x).sum()
+    trace: list[int] = []
+    census = LiveCensus()
+
+    class Probe(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.cos.default:
+                trace.append(census.live)
+            return out
+
+    try:
+        with census, Probe():
+            (g,) = torch.autograd.grad(loss, x)
+    finally:
+        census.close()
+    return trace, census.peak, g
+
+
+def test_recomputed_tensors_are_freed_as_the_backward_reads_them() -> None:
+    torch_trace, torch_peak, want = _backward_live(lambda f: lambda x: tcp.checkpoint(f, x, use_reentrant=False))
+    trace, peak, got = _backward_live(lambda f: remat(f))
+    plain_trace, plain_peak, plain = _backward_live(lambda f: f)
+    assert torch.equal(got, want) and torch.equal(got, plain)
+    assert len(trace) == 6 and len(torch_trace) == 6
+    # falls node by node as torch's does (before: flat until the last node read its tensor)
+    assert trace[0] > trace[-1] and all(a >= b for a, b in zip(trace, trace[1:])), trace
+    assert peak <= torch_peak, (peak, torch_peak, trace, torch_trace)
+    assert all(a <= b for a, b in zip(trace, torch_trace)), (trace, torch_trace)
+    assert plain_peak < peak  # the census is not vacuous: the recompute allocates
+
+
+def test_a_saved_tensor_read_twice_is_recomputed_again() -> None:
+    x = _x(5).requires_grad_()
+    y = remat(lambda x: x.sin().sin())(x)
+    node = y.grad_fn
+    with OpCounter(SIN) as c:
+        a = node._saved_self  # SinBackward of the second sin: its input, recomputed
+        b = node._saved_self
+    assert torch.equal(a, torch.sin(x)) and torch.equal(b, a)
+    assert c.count == 2  # once per read: the first read let it go
+
+
+# ---- a tensor built from Python data inside the function -------------------------------------------------
+
+
+def test_a_constant_from_numpy_is_not_held_between_forward_and_backward() -> None:
+    refs: list[weakref.ref] = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        arr = np.full(1 << 18, 0.5)  # 2 MiB, made afresh on every call
+        refs.append(weakref.ref(arr))
+        return (x * torch.from_numpy(arr)).sin().sum()
+
+    x = _x(1 << 18).requires_grad_()
+    (want,) = torch.autograd.grad(f(x), x)
+    loss = remat(f)(x)
+    gc.collect()
+    assert refs[-1]() is None  # remat holds neither the tensor nor its numpy buffer
+    (got,) = torch.autograd.grad(loss, x)
+    assert torch.equal(got, want)
+    assert len(refs) == 3  # the recompute built it again
+
+
+@pytest.mark.parametrize("make", ["tensor", "as_tensor"])
+def test_a_constant_built_from_python_data_gives_exact_gradients(make: str) -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        data = [[1.0, 2.0], [3.0, 4.0]]
+        c = torch.tensor(data, dtype=x.dtype) if make == "tensor" else torch.as_tensor(np.array(data), dtype=x.dtype)
+        return (x @ c).tanh().sum()
+
+    for dtype in (torch.float64, torch.float32):
+        x = _x(3, 2, dtype=dtype).requires_grad_()
+        (want,) = torch.autograd.grad(f(x), x)
+        (got,) = torch.autograd.grad(remat(f)(x), x)
+        assert_tree_close(got, want)
+
+
+def test_a_large_constant_whose_data_changed_before_the_backward_raises() -> None:
+    # (a small one, up to 64 KiB, is copied and the recompute reads the forward's value: test_modules.py)
+    scale = [2.0] * 20000  # 160 KB as float64
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x * torch.tensor(scale, dtype=x.dtype)).sin().sum()
+
+    x = _x(20000).requires_grad_()
+    loss = remat(f)(x)
+    scale[0] = 3.0
+    with pytest.raises(RematError, match="built from Python data"):
+        loss.backward()
+
+
+# ---- values that depend on no differentiated input follow the policy, as in JAX ----------------------------
+
+
+@pytest.mark.parametrize("transform", ["autograd", "grad", "vjp"])
+def test_values_not_depending_on_differentiated_inputs_follow_the_policy(transform: str) -> None:
+    """JAX 0.10.2 (measured on the CPU) recomputes sin(x) here outside jit, and so does remat under save-nothing;
+    a policy that saves sin keeps it: no second sin."""
+
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (torch.sin(x) * y).sum()
+
+    x, y = _x(3), _x(3, seed=1)
+
+    def grad_y(fn):
+        if transform == "autograd":
+            yy = y.clone().requires_grad_()
+            return torch.autograd.grad(fn(x, yy), yy)[0]
+        if transform == "grad":
+            return torch.func.grad(fn, argnums=1)(x, y)
+        _, vjp = torch.func.vjp(lambda yy: fn(x, yy), y)
+        return vjp(torch.ones(()))[0]
+
+    want = grad_y(f)
+    save_sin = lambda op, *a, **k: op is torch.ops.aten.sin.default  # noqa: E731
+    for policy, sins in ((policies.nothing_saveable, 2), (save_sin, 1)):
+        with OpCounter(SIN) as c:
+            got = grad_y(remat(f, policy=policy))
+        assert torch.equal(got, want)
+        assert c.count == sins, (policy, c.count)
+
+
+# ---- outputs the backward pass does not differentiate (JAX's test_remat_eqn_dce) -------------------------
+
+
+def _two(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.sin(torch.sin(x)), torch.exp(torch.exp(y))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_an_output_without_cotangent_is_not_recomputed(dtype: torch.dtype) -> None:
+    x, y = _x(5, dtype=dtype).requires_grad_(), _x(5, dtype=dtype, seed=1).requires_grad_()
+    a0, _ = _two(x, y)
+    (want,) = torch.autograd.grad(a0.sum(), x)
+    a, b = remat(_two)(x, y)
+    with OpCounter(EXP) as ce, OpCounter(SIN) as cs:
+        (got,) = torch.autograd.grad(a.sum(), x)
+    assert torch.equal(got, want)
+    assert ce.count == 0  # exp(exp(y)) is not recomputed
+    assert cs.count == 1  # sin(x) is (the outer sin's input); the outer sin is dead
+    # both differentiated: both recomputed, exact
+    a, b = remat(_two)(x, y)
+    with OpCounter(EXP) as ce:
+        got2 = torch.autograd.grad(a.sum() + b.sum(), (x, y))
+    a1, b1 = _two(x, y)
+    assert_tree_close(got2, torch.autograd.grad(a1.sum() + b1.sum(), (x, y)))
+    assert ce.count == 2
+
+
+def test_unused_outputs_when_only_some_inputs_are_asked_for() -> None:
+    x, y = _x(5).requires_grad_(), _x(5, seed=1).requires_grad_()
+    a, b = remat(_two)(x, y)
+    with OpCounter(EXP) as ce:
+        (got,) = torch.autograd.grad(a.sum() + b.sum(), x)  # b's nodes do not run: y is not asked for
+    assert ce.count == 0
+    assert torch.allclose(got, torch.cos(torch.sin(x)) * torch.cos(x), rtol=1e-12, atol=1e-12)
+
+
+# ---- an op with a non-tensor output -----------------------------------------------------------------------
+
+_calls: list[int] = []
+
+
+@torch.library.custom_op("remat_tests::sin_and_count", mutates_args=())
+def _sin_and_count(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    _calls.append(1)
+    return x.sin(), 3
+
+
+@_sin_and_count.register_fake
+def _(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    return torch.empty_like(x), 3
+
+
+def _sc_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    ctx.save_for_backward(inputs[0])
+
+
+def _sc_backward(ctx, g, _n):  # type: ignore[no-untyped-def]
+    return g * ctx.saved_tensors[0].cos()
+
+
+_sin_and_count.register_autograd(_sc_backward, setup_context=_sc_setup)
+
+
+def test_an_op_with_a_number_output_saved_by_the_policy_is_replayed() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y, n = _sin_and_count(x)
+        return (y * y * n).sin().sum()  # sin's input is dropped: the backward pass recomputes
+
+    x = _x(5).requires_grad_()
+    (want,) = torch.autograd.grad(f(x), x)
+    pol = lambda op, *a, **k: "sin_and_count" in str(op)  # noqa: E731
+    for policy, runs in ((pol, 0), (policies.nothing_saveable, 1)):
+        loss = remat(f, policy=policy)(x)
+        _calls.clear()
+        with OpCounter({torch.ops.aten.mul.Tensor}) as muls:
+            (got,) = torch.autograd.grad(loss, x)
+        assert torch.equal(got, want)
+        assert muls.count >= 2  # the recompute ran (y * y * n again)
+        assert len(_calls) == runs  # saved: (y, 3) replayed; save-nothing: run again
+
+
+# ---- in-place ops under torch.func keep the liveness analysis ------------------------------------------------
+
+
+def _block(inplace: bool):
+    def f(w1: torch.Tensor, w2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ w1)
+        if inplace:
+            h = h * 1.0
+            h.mul_(1.0)  # any in-place op
+        v = torch.matmul(h, w2[:, 0])  # a 1-D operand: torch.matmul emits squeeze_
+        return (h @ w2).sum() + v.sum()
+
+    return f
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap_grad"])
+def test_an_inplace_op_under_torch_func_keeps_dead_op_elimination(transform: str) -> None:
+    w1, w2, x = _x(6, 6), _x(6, 6, seed=1), _x(4, 6, seed=2)
+
+    def run(f):
+        if transform == "grad":
+            return torch.func.grad(f, argnums=(0, 1))(w1, w2, x)
+        return torch.func.vmap(torch.func.grad(f, argnums=(0, 1)), in_dims=(None, None, 0))(w1, w2, x[:, None])
+
+    counts = {}
+    for inplace in (False, True):
+        f = _block(inplace)
+        want = run(f)
+        with OpCounter(MATMUL_OPS) as c:
+            got = run(remat(f))
+        assert_tree_close(got, want)
+        with OpCounter(MATMUL_OPS) as c0:
+            run(f)
+        counts[inplace] = c.count - c0.count  # matmuls the recompute ran
+    # x @ w1 only (tanh's output is dropped); h @ w2 and the matrix-vector product are dead
+    assert counts[True] == counts[False] == 1, counts
