@@ -88,6 +88,7 @@ INTERNAL: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_internal"
 PENDING_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("remat_name", default=None)
 
 _ALIAS = torch.ops.aten.alias.default
+_DETACH = torch.ops.aten.detach.default
 _TO_COPY = torch.ops.aten._to_copy.default
 # A tensor built from Python data (torch.tensor(...)) enters dispatch through these: their output
 # is a value of the call, made afresh each time, not an outside tensor.
@@ -232,6 +233,8 @@ class Recorder(TorchDispatchMode):
         self._pending: dict[int, list[tuple[OpRecord, int, torch.Tensor]]] = {}  # outside reads since the last write
         self.describe_tensor: Callable[[torch.Tensor], str | None] = lambda t: None
         self._paused = False
+        # a reentrant region (_reentrant.py): what the policy saves is held at once, and detach is not an op
+        self.region = False
 
     def route_stash(self, route: Callable[[torch.Tensor], Any]) -> list[tuple[int, int]]:
         """Hand every output held for the replay to ``route`` (the enclosing call), in op order; returns where
@@ -280,6 +283,13 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if INTERNAL.get() or self._paused or _ignored(func):
             return func(*args, **kwargs)
+        if func is _DETACH and self.region:
+            # (a reentrant region: how many detaches torch.func runs depends on the grad mode, which differs
+            # between the region's forward and its backward) the same value under another name
+            out = func(*args, **kwargs)
+            with internal():
+                self._vid_of[id(out)] = (weakref.ref(out), self.vid(args[0]))
+            return out
         name = PENDING_NAME.get() if func is _ALIAS else None
         ins = _arg_tensors(args, kwargs)
         mutable, random = _traits(func)
@@ -369,6 +379,8 @@ class Recorder(TorchDispatchMode):
         rec.stash = list(rec.refs)
         for pos, v in enumerate(rec.out_vids):
             self.stash_of[v] = (idx, pos)
+        if self.region:
+            self.promote(rec)  # no saved tensor will say what the backward reads: hold what the policy saves
 
     def _name_decides(self, x: torch.Tensor, decision: Decision, name_idx: int) -> None:
         """A checkpoint_name decides for the op that computed the named value (JAX: the name is the value).
@@ -479,6 +491,10 @@ class Recorder(TorchDispatchMode):
                 # the engine detaches; it is handed the op's own output so that it can watch that tensor
                 # for in-place writes (a detached alias would die at once)
                 rec.stash[i] = self.offload(t, rec.decision) if isinstance(rec.decision, Offloadable) else t.detach()
+
+    def is_outside(self, k: int) -> bool:
+        """Whether storage ``k`` is neither an input of the call nor made by one of its ops (NOTE [outside tensors])."""
+        return self._is_outside_key(k)
 
     def _is_outside_key(self, k: int) -> bool:
         return k != 0 and k not in self.producers and k not in self.input_keys
@@ -666,6 +682,8 @@ class Replayer(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if INTERNAL.get() or _ignored(func):
+            return func(*args, **kwargs)
+        if func is _DETACH and self.rec.region:
             return func(*args, **kwargs)
         ops = self.rec.ops
         i = self.pos

@@ -4,30 +4,33 @@ NOTE [reentrant region]
     torch refuses to enter ``torch.func.grad``, ``vjp``, ``jacrev`` or ``hessian``
     while saved-tensor hooks are installed, and remat's frames work through them
     (``_hooks.py``). A remat'd function that enters one therefore runs as a single
-    ``torch.autograd.Function``, as ``torch.utils.checkpoint(use_reentrant=True)``
-    does: autograd saves nothing but the region's inputs for the backward pass (the
-    forward runs on detached inputs, with grad mode on as in the recompute, since the
-    ops a torch.func transform runs depend on it; that graph dies with the call),
-    under the :class:`~remat._dispatch.Recorder`, which asks
-    the policy about every op and holds the outputs it saves; its backward pass
-    runs the function again with grad mode on under the
-    :class:`~remat._dispatch.Replayer` (saved outputs handed back, not recomputed,
-    random numbers and autocast as in the forward pass) and differentiates that
-    with ``torch.autograd.grad``. Module state the function reads (parameters,
-    buffers, closed-over tensors: NOTE [state is an input]) are inputs of the
-    region, so their gradients flow; a tensor that requires grad and is read from
-    somewhere remat does not look raises ``RematError`` instead of losing its
+    ``torch.autograd.Function`` (the functorch-compatible kind: ``setup_context``,
+    a generated vmap rule), as ``torch.utils.checkpoint(use_reentrant=True)`` does:
+    autograd saves only the region's inputs. Its forward pass runs the function
+    under ``torch.func.vjp`` (the ops a torch.func transform inside runs depend on
+    the grad mode, so forward and recompute run it the same way; that graph dies
+    with the call) and under the :class:`~remat._dispatch.Recorder`, which asks the
+    policy about every op and holds the outputs it saves at once (``region``: no
+    saved tensor will say what the backward pass reads). Its backward pass runs the
+    function again under ``torch.func.vjp`` and the :class:`~remat._dispatch.Replayer`
+    (saved outputs handed back, random numbers and autocast as in the forward pass)
+    and applies the vjp. So it works under plain autograd (double backward too) and
+    under torch.func transforms. Module state the function reads (NOTE [state is an
+    input]) are inputs of the region, so their gradients flow; a tensor read from
+    somewhere remat does not look that requires grad (plain autograd: seen at the
+    dispatch level) or is a torch.func wrapper (``_Captured``: a storage that is
+    neither an input nor made inside) raises ``RematError`` instead of losing its
     gradient. The enclosing calls' hooks are set aside while the region runs its
     function (``saved_tensors_hooks_set_aside``), so regions nest inside remat'd
-    calls and their recomputes.
+    calls and their recomputes. ``detach`` is not an op of a region (the number
+    torch.func runs depends on the grad mode, which differs between the forward
+    and the backward pass): its output is the same value under another name.
 
     The first call of a remat'd function finds out (torch's error on entering the
     transform); the outermost remat call then restores the random-number state and
     runs again, this function now as a region, and later calls go straight here.
     Differences from a frame: what the policy saves is held whether or not the
-    backward pass needs it (there is no saved tensor to tell), an offload decision
-    keeps the output on its device, and it works under plain autograd only (under
-    ``torch.func`` transforms outside remat, ``RematError``).
+    backward pass needs it, and an offload decision keeps the output on its device.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from typing import Any
 
 import optree
 import torch
+from torch.overrides import TorchFunctionMode
 
 from . import _torch_internals as ti
 from ._ambient import AmbientState
@@ -63,6 +67,10 @@ class NeedsRegion(Exception):
         self.cause = cause
 
 
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
 class _Call:
     """One call of a remat'd function run as a region: what its backward pass needs."""
 
@@ -73,112 +81,143 @@ class _Call:
         self.fn_name = fn_name
         self.state = state
         self.slots = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
-        n = len(self.slots)
-        self.n_inputs = n
+        self.n_inputs = len(self.slots)
         self.recorder = Recorder(policy, fn_name, lambda t, d: t.detach())  # offloaded: kept (see the NOTE)
+        self.recorder.region = True
         with internal():
             tensors = [flat[i] for i in self.slots] + list(state.tensors)
             self.ambient = AmbientState.capture(tensors, preserve_rng)
         self.tensors = tensors
+        # under torch.func transforms, a wrapper of theirs read inside, not passed in, would get no gradient
+        # (torch.autograd.Function's rule): _Captured refuses it
+        self.under_func = bool(ti.interpreter_stack())
         self.out_spec: Any = None
         self.out_consts: list[Any] = []
+        self.n_float = 0  # the outputs are the differentiable ones, then the others
 
-    def forward(self, ctx: Any) -> tuple[torch.Tensor, ...]:
+    def _fn(self, tensors: list[torch.Tensor], diff: list[int]) -> Any:
+        """The function of the differentiable tensors ``diff`` (the others fixed), as torch.func.vjp wants it."""
+        def fn(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            full = list(tensors)
+            for i, t in zip(diff, ts):
+                full[i] = t
+            vals = list(self.flat)
+            for slot, t in zip(self.slots, full):
+                vals[slot] = t
+            with self.state.restored(full[self.n_inputs:]):
+                out = self.run(vals)
+            leaves, spec = optree.tree_flatten(out, none_is_leaf=True)
+            self.out_spec = spec
+            self.out_consts = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+            ts_out = [x for x in leaves if isinstance(x, torch.Tensor)]
+            self._others = [x for x in ts_out if not _differentiable(x)]
+            floats = tuple(x for x in ts_out if _differentiable(x))
+            self._order = [_differentiable(x) for x in ts_out]
+            return floats
+
+        return fn
+
+    def forward(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         rec = self.recorder
         with internal():
-            keys = {storage_key(ti.unwrap_all(t)) for t in self.tensors}
+            keys = {storage_key(ti.unwrap_all(t)) for t in tensors}
             rec.input_keys = keys
-        # Grad mode on, as in the recompute (the ops a torch.func transform runs depend on it), on detached
-        # inputs: the graph this builds dies with this call (its outputs are detached below).
-        with internal():
-            ins = [t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex()
-                   else t.detach() for t in self.tensors]
-        vals = list(self.flat)
-        for slot, t in zip(self.slots, ins):
-            vals[slot] = t
+        diff = [i for i, t in enumerate(tensors) if _differentiable(t)]
+        # Under torch.func.vjp, as in the recompute: the ops a torch.func transform inside runs depend on the
+        # grad mode; the graph this builds dies here (only the outputs are kept)
         with contextlib.ExitStack() as es:
-            es.enter_context(torch.enable_grad())
             es.enter_context(ti.saved_tensors_hooks_set_aside())
-            es.enter_context(self.state.restored(ins[self.n_inputs:]))
+            if self.under_func:
+                es.enter_context(_Captured(rec, self.fn_name))
             es.enter_context(rec)
-            out = self.run(vals)
+            floats = torch.func.vjp(self._fn(list(tensors), diff), *[tensors[i] for i in diff])[0]
         with internal():
             rec.seal()
-            for r in rec.ops:  # hold what the policy saves: no saved tensor says what the backward reads
-                rec.promote(r)
             for r in rec.ops:
                 for _, t, _ in r.outside or ():
                     if t.requires_grad and storage_key(t) not in keys:
-                        raise RematError(
-                            f"remat: {self.fn_name} enters a torch.func reverse transform, so remat runs it as "
-                            f"one region (NOTE [reentrant region]), and it reads a tensor of shape {list(t.shape)}"
-                            f"{rec._label(t)} that requires grad from somewhere remat does not look (not an "
-                            "argument, not a parameter or buffer of its module, not a closed-over tensor): its "
-                            "gradient would be lost. Pass it to the function as an argument."
-                        )
-        leaves, self.out_spec = optree.tree_flatten(out, none_is_leaf=True)
-        with internal():
-            outs = [x.detach() for x in leaves if isinstance(x, torch.Tensor)]
-        self.out_consts = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
-        ctx.mark_non_differentiable(*[t for t in outs if not (t.is_floating_point() or t.is_complex())])
-        return tuple(outs)
+                        raise _lost(self.fn_name, list(t.shape), rec._label(t))
+        f_it, o_it = iter(floats), iter(self._others)
+        outs = tuple(next(f_it) if is_f else next(o_it) for is_f in self._order)
+        self.n_float = len(floats)
+        return outs
 
-    def backward(self, ctx: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
-        saved = ctx.saved_tensors
-        needs = ctx.needs_input_grad[1:]
-        create_graph = torch.is_grad_enabled()
-        if create_graph:
-            ins = list(saved)  # a double backward differentiates the gradients: keep the inputs' history
-        else:
-            with internal():
-                ins = [t.detach().requires_grad_(need) if t.is_floating_point() or t.is_complex() else t.detach()
-                       for t, need in zip(saved, needs)]
-        vals = list(self.flat)
-        for slot, t in zip(self.slots, ins):
-            vals[slot] = t
+    def backward(self, saved: tuple[torch.Tensor, ...], grads: tuple[Any, ...]) -> tuple[Any, ...]:
+        diff = [i for i, t in enumerate(saved) if _differentiable(t)]
         replayer = Replayer(self.recorder)
         with contextlib.ExitStack() as es:
-            es.enter_context(torch.enable_grad())
             es.enter_context(ti.saved_tensors_hooks_set_aside())
-            es.enter_context(self.state.restored(ins[self.n_inputs:]))
             es.enter_context(self.ambient.restored())
             es.enter_context(replayer)
-            out = self.run(vals)
+            res = torch.func.vjp(self._fn(list(saved), diff), *[saved[i] for i in diff])
+            floats, vjp_fn = res[0], res[1]
             replayer.finish()
-        outs = [x for x in optree.tree_leaves(out, none_is_leaf=True) if isinstance(x, torch.Tensor)]
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-        wrt = [t for t, need in zip(ins, needs) if need and t.requires_grad]
-        if not pairs or not wrt:
-            return tuple(None for _ in needs)
-        got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True,
-                                       create_graph=create_graph))
-        return tuple(next(got) if need and t.requires_grad else None for t, need in zip(ins, needs))
+        float_grads = [g for g, is_f in zip(grads, self._order) if is_f]
+        cts = tuple(torch.zeros_like(o) if g is None else g for o, g in zip(floats, float_grads))
+        got = vjp_fn(cts) if cts else tuple(torch.zeros_like(saved[i]) for i in diff)
+        out: list[Any] = [None] * len(saved)
+        for i, g in zip(diff, got):
+            out[i] = g
+        return tuple(out)
+
+
+def _lost(fn_name: str, shape: list[int], label: str) -> RematError:
+    return RematError(
+        f"remat: {fn_name} enters a torch.func reverse transform, so remat runs it as one region (NOTE "
+        f"[reentrant region]), and it reads a tensor of shape {shape}{label} that requires grad from somewhere "
+        "remat does not look (not an argument, not a parameter or buffer of its module, not a closed-over "
+        "tensor): its gradient would be lost. Pass it to the function as an argument."
+    )
+
+
+class _Captured(TorchFunctionMode):
+    """Under torch.func transforms: refuse a functorch-wrapped tensor the region reads that is neither one of its
+    inputs nor made inside it (a tensor of an outer transform reached some way remat does not look). Its gradient
+    would be lost (torch.autograd.Function's rule), and the dispatch level cannot tell: it sees the plain tensor
+    below, and functorch reuses level numbers, so the wrapper's level does not tell either. Storages can."""
+
+    def __init__(self, recorder: Recorder, fn_name: str) -> None:
+        super().__init__()
+        self.recorder = recorder
+        self.fn_name = fn_name
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        leaves: list[Any] = optree.tree_leaves((args, kwargs or {}), none_is_leaf=True)  # type: ignore[arg-type]
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and ti.is_wrapped(t):
+                with internal():
+                    key = storage_key(ti.unwrap_all(t))
+                if self.recorder.is_outside(key):
+                    raise _lost(self.fn_name, list(t.shape), "")
+        return func(*args, **(kwargs or {}))
 
 
 class _Region(torch.autograd.Function):
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx: Any, call: _Call, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(call: _Call, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        return call.forward(tensors)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        call: _Call = inputs[0]
         ctx.call = call
-        ctx.save_for_backward(*tensors)
-        return call.forward(ctx)
+        ctx.save_for_backward(*inputs[1:])
+        ctx.mark_non_differentiable(*[t for t in output if not _differentiable(t)])
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
         call: _Call = ctx.call
-        return (None, *call.backward(ctx, grads))
+        return (None, *call.backward(ctx.saved_tensors, grads))
 
 
 def run_region(run: Callable[[list[Any]], Any], flat: list[Any], fn_name: str, policy: Callable[..., Any],
                preserve_rng: bool, state: Snapshot) -> Any:
     """Run one call of a remat'd function as a reentrant region (NOTE [reentrant region])."""
-    if ti.interpreter_stack():
-        raise RematError(
-            f"remat: {fn_name} enters torch.func.grad, vjp, jacrev or hessian, which torch refuses to run while "
-            "saved-tensor hooks are installed; remat runs such a function as one region under plain autograd, "
-            "but not under torch.func transforms. Put remat inside the inner transform (torch.func.grad(remat(f))), "
-            "or remat the function the inner transform differentiates."
-        )
     call = _Call(run, flat, fn_name, policy, preserve_rng, state)
     outs = _Region.apply(call, *call.tensors)
+    if isinstance(outs, torch.Tensor):
+        outs = (outs,)
     it = iter(outs)
     return optree.tree_unflatten(call.out_spec, [next(it) if c is _TENSOR else c for c in call.out_consts])

@@ -248,15 +248,11 @@ def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics
         # NOTE [reentrant region]: fn (or a remat'd function it calls) enters a torch.func reverse transform
         if e.origin is frame and owner is not None:
             owner._region = True
-        if frame.routed or owner is None or ti.interpreter_stack():
-            if frame.routed:
-                raise  # the outermost remat call runs again
-            raise RematError(
-                f"remat: {name} enters torch.func.grad, vjp, jacrev or hessian, which torch refuses to run "
-                "while saved-tensor hooks are installed; remat runs such a function as one region under plain "
-                "autograd, but not under torch.func transforms. Put remat inside the inner transform "
-                "(torch.func.grad(remat(f))), or remat the function the inner transform differentiates."
-            ) from e.cause
+        if frame.routed:
+            raise  # the outermost remat call runs again
+        if owner is None:  # (a remat'd module's forward is a Rematted too: always there)
+            raise RematError(f"remat: {name} enters a torch.func reverse transform; this is a bug in remat, "
+                             "please report it") from e.cause
         frame.rewind()
     return _call(fn, name, policy, statics, preserve_rng, args, kwargs, owner)
 

@@ -194,11 +194,39 @@ def test_region_holds_only_its_inputs_under_save_nothing() -> None:
     assert held["remat"] == 0, held  # nothing but the inputs, which already existed
 
 
-def test_region_under_an_outer_torch_func_transform_says_so() -> None:
+@pytest.mark.parametrize("transform", ["grad", "vmap(grad)", "grad(grad)", "jacrev"])
+def test_region_under_outer_torch_func_transforms(transform: str) -> None:
+    def f(v: torch.Tensor) -> torch.Tensor:
+        g = torch.func.grad(lambda u: (torch.sin(u) * u).sum())(v)
+        return (g * torch.tanh(v)).sum()
+
     x = _x(3, dtype=torch.float64)
-    f = remat(lambda v: torch.func.grad(lambda u: torch.sin(u).sum())(v).sum())
-    with pytest.raises(RematError, match="not under torch.func transforms"):
-        torch.func.grad(f)(x)
+    xb = _x(2, 3, dtype=torch.float64, seed=1)
+
+    def run(fn):
+        if transform == "grad":
+            return torch.func.grad(fn)(x)
+        if transform == "vmap(grad)":
+            return torch.func.vmap(torch.func.grad(fn))(xb)
+        if transform == "grad(grad)":
+            return torch.func.grad(lambda v: torch.func.grad(fn)(v).sum())(x)
+        return torch.func.jacrev(torch.func.grad(fn))(x)
+
+    want = run(f)
+    for policy in POLICIES.values():
+        assert_tree_close(run(remat(f, policy=policy)), want)
+
+
+def test_region_under_torch_func_reading_an_outer_tensor_it_was_not_given_raises() -> None:
+    def loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        _HIDDEN["w"] = w  # a tensor of the outer grad, reached through a global: remat cannot see it
+        try:
+            return remat(_reads_hidden)(x)
+        finally:
+            _HIDDEN.clear()
+
+    with pytest.raises(RematError, match="its gradient would be lost"):
+        torch.func.grad(loss)(_x(3, dtype=torch.float64), _x(3, dtype=torch.float64, seed=1))
 
 
 _HIDDEN: dict[str, torch.Tensor] = {}  # a module global: remat does not look there

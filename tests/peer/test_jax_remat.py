@@ -279,12 +279,6 @@ def kept(rows: Any) -> list[Any]:
     return [r for r in rows if r.decision != "recomputed"]
 
 
-GRAD_INSIDE_REMAT = ("issue 9: torch.func.grad inside a remat'd function that itself runs under torch.func.grad: "
-                     "RematError \"remat runs such a function as one region under plain autograd, but not under "
-                     "torch.func transforms\" (torch refuses to enter torch.func.grad while saved-tensor hooks are "
-                     "installed; under plain autograd outside it works)")
-
-
 def _never(*_: Any, **__: Any) -> bool:
     return False
 
@@ -1080,7 +1074,6 @@ def test_remat_custom_vjp_policy(loop):
         check_grads(f, body, (x,), modes=("rev",))
 
 
-@pytest.mark.xfail(strict=True, reason=GRAD_INSIDE_REMAT)
 @pytest.mark.parametrize("rm", REMAT_NEW)
 def test_remat_dropvar_policy(rm):
     def f(x):
@@ -1999,7 +1992,6 @@ def test_custom_remat_higher_order(kind):
     close(grad(grad(grad(remat(g))))(x), grad(grad(grad(g)))(x))
 
 
-@pytest.mark.xfail(strict=True, reason=GRAD_INSIDE_REMAT)
 @pytest.mark.parametrize("kind", ["custom_jvp", "custom_vjp"])
 def test_custom_remat_of_grad(kind):
     f = jvp_sin(2.0) if kind == "custom_jvp" else sincos_function(scale=2.0)
