@@ -366,6 +366,10 @@ class Recorder(TorchDispatchMode):
             rec.skippable = (not random and not mutable and not zero and bool(outs) and rec.out_spec is not None
                              and all(storage_key(t) not in in_keys for t in outs))
             stashable = not random and not mutable and not zero and bool(outs) and rec.out_spec is not None
+            if self.region and any(k in in_keys for k in rec.out_keys):
+                # a view, held at once in a region, would be copied before a write through it and its replay would
+                # hand back the copy, not a view of its base (the write would miss the base): run views again
+                stashable = False
             if decision is not Recompute and stashable:
                 self._stash(rec, idx)
             else:
@@ -711,6 +715,8 @@ class Replayer(TorchDispatchMode):
             )
         if rec.outside is not None or rec.subst is not None:
             args, kwargs = self._outside_args(i, rec, args, kwargs)
+        if rec.random and self.unused_keys:
+            args, kwargs = self._no_placeholders(args, kwargs)
         if rec.lifted is not None:
             with internal():
                 now = ox.fingerprint(_arg_tensors(args, kwargs)[0])
@@ -722,6 +728,11 @@ class Replayer(TorchDispatchMode):
                 )
         out = func(*args, **kwargs)
         outs = _tensors(out)
+        if self.unused_keys:
+            # an op that ran on a placeholder (a random op, a write) made a placeholder too (NOTE [unused outputs])
+            with internal():
+                if any(storage_key(t) in self.unused_keys for t in _arg_tensors(args, kwargs)):
+                    self.unused_keys.update(storage_key(t) for t in outs)
         got = [_meta(t)[:2] for t in outs]
         want = [m[:2] if m is not None else None for m in rec.out_meta]
         if got != want:
@@ -730,6 +741,17 @@ class Replayer(TorchDispatchMode):
                 f"{', '.join(_fmt(m) for m in want)} in the forward pass"
             )
         return out
+
+    def _no_placeholders(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """A random op reading a placeholder (NOTE [unused outputs]) must still draw its numbers, on valid values
+        (a NaN probability is an error): zeros of the same shape stand in; its outputs are placeholders too."""
+        with internal():
+            ins = _arg_tensors(args, kwargs)
+            new = {j: torch.zeros_like(t) for j, t in enumerate(ins) if storage_key(t) in self.unused_keys}
+            if not new:
+                return args, kwargs
+            self.unused_keys.update(storage_key(t) for t in new.values())
+            return ox.replace_tensors(args, kwargs, new)
 
     def _replay(self, rec: OpRecord, func: Any, args: Any, kwargs: Any) -> Any:
         assert rec.stash is not None
@@ -741,7 +763,9 @@ class Replayer(TorchDispatchMode):
                 if t is None:
                     t = _dead_value(meta)
                 elif getattr(t, "routed", False):
-                    t = t.fetch().detach()  # held by the enclosing call (NOTE [nested remat] in _hooks.py)
+                    # held by the enclosing call (NOTE [nested remat] in _hooks.py), fetched before this recompute
+                    # began (fetching may run the enclosing call's recompute, which cannot run inside a mode)
+                    t = t.value.detach()
                 elif not isinstance(t, torch.Tensor):
                     t = t.engine.fetch(t)  # offloaded: bring it back
                 else:

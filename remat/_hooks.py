@@ -64,8 +64,10 @@ NOTE [unused outputs]
     also be reached other than through the outputs (a double backward reaches them
     through the first backward's graph; a value leaked to a global), so when the
     backward pass reads a saved tensor that the recompute handed back as a
-    placeholder for a skipped op, the frame recomputes that level again in full and
-    serves it from there: never a NaN, at worst one more recompute.
+    placeholder for a skipped op (or for an op that ran on one: a random op, a write;
+    the replayer spreads the mark), the frame recomputes that level again in full
+    and serves it from there: never a NaN, at worst one more recompute. An output
+    written in place since the forward pass has another node: it counts as used.
 
 NOTE [offload under torch.func]
     An offloaded tensor comes back as a plain tensor, but under torch.func the
@@ -117,7 +119,7 @@ from ._functorch import (
 )
 from ._inspect import INSPECTOR
 from ._policies import Offloadable, Recompute
-from ._reentrant import NeedsRegion
+from ._reentrant import NeedsRegion, forward_pass, rewind_attempt
 from ._state import Snapshot
 
 __all__ = ["Frame", "active_context", "call_nested_replay", "holdable"]
@@ -179,12 +181,13 @@ class _Nested:
 class _ParentHandle:
     """A stashed output of a routed call, saved through its parent (NOTE [nested remat])."""
 
-    __slots__ = ("parent", "packed")
+    __slots__ = ("parent", "packed", "value")
     routed = True
 
     def __init__(self, parent: Frame, packed: Packed) -> None:
         self.parent = parent
         self.packed = packed
+        self.value: torch.Tensor | None = None  # fetched for the duration of this call's recompute
 
     def fetch(self) -> torch.Tensor:
         return self.parent.unpack(self.packed)
@@ -241,7 +244,8 @@ class Frame:
         self._mixed: list[tuple[Packed, int]] = []  # NOTE [kept under higher-order grad]: (packed, vid)
         self._tangents_todo: list[tuple[torch.Tensor, int]] = []  # dropped under a jvp level (_promote_tangents)
         self._offloaded = False  # this call handed a tensor to the offload engine
-        self._outs: list[tuple[Any, int, Any]] = []  # NOTE [unused outputs]: tensor, storage, prehook (weakly)
+        # NOTE [unused outputs]: per output, the tensor and its prehook (weakly), its storage and version
+        self._outs: list[tuple[Any, int, Any, int]] = []
         self._ran: set[int] = set()  # outputs whose node ran in this backward pass (_Ran)
         self._skipped: dict[int, set[int]] = {}  # height -> storages of placeholders for unused ops
 
@@ -266,6 +270,7 @@ class Frame:
                 es.enter_context(saved_tensors_hooks(self.pack, self.unpack))
                 es.enter_context(self.recorder)
                 es.enter_context(_activate(self))
+                es.enter_context(forward_pass())
                 try:
                     out = self.run(flat)
                 except RuntimeError as e:
@@ -282,7 +287,7 @@ class Frame:
                         t.grad_fn.register_prehook(ran)
                     with internal():
                         key = storage_key(ti.unwrap_all(t))
-                    self._outs.append((weakref.ref(t), key, None if ran is None else weakref.ref(ran)))
+                    self._outs.append((weakref.ref(t), key, None if ran is None else weakref.ref(ran), t._version))
             if self.levels and self.recorder.offloaded_written:
                 raise RematError(
                     f"remat: {self.fn_name} writes in place into a tensor that its offload policy "
@@ -328,25 +333,8 @@ class Frame:
         return out
 
     def rewind(self) -> None:
-        """Undo what a forward pass cut short did, so that the call can run again (NOTE [reentrant region]):
-        the random-number state goes back to where it was; writes into outside tensors cannot be undone."""
-        if self.recorder.written_outside:
-            raise RematError(
-                f"remat: {self.fn_name} enters torch.func.grad, vjp, jacrev or hessian, so remat runs it again "
-                "as one region (NOTE [reentrant region]), but the first attempt already updated a buffer in place "
-                "(a BatchNorm's running statistics) and running it again would update it twice. Move the inner "
-                "transform before the in-place update, or remat the parts on either side of it."
-            )
-        if self.ambient.cpu_rng is not None:
-            torch.set_rng_state(self.ambient.cpu_rng)
-            for d, st in self.ambient.cuda_rng.items():
-                torch.cuda.set_rng_state(st, d)
-        elif any(r.random for r in self.recorder.ops):
-            raise RematError(
-                f"remat: {self.fn_name} enters torch.func.grad, vjp, jacrev or hessian, so remat runs it again "
-                "as one region (NOTE [reentrant region]), but it drew random numbers before and "
-                "preserve_rng_state=False: the second run would draw others. Pass preserve_rng_state=True."
-            )
+        """Undo what a forward pass cut short did, so that the call can run again (NOTE [reentrant region])."""
+        rewind_attempt(self.recorder, self.ambient, self.fn_name)
 
     def _check_forward_mutation(self, flat: list[Any]) -> None:
         now = [ti.unwrap_all(a)._version if isinstance(a, torch.Tensor) else None for a in flat]
@@ -597,7 +585,7 @@ class Frame:
             return set()
         used: set[int] = set()
         skipped = False
-        for i, (ref, key, ran) in enumerate(self._outs):
+        for i, (ref, key, ran, version) in enumerate(self._outs):
             t = ref()
             if t is None:
                 # the tensor died: its node too (and the prehook it held) unless something computed from it lives
@@ -608,8 +596,8 @@ class Frame:
                 else:
                     used.add(key)
                 continue
-            node = t.grad_fn
-            if node is None or i in self._ran or ti.will_engine_execute(node):
+            node = t.grad_fn  # (written in place since: not the node the forward made, so it cannot tell)
+            if node is None or t._version != version or i in self._ran or ti.will_engine_execute(node):
                 used.add(key)
             else:
                 skipped = True
@@ -628,6 +616,10 @@ class Frame:
                 )
         detach = s < 0 and not torch.is_grad_enabled()
         capture = _Capture(self, s, detach)
+        # the replay stash this call routed through its parent: fetched now, outside any mode (NOTE [nested remat])
+        routed = [h for r in self.recorder.ops for h in r.stash or () if isinstance(h, _ParentHandle)]
+        for h in routed:
+            h.value = h.fetch()
         # the backward pass of the outputs' own level (plain autograd, or a lone grad/vjp level)
         unused = (self._unused_ops(s) if skip_unused and not self.forwarding and s == len(self.levels) - 1
                   else set())
@@ -673,6 +665,8 @@ class Frame:
             except _StopRecompute:
                 pass
         self._skipped[s] = replayer.unused_keys
+        for h in routed:
+            h.value = None
         captured, capture.captured, capture.frame = capture.captured, {}, None  # no cycle via the hooks
         if partial and capture.n >= self.counts.get(s, 0):
             pass  # stopped once it had made everything saved so far

@@ -3,7 +3,9 @@ Python numbers, how to swap tensors in. Pure functions over ATen ops and their a
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import hashlib
 from typing import Any
 
 import torch
@@ -98,23 +100,12 @@ def geometry(t: torch.Tensor) -> tuple[Any, ...]:
     return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
 
 
-_CHUNK = 1 << 22  # bytes per step of fingerprint: bounds its temporary (8 bytes per byte)
-
-
 def fingerprint(t: torch.Tensor) -> tuple[Any, ...]:
-    """A checksum of a tensor's value (shape, dtype and every byte, position-weighted), holding nothing.
+    """A cryptographic hash of a tensor's value (shape, dtype and every byte), holding nothing.
 
     A tensor built from Python data inside the call (``torch.tensor(...)``, ``torch.from_numpy``) is made
     afresh by the recompute; remat keeps only this, not the tensor, to check the recompute built the same.
     """
-    b = t.detach().contiguous().view(-1)
-    if b.dtype is torch.bool:
-        b = b.view(torch.uint8)
-    b = b.view(torch.uint8)
-    s1 = s2 = 0
-    for lo in range(0, b.numel(), _CHUNK):
-        c = b[lo:lo + _CHUNK].to(torch.int64)
-        w = torch.arange(lo, lo + c.numel(), dtype=torch.int64) % 65521 + 1
-        s1 += int(c.sum())
-        s2 += int((c * w).sum())
-    return (tuple(t.shape), t.dtype, s1, s2)
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().contiguous()
+    data = ctypes.string_at(b.data_ptr(), b.numel()) if b.numel() else b""  # (numpy is not a dependency)
+    return (tuple(t.shape), t.dtype, hashlib.blake2b(data, digest_size=32).hexdigest())

@@ -36,7 +36,8 @@ NOTE [reentrant region]
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import optree
@@ -49,9 +50,29 @@ from ._dispatch import Recorder, Replayer, internal, storage_key
 from ._errors import RematError
 from ._state import Snapshot
 
-__all__ = ["NeedsRegion", "run_region"]
+__all__ = ["NeedsRegion", "run_region", "enclosed", "forward_pass", "rewind_attempt"]
 
 _TENSOR = object()  # an output leaf that is a tensor (returned by the autograd.Function)
+
+
+# How many remat calls on this thread are running their function's forward pass (a frame or a region): a call
+# that finds out it needs a region, inside another, lets the outermost run again (the enclosing calls have
+# recorded the failed attempt's ops).
+_FORWARDS: contextvars.ContextVar[int] = contextvars.ContextVar("remat_forwards", default=0)
+
+
+def enclosed() -> bool:
+    """Whether this remat call runs inside another remat call's forward pass."""
+    return _FORWARDS.get() > 0
+
+
+@contextlib.contextmanager
+def forward_pass() -> Iterator[None]:
+    tok = _FORWARDS.set(_FORWARDS.get() + 1)
+    try:
+        yield
+    finally:
+        _FORWARDS.reset(tok)
 
 
 class NeedsRegion(Exception):
@@ -65,6 +86,7 @@ class NeedsRegion(Exception):
         super().__init__(str(cause))
         self.origin = origin
         self.cause = cause
+        self.rewind: Callable[[], None] | None = None  # set by the outermost call's engine on the way out
 
 
 def _differentiable(t: torch.Tensor) -> bool:
@@ -126,6 +148,7 @@ class _Call:
         # Under torch.func.vjp, as in the recompute: the ops a torch.func transform inside runs depend on the
         # grad mode; the graph this builds dies here (only the outputs are kept)
         with contextlib.ExitStack() as es:
+            es.enter_context(forward_pass())
             es.enter_context(ti.saved_tensors_hooks_set_aside())
             if self.under_func:
                 es.enter_context(_Captured(rec, self.fn_name))
@@ -139,8 +162,15 @@ class _Call:
                         raise _lost(self.fn_name, list(t.shape), rec._label(t))
         f_it, o_it = iter(floats), iter(self._others)
         outs = tuple(next(f_it) if is_f else next(o_it) for is_f in self._order)
+        # an input returned as it is would be saved for backward as an output too, which autograd refuses
+        with internal():
+            outs = tuple(o.detach() if any(o is t for t in tensors) else o for o in outs)
         self.n_float = len(floats)
         return outs
+
+    def rewind(self) -> None:
+        """Undo what a forward pass cut short by a :class:`NeedsRegion` did, so that the call can run again."""
+        rewind_attempt(self.recorder, self.ambient, self.fn_name)
 
     def backward(self, saved: tuple[torch.Tensor, ...], grads: tuple[Any, ...]) -> tuple[Any, ...]:
         diff = [i for i, t in enumerate(saved) if _differentiable(t)]
@@ -159,6 +189,27 @@ class _Call:
         for i, g in zip(diff, got):
             out[i] = g
         return tuple(out)
+
+
+def rewind_attempt(recorder: Recorder, ambient: AmbientState, fn_name: str) -> None:
+    """The random-number state goes back to where the call began; writes into outside tensors cannot be undone."""
+    if recorder.written_outside:
+        raise RematError(
+            f"remat: {fn_name} (or a remat'd function it calls) enters torch.func.grad, vjp, jacrev or hessian, so "
+            "remat runs it again as one region (NOTE [reentrant region]), but the first attempt already updated a "
+            "buffer in place (a BatchNorm's running statistics) and running it again would update it twice. Move "
+            "the inner transform before the in-place update, or remat the parts on either side of it."
+        )
+    if ambient.cpu_rng is not None:
+        torch.set_rng_state(ambient.cpu_rng)
+        for d, st in ambient.cuda_rng.items():
+            torch.cuda.set_rng_state(st, d)
+    elif any(r.random for r in recorder.ops):
+        raise RematError(
+            f"remat: {fn_name} (or a remat'd function it calls) enters torch.func.grad, vjp, jacrev or hessian, so "
+            "remat runs it again as one region (NOTE [reentrant region]), but it drew random numbers before and "
+            "preserve_rng_state=False: the second run would draw others. Pass preserve_rng_state=True."
+        )
 
 
 def _lost(fn_name: str, shape: list[int], label: str) -> RematError:
@@ -216,7 +267,11 @@ def run_region(run: Callable[[list[Any]], Any], flat: list[Any], fn_name: str, p
                preserve_rng: bool, state: Snapshot) -> Any:
     """Run one call of a remat'd function as a reentrant region (NOTE [reentrant region])."""
     call = _Call(run, flat, fn_name, policy, preserve_rng, state)
-    outs = _Region.apply(call, *call.tensors)
+    try:
+        outs = _Region.apply(call, *call.tensors)
+    except NeedsRegion as e:  # a remat'd function inside found out: the outermost call runs again
+        e.rewind = call.rewind
+        raise
     if isinstance(outs, torch.Tensor):
         outs = (outs,)
     it = iter(outs)

@@ -16,7 +16,7 @@ from . import _torch_internals as ti
 from ._errors import RematError
 from ._hooks import Frame, active_context, call_nested_replay
 from ._policies import resolve_policy
-from ._reentrant import NeedsRegion, run_region
+from ._reentrant import NeedsRegion, enclosed, run_region
 from ._state import brief_name, snapshot
 
 __all__ = ["remat", "checkpoint", "Rematted"]
@@ -239,21 +239,26 @@ def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics
             "modules themselves (remat.remat_modules(model, Block) where each Block is fully_shard'ed; "
             "their hooks stay outside), or remat modules below them."
         )
-    if region:
-        return run_region(run, flat, name, policy, preserve_rng, state)
-    frame = Frame(run, flat, name, policy, preserve_rng, _offload_engine(), state)
+    outermost = not enclosed()
+    frame = None
     try:
+        if region:
+            return run_region(run, flat, name, policy, preserve_rng, state)
+        frame = Frame(run, flat, name, policy, preserve_rng, _offload_engine(), state)
         return frame.forward()
     except NeedsRegion as e:
         # NOTE [reentrant region]: fn (or a remat'd function it calls) enters a torch.func reverse transform
-        if e.origin is frame and owner is not None:
+        if frame is not None and e.origin is frame:
+            if owner is None:  # (every remat call has its Rematted; a module's forward too)
+                raise RematError(f"remat: {name} enters a torch.func reverse transform; this is a bug in remat, "
+                                 "please report it") from e.cause
             owner._region = True
-        if frame.routed:
-            raise  # the outermost remat call runs again
-        if owner is None:  # (a remat'd module's forward is a Rematted too: always there)
-            raise RematError(f"remat: {name} enters a torch.func reverse transform; this is a bug in remat, "
-                             "please report it") from e.cause
-        frame.rewind()
+        if not outermost:
+            raise  # the enclosing calls recorded the attempt: the outermost remat call runs again
+        if frame is not None:
+            frame.rewind()
+        elif e.rewind is not None:
+            e.rewind()
     return _call(fn, name, policy, statics, preserve_rng, args, kwargs, owner)
 
 

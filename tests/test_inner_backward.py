@@ -244,3 +244,45 @@ def test_region_reading_an_unknown_tensor_that_requires_grad_raises() -> None:
             remat(_reads_hidden)(x)
     finally:
         _HIDDEN.clear()
+
+
+@pytest.mark.parametrize("policy", list(POLICIES) + ["offload"])
+def test_region_with_jacrev_and_a_saving_policy(policy: str) -> None:
+    """jacrev builds its basis with new_zeros, diagonal, fill_: a view written in place, which a region must run
+    again rather than replay (a replayed copy would miss the write)."""
+    pol = policies.offload_to_cpu(min_bytes=0) if policy == "offload" else POLICIES[policy]
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        jac = torch.func.jacrev(lambda z: z.sin() * z.sum())(x)
+        return (jac * x).sum()
+
+    x = _x(3, dtype=torch.float64).requires_grad_()
+    assert_tree_close(torch.autograd.grad(remat(f, policy=pol)(x), x), torch.autograd.grad(f(x), x))
+
+
+def test_region_output_saved_by_an_outer_call_and_region_returning_its_input() -> None:
+    def inner(a: torch.Tensor) -> torch.Tensor:
+        return torch.func.grad(lambda y: (y.sin() ** 2).sum())(a) * a.exp()
+
+    rinner = remat(inner)
+
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        h = x.sin()
+        return (rinner(h) * h).sum()
+
+    def plain(x: torch.Tensor) -> torch.Tensor:
+        h = x.sin()
+        return (inner(h) * h).sum()
+
+    for step in range(2):
+        x = _x(4, 3, dtype=torch.float64, seed=step).requires_grad_()
+        for policy in POLICIES.values():
+            assert_tree_close(torch.autograd.grad(remat(outer, policy=policy)(x), x), torch.autograd.grad(plain(x), x))
+
+    def passthrough(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, torch.func.grad(lambda y: y.sin().sum())(x)
+
+    x = _x(3, dtype=torch.float64).requires_grad_()
+    a, b = remat(passthrough)(x)
+    a2, b2 = passthrough(x)
+    assert_tree_close(torch.autograd.grad((a * b).sum(), x), torch.autograd.grad((a2 * b2).sum(), x))

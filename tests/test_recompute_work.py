@@ -289,3 +289,95 @@ def test_an_inplace_op_under_torch_func_keeps_dead_op_elimination(transform: str
         counts[inplace] = c.count - c0.count  # matmuls the recompute ran
     # x @ w1 only (tanh's output is dropped); h @ w2 and the matrix-vector product are dead
     assert counts[True] == counts[False] == 1, counts
+
+
+# ---- the unused-output analysis is checked, never trusted (review of issue 9) ----------------------------------
+
+ALL_POLICIES = {"nothing": policies.nothing_saveable, "dots": policies.dots_saveable,
+                "names": policies.save_only_these_names("none"), "offload": policies.offload_to_cpu(min_bytes=0),
+                "everything": policies.everything_saveable}
+
+
+def _random_two(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    p = torch.sigmoid(x * 3)
+    m = torch.normal(p, 0.1)  # a random op reading an op's output: it runs in the recompute whatever
+    o2 = m * x
+    o1 = x.exp().sin()  # made last: its node runs first in the backward pass, and triggers the recompute
+    return o1, o2
+
+
+@pytest.mark.parametrize("policy", list(ALL_POLICIES))
+def test_an_output_written_in_place_after_use_counts_as_used(policy: str) -> None:
+    """o2 is used in the loss, then written in place: its tensor's node is no longer the one the backward runs."""
+    x = _x(6).requires_grad_()
+
+    def run(fn):
+        torch.manual_seed(0)
+        o1, o2 = fn(x)
+        loss = o1.sum() + o2.sum()
+        o2.mul_(2)
+        return torch.autograd.grad(loss, x)
+
+    assert_tree_close(run(remat(_random_two, policy=ALL_POLICIES[policy])), run(_random_two))
+
+
+_LEAKED: list[torch.Tensor] = []
+
+
+def _leaks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    p = torch.sigmoid(x * 3)
+    _LEAKED.append(torch.bernoulli(p) * x)  # a value of the call used outside it, not through its outputs
+    return x.exp().sin(), p * 2
+
+
+@pytest.mark.parametrize("policy", list(ALL_POLICIES))
+def test_a_value_leaked_out_of_the_call_is_recomputed_in_full(policy: str) -> None:
+    x = _x(6).requires_grad_()
+
+    def run(fn):
+        _LEAKED.clear()
+        torch.manual_seed(0)
+        o1, _ = fn(x)
+        loss = o1.sum() + _LEAKED[0].sum()  # the second output is not differentiated
+        return torch.autograd.grad(loss, x)
+
+    try:
+        assert_tree_close(run(remat(_leaks, policy=ALL_POLICIES[policy])), run(_leaks))
+    finally:
+        _LEAKED.clear()
+
+
+def test_three_levels_of_nesting_under_double_backward() -> None:
+    def inner(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x @ w)
+
+    def mid(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return remat(inner)(x, w) @ w
+
+    def top(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return remat(mid, policy=policies.dots_saveable)(x, w).sin()
+
+    def run(f):
+        x, w = _x(4, 3).requires_grad_(), _x(3, 3, seed=1).requires_grad_()
+        g = torch.autograd.grad(f(x, w).sum(), (x, w), create_graph=True)
+        return torch.autograd.grad(sum((gi ** 2).sum() for gi in g), (x, w))
+
+    want = run(top)
+    for policy in ALL_POLICIES.values():
+        assert_tree_close(run(remat(top, policy=policy)), want)
+
+
+def test_a_large_constant_checksum_is_a_real_hash() -> None:
+    """Two large index lists that a positional byte sum cannot tell apart (elements 65521 apart swapped)."""
+    n = 70000
+    data = list(range(n))
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        idx = torch.tensor(data)
+        return (x[idx] * torch.arange(n, dtype=x.dtype)).sin().sum()
+
+    x = _x(n).requires_grad_()
+    loss = remat(f)(x)
+    data[0], data[65521] = data[65521], data[0]
+    with pytest.raises(RematError, match="built from Python data"):
+        loss.backward()

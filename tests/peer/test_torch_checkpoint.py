@@ -11,7 +11,7 @@ selective-checkpoint contexts. Every case compares against the function without 
 upstream counts recomputes or memory, these count Python calls and ATen ops (``OpCounter``,
 ``FlopCounterMode``) and measure memory from outside remat (``StorageCensus`` below on the
 CPU, the CUDA allocator's statistics on CUDA). Cases that fail because of remat are
-``xfail(strict=True)`` with the reason "issue 9: ..."; CUDA-only cases skip without a GPU.
+``xfail(strict=True)`` with the reason (none today); CUDA-only cases skip without a GPU.
 
 test/test_utils.py, TestCheckpoint (18 cases)
     test_checkpoint_trigger: ported as test_trigger_recomputes_each_rematted_module_once
@@ -1128,23 +1128,8 @@ NESTED_PAIRS = [
     ("grad(grad(fn))", ["grad(c(grad(fn)))", "c(grad(grad(c(fn))))", "grad(c(grad(c(fn))))"]),
     ("grad(grad(grad(fn)))", ["grad(c(grad(grad(c(fn)))))", "grad(c(grad(c(grad(c(fn))))))"]),
 ]
-REGION_NESTED_UNDER_FUNC = (
-    "issue 9: a function that enters torch.func.grad itself (a reentrant region), remat'd inside a remat'd "
-    "function under torch.func.grad, under torch.func.grad again: RematError 'the recompute of g diverged from "
-    "its forward pass: op #9 was aten.sin.default in the forward pass but aten.ones_like.default now'")
-
-
-def nested_xfail(name, impl, actual):
-    """Why a nested case fails today (None: it passes)."""
-    if impl == "func" and name == "g" and actual.startswith("grad(c(grad(") and actual.count("c(") >= 2:
-        return REGION_NESTED_UNDER_FUNC
-    return None
-
-
 NESTED_CASES = [
-    pytest.param(name, impl, expected, actual, id=f"{name}-{impl}-{actual}",
-                 marks=[pytest.mark.xfail(strict=True, reason=nested_xfail(name, impl, actual))]
-                 if nested_xfail(name, impl, actual) else [])
+    pytest.param(name, impl, expected, actual, id=f"{name}-{impl}-{actual}")
     for name in ("f", "g")
     for impl in ("autograd", "func")
     for expected, actuals in NESTED_PAIRS
