@@ -786,6 +786,8 @@ class Replayer(TorchDispatchMode):
         with internal():
             ins = _arg_tensors(args, kwargs)
             for j, t0, version in rec.outside or ():
+                if rec.subst is not None and j in rec.subst:
+                    continue  # served from a copy taken before a write (not yet settled: a partial recompute)
                 cur = ins[j] if j < len(ins) else None
                 if cur is None:
                     raise self._diverged(f"op #{i} {rec.describe()} has fewer tensor arguments than in the forward pass")

@@ -608,6 +608,8 @@ class Frame:
         check_lower_levels(self.levels, s, self.fn_name)
         flat = self._inputs()
         for i, (a, v0) in enumerate(zip(flat, self.versions)):
+            if self.routed and _made_anew(self.flat[i]):
+                continue  # a copy from the parent (offloaded or recomputed there): the parent checked its source
             if isinstance(a, torch.Tensor) and v0 is not None and ti.unwrap_all(a)._version != v0:
                 raise RematError(
                     f"remat: input #{i} ({_shape(a)}) of {self.fn_name} was modified in place after its "
@@ -679,6 +681,14 @@ class Frame:
                 "global, under torch.func), pass them as arguments."
             )
         return captured
+
+
+def _made_anew(handle: Any) -> bool:
+    """Whether a parent hands this saved tensor back as a new tensor (fetched from host memory, recomputed), whose
+    version counter is not the forward's input's (NOTE [nested remat])."""
+    while isinstance(handle, Packed) and handle.kind == _ROUTED:
+        handle = handle.payload
+    return isinstance(handle, Packed) and handle.kind in (_OFFLOAD, _DROP)
 
 
 def _forwarding_frames() -> list[Frame]:

@@ -286,3 +286,23 @@ def test_region_output_saved_by_an_outer_call_and_region_returning_its_input() -
     a, b = remat(passthrough)(x)
     a2, b2 = passthrough(x)
     assert_tree_close(torch.autograd.grad((a * b).sum(), x), torch.autograd.grad((a2 * b2).sum(), x))
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_inner_backward_with_batch_norm_called_twice(policy: str) -> None:
+    """BatchNorm's statistics are written before the inner backward pass: its partial recompute reads copies."""
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(3).double()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        a = torch.sin(bn(x))
+        (g,) = torch.autograd.grad(a.pow(2).sum(), x, create_graph=True)
+        return bn(a * g).exp().sum()
+
+    def run(fn):
+        x = _x(5, 3, dtype=torch.float64).requires_grad_()
+        bn.reset_running_stats()
+        grads = torch.autograd.grad(fn(x), [x, bn.weight, bn.bias])
+        return [*grads, bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone()]
+
+    assert_tree_close(run(remat(f, policy=POLICIES[policy])), run(f))

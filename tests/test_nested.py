@@ -27,7 +27,7 @@ import pytest
 import torch
 from torch.func import grad, hessian, jacrev, vjp, vmap
 
-from remat import policies, remat
+from remat import RematError, policies, remat
 
 from .helpers import Counted, assert_tree_close
 
@@ -232,3 +232,24 @@ def test_outer_save_nothing_over_inner_save_everything_memory() -> None:
     """The outer policy governs what survives the forward pass: an inner save-everything keeps nothing here."""
     held = _retained(CONFIGS)
     assert held["nothing/everything"] < 1.5 * act, {k: round(v / 2**20, 1) for k, v in held.items()}
+
+
+def test_outer_offload_over_inner_save_nothing() -> None:
+    """The inner call's input comes back from the outer call as a copy from host memory: not an input modified in
+    place (a false RematError before)."""
+    inner = remat(lambda y: y.sin().exp(), policy=policies.nothing_saveable)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return inner(x.cos()).sum()
+
+    x = torch.randn(5, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    want = torch.autograd.grad((x.cos().sin().exp()).sum(), x)
+    got = torch.autograd.grad(remat(f, policy=policies.offload_to_cpu(min_bytes=0))(x), x)
+    assert torch.allclose(got[0], want[0], rtol=1e-12, atol=1e-12)
+    with pytest.raises(RematError, match="modified in place"):  # a real in-place write is still caught
+        y = x.detach().clone().requires_grad_()
+        h = y * 1.0
+        loss = remat(lambda h: inner(h).sum(), policy=policies.offload_to_cpu(min_bytes=0))(h)
+        with torch.no_grad():
+            h.mul_(2)
+        loss.backward()
