@@ -106,7 +106,7 @@ class internal:
         INTERNAL.reset(self._tok)
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
     return [x for x in optree.tree_leaves(tree, none_is_leaf=True) if isinstance(x, torch.Tensor)]
 
 
@@ -346,7 +346,7 @@ class Recorder(TorchDispatchMode):
             rec.refs = [weakref.ref(t) for t in outs]
             for t, v in zip(outs, rec.out_vids):
                 # an in-place write returns the outside tensor it wrote: that stays outside
-                if not (subst and self._is_outside_key(storage_key(t))):
+                if not (subst and self.is_outside(storage_key(t))):
                     self.made_by[v] = idx
             if name is not None and ins and (decision is not Recompute or explicit):
                 self._name_decides(ins[0], decision, idx)
@@ -498,9 +498,6 @@ class Recorder(TorchDispatchMode):
 
     def is_outside(self, k: int) -> bool:
         """Whether storage ``k`` is neither an input of the call nor made by one of its ops (NOTE [outside tensors])."""
-        return self._is_outside_key(k)
-
-    def _is_outside_key(self, k: int) -> bool:
         return k != 0 and k not in self.producers and k not in self.input_keys
 
     def _outside_reads(self, ins: list[torch.Tensor], keys: list[int],
@@ -513,7 +510,7 @@ class Recorder(TorchDispatchMode):
         """
         found = None
         for j, (t, k, v) in enumerate(zip(ins, keys, vids)):
-            if v in self.made_by or not self._is_outside_key(k):
+            if v in self.made_by or not self.is_outside(k):
                 continue
             if found is None:
                 found = []
@@ -534,7 +531,7 @@ class Recorder(TorchDispatchMode):
             for j in written:
                 t = ins[j]
                 k = storage_key(t)
-                if self._is_outside_key(k):
+                if self.is_outside(k):
                     # the reads of this storage since its last write saw what it holds now: copy it for them
                     # (at their own geometry), and the value about to be overwritten for the write itself
                     for rec, pos, read in self._pending.pop(k, ()):
@@ -551,7 +548,7 @@ class Recorder(TorchDispatchMode):
             self.mutated_inplace = True
             # schema writes: all arguments (over-approximated, as always); batch norm's: the statistics
             self._copy_on_write(func, [ins[j] for j in written] if func in ox.HIDDEN_WRITES
-                                else _tensors((args, kwargs)))
+                                else tensor_leaves((args, kwargs)))
         return subst
 
     def _copy_on_write(self, func: Any, written: list[torch.Tensor]) -> None:
@@ -727,7 +724,7 @@ class Replayer(TorchDispatchMode):
                     "state that changed in between)"
                 )
         out = func(*args, **kwargs)
-        outs = _tensors(out)
+        outs = tensor_leaves(out)
         if self.unused_keys:
             # an op that ran on a placeholder (a random op, a write) made a placeholder too (NOTE [unused outputs])
             with internal():
@@ -859,7 +856,7 @@ class OpTap(TorchDispatchMode):
         if INTERNAL.get() or _ignored(func):
             return out
         if self.pos in self.wanted:
-            self.outputs[self.pos] = _tensors(out)
+            self.outputs[self.pos] = tensor_leaves(out)
         self.pos += 1
         return out
 
@@ -881,4 +878,4 @@ def iter_stashed(recorder: Recorder) -> Iterator[tuple[OpRecord, torch.Tensor | 
                 yield rec, ref
 
 
-__all__ += ["storage_key", "iter_stashed", "Saveable", "Offloadable"]
+__all__ += ["storage_key", "tensor_leaves", "iter_stashed", "Saveable", "Offloadable"]

@@ -105,7 +105,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from . import _torch_internals as ti
 from ._ambient import AmbientState
-from ._dispatch import OpTap, Recorder, Replayer, internal, storage_key
+from ._dispatch import OpTap, Recorder, Replayer, internal, storage_key, tensor_leaves
 from ._errors import RematError
 from ._functorch import (
     Decomposed,
@@ -280,7 +280,7 @@ class Frame:
             if not self.routed and (not self.levels or (len(self.levels) == 1 and self.levels[0].kind == "grad")):
                 # NOTE [unused outputs]: weakly, an output's node would make a cycle through the graph
                 self._outs = []
-                for i, t in enumerate(_tensor_leaves(out)):
+                for i, t in enumerate(tensor_leaves(out)):
                     ran = None
                     if t.grad_fn is not None:  # the engine says nothing of nodes it ran already (the root)
                         ran = _Ran(self, i)
@@ -705,12 +705,6 @@ def _note_unpacked(t: torch.Tensor) -> None:
     """A saved tensor handed to a backward pass that runs inside forward passes: a value of those calls."""
     for frame in _forwarding_frames():
         frame.recorder.note_unpacked(t)
-
-
-def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
-    import optree
-
-    return [x for x in optree.tree_leaves(tree, none_is_leaf=True) if isinstance(x, torch.Tensor)]
 
 
 class _Ran:

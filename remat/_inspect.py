@@ -40,7 +40,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from . import _torch_internals as ti
-from ._dispatch import INTERNAL, PENDING_NAME, internal, iter_stashed, storage_key
+from ._dispatch import INTERNAL, PENDING_NAME, internal, iter_stashed, storage_key, tensor_leaves
 from ._torch_internals import TorchDispatchMode
 
 __all__ = ["INSPECTOR", "SavedResidual", "saved_residuals", "print_saved_residuals", "format_saved_residuals",
@@ -128,9 +128,9 @@ class _Allocations(TorchDispatchMode):
         if INTERNAL.get():
             return out
         name = PENDING_NAME.get() if func is _ALIAS else None
-        ins = {storage_key(t) for t in _tensor_leaves((args, kwargs))}
+        ins = {storage_key(t) for t in tensor_leaves((args, kwargs))}
         source: str | None = None
-        for t in _tensor_leaves(out):
+        for t in tensor_leaves(out):
             k = storage_key(t)
             if not k:
                 continue
@@ -399,10 +399,6 @@ def _fn_name(f: Any) -> str:
 
 def _op_name(func: Any) -> str:
     return str(func)  # an OpOverload prints as "aten.mm.default"
-
-
-def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
-    return [x for x in optree.tree_leaves(tree, none_is_leaf=True) if isinstance(x, torch.Tensor)]
 
 
 def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
