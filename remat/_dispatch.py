@@ -63,7 +63,6 @@ NOTE [outside tensors]
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import weakref
@@ -75,35 +74,24 @@ import torch
 
 from . import _outside as ox
 from . import _torch_internals as ti
+from ._context import INTERNAL, PENDING_NAME, internal
 from ._errors import RematError
+from ._naming import checkpoint_name
 from ._policies import Decision, Offloadable, Recompute, Saveable, decide, decide_explicit
 from ._torch_internals import TorchDispatchMode
 
-__all__ = ["INTERNAL", "PENDING_NAME", "internal", "OpRecord", "OpTap", "Recorder", "Replayer"]
+__all__ = ["LIFTS", "OpRecord", "OpTap", "Recorder", "Replayer"]
 
 # remat's own bookkeeping (detach, copies, RNG state) must not be seen as ops of
 # the user's function by any remat mode on the stack.
-INTERNAL: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_internal", default=False)
-# Set by checkpoint_name around the aten.alias call that carries a name.
-PENDING_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("remat_name", default=None)
 
 _ALIAS = torch.ops.aten.alias.default
 _DETACH = torch.ops.aten.detach.default
 _TO_COPY = torch.ops.aten._to_copy.default
 # A tensor built from Python data (torch.tensor(...)) enters dispatch through these: their output
 # is a value of the call, made afresh each time, not an outside tensor.
-_LIFTS = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.default,
+LIFTS = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift.default,
                     torch.ops.aten.lift_fresh_copy.default})
-
-
-class internal:
-    """Context manager: ops run inside are remat's own, not the user's."""
-
-    def __enter__(self) -> None:
-        self._tok = INTERNAL.set(True)
-
-    def __exit__(self, *exc: object) -> None:
-        INTERNAL.reset(self._tok)
 
 
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:
@@ -304,8 +292,6 @@ class Recorder(TorchDispatchMode):
 
         explicit = False
         if name is not None:
-            from ._naming import checkpoint_name
-
             decision, explicit = decide_explicit(self.policy, checkpoint_name, args, {"name": name})
         else:
             decision = decide(self.policy, func, args, kwargs)
@@ -313,7 +299,7 @@ class Recorder(TorchDispatchMode):
             keys = [storage_key(t) for t in ins]
             in_keys = set(keys)
             in_vids = [self.vid(t) for t in ins]
-            if func in _LIFTS and ins and ox.nbytes(ins[0]) > ox.SMALL:
+            if func in LIFTS and ins and ox.nbytes(ins[0]) > ox.SMALL:
                 # a large tensor built from Python data in the call, made afresh by the recompute: not held,
                 # the recompute checks it built the same value (a small one is copied like an outside tensor:
                 # the recompute reads the forward's value whatever the Python data became)
@@ -355,7 +341,7 @@ class Recorder(TorchDispatchMode):
             for k in rec.out_keys:
                 # a checkpoint_name alias shares its input's storage; its decision (the name's)
                 # governs that storage when it is saved, not the decision of the op that allocated it
-                if k and (k not in in_keys or name is not None or func in _LIFTS):
+                if k and (k not in in_keys or name is not None or func in LIFTS):
                     self.producers[k] = idx
             # a mutable op (squeeze_, add_, out=) is run again, never replayed: handing back its stashed
             # output would skip the write into its argument, which the caller goes on using. A zero

@@ -94,10 +94,9 @@ NOTE [kept under higher-order grad]
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -105,8 +104,10 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from . import _torch_internals as ti
 from ._ambient import AmbientState
-from ._dispatch import OpTap, Recorder, Replayer, internal, storage_key, tensor_leaves
+from ._context import INSPECTOR, activated, active_context, internal
+from ._dispatch import LIFTS, OpTap, Recorder, Replayer, storage_key, tensor_leaves
 from ._errors import RematError
+from ._fastpath import Plan
 from ._functorch import (
     Decomposed,
     Level,
@@ -117,33 +118,14 @@ from ._functorch import (
     replay,
     saving_height,
 )
-from ._inspect import INSPECTOR
 from ._policies import Offloadable, Recompute
 from ._reentrant import NeedsRegion, forward_pass, rewind_attempt
 from ._state import Snapshot
 
-__all__ = ["Frame", "active_context", "call_nested_replay", "holdable"]
+__all__ = ["Frame", "call_nested_replay", "holdable"]
 
 _KEEP, _OFFLOAD, _DROP, _INPUT = "kept", "offloaded", "recomputed", "input"
 _ROUTED = "routed"  # a routed frame's kept tensor, saved through the parent frame (NOTE [nested remat])
-
-# The innermost remat context of this thread: a Frame in its forward pass, or a
-# recompute (_Capture / _PassThrough). Nested calls and checkpoint_name look here.
-_ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_active", default=None)
-
-
-def active_context() -> Any:
-    return _ACTIVE.get()
-
-
-@contextlib.contextmanager
-def _activate(ctx: Any) -> Iterator[None]:
-    tok = _ACTIVE.set(ctx)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(tok)
-
 
 class Packed:
     """What autograd holds for one saved tensor of a remat call."""
@@ -203,7 +185,7 @@ class Frame:
         self.fn_name = fn_name
         self.levels: list[Level] = record_stack(fn_name)
         h = len(self.levels)
-        parent = _ACTIVE.get()
+        parent = active_context()
         # Two-level checkpointing (NOTE [nested remat]): inputs saved through the parent.
         self.parent: Frame | None = parent if parent is not None and h == 0 else None
         self.routed = self.parent is not None
@@ -248,6 +230,10 @@ class Frame:
         self._outs: list[tuple[Any, int, Any, int]] = []
         self._ran: set[int] = set()  # outputs whose node ran in this backward pass (_Ran)
         self._skipped: dict[int, set[int]] = {}  # height -> storages of placeholders for unused ops
+        # NOTE [fast path] in _fastpath.py: the packs of a call that may become its signature's plan
+        self._plan_packs: list[Packed] | None = None
+        self.plan: Plan | None = None  # set when the forward pass ends, if _plan_packs was asked for
+        self.inner_backward = False  # a backward pass inside the forward pass read a saved tensor
 
     # ---- forward -------------------------------------------------------------
     def forward(self) -> Any:
@@ -269,7 +255,7 @@ class Frame:
                 es.enter_context(ti.saved_tensors_hooks_enabled())
                 es.enter_context(saved_tensors_hooks(self.pack, self.unpack))
                 es.enter_context(self.recorder)
-                es.enter_context(_activate(self))
+                es.enter_context(activated(self))
                 es.enter_context(forward_pass())
                 try:
                     out = self.run(flat)
@@ -312,6 +298,8 @@ class Frame:
                         pass
                     else:
                         self.recorder.prune(self.needed_vids)
+                    if self._plan_packs is not None:
+                        self.plan = self._make_plan()
                     self.recorder.seal()  # its copies must be plain tensors
                 if self._offloaded:
                     self.engine.end_of_call()  # NOTE [stream-ordered reuse] in _offload.py
@@ -324,6 +312,7 @@ class Frame:
                     self.nested.stash = self.recorder.route_stash(lambda t: _ParentHandle(parent, parent.pack(t)))
         finally:
             self.forwarding = False
+            self._plan_packs = None
             self.needed_vids = set()
             self._kept = {}
             self._mixed = []
@@ -331,6 +320,26 @@ class Frame:
             self.input_ids = {}
             del self._forward_inputs
         return out
+
+    def record_plan(self) -> None:
+        """Note what the fast path needs from this call (NOTE [fast path]); ``self.plan`` says after forward()."""
+        self._plan_packs = []
+
+    def _make_plan(self) -> Plan | None:
+        """This call's plan for later calls of its signature, or None if it was not clean (NOTE [fast path])."""
+        rec = self.recorder
+        if (self.routed or self.levels or self.nested.children or self.inner_backward or rec.region
+                or rec.written_outside or self._offloaded):
+            return None
+        state_keys = {storage_key(ti.unwrap_all(t)) for t in self.state.tensors}
+        for r in rec.ops:
+            if r.func in LIFTS or r.subst:
+                return None
+            for _, t, _ in r.outside or ():
+                if storage_key(t) not in state_keys:
+                    return None
+        assert self._plan_packs is not None
+        return Plan(frozenset(p.pos for p in self._plan_packs if p.kind == _KEEP))
 
     def rewind(self) -> None:
         """Undo what a forward pass cut short did, so that the call can run again (NOTE [reentrant region])."""
@@ -405,6 +414,8 @@ class Frame:
                 # its tangents are read after the forward pass (no op may run inside a pack hook)
                 self._tangents_todo.append((t, s))
             insp = INSPECTOR.get()
+            if self._plan_packs is not None:
+                self._plan_packs.append(p)
             if insp is not None:  # remat.saved_residuals is listing what is saved (_inspect.py)
                 final = p
                 while final.kind == _ROUTED:  # what the enclosing calls decided for it
@@ -660,7 +671,7 @@ class Frame:
             es.enter_context(self.ambient.restored())
             es.enter_context(saved_tensors_hooks(capture.pack, capture.unpack))
             es.enter_context(replayer)
-            es.enter_context(_activate(capture))
+            es.enter_context(activated(capture))
             try:
                 self.run(vals)
                 replayer.finish()
@@ -694,7 +705,7 @@ def _made_anew(handle: Any) -> bool:
 def _forwarding_frames() -> list[Frame]:
     """The calls in their forward pass on this thread, innermost first (NOTE [backward inside the forward pass])."""
     out = []
-    ctx = _ACTIVE.get()
+    ctx = active_context()
     while isinstance(ctx, Frame) and ctx.forwarding:
         out.append(ctx)
         ctx = ctx.parent
@@ -704,6 +715,7 @@ def _forwarding_frames() -> list[Frame]:
 def _note_unpacked(t: torch.Tensor) -> None:
     """A saved tensor handed to a backward pass that runs inside forward passes: a value of those calls."""
     for frame in _forwarding_frames():
+        frame.inner_backward = True
         frame.recorder.note_unpacked(t)
 
 
@@ -832,7 +844,7 @@ def call_nested_replay(ctx: Any, run: Callable[[list[Any]], Any], flat: list[Any
                 ctx.pack(a)
     pt = _PassThrough(ctx, nested)
     tap = OpTap({i for i, _ in nested.stash} if nested is not None else set())
-    with saved_tensors_hooks(pt.pack, pt.unpack), _activate(pt):
+    with saved_tensors_hooks(pt.pack, pt.unpack), activated(pt):
         if not tap.wanted:
             return run(flat)
         with tap:

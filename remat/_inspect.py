@@ -25,7 +25,6 @@ Nothing of this runs unless an inspector is active.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import math
 import os
@@ -40,14 +39,16 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from . import _torch_internals as ti
-from ._dispatch import INTERNAL, PENDING_NAME, internal, iter_stashed, storage_key, tensor_leaves
+from ._context import INSPECTOR, INTERNAL, PENDING_NAME, internal
+from ._dispatch import iter_stashed, storage_key, tensor_leaves
+from ._hooks import holdable
 from ._torch_internals import TorchDispatchMode
+from ._transform import remat
+from .bench.measure import Config, format_table, measure
 
 __all__ = ["INSPECTOR", "SavedResidual", "saved_residuals", "print_saved_residuals", "format_saved_residuals",
            "MemoryReport", "memory_report"]
 
-# The inspector of the saved_residuals call running in this thread (None: none).
-INSPECTOR: contextvars.ContextVar[_Inspector | None] = contextvars.ContextVar("remat_inspector", default=None)
 
 DECISIONS = ("kept", "input", "offloaded", "recomputed")  # also the priority when one storage has several
 _ALIAS = torch.ops.aten.alias.default
@@ -285,8 +286,6 @@ def _run(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], p
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         insp.on_save(t, "kept", None)
-        from ._hooks import holdable  # (_hooks imports this module)
-
         return holdable(t)  # never the tensor itself: a saved output would make a reference cycle
 
     tok = INSPECTOR.set(insp)
@@ -438,7 +437,6 @@ class MemoryReport:
     rows: list[Any]
 
     def __str__(self) -> str:
-        from .bench.measure import format_table
 
         return format_table(self.rows)
 
@@ -481,9 +479,6 @@ def memory_report(make_loss: Callable[[Callable[..., Any]], Callable[..., Any]],
         >>> rep.row("save-nothing").retained_bytes < rep.row("no remat").retained_bytes
         True
     """
-    from ._transform import remat
-    from .bench.measure import Config, measure
-
     if not callable(make_loss):
         raise TypeError(f"memory_report: make_loss must be a function of wrap, got {make_loss!r}")
     if isinstance(policies, str) or callable(policies) or _is_labelled(policies):

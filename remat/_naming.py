@@ -7,9 +7,7 @@ from typing import Any, TypeVar
 import optree
 import torch
 
-from ._dispatch import PENDING_NAME
-from ._hooks import active_context
-from ._inspect import INSPECTOR
+from ._context import INSPECTOR, PENDING_NAME, active_context
 
 __all__ = ["checkpoint_name"]
 

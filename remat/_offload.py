@@ -85,7 +85,7 @@ from typing import Any
 import torch
 
 from . import _torch_internals as _ti
-from ._dispatch import internal
+from ._context import internal
 from ._errors import RematError
 
 __all__ = ["OffloadEngine", "Offloaded", "default_engine", "use_engine"]

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ._errors import RematError
+from ._naming import checkpoint_name
 
 __all__ = [
     "Decision",
@@ -158,8 +159,6 @@ def _describe(policy: Policy) -> str:
 
 
 def _is_name(op: Any) -> bool:
-    from ._naming import checkpoint_name
-
     return op is checkpoint_name
 
 

@@ -46,7 +46,8 @@ from torch.overrides import TorchFunctionMode
 
 from . import _torch_internals as ti
 from ._ambient import AmbientState
-from ._dispatch import Recorder, Replayer, internal, storage_key
+from ._context import internal
+from ._dispatch import Recorder, Replayer, storage_key
 from ._errors import RematError
 from ._state import Snapshot
 

@@ -76,9 +76,10 @@ class _Slot:
 class Snapshot:
     """The state one call read: slots, and per slot the value (a tensor, or a pytree of them for a cell)."""
 
-    __slots__ = ("slots", "values", "specs", "tensors", "sharded")
+    __slots__ = ("slots", "values", "specs", "tensors", "sharded", "modules")
 
     def __init__(self) -> None:
+        self.modules: list[nn.Module] = []  # every module walked (their training flags select a fast-path plan)
         self.sharded: list[str] = []  # submodules sharded by FSDP2 (fully_shard) below a module the call runs
         self.slots: list[_Slot] = []
         self.values: list[Any] = []  # the slot's value at the forward pass
@@ -212,6 +213,7 @@ def _walk_module(root: nn.Module, snap: Snapshot, seen: set[int]) -> None:
         if m is not root and id(m) in seen:
             continue
         seen.add(id(m))
+        snap.modules.append(m)
         for slot in mslots:
             t = getattr(m, slot.kind)[slot.name]  # a parameter or buffer: a tensor, or None
             if t is not None:

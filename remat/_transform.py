@@ -13,8 +13,11 @@ import torch
 from torch import nn
 
 from . import _torch_internals as ti
+from ._context import active_context
 from ._errors import RematError
-from ._hooks import Frame, active_context, call_nested_replay
+from ._fastpath import MAX_PLANS, FastFrame, Plan, fast_path_applies, signature
+from ._hooks import Frame, call_nested_replay
+from ._offload import default_engine
 from ._policies import resolve_policy
 from ._reentrant import NeedsRegion, enclosed, run_region
 from ._state import brief_name, snapshot
@@ -126,6 +129,7 @@ class Rematted:
         self.preserve_rng_state = preserve_rng_state
         self._name = brief_name(fn)
         self._region = False  # runs as a reentrant region (NOTE [reentrant region] in _reentrant.py)
+        self._plans: dict[Any, Plan | None] = {}  # signature -> fast-path plan (NOTE [fast path] in _fastpath.py)
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -146,8 +150,11 @@ class Rematted:
         :func:`remat.remat_module` (FSDP2's unshard/reshard hooks, DDP's, users' hooks that record
         activations); only ``forward`` is rematerialized, for the duration of this call."""
         own = module.__dict__.get("forward", _MISSING)
-        inner = Rematted(module.forward, self.policy, self.static_argnums, self.preserve_rng_state)
-        inner._name = f"{self._name}.forward"
+        inner = self.__dict__.get("_inner")
+        if inner is None or inner.__remat_target__ != module.forward:
+            # kept across calls: it holds the fast-path plans (NOTE [fast path] in _fastpath.py)
+            inner = self._inner = Rematted(module.forward, self.policy, self.static_argnums, self.preserve_rng_state)
+            inner._name = f"{self._name}.forward"
         module.__dict__["forward"] = inner
         try:
             return module(*args, **kwargs)
@@ -240,12 +247,26 @@ def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics
             "their hooks stay outside), or remat modules below them."
         )
     outermost = not enclosed()
-    frame = None
+    frame: Any = None
+    key = None
+    if owner is not None and not region and ctx is None and fast_path_applies(policy):
+        key = signature(flat, static_vals, state)  # NOTE [fast path] in _fastpath.py
     try:
         if region:
             return run_region(run, flat, name, policy, preserve_rng, state)
-        frame = Frame(run, flat, name, policy, preserve_rng, _offload_engine(), state)
-        return frame.forward()
+        plan = owner._plans.get(key) if key is not None else None
+        if plan is not None:
+            frame = FastFrame(run, flat, name, preserve_rng, state, plan, lambda: owner._plans.pop(key, None))
+            return frame.forward()
+        frame = Frame(run, flat, name, policy, preserve_rng, default_engine(), state)
+        if key is not None and key not in owner._plans:
+            frame.record_plan()
+        out = frame.forward()
+        if key is not None and key not in owner._plans:
+            if len(owner._plans) >= MAX_PLANS:
+                owner._plans.pop(next(iter(owner._plans)))
+            owner._plans[key] = frame.plan  # None: not clean, the full engine every time
+        return out
     except NeedsRegion as e:
         # NOTE [reentrant region]: fn (or a remat'd function it calls) enters a torch.func reverse transform
         if frame is not None and e.origin is frame:
@@ -261,8 +282,3 @@ def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics
             e.rewind()
     return _call(fn, name, policy, statics, preserve_rng, args, kwargs, owner)
 
-
-def _offload_engine() -> Any:
-    from ._offload import default_engine
-
-    return default_engine()

@@ -1,0 +1,198 @@
+"""Per-op and per-call overhead of remat's policies against torch's checkpointing, on ops with negligible kernels.
+
+Each configuration wraps one chain of tiny ops (``--width`` wide, so kernels cost
+next to nothing and what is left is Python and dispatch). Two chain lengths are
+timed (``--short`` and ``--long`` ops); the slope between them is the cost per op,
+the intercept the cost per call, each with plain autograd's subtracted. Forward and
+backward (for a remat'd function: its recompute) are timed apart. Every
+configuration runs once per round (interleaved), the table shows medians.
+
+    python benchmarks/overhead.py                # about a minute on 2 cores
+    python benchmarks/overhead.py --rounds 41 --workload block
+
+Workloads: ``chain`` (sin, matmul, scale, tanh, repeated) and ``block`` (a tiny
+pre-LN transformer block: layer norm, linear, softmax attention, gelu; what the
+bench models run, at width 16). Ops are counted by a dispatch mode on the plain
+function. The garbage collector stays on (as in training), and the table says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+import remat
+from remat import checkpoint_name, policies
+
+MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+           torch.ops.aten.baddbmm.default]
+
+
+class _NoOp(TorchDispatchMode):
+    """The floor of any Python dispatch mode: call the op and return."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def chain(n: int) -> Callable[..., torch.Tensor]:
+    """sin, matmul, scale, tanh, repeated: ``n`` groups of 4 ops (the matmul tagged "mm")."""
+
+    def f(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for _ in range(n):
+            h = checkpoint_name(torch.sin(h) @ W, "mm")
+            h = torch.tanh(h * 0.5)
+        return h
+
+    return f
+
+
+def block(n: int) -> Callable[..., torch.Tensor]:
+    """``n`` tiny pre-LN transformer blocks (one remat call over all of them)."""
+
+    def f(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1]
+        h = x
+        for _ in range(n):
+            a = F.layer_norm(h, (d,))
+            q = checkpoint_name(a @ W, "mm")
+            att = torch.softmax(q @ a.transpose(-1, -2) / d**0.5, dim=-1)
+            h = h + att @ a
+            h = h + F.gelu(checkpoint_name(F.layer_norm(h, (d,)) @ W, "mm"))
+        return h
+
+    return f
+
+
+WORKLOADS = {"chain": chain, "block": block}
+
+
+def _is_mm(op: Any, *args: Any, **kwargs: Any) -> bool:
+    return op in MATMULS
+
+
+def configs() -> dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]:
+    sac = functools.partial(create_selective_checkpoint_contexts, MATMULS)
+
+    def torch_ckpt(f: Callable[..., Any], **kw: Any) -> Callable[..., Any]:
+        return lambda *a: torch_checkpoint(f, *a, use_reentrant=False, **kw)
+
+    def noop_mode(f: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*a: Any) -> Any:
+            with _NoOp():
+                return f(*a)
+        return run
+
+    return {
+        "plain": lambda f: f,
+        "empty dispatch mode": noop_mode,
+        "torch checkpoint": torch_ckpt,
+        "torch SAC (matmuls)": lambda f: torch_ckpt(f, context_fn=sac),
+        "remat save-nothing": lambda f: remat.remat(f, policy=policies.nothing_saveable),
+        "remat dots_saveable": lambda f: remat.remat(f, policy=policies.dots_saveable),
+        "remat names('mm')": lambda f: remat.remat(f, policy=policies.save_only_these_names("mm")),
+        "remat custom callable": lambda f: remat.remat(f, policy=_is_mm),
+        "remat offload (min_bytes=0)": lambda f: remat.remat(f, policy=policies.offload_to_cpu(min_bytes=0)),
+    }
+
+
+def _time(fn: Callable[..., torch.Tensor], W: torch.Tensor, x: torch.Tensor, reps: int) -> tuple[float, float]:
+    """Seconds per call of the forward and of the backward, over ``reps`` calls."""
+    fwd = bwd = 0.0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn(W, x)
+        t1 = time.perf_counter()
+        (gW,) = torch.autograd.grad(out.sum(), (W,))
+        t2 = time.perf_counter()
+        fwd += t1 - t0
+        bwd += t2 - t1
+    return fwd / reps, bwd / reps
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="chain")
+    ap.add_argument("--short", type=int, default=2, help="groups in the short chain")
+    ap.add_argument("--long", type=int, default=16, help="groups in the long chain")
+    ap.add_argument("--width", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=21)
+    ap.add_argument("--reps", type=int, default=10, help="calls per configuration per round")
+    ap.add_argument("--only", default="", help="comma-separated substrings of the configurations to run")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    W = torch.randn(args.width, args.width, requires_grad=True)
+    x = torch.randn(4, args.width)
+    make = WORKLOADS[args.workload]
+    fns = {"short": make(args.short), "long": make(args.long)}
+    n_ops = {}
+    for k, f in fns.items():
+        with _Count() as c:
+            f(W, x)
+        n_ops[k] = c.n
+    wraps = configs()
+    if args.only:
+        keep = [s.strip() for s in args.only.split(",")]
+        wraps = {k: v for k, v in wraps.items() if k == "plain" or any(s in k for s in keep)}
+    runs = {(name, k): w(f) for name, w in wraps.items() for k, f in fns.items()}
+    for fn in runs.values():  # warm up (and fill any per-function cache)
+        _time(fn, W, x, 2)
+    samples: dict[tuple[str, str], list[tuple[float, float]]] = {key: [] for key in runs}
+    for _ in range(args.rounds):
+        for key, fn in runs.items():
+            samples[key].append(_time(fn, W, x, args.reps))
+    d_ops = n_ops["long"] - n_ops["short"]
+
+    def med(name: str, k: str, i: int) -> float:
+        return statistics.median(s[i] for s in samples[(name, k)])
+
+    rows = []
+    for name in wraps:
+        per_op, per_call = [], []
+        for i in (0, 1):
+            slope = (med(name, "long", i) - med(name, "short", i)) / d_ops
+            base = (med("plain", "long", i) - med("plain", "short", i)) / d_ops
+            per_op.append((slope - base) * 1e6)
+            at_zero = med(name, "short", i) - slope * n_ops["short"]
+            base0 = med("plain", "short", i) - base * n_ops["short"]
+            per_call.append((at_zero - base0) * 1e6)
+        rows.append((name, *per_op, *per_call))
+    print(f"{args.workload}: {n_ops['short']} and {n_ops['long']} ATen ops per call, width {args.width}, "
+          f"1 thread, median of {args.rounds} interleaved rounds x {args.reps} calls, gc "
+          f"{'on' if gc.isenabled() else 'off'}; torch {torch.__version__}, Python {sys.version.split()[0]}")
+    print("overhead above plain autograd (us); backward = the recompute and the hooks")
+    hdr = ("configuration", "fwd/op", "bwd/op", "fwd/call", "bwd/call")
+    widths = [max(len(hdr[0]), *(len(r[0]) for r in rows)), 7, 7, 8, 8]
+    print("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(hdr, widths))))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        cells = [r[0].ljust(widths[0])] + [f"{v:.1f}".rjust(w) for v, w in zip(r[1:], widths[1:])]
+        print("  ".join(cells))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Ambient state of the engine, at the bottom of the imports: which remat call is active, whose ops are running.
+
+Every other module may import this one and it imports none of them, so the
+modules above it never need each other for these (see STYLE.md, "Imports go one
+way"). Each piece is a ``contextvars.ContextVar``, set and reset by context
+managers, so an exception cannot leave it set and threads do not see each
+other's.
+
+* :func:`active_context`: the innermost remat context of this thread, a frame in
+  its forward pass (``_hooks.Frame``) or a recompute's capture; nested calls and
+  ``checkpoint_name`` look here. The save-nothing fast path (``_fastpath.py``)
+  does not set it.
+* :data:`INTERNAL` / :class:`internal`: ops run inside are remat's own (a
+  detach, a copy), which the dispatch modes let through unrecorded.
+* :data:`PENDING_NAME`: set by ``checkpoint_name`` around the ``aten.alias`` that
+  carries a name.
+* :data:`INSPECTOR`: the observer of a running ``saved_residuals`` (``_inspect.py``);
+  the engine calls its ``on_save(tensor, decision, frame)`` and knows nothing else of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["INTERNAL", "PENDING_NAME", "INSPECTOR", "internal", "active_context", "activated"]
+
+INTERNAL: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_internal", default=False)
+PENDING_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("remat_name", default=None)
+INSPECTOR: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_inspector", default=None)
+_ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_active", default=None)
+
+
+class internal:
+    """Context manager: ops run inside are remat's own, not the user's."""
+
+    __slots__ = ("_tok",)
+
+    def __enter__(self) -> None:
+        self._tok = INTERNAL.set(True)
+
+    def __exit__(self, *exc: object) -> None:
+        INTERNAL.reset(self._tok)
+
+
+def active_context() -> Any:
+    """The innermost remat context of this thread (None outside remat)."""
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def activated(ctx: Any) -> Iterator[None]:
+    """Make ``ctx`` the active context for the body."""
+    tok = _ACTIVE.set(ctx)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(tok)

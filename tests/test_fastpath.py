@@ -1,0 +1,414 @@
+"""The save-nothing fast path (NOTE [fast path] in ``remat/_fastpath.py``): exact, really dropping, re-planned when it must.
+
+A signature's first call runs the full engine and records; later calls run with
+saved-tensor hooks only. Whether a call ran fast is observed from inside the
+function, independently of remat's bookkeeping: the full engine's recorder is a
+``TorchDispatchMode`` on the stack, the fast path has none. Gradients are compared
+with the plain function under the same inputs (float64 tight, float32 bitwise);
+what is dropped is observed with weak references and call counts.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from remat import RematError, policies, remat, remat_module
+
+from .helpers import assert_tree_close
+
+f64, f32 = torch.float64, torch.float32
+
+
+def leaf(*shape, dtype=f64, seed=0, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_(grad)
+
+
+class Probe:
+    """Inside the function: was a dispatch mode active (the full engine), how often did it run."""
+
+    def __init__(self) -> None:
+        self.modes: list[bool] = []
+
+    def __call__(self) -> None:
+        self.modes.append(_get_current_dispatch_mode() is not None)
+
+    def fast_calls(self) -> list[bool]:
+        return [not m for m in self.modes]
+
+
+def grads(fn, args, wrt, create_graph=False):
+    out = fn(*args)
+    return torch.autograd.grad(out.sum(), wrt, create_graph=create_graph)
+
+
+def chain(probe):
+    def f(W, b, x):
+        probe()
+        h = x
+        for _ in range(3):
+            h = torch.tanh(torch.sin(h) @ W + b) * 0.5
+        return h
+
+    return f
+
+
+@pytest.mark.parametrize("dtype", [f64, f32], ids=["f64", "f32"])
+def test_later_calls_run_fast_and_exact(dtype):
+    probe = Probe()
+    f = chain(probe)
+    W, b, x = leaf(8, 8, dtype=dtype), leaf(8, dtype=dtype, seed=1), leaf(4, 8, dtype=dtype, seed=2)
+    ref = grads(f, (W, b, x), (W, b, x))
+    g = remat(f)
+    probe.modes.clear()
+    for _ in range(3):
+        assert_tree_close(grads(g, (W, b, x), (W, b, x)), ref)
+    # per call: the forward, then the recompute; the first call (forward and recompute) records
+    assert probe.fast_calls() == [False, False, True, True, True, True]
+
+
+def test_fast_path_drops_what_it_claims():
+    """Between forward and backward only the inputs are held: intermediates die; the recompute makes them again."""
+    refs: list[weakref.ref] = []
+    calls = [0]
+
+    def f(W, x):
+        calls[0] += 1
+        h = torch.sin(x @ W)
+        refs.append(weakref.ref(h))
+        return torch.tanh(h @ W)
+
+    W, x = leaf(16, 16), leaf(8, 16, seed=1)
+    plain_out = f(W, x)
+    assert refs[-1]() is not None  # plain autograd holds it (mm saves it for W's gradient)
+    del plain_out
+    g = remat(f)
+    g(W, x).sum().backward()  # records
+    calls[0] = 0
+    out = g(W, x)
+    assert refs[-1]() is None  # dropped on the fast path
+    out.sum().backward()
+    assert calls[0] == 2  # forward and one recompute
+
+
+def test_recompute_stops_after_the_last_dropped_tensor():
+    seen = []
+
+    def f(W, x):
+        h = torch.tanh(x @ W)
+        seen.append("a")
+        h = torch.sin(h)  # saves tanh's output again: the last tensor to drop
+        seen.append("b")
+        out = (h * 3).sum()  # saves nothing: the recompute need not get here
+        seen.append("c")
+        return out
+
+    W, x = leaf(4, 4), leaf(2, 4, seed=1)
+    g = remat(f)
+    for _ in range(2):
+        seen.clear()
+        g(W, x).backward()
+    assert seen == ["a", "b", "c", "a"]
+
+
+def test_double_backward_and_second_backward():
+    probe = Probe()
+    f = chain(probe)
+    W, b, x = leaf(6, 6), leaf(6, seed=1), leaf(3, 6, seed=2)
+    g = remat(f)
+    g(W, b, x).sum().backward()  # records
+    W.grad = None
+    (gW,) = grads(f, (W, b, x), (W,), create_graph=True)
+    ref = torch.autograd.grad(gW.pow(2).sum(), (W, x))
+    (gW2,) = grads(g, (W, b, x), (W,), create_graph=True)
+    assert_tree_close(torch.autograd.grad(gW2.pow(2).sum(), (W, x)), ref)
+    # retain_graph: a second backward pass recomputes again
+    out = g(W, b, x).sum()
+    first = torch.autograd.grad(out, (W,), retain_graph=True)
+    assert_tree_close(torch.autograd.grad(out, (W,)), first)
+    assert probe.fast_calls()[-3:] == [True, True, True]
+
+
+def test_module_with_dropout_replays_random_numbers():
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.3), nn.Linear(16, 8), nn.LayerNorm(8)).double()
+    x = leaf(4, 8)
+    rematted = remat(block)
+    for step in range(3):
+        torch.manual_seed(step)
+        ref = torch.autograd.grad(block(x).sum(), (x, *block.parameters()))
+        torch.manual_seed(step)
+        assert_tree_close(torch.autograd.grad(rematted(x).sum(), (x, *block.parameters())), ref)
+    assert rematted._inner._plans and all(p is not None for p in rematted._inner._plans.values())
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "requires_grad", "training", "autocast", "module state shape"])
+def test_signature_change_records_again(change):
+    probe = Probe()
+    lin = nn.Linear(8, 8).double()
+
+    def f(x):
+        probe()
+        return torch.tanh(lin(x))
+
+    g = remat(f)
+    x = leaf(4, 8)
+    g(x).sum().backward()
+    g(x).sum().backward()
+    assert len(g._plans) == 1 and probe.fast_calls()[-2:] == [True, True]
+    if change == "shape":
+        x = leaf(5, 8)
+    elif change == "dtype":
+        x, lin = leaf(4, 8, dtype=f32), lin.float()
+    elif change == "requires_grad":
+        x = leaf(4, 8, grad=False)
+    elif change == "training":
+        lin.eval()
+    elif change == "module state shape":
+        lin.weight = nn.Parameter(torch.randn(8, 8, dtype=f64, requires_grad=True)[:, :8].contiguous())
+        lin.bias = nn.Parameter(torch.randn(1, 8, dtype=f64))
+    probe.modes.clear()
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if change == "autocast" else torch.enable_grad()
+    with ctx:
+        out = g(x)
+        ref_out = f(x)
+    ref = torch.autograd.grad(ref_out.float().sum(), [p for p in (x, *lin.parameters()) if p.requires_grad])
+    got = torch.autograd.grad(out.float().sum(), [p for p in (x, *lin.parameters()) if p.requires_grad])
+    assert_tree_close(got, ref)
+    assert len(g._plans) == 2  # a new signature, recorded by the full engine
+    assert probe.modes[0] is True  # g's call ran under the recorder
+
+
+def test_training_batchnorm_never_takes_the_fast_path():
+    """BatchNorm in training mode writes its running statistics: the full engine writes them once."""
+    probe = Probe()
+    bn = nn.BatchNorm1d(8).double()
+
+    def f(x):
+        probe()
+        return torch.tanh(bn(x))
+
+    g = remat(f)
+    x = leaf(16, 8)
+    for _ in range(3):
+        g(x).sum().backward()
+    assert list(g._plans.values()) == [None]
+    assert not any(probe.fast_calls())
+    assert bn.num_batches_tracked.item() == 3  # once per call, never again in a recompute
+    bn.eval()
+    probe.modes.clear()
+    for _ in range(2):
+        g(x).sum().backward()
+    assert probe.fast_calls() == [False, False, True, True]  # eval: another signature, clean
+
+
+def test_data_dependent_state_write_raises_and_records_again():
+    class Counter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("n", torch.zeros(()))
+            self.count = False
+
+        def forward(self, x):
+            if self.count:
+                self.n.add_(1)
+            return torch.sin(x) * 2
+
+    m = Counter().double()
+    g = remat(m)
+    x = leaf(4)
+    g(x).sum().backward()
+    g(x).sum().backward()
+    m.count = True
+    with pytest.raises(RematError, match=r"wrote Counter.n in place in this call.*first call"):
+        g(x)
+    assert not g._inner._plans  # forgotten: the next call records on the full engine, exactly
+    n0 = m.n.item()
+    out = g(x)
+    assert m.n.item() == n0 + 1
+    (gx,) = torch.autograd.grad(out.sum(), (x,))
+    assert m.n.item() == n0 + 1  # the recompute did not write it again
+    assert_tree_close(gx, 2 * torch.cos(x))
+
+
+def test_input_modified_in_place_raises_on_the_fast_path():
+    g = remat(lambda W, x: torch.sin(x @ W))
+    W, x = leaf(4, 4), leaf(2, 4, seed=1)
+    g(W, x).sum().backward()
+    out = g(W, x)
+    with torch.no_grad():
+        x.mul_(2)
+    with pytest.raises(RematError, match=r"input #1 .*in place after its forward pass"):
+        out.sum().backward()
+
+
+def test_input_modified_during_the_forward_raises():
+    write = {"on": False}
+
+    def f(W, x):
+        y = torch.sin(x @ W)
+        if write["on"]:
+            x.mul_(2.0)  # x needs no gradient: torch allows the write
+        return torch.tanh(y)
+
+    g = remat(f)
+    W, x = leaf(4, 4), leaf(2, 4, seed=1, grad=False)
+    g(W, x).sum().backward()
+    g(W, x).sum().backward()
+    write["on"] = True
+    with pytest.raises(RematError, match="modified its input #1 .* during its forward pass"):
+        g(W, x)
+
+
+def test_parameter_updated_before_backward_raises():
+    lin = nn.Linear(4, 4).double()
+    g = remat_module(lin)
+    x = leaf(2, 4)
+    g(x).sum().backward()
+    out = g(x)
+    with torch.no_grad():
+        lin.weight.add_(1.0)  # an optimizer step between the forward and the backward pass
+    with pytest.raises(RematError, match="modified in place"):
+        out.sum().backward()
+
+
+def test_flag_flipped_between_forward_and_backward_is_caught():
+    """An impure function: what the recompute saves is made by another op; never a wrong gradient."""
+    flag = {"cos": False}
+
+    def f(W, x):
+        h = torch.cos(x) if flag["cos"] else torch.sin(x)
+        return h @ W
+
+    g = remat(f)
+    W, x = leaf(4, 4), leaf(2, 4, seed=1)
+    g(W, x).sum().backward()
+    out = g(W, x)
+    flag["cos"] = True
+    with pytest.raises(RematError, match="made by CosBackward0 where its forward pass saved one made by SinBackward0"):
+        out.sum().backward()
+
+
+def test_recompute_shape_divergence_is_caught():
+    n = [4]
+
+    def f(W, x):
+        return torch.sin(x[:, : n[0]]) @ W[: n[0]]
+
+    g = remat(f)
+    W, x = leaf(4, 4), leaf(2, 4, seed=1)
+    g(W, x).sum().backward()
+    out = g(W, x)
+    n[0] = 3
+    with pytest.raises(RematError, match="saved a tensor of shape"):
+        out.sum().backward()
+
+
+def test_inner_backward_on_the_fast_path():
+    """A gradient penalty that appears only on later calls (data-dependent): recomputed partially, exact."""
+    penalty = {"on": False}
+
+    def f(W, x):
+        h = torch.tanh(x @ W)
+        if penalty["on"]:
+            (gh,) = torch.autograd.grad(h.pow(2).sum(), (x,), create_graph=True)
+            h = h + gh.pow(2).sum()
+        return torch.sin(h)
+
+    W, x = leaf(4, 4), leaf(3, 4, seed=1)
+    g = remat(f)
+    g(W, x).sum().backward()  # records a clean plan
+    assert list(g._plans.values())[0] is not None
+    penalty["on"] = True
+    ref = grads(f, (W, x), (W, x))
+    assert_tree_close(grads(g, (W, x), (W, x)), ref)
+
+
+def test_torch_func_inside_on_a_fast_call_becomes_a_region():
+    inner = {"on": False}
+
+    def f(W, x):
+        h = torch.sin(x @ W)
+        if inner["on"]:
+            h = h + torch.func.grad(lambda y: torch.tanh(y).sum())(h)
+        return h.pow(2)
+
+    W, x = leaf(4, 4), leaf(3, 4, seed=1)
+    g = remat(f)
+    g(W, x).sum().backward()
+    inner["on"] = True
+    ref = grads(f, (W, x), (W, x))
+    assert_tree_close(grads(g, (W, x), (W, x)), ref)
+
+
+_GLOBAL = torch.randn(4, 4, dtype=f64)  # a global: the state walk does not reach it, the recorder watches it
+
+
+def test_nested_and_outside_tensors_keep_the_full_engine():
+    probe = Probe()
+    inner = remat(lambda h: torch.sin(h) * 2, policy=policies.dots_saveable)
+
+    def nested(W, x):
+        probe()
+        return inner(torch.tanh(x @ W)).sum()
+
+    def reads_global(W, x):
+        probe()
+        return (torch.tanh(x @ W) @ _GLOBAL).sum()
+
+    W, x = leaf(4, 4), leaf(3, 4, seed=1)
+    for f in (nested, reads_global):
+        g = remat(f)
+        probe.modes.clear()
+        for _ in range(2):
+            assert_tree_close(torch.autograd.grad(g(W, x), (W, x)), torch.autograd.grad(f(W, x), (W, x)))
+        assert list(g._plans.values()) == [None], f.__name__
+        assert not any(probe.modes[i] is False for i in (0, 1, 3, 4)), f.__name__
+
+
+def test_under_torch_func_no_fast_path():
+    probe = Probe()
+    f = chain(probe)
+    g = remat(f)
+    W, b, x = leaf(5, 5), leaf(5, seed=1), leaf(2, 5, seed=2)
+    for _ in range(2):
+        got = torch.func.grad(lambda W: g(W, b, x).sum())(W)
+        assert_tree_close(got, torch.func.grad(lambda W: f(W, b, x).sum())(W))
+    assert not g._plans
+
+
+def test_plans_are_bounded():
+    from remat._fastpath import MAX_PLANS
+
+    g = remat(lambda x: torch.sin(x).sum())
+    for n in range(1, MAX_PLANS + 6):
+        g(leaf(n)).backward()
+    assert len(g._plans) == MAX_PLANS
+
+
+def test_hf_gpt2_blocks_take_the_fast_path():
+    transformers = pytest.importorskip("transformers")
+    from remat import remat_modules
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=101,
+                                  resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.0, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).double()
+    ids = torch.randint(0, 101, (2, 16))
+
+    def step(seed):
+        torch.manual_seed(seed)
+        loss = model(ids, labels=ids).loss
+        return torch.autograd.grad(loss, list(model.parameters()))
+
+    refs = [step(s) for s in range(3)]
+    remat_modules(model, type(model.transformer.h[0]))
+    for s in range(3):
+        assert_tree_close(step(s), refs[s])
+    plans = [p for blk in model.transformer.h for p in blk.forward._plans.values()]
+    assert plans and all(p is not None for p in plans)
