@@ -14,6 +14,8 @@ other's.
   detach, a copy), which the dispatch modes let through unrecorded.
 * :data:`PENDING_NAME`: set by ``checkpoint_name`` around the ``aten.alias`` that
   carries a name.
+* :data:`NAMING`: ``checkpoint_name`` tags even though no context is active (the
+  planned fast path, whose op sequence must match the recorded call's).
 * :data:`INSPECTOR`: the observer of a running ``saved_residuals`` (``_inspect.py``);
   the engine calls its ``on_save(tensor, decision, frame)`` and knows nothing else of it.
 """
@@ -25,10 +27,11 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["INTERNAL", "PENDING_NAME", "INSPECTOR", "internal", "active_context", "activated"]
+__all__ = ["INTERNAL", "PENDING_NAME", "NAMING", "INSPECTOR", "internal", "active_context", "activated"]
 
 INTERNAL: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_internal", default=False)
 PENDING_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("remat_name", default=None)
+NAMING: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_naming", default=False)
 INSPECTOR: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_inspector", default=None)
 _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_active", default=None)
 

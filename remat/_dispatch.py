@@ -80,7 +80,7 @@ from ._naming import checkpoint_name
 from ._policies import Decision, Offloadable, Recompute, Saveable, decide, decide_explicit
 from ._torch_internals import TorchDispatchMode
 
-__all__ = ["LIFTS", "OpRecord", "OpTap", "Recorder", "Replayer"]
+__all__ = ["LIFTS", "ignored", "OpRecord", "OpTap", "Recorder", "Replayer"]
 
 # remat's own bookkeeping (detach, copies, RNG state) must not be seen as ops of
 # the user's function by any remat mode on the stack.
@@ -123,7 +123,7 @@ _METADATA = frozenset({torch.ops.aten.sym_size, torch.ops.aten.sym_stride, torch
 
 
 @functools.cache
-def _ignored(func: Any) -> bool:
+def ignored(func: Any) -> bool:
     """Not ops of the call: profiler markers (``record_function``, also run by FSDP2's hooks) and the size
     queries a tensor subclass with custom sizes dispatches, which torch makes whenever it needs a size (their
     number differs between the forward pass and the recompute). Neither computes a value."""
@@ -269,7 +269,7 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if INTERNAL.get() or self._paused or _ignored(func):
+        if INTERNAL.get() or self._paused or ignored(func):
             return func(*args, **kwargs)
         if func is _DETACH and self.region:
             # (a reentrant region: how many detaches torch.func runs depends on the grad mode, which differs
@@ -668,7 +668,7 @@ class Replayer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if INTERNAL.get() or _ignored(func):
+        if INTERNAL.get() or ignored(func):
             return func(*args, **kwargs)
         if func is _DETACH and self.rec.region:
             return func(*args, **kwargs)
@@ -839,7 +839,7 @@ class OpTap(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if INTERNAL.get() or _ignored(func):
+        if INTERNAL.get() or ignored(func):
             return out
         if self.pos in self.wanted:
             self.outputs[self.pos] = tensor_leaves(out)

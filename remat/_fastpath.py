@@ -1,4 +1,4 @@
-"""The fast path of save-nothing: no dispatch mode, only saved-tensor hooks, once a first call has shown it safe.
+"""The fast path: a remat call that replays a plan its signature's first call recorded, instead of recording.
 
 NOTE [fast path]
     Under ``nothing_saveable`` with no ``torch.func`` level and no enclosing remat
@@ -35,6 +35,30 @@ NOTE [fast path]
     without changing its signature and without these checks noticing (a Python
     global read as a flag that flips between calls and changes no shape) is
     outside what remat guarantees on either path: the function must be pure.
+
+NOTE [planned calls]
+    Every other policy (``dots_saveable``, names, offloading, a callable of your
+    own) needs to see the ops, to hold what the policy saves so that the
+    recompute hands it back instead of running the op again. But what the
+    recorder works out per op (the policy's decision, storages, views, the
+    liveness walk of NOTE [stash liveness]) is the same on every call of a
+    signature. So the clean first call's outcome is kept in the plan: the op
+    overloads in order, and for each op whose outputs the recorder held to the
+    end of the forward pass, whether to hold them (detached) or offload them; per
+    save position, whether it was held, offloaded or dropped. A later call runs
+    under a dispatch mode (``_Tap``) that only counts ops, checks each is the op
+    the plan has at that index, and holds the planned outputs; the recompute's
+    mode (``_Replay``) hands those back at the same indices and runs every other
+    op. The policy is consulted on a signature's first call only, as JAX's
+    policies are consulted when a function is traced: policies are functions of
+    the op and its arguments. An op that is not the plan's (a data-dependent
+    branch) ends the plan for the rest of that call: every later save is held, as
+    plain autograd would, and the signature's plan is forgotten. The recompute
+    raises ``RematError`` if its ops differ from the forward's at a planned index.
+    Unlike the full engine, a planned call recomputes ops that only feed outputs
+    the backward pass does not differentiate, and ops the liveness walk found
+    dead (it stops after the last tensor it must make, which cuts the trailing
+    ones): a plan never hands back a placeholder, whatever the call did.
 """
 
 from __future__ import annotations
@@ -42,19 +66,22 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import optree
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from . import _torch_internals as ti
 from ._ambient import AmbientState
-from ._context import INSPECTOR, active_context, internal
+from ._context import INSPECTOR, INTERNAL, NAMING, active_context, internal
+from ._dispatch import OpRecord, ignored
 from ._errors import RematError
-from ._policies import nothing_saveable
+from ._policies import Offloadable
 from ._reentrant import NeedsRegion
 from ._state import Snapshot
+from ._torch_internals import TorchDispatchMode
 
 __all__ = ["Plan", "FastFrame", "signature", "fast_path_applies", "MAX_PLANS"]
 
@@ -63,19 +90,58 @@ MAX_PLANS = 32  # signatures remembered per remat'd function (a new one past thi
 _AUTOCAST = ("cpu", "cuda")
 
 
+class _Hold:
+    """An op whose outputs a planned call holds for its recompute (NOTE [planned calls])."""
+
+    __slots__ = ("offload", "out_spec", "consts", "single")
+
+    def __init__(self, rec: OpRecord) -> None:
+        self.offload = rec.decision if isinstance(rec.decision, Offloadable) else None
+        self.out_spec = rec.out_spec
+        self.consts = rec.consts
+        self.single = rec.out_spec == _ONE_LEAF and rec.consts is None  # one tensor: no pytree to rebuild
+
+    def rebuild(self, tensors: list[Any]) -> Any:
+        """The op's output from its tensors (as :meth:`OpRecord.rebuild`, which reads the same two fields)."""
+        return OpRecord.rebuild(self, tensors)  # type: ignore[arg-type]
+
+
 class Plan:
-    """What the first (fully recorded) call of a signature showed: save positions held by reference."""
+    """What the first (fully recorded) call of a signature showed (NOTE [fast path], NOTE [planned calls]).
 
-    __slots__ = ("keep",)
+    ``keep``: save positions held by reference; ``offload``: save positions offloaded, with the decision;
+    ``ops``: the op overloads in order (None: save-nothing, no dispatch mode at all); ``hold``: op index ->
+    the outputs to hold for the recompute.
+    """
 
-    def __init__(self, keep: frozenset[int]) -> None:
+    __slots__ = ("keep", "offload", "ops", "hold")
+
+    def __init__(self, keep: frozenset[int], offload: dict[int, Offloadable] | None = None,
+                 ops: tuple[Any, ...] | None = None, hold: dict[int, _Hold] | None = None) -> None:
         self.keep = keep
+        self.offload = offload or {}
+        self.ops = ops
+        self.hold = hold or {}
+
+    @classmethod
+    def of_ops(cls, keep: frozenset[int], offload: dict[int, Offloadable], ops: list[OpRecord]) -> Plan:
+        """The plan of a recorded call: the ops whose every output the recorder still held when its forward
+        pass ended (strongly or offloaded) are held again; every other op runs in the recompute."""
+        hold = {}
+        for i, rec in enumerate(ops):
+            if rec.stash is None or rec.random or rec.cow or rec.out_spec is None or not rec.stash:
+                continue
+            if all(x is not None and not isinstance(x, weakref.ref) for x in rec.stash):
+                hold[i] = _Hold(rec)
+        return cls(keep, offload, tuple(r.func for r in ops), hold)
 
 
-def fast_path_applies(policy: Any) -> bool:
+_ONE_LEAF = optree.tree_structure(0)  # type: ignore[arg-type]
+
+
+def fast_path_applies() -> bool:
     """Whether a call may take the fast path at all (the plan decides per signature)."""
-    return (policy is nothing_saveable and active_context() is None and INSPECTOR.get() is None
-            and not ti.interpreter_stack())
+    return active_context() is None and INSPECTOR.get() is None and not ti.interpreter_stack()
 
 
 def signature(flat: list[Any], statics: dict[int, Any], state: Snapshot) -> tuple[Any, ...] | None:
@@ -116,6 +182,15 @@ class _In:
         self.slot = slot
 
 
+class _Off:
+    """A tensor the plan offloads at its save position."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+
 class _Kept:
     """A tensor held by reference (module state the plan holds), with its version when saved."""
 
@@ -127,16 +202,18 @@ class _Kept:
 
 
 class FastFrame:
-    """One call of a save-nothing remat'd function on the fast path (NOTE [fast path])."""
+    """One call of a remat'd function that follows its signature's plan (NOTE [fast path], NOTE [planned calls])."""
 
     def __init__(self, run: Callable[[list[Any]], Any], flat: list[Any], fn_name: str, preserve_rng: bool,
-                 state: Snapshot, plan: Plan, forget: Callable[[], None]) -> None:
+                 state: Snapshot, plan: Plan, forget: Callable[[], None], engine: Any) -> None:
         self.run = run
         self.flat = flat
         self.fn_name = fn_name
         self.state = state
         self.plan = plan
         self.forget = forget  # drops this signature's plan
+        self.engine = engine
+        self.keep, self.offload = plan.keep, plan.offload
         self.input_ids = {id(a): i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)}
         self.versions = [a._version if isinstance(a, torch.Tensor) else None for a in flat]
         self.state_versions = [t._version for t in state.tensors]
@@ -147,13 +224,23 @@ class FastFrame:
         self.cache: dict[int, torch.Tensor] = {}  # recomputed, not read yet
         self.forwarding = False
         self.recomputes = 0
+        self.held: dict[int, list[Any]] = {}  # op index -> its outputs, detached or offloaded (NOTE [planned calls])
+        self.held_versions: dict[int, list[int | None]] = {}
+        self.limit = len(plan.ops) if plan.ops is not None else 0  # ops that followed the plan
+        self.diverged = False  # an op was not the plan's: every later save is held
+        self._offloaded = False
         self._lock = threading.RLock()
 
     # ---- forward ---------------------------------------------------------------
     def forward(self) -> Any:
         self.forwarding = True
         try:
-            with ti.saved_tensors_hooks_enabled(), saved_tensors_hooks(self.pack, self.unpack):
+            with contextlib.ExitStack() as es:
+                es.enter_context(ti.saved_tensors_hooks_enabled())
+                es.enter_context(saved_tensors_hooks(self.pack, self.unpack))
+                if self.plan.ops is not None:
+                    es.enter_context(_naming())
+                    es.enter_context(_Tap(self))
                 try:
                     out = self.run(self.flat)
                 except RuntimeError as e:
@@ -164,7 +251,13 @@ class FastFrame:
         finally:
             self.forwarding = False
             self.cache = {}  # what a backward pass inside the forward pass recomputed
+        if self.diverged:
+            self.forget()
         self._check_versions(after_forward=True)
+        for i, vals in self.held.items():
+            self.held_versions[i] = [v._version if isinstance(v, torch.Tensor) else None for v in vals]
+        if self._offloaded:
+            self.engine.end_of_call()  # NOTE [stream-ordered reuse] in _offload.py
         return out
 
     def rewind(self) -> None:
@@ -195,16 +288,35 @@ class FastFrame:
                     self.forget()
                     raise RematError(
                         f"remat: {self.fn_name} wrote {label} in place in this call, though its first call with "
-                        "the same input shapes did not; remat's save-nothing fast path (NOTE [fast path]) cannot "
-                        "replay such a write. The next call records the function in full again; to record every "
-                        "call, use a policy other than nothing_saveable (policies.save_only_these_names() saves "
-                        "nothing too)."
+                        "the same input shapes did not; remat's fast path (NOTE [fast path]) cannot replay such a "
+                        "write. The next call records the function in full again."
                     )
                 raise RematError(
                     f"remat: {label}, which {self.fn_name} read, was modified in place after its forward pass and "
                     "before its backward pass (an optimizer step?); the recompute would read the new value. Run "
                     "the backward pass first."
                 )
+
+    def _hold(self, i: int, h: _Hold, out: Any) -> None:
+        """Hold op ``i``'s outputs for the recompute (detached: an output would hold its own node)."""
+        # (inside the tap's handler: the mode is off the stack, and no remat mode runs below a planned call)
+        if h.single and h.offload is None:
+            self.held[i] = [out.detach()]
+            return
+        outs = [x for x in optree.tree_leaves(out, none_is_leaf=True) if isinstance(x, torch.Tensor)]
+        with internal():
+            if h.offload is not None:
+                vals: list[Any] = []
+                for t in outs:
+                    if self.engine.applies(t, h.offload):
+                        self._offloaded = True
+                        with ti.no_dispatch_modes():  # remat's copy, not an op of the user's modes
+                            vals.append(self.engine.offload(t, h.offload.dst, group=self))
+                    else:
+                        vals.append(t.detach())
+                self.held[i] = vals
+            else:
+                self.held[i] = [t.detach() for t in outs]
 
     # ---- hooks -----------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
@@ -213,8 +325,13 @@ class FastFrame:
         slot = self.input_ids.get(id(t))
         if slot is not None and self.flat[slot] is t:
             return _In(slot)
-        if pos in self.plan.keep:
+        if self.diverged or pos in self.keep:
             return _Kept(_holdable(t), t._version)
+        decision = self.offload.get(pos) if self.offload else None
+        if decision is not None and self.engine.applies(t, decision):
+            self._offloaded = True
+            with internal(), ti.no_dispatch_modes():
+                return _Off(self.engine.offload(t, decision.dst, group=self))
         node = t.grad_fn
         self.drops[pos] = (t.shape, t.dtype, None if node is None else type(node))
         self.last_drop = pos
@@ -233,6 +350,8 @@ class FastFrame:
                 return out
         if type(p) is _In:
             return self.flat[p.slot]  # type: ignore[no-any-return]
+        if type(p) is _Off:
+            return self.engine.fetch(p.handle)  # type: ignore[no-any-return]
         if p.t._version != p.version:
             raise RematError(
                 f"remat: a tensor of shape {list(p.t.shape)} that {self.fn_name} saved for the backward pass was "
@@ -255,6 +374,9 @@ class FastFrame:
             es.enter_context(self.state.restored(self.state.tensors))
             es.enter_context(self.ambient.restored())
             es.enter_context(saved_tensors_hooks(capture.pack, _identity))
+            if self.plan.ops is not None:
+                es.enter_context(_naming())
+                es.enter_context(_Replay(self))
             try:
                 self.run(self.flat)
             except _Stop:
@@ -265,7 +387,91 @@ class FastFrame:
                 f"its forward pass saved {capture.stop_after} or more; the function must do the same work every "
                 "time it is called (no data-dependent branches or changing global state)."
             )
-        return capture.captured
+        return capture.finish()
+
+    def replayed(self, i: int) -> Any:
+        """Op ``i``'s held outputs, for the recompute (NOTE [planned calls])."""
+        h = self.plan.hold[i]
+        vals = []
+        with internal():
+            for v, v0 in zip(self.held[i], self.held_versions.get(i, ())):
+                if isinstance(v, torch.Tensor):
+                    if v0 is not None and v._version != v0:
+                        raise RematError(
+                            f"remat: an output of op #{i} ({self.plan.ops[i]}) that {self.fn_name} kept for its "  # type: ignore[index]
+                            f"recompute was modified in place after the forward pass (version {v0} -> {v._version}),"
+                            " e.g. a result of the function changed before the backward pass. Clone a result before "
+                            "modifying it, or run the backward pass first."
+                        )
+                    vals.append(v.detach())
+                else:
+                    vals.append(self.engine.fetch(v))
+        return vals[0] if h.single else h.rebuild(vals)
+
+
+@contextlib.contextmanager
+def _naming() -> Iterator[None]:
+    """checkpoint_name tags, as in the recorded call (NOTE [planned calls])."""
+    tok = NAMING.set(True)
+    try:
+        yield
+    finally:
+        NAMING.reset(tok)
+
+
+class _Tap(TorchDispatchMode):
+    """A planned call's forward pass: count the ops, check each is the plan's, hold the planned outputs."""
+
+    def __init__(self, frame: FastFrame) -> None:
+        super().__init__()
+        self.frame = frame
+        self.ops: tuple[Any, ...] = frame.plan.ops or ()
+        self.hold = frame.plan.hold
+        self.limit = frame.limit
+        self.i = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        i = self.i
+        if i < self.limit and self.ops[i] is func and not INTERNAL.get():
+            self.i = i + 1
+            h = self.hold.get(i)
+            if h is not None:
+                self.frame._hold(i, h, out)
+        elif not (INTERNAL.get() or ignored(func)):
+            # not the plan's op (a data-dependent branch), or more ops than the plan has: the plan ends here
+            self.i = i + 1
+            self.limit = self.frame.limit = min(self.limit, i)
+            self.frame.diverged = True
+        return out
+
+
+class _Replay(TorchDispatchMode):
+    """A planned call's recompute: the planned ops' held outputs handed back, every other op run."""
+
+    def __init__(self, frame: FastFrame) -> None:
+        super().__init__()
+        self.frame = frame
+        self.ops: tuple[Any, ...] = frame.plan.ops or ()
+        self.held = frame.held
+        self.limit = frame.limit
+        self.i = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        i = self.i
+        if i < self.limit and self.ops[i] is func and not INTERNAL.get():
+            self.i = i + 1
+            if i in self.held:
+                return self.frame.replayed(i)
+        elif not (INTERNAL.get() or ignored(func)):
+            self.i = i + 1
+            if i < self.limit:
+                raise RematError(
+                    f"remat: the recompute of {self.frame.fn_name} diverged from its forward pass: op #{i} was "
+                    f"{self.ops[i]} in the forward pass but {func} now; the function must do the same work every "
+                    "time it is called (no data-dependent branches or changing global state)."
+                )
+        return func(*args, **kwargs) if kwargs else func(*args)
 
 
 def _release(frame: FastFrame) -> Callable[[], None]:
@@ -320,11 +526,20 @@ class _Capture:
                     f"{_node_name(meta[2])} (saved tensor #{pos}); the function must do the same work every time it "
                     "is called (no branch on a flag or global state that changed since the forward pass)."
                 )
-            with internal():
-                self.captured[pos] = t.detach() if self.detach else t
+            held = _holdable(t)
+            # without create_graph the backward pass needs the value only, not the recompute's graph
+            self.captured[pos] = held if self.detach else t
+        elif t.grad_fn is None:
+            held = t  # an input, a parameter, a replayed output: no node of its own to make a cycle with
+        else:
+            held = _holdable(t)
         if self.n >= self.stop_after:
             raise _Stop
-        return _holdable(t)
+        return held  # (the recompute's own graph: the function may run a backward pass of its own through it)
+
+    def finish(self) -> dict[int, torch.Tensor]:
+        captured, self.captured = self.captured, {}
+        return captured
 
 
 def _node_name(cls: Any) -> str:
@@ -336,4 +551,4 @@ def _holdable(t: torch.Tensor) -> torch.Tensor:
     if not t.requires_grad:
         return t
     with internal():
-        return t.detach()
+        return ti.detach_below_modes(t)

@@ -329,17 +329,22 @@ class Frame:
         """This call's plan for later calls of its signature, or None if it was not clean (NOTE [fast path])."""
         rec = self.recorder
         if (self.routed or self.levels or self.nested.children or self.inner_backward or rec.region
-                or rec.written_outside or self._offloaded):
+                or rec.written_outside or rec.offloaded_written):
             return None
         state_keys = {storage_key(ti.unwrap_all(t)) for t in self.state.tensors}
         for r in rec.ops:
-            if r.func in LIFTS or r.subst:
+            if r.func in LIFTS or r.subst or r.cow:
                 return None
             for _, t, _ in r.outside or ():
                 if storage_key(t) not in state_keys:
                     return None
         assert self._plan_packs is not None
-        return Plan(frozenset(p.pos for p in self._plan_packs if p.kind == _KEEP))
+        keep = frozenset(p.pos for p in self._plan_packs if p.kind == _KEEP)
+        offload = {p.pos: p.record.decision for p in self._plan_packs if p.kind == _OFFLOAD}
+        plan = Plan.of_ops(keep, offload, rec.ops)
+        if not plan.hold:
+            return Plan(keep, offload)  # nothing to hand back in the recompute: no dispatch mode at all
+        return plan
 
     def rewind(self) -> None:
         """Undo what a forward pass cut short did, so that the call can run again (NOTE [reentrant region])."""

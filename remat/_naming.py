@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 import optree
 import torch
 
-from ._context import INSPECTOR, PENDING_NAME, active_context
+from ._context import INSPECTOR, NAMING, PENDING_NAME, active_context
 
 __all__ = ["checkpoint_name"]
 
@@ -47,7 +47,7 @@ def checkpoint_name(x: T, name: str) -> T:
     """
     if not isinstance(name, str):
         raise TypeError(f"checkpoint_name: name must be a string, got {name!r} ({type(name).__name__})")
-    if active_context() is None and INSPECTOR.get() is None:
+    if active_context() is None and INSPECTOR.get() is None and not NAMING.get():
         return x  # outside remat, and not listed by saved_residuals: nothing to tag
 
     def tag(leaf: Any) -> Any:

@@ -256,3 +256,15 @@ def cuda_graph_capturing() -> bool:
 
 def is_compiling() -> bool:
     return bool(torch.compiler.is_compiling())
+
+
+# A saved tensor held by remat must be detached (an output held with its graph would make a reference cycle
+# through its own node), and a pack hook runs while remat's own dispatch mode is on the stack: a public
+# detach takes a trip through that Python mode (~3x its cost; per saved tensor, on the fast path's hot loop).
+# torch.utils._python_dispatch._disable_current_modes pops the stack in Python and costs more than the trip.
+# The C guard skips Python dispatch for the one call; only for plain tensors, whose detach no subclass defines.
+def detach_below_modes(t: torch.Tensor) -> torch.Tensor:
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        with torch._C._DisableTorchDispatch():
+            return t.detach()
+    return t.detach()

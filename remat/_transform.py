@@ -249,14 +249,15 @@ def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics
     outermost = not enclosed()
     frame: Any = None
     key = None
-    if owner is not None and not region and ctx is None and fast_path_applies(policy):
+    if owner is not None and not region and ctx is None and fast_path_applies():
         key = signature(flat, static_vals, state)  # NOTE [fast path] in _fastpath.py
     try:
         if region:
             return run_region(run, flat, name, policy, preserve_rng, state)
         plan = owner._plans.get(key) if key is not None else None
         if plan is not None:
-            frame = FastFrame(run, flat, name, preserve_rng, state, plan, lambda: owner._plans.pop(key, None))
+            frame = FastFrame(run, flat, name, preserve_rng, state, plan, lambda: owner._plans.pop(key, None),
+                              default_engine())
             return frame.forward()
         frame = Frame(run, flat, name, policy, preserve_rng, default_engine(), state)
         if key is not None and key not in owner._plans:
