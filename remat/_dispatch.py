@@ -80,7 +80,7 @@ from ._naming import checkpoint_name
 from ._policies import Decision, Offloadable, Recompute, Saveable, decide, decide_explicit
 from ._torch_internals import TorchDispatchMode
 
-__all__ = ["LIFTS", "ignored", "OpRecord", "OpTap", "Recorder", "Replayer"]
+__all__ = ["LIFTS", "ignored", "dead_value", "arg_tensors", "OpRecord", "OpTap", "Recorder", "Replayer"]
 
 # remat's own bookkeeping (detach, copies, RNG state) must not be seen as ops of
 # the user's function by any remat mode on the stack.
@@ -98,7 +98,7 @@ def tensor_leaves(tree: Any) -> list[torch.Tensor]:
     return [x for x in optree.tree_leaves(tree, none_is_leaf=True) if isinstance(x, torch.Tensor)]
 
 
-def _arg_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+def arg_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors among an ATen op's arguments (a tensor, or a list of them, per argument)."""
     out = []
     for a in (*args, *kwargs.values()):
@@ -279,7 +279,7 @@ class Recorder(TorchDispatchMode):
                 self._vid_of[id(out)] = (weakref.ref(out), self.vid(args[0]))
             return out
         name = PENDING_NAME.get() if func is _ALIAS else None
-        ins = _arg_tensors(args, kwargs)
+        ins = arg_tensors(args, kwargs)
         mutable, random = _traits(func)
         mutable = ox.mutates(func, args, mutable)
         subst = self._before_mutation(func, args, kwargs, ins) if mutable else None
@@ -682,14 +682,14 @@ class Replayer(TorchDispatchMode):
             raise self._diverged(f"op #{i} was {rec.describe()} in the forward pass but {func} now")
         if rec.skippable and i in self.unused:
             with internal():  # NOTE [unused outputs]
-                dead = [_dead_value(m) for m in rec.out_meta]
+                dead = [dead_value(m) for m in rec.out_meta]
                 self.unused_keys.update(storage_key(t) for t in dead)
                 return rec.rebuild(dead)
         if rec.stash is not None and not rec.random:
             return self._replay(rec, func, args, kwargs)
         if not rec.live and rec.skippable:
             with internal():  # dead: nothing needed reads it (NOTE [dead ops])
-                return rec.rebuild([_dead_value(m) for m in rec.out_meta])
+                return rec.rebuild([dead_value(m) for m in rec.out_meta])
         if rec.scalars and not ox.same_scalars(ox.scalars(args, kwargs), rec.scalars):
             raise self._diverged(
                 f"op #{i} {func} was called with the numbers {list(ox.scalars(args, kwargs))} in the recompute "
@@ -702,7 +702,7 @@ class Replayer(TorchDispatchMode):
             args, kwargs = self._no_placeholders(args, kwargs)
         if rec.lifted is not None:
             with internal():
-                now = ox.fingerprint(_arg_tensors(args, kwargs)[0])
+                now = ox.fingerprint(arg_tensors(args, kwargs)[0])
             if now != rec.lifted:
                 raise self._diverged(
                     f"op #{i} {func} lifted a tensor built from Python data (torch.tensor, torch.from_numpy) "
@@ -714,7 +714,7 @@ class Replayer(TorchDispatchMode):
         if self.unused_keys:
             # an op that ran on a placeholder (a random op, a write) made a placeholder too (NOTE [unused outputs])
             with internal():
-                if any(storage_key(t) in self.unused_keys for t in _arg_tensors(args, kwargs)):
+                if any(storage_key(t) in self.unused_keys for t in arg_tensors(args, kwargs)):
                     self.unused_keys.update(storage_key(t) for t in outs)
         got = [_meta(t)[:2] for t in outs]
         want = [m[:2] if m is not None else None for m in rec.out_meta]
@@ -729,7 +729,7 @@ class Replayer(TorchDispatchMode):
         """A random op reading a placeholder (NOTE [unused outputs]) must still draw its numbers, on valid values
         (a NaN probability is an error): zeros of the same shape stand in; its outputs are placeholders too."""
         with internal():
-            ins = _arg_tensors(args, kwargs)
+            ins = arg_tensors(args, kwargs)
             new = {j: torch.zeros_like(t) for j, t in enumerate(ins) if storage_key(t) in self.unused_keys}
             if not new:
                 return args, kwargs
@@ -744,7 +744,7 @@ class Replayer(TorchDispatchMode):
             for ref, meta, v0 in zip(rec.stash, rec.out_meta, versions):
                 t = ref() if isinstance(ref, weakref.ref) else ref
                 if t is None:
-                    t = _dead_value(meta)
+                    t = dead_value(meta)
                 elif getattr(t, "routed", False):
                     # held by the enclosing call (NOTE [nested remat] in _hooks.py), fetched before this recompute
                     # began (fetching may run the enclosing call's recompute, which cannot run inside a mode)
@@ -767,7 +767,7 @@ class Replayer(TorchDispatchMode):
     def _outside_args(self, i: int, rec: OpRecord, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Check the op reads the forward's outside tensors; hand it copies where recorded (NOTE [outside tensors])."""
         with internal():
-            ins = _arg_tensors(args, kwargs)
+            ins = arg_tensors(args, kwargs)
             for j, t0, version in rec.outside or ():
                 if rec.subst is not None and j in rec.subst:
                     continue  # served from a copy taken before a write (not yet settled: a partial recompute)
@@ -847,7 +847,7 @@ class OpTap(TorchDispatchMode):
         return out
 
 
-def _dead_value(meta: tuple[Any, ...] | None) -> Any:
+def dead_value(meta: tuple[Any, ...] | None) -> Any:
     assert meta is not None
     shape, dtype, device, stride = meta
     t = torch.empty_strided(shape, stride, dtype=dtype, device=device)

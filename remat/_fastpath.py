@@ -76,7 +76,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from . import _torch_internals as ti
 from ._ambient import AmbientState
 from ._context import INSPECTOR, INTERNAL, NAMING, active_context, internal
-from ._dispatch import OpRecord, ignored
+from ._dispatch import OpRecord, arg_tensors, dead_value, ignored
 from ._errors import RematError
 from ._policies import Offloadable
 from ._reentrant import NeedsRegion
@@ -93,10 +93,13 @@ _AUTOCAST = ("cpu", "cuda")
 class _Hold:
     """An op whose outputs a planned call holds for its recompute (NOTE [planned calls])."""
 
-    __slots__ = ("offload", "out_spec", "consts", "single")
+    __slots__ = ("offload", "out_spec", "consts", "single", "weak")
 
-    def __init__(self, rec: OpRecord) -> None:
-        self.offload = rec.decision if isinstance(rec.decision, Offloadable) else None
+    def __init__(self, rec: OpRecord, weak: bool) -> None:
+        # weak: the recorded call held the outputs weakly and they were alive when its forward pass ended (a
+        # result of the call, a saved tensor, the base of a view): held weakly again, run again if they died
+        self.weak = weak
+        self.offload = rec.decision if isinstance(rec.decision, Offloadable) and not weak else None
         self.out_spec = rec.out_spec
         self.consts = rec.consts
         self.single = rec.out_spec == _ONE_LEAF and rec.consts is None  # one tensor: no pytree to rebuild
@@ -104,6 +107,18 @@ class _Hold:
     def rebuild(self, tensors: list[Any]) -> Any:
         """The op's output from its tensors (as :meth:`OpRecord.rebuild`, which reads the same two fields)."""
         return OpRecord.rebuild(self, tensors)  # type: ignore[arg-type]
+
+
+class _Dead:
+    """An op a planned recompute skips: the shapes of its outputs, for placeholders."""
+
+    __slots__ = ("out_meta", "out_spec", "consts")
+
+    def __init__(self, rec: OpRecord) -> None:
+        self.out_meta, self.out_spec, self.consts = rec.out_meta, rec.out_spec, rec.consts
+
+    def placeholders(self) -> Any:
+        return OpRecord.rebuild(self, [dead_value(m) for m in self.out_meta])  # type: ignore[arg-type]
 
 
 class Plan:
@@ -114,26 +129,38 @@ class Plan:
     the outputs to hold for the recompute.
     """
 
-    __slots__ = ("keep", "offload", "ops", "hold")
+    __slots__ = ("keep", "offload", "ops", "hold", "dead", "random")
 
     def __init__(self, keep: frozenset[int], offload: dict[int, Offloadable] | None = None,
-                 ops: tuple[Any, ...] | None = None, hold: dict[int, _Hold] | None = None) -> None:
+                 ops: tuple[Any, ...] | None = None, hold: dict[int, _Hold] | None = None,
+                 dead: dict[int, _Dead] | None = None, random: bool = True) -> None:
         self.keep = keep
         self.offload = offload or {}
         self.ops = ops
         self.hold = hold or {}
+        self.dead = dead or {}  # op index -> its record (shapes, to make placeholders): NOTE [dead ops]
+        # whether the ops draw random numbers (a planned call without any needs no random state: a call
+        # that leaves the plan holds every later save, so its recompute runs only the plan's ops)
+        self.random = random
 
     @classmethod
     def of_ops(cls, keep: frozenset[int], offload: dict[int, Offloadable], ops: list[OpRecord]) -> Plan:
         """The plan of a recorded call: the ops whose every output the recorder still held when its forward
-        pass ended (strongly or offloaded) are held again; every other op runs in the recompute."""
-        hold = {}
+        pass ended (strongly, offloaded, or weakly and alive) are held again; every other op runs in the recompute."""
+        hold, dead = {}, {}
         for i, rec in enumerate(ops):
-            if rec.stash is None or rec.random or rec.cow or rec.out_spec is None or not rec.stash:
+            if rec.random or rec.out_spec is None:
                 continue
-            if all(x is not None and not isinstance(x, weakref.ref) for x in rec.stash):
-                hold[i] = _Hold(rec)
-        return cls(keep, offload, tuple(r.func for r in ops), hold)
+            if (rec.stash is None and not rec.live and rec.skippable) or (
+                    rec.stash and all(x is None for x in rec.stash)):
+                dead[i] = _Dead(rec)  # nothing the recompute needs reads it: a placeholder (NOTE [dead ops])
+                continue
+            if rec.stash is None or rec.cow or not rec.stash:
+                continue
+            weak = [isinstance(x, weakref.ref) for x in rec.stash]
+            if all(x is not None and (not w or x() is not None) for x, w in zip(rec.stash, weak)):
+                hold[i] = _Hold(rec, all(weak))
+        return cls(keep, offload, tuple(r.func for r in ops), hold, dead, any(r.random for r in ops))
 
 
 _ONE_LEAF = optree.tree_structure(0)  # type: ignore[arg-type]
@@ -217,7 +244,8 @@ class FastFrame:
         self.input_ids = {id(a): i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)}
         self.versions = [a._version if isinstance(a, torch.Tensor) else None for a in flat]
         self.state_versions = [t._version for t in state.tensors]
-        self.ambient = AmbientState.capture([a for a in flat if isinstance(a, torch.Tensor)], preserve_rng)
+        self.ambient = AmbientState.capture([a for a in flat if isinstance(a, torch.Tensor)],
+                                            preserve_rng and (plan.ops is None or plan.random))
         self.n = 0  # tensors saved so far
         self.drops: dict[int, tuple[Any, ...]] = {}  # position -> shape, dtype, class of the node that made it
         self.last_drop = -1
@@ -226,8 +254,10 @@ class FastFrame:
         self.recomputes = 0
         self.held: dict[int, list[Any]] = {}  # op index -> its outputs, detached or offloaded (NOTE [planned calls])
         self.held_versions: dict[int, list[int | None]] = {}
+        self.origins: dict[int, list[weakref.ref[torch.Tensor]]] = {}  # op index -> its outputs, weakly
         self.limit = len(plan.ops) if plan.ops is not None else 0  # ops that followed the plan
         self.diverged = False  # an op was not the plan's: every later save is held
+        self.placeholders: set[int] = set()  # ids of the dead ops' placeholders in the running recompute
         self._offloaded = False
         self._lock = threading.RLock()
 
@@ -255,7 +285,7 @@ class FastFrame:
             self.forget()
         self._check_versions(after_forward=True)
         for i, vals in self.held.items():
-            self.held_versions[i] = [v._version if isinstance(v, torch.Tensor) else None for v in vals]
+            self.held_versions[i] = [_version_of(v) for v in self.origins.get(i, vals)]
         if self._offloaded:
             self.engine.end_of_call()  # NOTE [stream-ordered reuse] in _offload.py
         return out
@@ -300,10 +330,18 @@ class FastFrame:
     def _hold(self, i: int, h: _Hold, out: Any) -> None:
         """Hold op ``i``'s outputs for the recompute (detached: an output would hold its own node)."""
         # (inside the tap's handler: the mode is off the stack, and no remat mode runs below a planned call)
+        if h.weak:
+            self.held[i] = [weakref.ref(out)] if h.single else [
+                weakref.ref(x) for x in optree.tree_leaves(out, none_is_leaf=True) if isinstance(x, torch.Tensor)]
+            return
+        # the version lives on the op's own output (a result the caller may hold and write), not on the
+        # detached alias, which has a counter of its own: watched through a weak reference
         if h.single and h.offload is None:
             self.held[i] = [out.detach()]
+            self.origins[i] = [weakref.ref(out)]
             return
         outs = [x for x in optree.tree_leaves(out, none_is_leaf=True) if isinstance(x, torch.Tensor)]
+        self.origins[i] = [weakref.ref(t) for t in outs]
         with internal():
             if h.offload is not None:
                 vals: list[Any] = []
@@ -365,9 +403,17 @@ class FastFrame:
         self.recomputes += 1
         if not self.forwarding:
             self._check_versions(after_forward=False)
+        try:
+            return self._run_recompute(skip_dead=bool(self.plan.dead))
+        except _PlanWrong:
+            self.forget()  # the recorded call's liveness does not hold for this one
+            return self._run_recompute(skip_dead=False)
+
+    def _run_recompute(self, skip_dead: bool) -> dict[int, torch.Tensor]:
         # (a backward pass inside the forward pass: recompute only as far as the forward pass has got)
+        self.placeholders = set()
         capture = _Capture(self.drops, self.n if self.forwarding else self.last_drop + 1, self.fn_name,
-                           detach=not torch.is_grad_enabled())
+                           detach=not torch.is_grad_enabled(), placeholders=self.placeholders)
         with contextlib.ExitStack() as es:
             es.enter_context(ti.saved_tensors_hooks_enabled())
             es.enter_context(torch.enable_grad())
@@ -376,11 +422,12 @@ class FastFrame:
             es.enter_context(saved_tensors_hooks(capture.pack, _identity))
             if self.plan.ops is not None:
                 es.enter_context(_naming())
-                es.enter_context(_Replay(self))
+                es.enter_context(_Replay(self, skip_dead))
             try:
                 self.run(self.flat)
             except _Stop:
                 pass
+        self.placeholders = set()
         if capture.n < capture.stop_after:
             raise RematError(
                 f"remat: the recompute of {self.fn_name} saved {capture.n} tensors for the backward pass where "
@@ -393,20 +440,32 @@ class FastFrame:
         """Op ``i``'s held outputs, for the recompute (NOTE [planned calls])."""
         h = self.plan.hold[i]
         vals = []
+        origins = self.origins.get(i) or self.held[i]
         with internal():
-            for v, v0 in zip(self.held[i], self.held_versions.get(i, ())):
-                if isinstance(v, torch.Tensor):
-                    if v0 is not None and v._version != v0:
-                        raise RematError(
-                            f"remat: an output of op #{i} ({self.plan.ops[i]}) that {self.fn_name} kept for its "  # type: ignore[index]
-                            f"recompute was modified in place after the forward pass (version {v0} -> {v._version}),"
-                            " e.g. a result of the function changed before the backward pass. Clone a result before "
-                            "modifying it, or run the backward pass first."
-                        )
-                    vals.append(v.detach())
-                else:
-                    vals.append(self.engine.fetch(v))
+            for v, v0, orig in zip(self.held[i], self.held_versions.get(i, ()), origins):
+                if isinstance(v, weakref.ref):
+                    v = v()
+                    if v is None:
+                        return _RUN  # died since the forward pass: run the op again
+                now = _version_of(orig)
+                if v0 is not None and now is not None and now != v0:
+                    raise RematError(
+                        f"remat: an output of op #{i} ({self.plan.ops[i]}) that {self.fn_name} kept for its "  # type: ignore[index]
+                        f"recompute was modified in place after the forward pass (version {v0} -> {now}), e.g. a "
+                        "result of the function changed before the backward pass. Clone a result before modifying "
+                        "it, or run the backward pass first."
+                    )
+                vals.append(v.detach() if isinstance(v, torch.Tensor) else self.engine.fetch(v))
         return vals[0] if h.single else h.rebuild(vals)
+
+
+_RUN = object()  # FastFrame.replayed: run the op instead
+
+
+def _version_of(v: Any) -> int | None:
+    if isinstance(v, weakref.ref):
+        v = v()
+    return v._version if isinstance(v, torch.Tensor) else None
 
 
 @contextlib.contextmanager
@@ -447,13 +506,20 @@ class _Tap(TorchDispatchMode):
 
 
 class _Replay(TorchDispatchMode):
-    """A planned call's recompute: the planned ops' held outputs handed back, every other op run."""
+    """A planned call's recompute: the planned ops' held outputs handed back, dead ops skipped, every other op run.
 
-    def __init__(self, frame: FastFrame) -> None:
+    A dead op hands back NaN placeholders, as on the full engine (NOTE [dead ops]). The plan's liveness comes
+    from the recorded call, so it is checked: an op that runs on a placeholder, or a placeholder captured as a
+    saved tensor, stops the recompute (``_PlanWrong``), which runs again without skipping anything.
+    """
+
+    def __init__(self, frame: FastFrame, skip_dead: bool) -> None:
         super().__init__()
         self.frame = frame
         self.ops: tuple[Any, ...] = frame.plan.ops or ()
         self.held = frame.held
+        self.dead = frame.plan.dead if skip_dead else {}
+        self.placeholders = frame.placeholders
         self.limit = frame.limit
         self.i = 0
 
@@ -462,7 +528,14 @@ class _Replay(TorchDispatchMode):
         if i < self.limit and self.ops[i] is func and not INTERNAL.get():
             self.i = i + 1
             if i in self.held:
-                return self.frame.replayed(i)
+                out = self.frame.replayed(i)
+                if out is not _RUN:
+                    return out
+            d = self.dead.get(i)
+            if d is not None:
+                out = d.placeholders()
+                self.placeholders.update(id(t) for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor))
+                return out
         elif not (INTERNAL.get() or ignored(func)):
             self.i = i + 1
             if i < self.limit:
@@ -471,7 +544,13 @@ class _Replay(TorchDispatchMode):
                     f"{self.ops[i]} in the forward pass but {func} now; the function must do the same work every "
                     "time it is called (no data-dependent branches or changing global state)."
                 )
+        if self.placeholders and any(id(t) in self.placeholders for t in arg_tensors(args, kwargs or {})):
+            raise _PlanWrong
         return func(*args, **kwargs) if kwargs else func(*args)
+
+
+class _PlanWrong(Exception):
+    """A planned recompute met a placeholder where a value is needed: run it again without skipping ops."""
 
 
 def _release(frame: FastFrame) -> Callable[[], None]:
@@ -495,10 +574,11 @@ def _identity(x: Any) -> Any:
 
 
 class _Capture:
-    __slots__ = ("wanted", "stop_after", "fn_name", "detach", "n", "captured")
+    __slots__ = ("wanted", "stop_after", "fn_name", "detach", "n", "captured", "placeholders")
 
     def __init__(self, wanted: dict[int, tuple[Any, ...]], stop_after: int, fn_name: str,
-                 detach: bool) -> None:
+                 detach: bool, placeholders: set[int]) -> None:
+        self.placeholders = placeholders
         self.wanted = wanted
         self.stop_after = stop_after
         self.fn_name = fn_name
@@ -526,6 +606,8 @@ class _Capture:
                     f"{_node_name(meta[2])} (saved tensor #{pos}); the function must do the same work every time it "
                     "is called (no branch on a flag or global state that changed since the forward pass)."
                 )
+            if self.placeholders and id(t) in self.placeholders:
+                raise _PlanWrong
             held = _holdable(t)
             # without create_graph the backward pass needs the value only, not the recompute's graph
             self.captured[pos] = held if self.detach else t

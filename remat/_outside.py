@@ -33,7 +33,7 @@ def written_args(func: Any) -> frozenset[int]:
 
 
 def written_positions(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
-    """Positions, in ``_dispatch._arg_tensors`` order, of the tensors an op writes."""
+    """Positions, in ``_dispatch.arg_tensors`` order, of the tensors an op writes."""
     written = written_args(func)
     names = [a.name for a in func._schema.arguments]
     out: list[int] = []
@@ -56,7 +56,7 @@ def written_positions(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
 
 def replace_tensors(args: tuple[Any, ...], kwargs: dict[str, Any],
                      new: dict[int, torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``args``/``kwargs`` with the tensors at positions ``new`` (``_dispatch._arg_tensors`` order) replaced."""
+    """``args``/``kwargs`` with the tensors at positions ``new`` (``_dispatch.arg_tensors`` order) replaced."""
     pos = 0
 
     def one(a: Any) -> Any:

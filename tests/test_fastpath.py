@@ -14,12 +14,14 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from remat import RematError, policies, remat, remat_module
+from remat import RematError, checkpoint_name, policies, remat, remat_module
+from remat.bench.measure import live_bytes_after
 
-from .helpers import assert_tree_close
+from .helpers import OpCounter, assert_tree_close
 
 f64, f32 = torch.float64, torch.float32
 
@@ -412,3 +414,128 @@ def test_hf_gpt2_blocks_take_the_fast_path():
         assert_tree_close(step(s), refs[s])
     plans = [p for blk in model.transformer.h for p in blk.forward._plans.values()]
     assert plans and all(p is not None for p in plans)
+
+
+# ---- planned calls (NOTE [planned calls]): every other policy ---------------------------------------------
+
+POLICIES = {
+    "dots": policies.dots_saveable,
+    "names": policies.save_only_these_names("mid"),
+    "custom": lambda op, *a, **k: op is torch.ops.aten.mm.default,
+    "offload": policies.offload_to_cpu(min_bytes=0),
+    "dots+offload": policies.save_from_both_policies(policies.dots_saveable, policies.offload_to_cpu(min_bytes=0)),
+}
+
+
+def mlp(W1, W2, x):
+    h = torch.tanh(x @ W1)
+    h = checkpoint_name(torch.sin(h) @ W2, "mid")
+    return torch.tanh(h @ W1.t()) * 0.5
+
+
+@pytest.mark.parametrize("dtype", [f64, f32], ids=["f64", "f32"])
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_planned_calls_exact(name, dtype):
+    W1, W2, x = leaf(8, 8, dtype=dtype), leaf(8, 8, dtype=dtype, seed=1), leaf(4, 8, dtype=dtype, seed=2)
+    ref = grads(mlp, (W1, W2, x), (W1, W2, x))
+    g = remat(mlp, policy=POLICIES[name])
+    for _ in range(3):
+        assert_tree_close(grads(g, (W1, W2, x), (W1, W2, x)), ref)
+    (plan,) = g._plans.values()
+    assert plan is not None
+
+
+@pytest.mark.parametrize("name,matmuls", [("dots", 0), ("custom", 0), ("names", 2)])
+def test_planned_calls_replay_what_the_policy_saves(name, matmuls):
+    """Matmuls counted in the backward pass from outside: a planned call recomputes what the recorded one did."""
+    W1, W2, x = leaf(8, 8), leaf(8, 8, seed=1), leaf(4, 8, seed=2)
+    g = remat(mlp, policy=POLICIES[name])
+    counts = []
+    for _ in range(3):
+        out = g(W1, W2, x).sum()
+        with OpCounter() as c:
+            out.backward()
+        counts.append(c.count)
+    # plain autograd runs 6 matmuls in this backward pass (2 per mm); the recompute adds its own
+    assert counts[0] == counts[1] == counts[2] == 6 + matmuls, counts
+
+
+@pytest.mark.parametrize("name", ["dots", "names", "offload"])
+def test_planned_calls_hold_what_the_recorded_call_held(name):
+    """Bytes alive after the forward pass (a census outside remat): equal on the recorded and the planned calls."""
+    W1, W2, x = leaf(64, 64), leaf(64, 64, seed=1), leaf(32, 64, seed=2)
+    g = remat(mlp, policy=POLICIES[name])
+    held = []
+    for _ in range(3):
+        loss, n = live_bytes_after(lambda: g(W1, W2, x).sum())
+        held.append(n)
+        loss.backward()
+    _, plain = live_bytes_after(lambda: mlp(W1, W2, x).sum())
+    assert held[0] == held[1] == held[2] < plain, (held, plain)
+
+
+def test_planned_call_with_dropout_replays_random_numbers():
+    def f(W, x):
+        h = F.dropout(x @ W, 0.5, training=True)
+        return torch.tanh(h @ W)
+
+    W, x = leaf(8, 8), leaf(4, 8, seed=1)
+    g = remat(f, policy=policies.dots_saveable)
+    for step in range(3):
+        torch.manual_seed(step)
+        ref = grads(f, (W, x), (W, x))
+        torch.manual_seed(step)
+        assert_tree_close(grads(g, (W, x), (W, x)), ref)
+    assert list(g._plans.values())[0].random
+
+
+def test_planned_call_leaving_the_plan_is_exact_and_records_again():
+    extra = {"on": False}
+
+    def f(W, x):
+        h = torch.sin(x @ W)
+        if extra["on"]:
+            h = torch.exp(h) * 0.1  # ops the plan does not have
+        return torch.tanh(h @ W)
+
+    W, x = leaf(6, 6), leaf(3, 6, seed=1)
+    g = remat(f, policy=policies.dots_saveable)
+    g(W, x).sum().backward()
+    extra["on"] = True
+    ref = grads(f, (W, x), (W, x))
+    assert_tree_close(grads(g, (W, x), (W, x)), ref)  # left the plan at exp: every later save held
+    assert not g._plans  # forgotten
+    assert_tree_close(grads(g, (W, x), (W, x)), ref)  # recorded again
+    assert list(g._plans.values())[0] is not None
+
+
+def test_planned_recompute_that_runs_other_ops_raises():
+    flag = {"cos": False}
+
+    def f(W, x):
+        h = torch.cos(x @ W) if flag["cos"] else torch.sin(x @ W)
+        return torch.tanh(h @ W)
+
+    W, x = leaf(6, 6), leaf(3, 6, seed=1)
+    g = remat(f, policy=policies.dots_saveable)
+    g(W, x).sum().backward()
+    out = g(W, x)
+    flag["cos"] = True
+    with pytest.raises(RematError, match="diverged from its forward pass: op #1 was aten.sin.default"):
+        out.sum().backward()
+
+
+def test_planned_held_output_modified_after_forward_raises():
+    def f(W, x):
+        a = x @ W
+        return a, torch.tanh(a)  # tanh saves its output: dropped, recomputed from the held matmul output
+
+    W, x = leaf(4, 4), leaf(2, 4, seed=1)
+    g = remat(f, policy=policies.dots_saveable)
+    a, b = g(W, x)
+    (a.sum() + b.sum()).backward()
+    a, b = g(W, x)
+    with torch.no_grad():
+        a.mul_(2)  # the matmul's output, which the call holds for its recompute
+    with pytest.raises(RematError, match="modified in place"):
+        (b.sum()).backward()

@@ -1,0 +1,105 @@
+"""The package's shape (STYLE.md): imports go one way, private torch APIs live in one module.
+
+Read from the source with ``ast``, function-level (deferred) imports included: a
+deferred import is still a dependency, and hiding a cycle inside a function does
+not remove it.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "remat"
+
+# Each module may import only from floors below its own (same floor: not at all).
+FLOORS = [
+    {"_context", "_errors", "_torch_internals", "_outside", "_ambient", "bench"},
+    {"_naming", "_functorch", "_offload", "bench.measure"},
+    {"_policies", "offload", "bench.models"},
+    {"_dispatch", "policies"},
+    {"_state"},
+    {"_reentrant"},
+    {"_fastpath"},
+    {"_hooks"},
+    {"_transform"},
+    {"_module", "_inspect", "bench.configs"},
+    {"__init__", "bench.__main__"},
+]
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    return ".".join(rel.parts).removesuffix(".__init__") or "__init__"
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """The remat modules ``path`` imports, as dotted names relative to the package."""
+    mod = _module_name(path).split(".")
+    pkg = mod[:-1] if path.name != "__init__.py" else mod
+    if path.name == "__init__.py" and mod == ["__init__"]:
+        pkg = []
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = pkg[: len(pkg) - (node.level - 1)] if node.level > 1 else pkg
+            if node.module:
+                out.add(".".join([*base, node.module]))
+            else:
+                out.update(".".join([*base, a.name]) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("remat."):
+            out.add(node.module.removeprefix("remat."))  # type: ignore[union-attr]
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    return {m: {d for d in _imports(p) if d in files and d != m} for m, p in files.items()}
+
+
+def _floor(mod: str) -> int:
+    for i, floor in enumerate(FLOORS):
+        if mod in floor:
+            return i
+    raise AssertionError(f"remat/{mod}: not on any floor of tests/test_layout.py; add it where it belongs")
+
+
+def test_no_import_cycles() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(u: str, stack: list[str]) -> None:
+        state[u] = 1
+        stack.append(u)
+        for v in sorted(graph[u]):
+            if state.get(v) == 1:
+                cycles.append(" -> ".join(stack[stack.index(v):] + [v]))
+            elif v not in state:
+                visit(v, stack)
+        stack.pop()
+        state[u] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    assert not cycles, cycles
+
+
+def test_imports_go_down_the_floors() -> None:
+    wrong = [f"{m} imports {d}" for m, deps in _graph().items() for d in deps if _floor(d) >= _floor(m)]
+    assert not wrong, wrong
+
+
+def test_private_torch_apis_only_in_torch_internals() -> None:
+    private = re.compile(r"torch\._C\b|torch\._functorch|torch\._dynamo|torch\.utils\._|torch\._ops\b")
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in ROOT.rglob("*.py") if p.name != "_torch_internals.py"
+             for i, line in enumerate(p.read_text().splitlines(), 1) if private.search(line)]
+    assert not found, found
+
+
+def test_the_floors_name_real_modules() -> None:
+    files = {_module_name(p) for p in ROOT.rglob("*.py")}
+    named = set().union(*FLOORS)
+    assert named == files, (named - files, files - named)
