@@ -257,7 +257,8 @@ class FastFrame:
         self.origins: dict[int, list[weakref.ref[torch.Tensor]]] = {}  # op index -> its outputs, weakly
         self.limit = len(plan.ops) if plan.ops is not None else 0  # ops that followed the plan
         self.diverged = False  # an op was not the plan's: every later save is held
-        self.placeholders: set[int] = set()  # ids of the dead ops' placeholders in the running recompute
+        # the dead ops' placeholders in the running recompute: id -> weak reference (an id is reused once one dies)
+        self.placeholders: dict[int, weakref.ref[torch.Tensor]] = {}
         self._offloaded = False
         self._lock = threading.RLock()
 
@@ -411,7 +412,7 @@ class FastFrame:
 
     def _run_recompute(self, skip_dead: bool) -> dict[int, torch.Tensor]:
         # (a backward pass inside the forward pass: recompute only as far as the forward pass has got)
-        self.placeholders = set()
+        self.placeholders = {}
         capture = _Capture(self.drops, self.n if self.forwarding else self.last_drop + 1, self.fn_name,
                            detach=not torch.is_grad_enabled(), placeholders=self.placeholders)
         with contextlib.ExitStack() as es:
@@ -427,7 +428,7 @@ class FastFrame:
                 self.run(self.flat)
             except _Stop:
                 pass
-        self.placeholders = set()
+        self.placeholders = {}
         if capture.n < capture.stop_after:
             raise RematError(
                 f"remat: the recompute of {self.fn_name} saved {capture.n} tensors for the backward pass where "
@@ -534,7 +535,9 @@ class _Replay(TorchDispatchMode):
             d = self.dead.get(i)
             if d is not None:
                 out = d.placeholders()
-                self.placeholders.update(id(t) for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor))
+                for t in optree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        self.placeholders[id(t)] = weakref.ref(t)
                 return out
         elif not (INTERNAL.get() or ignored(func)):
             self.i = i + 1
@@ -544,9 +547,14 @@ class _Replay(TorchDispatchMode):
                     f"{self.ops[i]} in the forward pass but {func} now; the function must do the same work every "
                     "time it is called (no data-dependent branches or changing global state)."
                 )
-        if self.placeholders and any(id(t) in self.placeholders for t in arg_tensors(args, kwargs or {})):
+        if self.placeholders and any(_is_placeholder(self.placeholders, t) for t in arg_tensors(args, kwargs or {})):
             raise _PlanWrong
         return func(*args, **kwargs) if kwargs else func(*args)
+
+
+def _is_placeholder(placeholders: dict[int, weakref.ref[torch.Tensor]], t: torch.Tensor) -> bool:
+    ref = placeholders.get(id(t))
+    return ref is not None and ref() is t
 
 
 class _PlanWrong(Exception):
@@ -577,7 +585,7 @@ class _Capture:
     __slots__ = ("wanted", "stop_after", "fn_name", "detach", "n", "captured", "placeholders")
 
     def __init__(self, wanted: dict[int, tuple[Any, ...]], stop_after: int, fn_name: str,
-                 detach: bool, placeholders: set[int]) -> None:
+                 detach: bool, placeholders: dict[int, weakref.ref[torch.Tensor]]) -> None:
         self.placeholders = placeholders
         self.wanted = wanted
         self.stop_after = stop_after
@@ -606,7 +614,7 @@ class _Capture:
                     f"{_node_name(meta[2])} (saved tensor #{pos}); the function must do the same work every time it "
                     "is called (no branch on a flag or global state that changed since the forward pass)."
                 )
-            if self.placeholders and id(t) in self.placeholders:
+            if self.placeholders and _is_placeholder(self.placeholders, t):
                 raise _PlanWrong
             held = _holdable(t)
             # without create_graph the backward pass needs the value only, not the recompute's graph

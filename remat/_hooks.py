@@ -780,8 +780,15 @@ class _Capture:
                         "shapes every time it is called (a key/value cache that grows on every call changes "
                         "them: for a Hugging Face model pass use_cache=False (model.config.use_cache = False))."
                     )
-                with internal():
-                    self.captured[pos] = t.detach() if self.detach else t
+                held = holdable(t)
+                if self.detach and not ti.is_wrapped(t):
+                    self.captured[pos] = held  # (one detach serves both)
+                else:
+                    with internal():
+                        self.captured[pos] = t.detach() if self.detach else t
+                if self.stop_after is not None and self.n >= self.stop_after:
+                    raise _StopRecompute
+                return held
             if self.stop_after is not None and self.n >= self.stop_after:
                 raise _StopRecompute
         return holdable(t)
@@ -805,7 +812,7 @@ def holdable(t: torch.Tensor) -> torch.Tensor:
         if not t.requires_grad:
             return t
         with internal():
-            return t.detach()
+            return ti.detach_below_modes(t)
     top = ti.peek_interpreter()
     if top is not None and ti.maybe_level(t) == int(top.level()) and t.grad_fn is not None:
         return ti.dead_grad_wrapper(ti.unwrap_one(t))

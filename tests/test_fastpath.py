@@ -539,3 +539,26 @@ def test_planned_held_output_modified_after_forward_raises():
         a.mul_(2)  # the matmul's output, which the call holds for its recompute
     with pytest.raises(RematError, match="modified in place"):
         (b.sum()).backward()
+
+
+def test_planned_dead_op_read_after_all_falls_back_exactly():
+    """Same ops, other wiring: an op the recorded call found dead is read; the recompute runs again in full."""
+    flip = {"on": False}
+
+    def f(W, x):
+        a = torch.sin(x @ W)
+        b = torch.cos(x @ W)  # dead on the recorded call: nothing the recompute needs reads it
+        return torch.tanh(b if flip["on"] else a)
+
+    W, x = leaf(6, 6), leaf(3, 6, seed=1)
+    g = remat(f, policy=policies.dots_saveable)
+    g(W, x).sum().backward()
+    (plan,) = g._plans.values()
+    assert plan is not None and plan.dead  # (cos and its matmul)
+    flip["on"] = True
+    ref = grads(f, (W, x), (W, x))
+    with OpCounter({torch.ops.aten.cos.default}) as c:
+        got = grads(g, (W, x), (W, x))
+    assert_tree_close(got, ref)
+    assert c.count >= 2  # the forward pass's cos, and the recompute's once it ran in full
+    assert not g._plans  # the plan was wrong for this call: forgotten
