@@ -80,7 +80,7 @@ from ._naming import checkpoint_name
 from ._policies import Decision, Offloadable, Recompute, Saveable, decide, decide_explicit
 from ._torch_internals import TorchDispatchMode
 
-__all__ = ["LIFTS", "ignored", "dead_value", "arg_tensors", "OpRecord", "OpTap", "Recorder", "Replayer"]
+__all__ = ["LIFTS", "ignored", "traits", "dead_value", "arg_tensors", "OpRecord", "OpTap", "Recorder", "Replayer"]
 
 # remat's own bookkeeping (detach, copies, RNG state) must not be seen as ops of
 # the user's function by any remat mode on the stack.
@@ -113,7 +113,7 @@ _OVERWRITES = frozenset({torch.ops.aten.copy_, torch.ops.aten.fill_, torch.ops.a
 
 
 @functools.cache
-def _traits(func: Any) -> tuple[bool, bool]:
+def traits(func: Any) -> tuple[bool, bool]:
     """(mutates an argument, draws random numbers) for an ATen op; fixed per op, so cached."""
     return bool(func._schema.is_mutable), torch.Tag.nondeterministic_seeded in func.tags
 
@@ -280,7 +280,7 @@ class Recorder(TorchDispatchMode):
             return out
         name = PENDING_NAME.get() if func is _ALIAS else None
         ins = arg_tensors(args, kwargs)
-        mutable, random = _traits(func)
+        mutable, random = traits(func)
         mutable = ox.mutates(func, args, mutable)
         subst = self._before_mutation(func, args, kwargs, ins) if mutable else None
         out = func(*args, **kwargs)

@@ -76,7 +76,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from . import _torch_internals as ti
 from ._ambient import AmbientState
 from ._context import INSPECTOR, INTERNAL, NAMING, active_context, internal
-from ._dispatch import OpRecord, arg_tensors, dead_value, ignored
+from ._dispatch import OpRecord, arg_tensors, dead_value, ignored, traits
 from ._errors import RematError
 from ._policies import Offloadable
 from ._reentrant import NeedsRegion
@@ -510,8 +510,9 @@ class _Replay(TorchDispatchMode):
     """A planned call's recompute: the planned ops' held outputs handed back, dead ops skipped, every other op run.
 
     A dead op hands back NaN placeholders, as on the full engine (NOTE [dead ops]). The plan's liveness comes
-    from the recorded call, so it is checked: an op that runs on a placeholder, or a placeholder captured as a
-    saved tensor, stops the recompute (``_PlanWrong``), which runs again without skipping anything.
+    from the recorded call, so it is checked: what an op computes from a placeholder is one too (a view that
+    always runs), and a placeholder captured as a saved tensor, or written or drawn on, stops the recompute
+    (``_PlanWrong``), which runs again without skipping anything.
     """
 
     def __init__(self, frame: FastFrame, skip_dead: bool) -> None:
@@ -534,11 +535,7 @@ class _Replay(TorchDispatchMode):
                     return out
             d = self.dead.get(i)
             if d is not None:
-                out = d.placeholders()
-                for t in optree.tree_leaves(out):
-                    if isinstance(t, torch.Tensor):
-                        self.placeholders[id(t)] = weakref.ref(t)
-                return out
+                return self._taint(d.placeholders())
         elif not (INTERNAL.get() or ignored(func)):
             self.i = i + 1
             if i < self.limit:
@@ -548,8 +545,18 @@ class _Replay(TorchDispatchMode):
                     "time it is called (no data-dependent branches or changing global state)."
                 )
         if self.placeholders and any(_is_placeholder(self.placeholders, t) for t in arg_tensors(args, kwargs or {})):
-            raise _PlanWrong
+            # an op that must run reads a placeholder (a view of a dead op's output, say): its outputs are
+            # placeholders too; a write or a random draw on one is not followed, the recompute runs again
+            if any(traits(func)):
+                raise _PlanWrong
+            return self._taint(func(*args, **kwargs) if kwargs else func(*args))
         return func(*args, **kwargs) if kwargs else func(*args)
+
+    def _taint(self, out: Any) -> Any:
+        for t in optree.tree_leaves(out, none_is_leaf=True):
+            if isinstance(t, torch.Tensor):
+                self.placeholders[id(t)] = weakref.ref(t)
+        return out
 
 
 def _is_placeholder(placeholders: dict[int, weakref.ref[torch.Tensor]], t: torch.Tensor) -> bool:
