@@ -230,7 +230,24 @@ def will_engine_execute(node: Any) -> bool:
 # TorchDispatchMode is the documented way to see ATen ops below autograd and every functorch
 # layer (the only place a policy can see matmuls under torch.func), but it lives in a private
 # module: remat imports it from here only.
-from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode  # noqa: E402
+
+
+class TorchDispatchMode(_TorchDispatchMode):
+    """torch's ``TorchDispatchMode``, without the ``torch._disable_dynamo`` wrapper around each op's handler.
+
+    torch wraps every subclass's ``__torch_dispatch__`` so that Dynamo does not compile inside it
+    unless the class opts out through the private classmethod ``_should_skip_dynamo`` (no public
+    switch). The wrapper costs ~4 us per op, ~30% of a mode's whole cost per op (measured on this
+    project's CPU: 13.3 vs 17.1 us for ``torch.sin`` under an empty mode, 3.5 without a mode), and
+    buys remat nothing: Dynamo does not trace frames while a mode that is not torch's own is on the
+    stack, and remat's handlers never call compiled code. On a torch without the hook, the
+    override is never called and nothing changes.
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
 
 
 def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:

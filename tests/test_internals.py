@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+from typing import Any
 
 import torch
 
@@ -45,3 +46,38 @@ def test_internals_work_on_this_torch():
     torch.func.grad(f)(torch.ones(3))
     assert ti.saved_tensors_hooks_disabled_message() is None
     assert not ti.is_compiling()
+
+
+def test_dispatch_mode_handlers_are_not_wrapped_for_dynamo() -> None:
+    class Seen(ti.TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[Any] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    raw = Seen.__dict__["__torch_dispatch__"]
+    assert getattr(raw, "__wrapped__", None) is None  # torch's _disable_dynamo wrapper sets __wrapped__
+    x = torch.ones(2)
+    with Seen() as m:
+        torch.sin(x)
+    assert m.ops == [torch.ops.aten.sin.default]
+
+
+def test_detach_below_modes_skips_the_modes() -> None:
+    seen: list[Any] = []
+
+    class Seen(ti.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(3, requires_grad=True) * 2
+    with Seen():
+        d = ti.detach_below_modes(x)
+        x.detach()
+    assert seen == [torch.ops.aten.detach.default]  # only the public detach went through the mode
+    assert not d.requires_grad and d.grad_fn is None
+    assert d.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
