@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -83,7 +84,7 @@ from ._reentrant import NeedsRegion
 from ._state import Snapshot
 from ._torch_internals import TorchDispatchMode
 
-__all__ = ["Plan", "FastFrame", "signature", "fast_path_applies", "MAX_PLANS"]
+__all__ = ["Plan", "FastFrame", "signature", "fast_path_applies", "plans_for", "MAX_PLANS"]
 
 MAX_PLANS = 32  # signatures remembered per remat'd function (a new one past this forgets the oldest)
 
@@ -164,6 +165,26 @@ class Plan:
 
 
 _ONE_LEAF = optree.tree_structure(0)  # type: ignore[arg-type]
+
+
+# The plans of each function, shared by every remat(...) of it with the same policy and static_argnums, as JAX
+# caches a traced function by its identity: remat(block, policy=p)(x) written inside a forward pass (a new
+# wrapper on every step), or remat_modules over N blocks of one class, records once per signature, not once
+# per wrapper. Keyed weakly by the function (a method's __func__, whose plans are valid for any instance: the
+# signature has the instance's state shapes and flags, and every plan is checked on use). Like the module
+# slots cache in _state.py, a cache of what is already determined, not configuration.
+_PLANS: weakref.WeakKeyDictionary[Any, dict[Any, dict[Any, Plan | None]]] = weakref.WeakKeyDictionary()
+
+
+def plans_for(fn: Any, key: Any) -> dict[Any, Plan | None]:
+    """The plans (signature -> plan) of ``fn`` under ``key`` (policy, static_argnums): shared where possible."""
+    owner = fn.__func__ if isinstance(fn, types.MethodType) else fn
+    try:
+        hash(key)
+        per_fn = _PLANS.setdefault(owner, {})
+    except TypeError:  # an unhashable policy, or a callable that takes no weak reference: plans of its own
+        return {}
+    return per_fn.setdefault(key, {})
 
 
 def fast_path_applies() -> bool:
@@ -645,7 +666,7 @@ def _node_name(cls: Any) -> str:
 
 def _holdable(t: torch.Tensor) -> torch.Tensor:
     """A saved tensor without its graph: holding an output would make a cycle through its own node."""
-    if not t.requires_grad:
-        return t
+    if not t.requires_grad or t.grad_fn is None:
+        return t  # (a leaf, such as a parameter: no node of its own)
     with internal():
         return ti.detach_below_modes(t)

@@ -809,8 +809,8 @@ def holdable(t: torch.Tensor) -> torch.Tensor:
     transparent, exactly like a saved wrapper of an exited level.
     """
     if not ti.is_wrapped(t):
-        if not t.requires_grad:
-            return t
+        if not t.requires_grad or t.grad_fn is None:
+            return t  # (a leaf, such as a parameter: no node of its own)
         with internal():
             return ti.detach_below_modes(t)
     top = ti.peek_interpreter()

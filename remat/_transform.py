@@ -15,7 +15,7 @@ from torch import nn
 from . import _torch_internals as ti
 from ._context import active_context
 from ._errors import RematError
-from ._fastpath import MAX_PLANS, FastFrame, Plan, fast_path_applies, signature
+from ._fastpath import MAX_PLANS, FastFrame, Plan, fast_path_applies, plans_for, signature
 from ._hooks import Frame, call_nested_replay
 from ._offload import default_engine
 from ._policies import resolve_policy
@@ -129,7 +129,8 @@ class Rematted:
         self.preserve_rng_state = preserve_rng_state
         self._name = brief_name(fn)
         self._region = False  # runs as a reentrant region (NOTE [reentrant region] in _reentrant.py)
-        self._plans: dict[Any, Plan | None] = {}  # signature -> fast-path plan (NOTE [fast path] in _fastpath.py)
+        # signature -> plan (NOTE [fast path] in _fastpath.py), shared with every remat of fn with this policy
+        self._plans: dict[Any, Plan | None] = plans_for(fn, (policy, statics))
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -441,8 +441,7 @@ def test_planned_calls_exact(name, dtype):
     g = remat(mlp, policy=POLICIES[name])
     for _ in range(3):
         assert_tree_close(grads(g, (W1, W2, x), (W1, W2, x)), ref)
-    (plan,) = g._plans.values()
-    assert plan is not None
+    assert g._plans and all(p is not None for p in g._plans.values())
 
 
 @pytest.mark.parametrize("name,matmuls", [("dots", 0), ("custom", 0), ("names", 2)])
@@ -562,3 +561,36 @@ def test_planned_dead_op_read_after_all_falls_back_exactly():
     assert_tree_close(got, ref)
     assert c.count >= 2  # the forward pass's cos, and the recompute's once it ran in full
     assert not g._plans  # the plan was wrong for this call: forgotten
+
+
+def test_plans_are_shared_by_every_remat_of_a_function_and_policy():
+    """remat(block, policy=p)(x) written inside a forward pass makes a new wrapper each step: it still plans."""
+    probe = Probe()
+
+    def block(W, x):
+        probe()
+        return torch.tanh(x @ W) @ W
+
+    W, x = leaf(4, 4), leaf(2, 4, seed=1)
+    ref = grads(block, (W, x), (W, x))
+    probe.modes.clear()
+    for _ in range(3):
+        assert_tree_close(grads(remat(block, policy=policies.dots_saveable), (W, x), (W, x)), ref)
+    assert probe.modes == [True, True, True, True, True, True]  # recorder, then planned tap and replay
+    assert remat(block, policy=policies.dots_saveable)._plans is remat(block, policy=policies.dots_saveable)._plans
+    assert remat(block, policy=policies.dots_saveable)._plans is not remat(block)._plans
+    (plan,) = remat(block, policy=policies.dots_saveable)._plans.values()
+    assert plan is not None and plan.ops is not None
+
+
+def test_plans_of_a_method_are_shared_by_its_instances():
+    blocks = [nn.Sequential(nn.Linear(6, 6), nn.Tanh()).double() for _ in range(3)]
+    for b in blocks:
+        remat_module(b, policy="save-matmuls")
+    x = leaf(2, 6)
+    h = x
+    for b in blocks:
+        h = b(h)
+    h.sum().backward()
+    assert blocks[0].forward._plans is blocks[2].forward._plans
+    assert len(blocks[0].forward._plans) == 1
