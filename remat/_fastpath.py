@@ -132,9 +132,11 @@ class Plan:
 
     __slots__ = ("keep", "offload", "ops", "hold", "dead", "random")
 
-    def __init__(self, keep: frozenset[int], offload: dict[int, Offloadable] | None = None,
+    def __init__(self, keep: frozenset[int] | None, offload: dict[int, Offloadable] | None = None,
                  ops: tuple[Any, ...] | None = None, hold: dict[int, _Hold] | None = None,
                  dead: dict[int, _Dead] | None = None, random: bool = True) -> None:
+        # None: the recorded call held the module state it read and nothing else, so a call holds what is module
+        # state (by identity) rather than trusting save positions, which no op check guards without a mode
         self.keep = keep
         self.offload = offload or {}
         self.ops = ops
@@ -145,7 +147,7 @@ class Plan:
         self.random = random
 
     @classmethod
-    def of_ops(cls, keep: frozenset[int], offload: dict[int, Offloadable], ops: list[OpRecord]) -> Plan:
+    def of_ops(cls, keep: frozenset[int] | None, offload: dict[int, Offloadable], ops: list[OpRecord]) -> Plan:
         """The plan of a recorded call: the ops whose every output the recorder still held when its forward
         pass ended (strongly, offloaded, or weakly and alive) are held again; every other op runs in the recompute."""
         hold, dead = {}, {}
@@ -168,23 +170,25 @@ _ONE_LEAF = optree.tree_structure(0)  # type: ignore[arg-type]
 
 
 # The plans of each function, shared by every remat(...) of it with the same policy and static_argnums, as JAX
-# caches a traced function by its identity: remat(block, policy=p)(x) written inside a forward pass (a new
-# wrapper on every step), or remat_modules over N blocks of one class, records once per signature, not once
-# per wrapper. Keyed weakly by the function (a method's __func__, whose plans are valid for any instance: the
-# signature has the instance's state shapes and flags, and every plan is checked on use). Like the module
-# slots cache in _state.py, a cache of what is already determined, not configuration.
+# caches a traced function by its identity: remat(block, policy=p)(x) written inside a forward pass makes a
+# new wrapper on every step, and still records once per signature. Keyed weakly by the function, or for a
+# bound method by its instance and function (two modules of one class may differ in ways no signature shows:
+# a config flag). Like the module slots cache in _state.py, a cache of what is already determined.
 _PLANS: weakref.WeakKeyDictionary[Any, dict[Any, dict[Any, Plan | None]]] = weakref.WeakKeyDictionary()
 
 
 def plans_for(fn: Any, key: Any) -> dict[Any, Plan | None]:
     """The plans (signature -> plan) of ``fn`` under ``key`` (policy, static_argnums): shared where possible."""
-    owner = fn.__func__ if isinstance(fn, types.MethodType) else fn
+    if isinstance(fn, types.MethodType):
+        owner, key = fn.__self__, (fn.__func__, key)
+    else:
+        owner = fn
     try:
         hash(key)
-        per_fn = _PLANS.setdefault(owner, {})
-    except TypeError:  # an unhashable policy, or a callable that takes no weak reference: plans of its own
+        per_owner = _PLANS.setdefault(owner, {})
+    except TypeError:  # an unhashable policy, or an owner that takes no weak reference: plans of its own
         return {}
-    return per_fn.setdefault(key, {})
+    return per_owner.setdefault(key, {})
 
 
 def fast_path_applies() -> bool:
@@ -262,6 +266,7 @@ class FastFrame:
         self.forget = forget  # drops this signature's plan
         self.engine = engine
         self.keep, self.offload = plan.keep, plan.offload
+        self.state_ids = {id(t) for t in state.tensors} if plan.keep is None else None
         self.input_ids = {id(a): i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)}
         self.versions = [a._version if isinstance(a, torch.Tensor) else None for a in flat]
         self.state_versions = [t._version for t in state.tensors]
@@ -385,7 +390,7 @@ class FastFrame:
         slot = self.input_ids.get(id(t))
         if slot is not None and self.flat[slot] is t:
             return _In(slot)
-        if self.diverged or pos in self.keep:
+        if self.diverged or (id(t) in self.state_ids if self.keep is None else pos in self.keep):  # type: ignore[operator]
             return _Kept(_holdable(t), t._version)
         decision = self.offload.get(pos) if self.offload else None
         if decision is not None and self.engine.applies(t, decision):

@@ -339,7 +339,11 @@ class Frame:
                 if storage_key(t) not in state_keys:
                     return None
         assert self._plan_packs is not None
-        keep = frozenset(p.pos for p in self._plan_packs if p.kind == _KEEP)
+        kept = [p for p in self._plan_packs if p.kind == _KEEP]
+        state_ids = {id(t) for t in self.state.tensors}
+        keep: frozenset[int] | None = frozenset(p.pos for p in kept)
+        if all(id(p.payload) in state_ids for p in kept):
+            keep = None  # module state only: held by identity (NOTE [fast path])
         offload = {p.pos: p.record.decision for p in self._plan_packs if p.kind == _OFFLOAD}
         plan = Plan.of_ops(keep, offload, rec.ops)
         if not plan.hold:

@@ -583,14 +583,13 @@ def test_plans_are_shared_by_every_remat_of_a_function_and_policy():
     assert plan is not None and plan.ops is not None
 
 
-def test_plans_of_a_method_are_shared_by_its_instances():
-    blocks = [nn.Sequential(nn.Linear(6, 6), nn.Tanh()).double() for _ in range(3)]
-    for b in blocks:
-        remat_module(b, policy="save-matmuls")
+def test_plans_of_a_method_are_per_instance():
+    """A bound method's plans belong to its instance (two modules of one class may differ in what no signature
+    shows, a config flag); a new wrapper of the same instance's method finds them."""
+    blocks = [nn.Sequential(nn.Linear(6, 6), nn.Tanh()).double() for _ in range(2)]
+    a, b = (remat(blk.forward, policy="save-matmuls") for blk in blocks)
+    assert a._plans is not b._plans
+    assert remat(blocks[0].forward, policy="save-matmuls")._plans is a._plans
     x = leaf(2, 6)
-    h = x
-    for b in blocks:
-        h = b(h)
-    h.sum().backward()
-    assert blocks[0].forward._plans is blocks[2].forward._plans
-    assert len(blocks[0].forward._plans) == 1
+    a(x).sum().backward()
+    assert len(remat(blocks[0].forward, policy="save-matmuls")._plans) == 1 and not b._plans
