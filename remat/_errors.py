@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["RematError", "internal_error"]
+from typing import Any
+
+__all__ = ["RematError", "internal_error", "input_written_in_forward", "input_written_before_backward"]
 
 
 class RematError(RuntimeError):
@@ -26,4 +28,26 @@ def internal_error(what: str) -> RematError:
     return RematError(
         f"remat: internal error: {what}. This is a bug in remat, please report it "
         "with the code that triggered it."
+    )
+
+
+def _shape(t: Any) -> str:
+    return f"shape {list(t.shape)}, {str(t.dtype).replace('torch.', '')}"
+
+
+def input_written_in_forward(fn_name: str, i: int, t: Any) -> RematError:
+    """The function wrote its input ``i`` in place during its forward pass (the recompute would read the new value)."""
+    return RematError(
+        f"remat: {fn_name} modified its input #{i} ({_shape(t)}) in place during its forward pass; the recompute "
+        "would read the modified value and give wrong gradients. Clone the input inside the function before "
+        "modifying it (x = x.clone()), or do the in-place update outside the remat'd function."
+    )
+
+
+def input_written_before_backward(fn_name: str, i: int, t: Any) -> RematError:
+    """Input ``i`` was written in place between the forward pass and the recompute."""
+    return RematError(
+        f"remat: input #{i} ({_shape(t)}) of {fn_name} was modified in place after its forward pass and before "
+        "its backward pass; the recompute would read the new value. Clone it before modifying it, or run the "
+        "backward pass first."
     )

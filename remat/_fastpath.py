@@ -78,7 +78,7 @@ from . import _torch_internals as ti
 from ._ambient import AmbientState
 from ._context import INSPECTOR, INTERNAL, NAMING, active_context, internal
 from ._dispatch import OpRecord, arg_tensors, dead_value, ignored, traits
-from ._errors import RematError
+from ._errors import RematError, input_written_before_backward, input_written_in_forward
 from ._policies import Offloadable
 from ._reentrant import NeedsRegion
 from ._state import Snapshot
@@ -330,14 +330,7 @@ class FastFrame:
                 if after_forward and not self.drops:
                     self.versions[i] = a._version  # nothing will be recomputed: the write is harmless
                     continue
-                raise RematError(
-                    f"remat: {self.fn_name} modified its input #{i} (shape {list(a.shape)}) in place "
-                    + ("during its forward pass; the recompute would read the modified value and give wrong "
-                       "gradients. Clone the input inside the function before modifying it (x = x.clone()), or do "
-                       "the in-place update outside the remat'd function." if after_forward else
-                       "after its forward pass and before its backward pass; the recompute would read the new "
-                       "value. Clone it before modifying it, or run the backward pass first.")
-                )
+                raise (input_written_in_forward if after_forward else input_written_before_backward)(self.fn_name, i, a)
         for t, v0 in zip(self.state.tensors, self.state_versions):
             if t._version != v0:
                 label = self.state.label_of(t) or f"a tensor of shape {list(t.shape)}"

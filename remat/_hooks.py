@@ -106,7 +106,7 @@ from . import _torch_internals as ti
 from ._ambient import AmbientState
 from ._context import INSPECTOR, activated, active_context, internal
 from ._dispatch import LIFTS, OpTap, Recorder, Replayer, storage_key, tensor_leaves
-from ._errors import RematError
+from ._errors import RematError, input_written_before_backward, input_written_in_forward
 from ._fastpath import Plan
 from ._functorch import (
     Decomposed,
@@ -299,7 +299,7 @@ class Frame:
                     else:
                         self.recorder.prune(self.needed_vids)
                     if self._plan_packs is not None:
-                        self.plan = self._make_plan()
+                        self.plan = self._make_plan(out)
                     self.recorder.seal()  # its copies must be plain tensors
                 if self._offloaded:
                     self.engine.end_of_call()  # NOTE [stream-ordered reuse] in _offload.py
@@ -325,9 +325,14 @@ class Frame:
         """Note what the fast path needs from this call (NOTE [fast path]); ``self.plan`` says after forward()."""
         self._plan_packs = []
 
-    def _make_plan(self) -> Plan | None:
-        """This call's plan for later calls of its signature, or None if it was not clean (NOTE [fast path])."""
+    def _make_plan(self, out: Any) -> Plan | None:
+        """This call's plan for later calls of its signature, or None if it was not clean (NOTE [fast path]).
+
+        Not for a call with several differentiable outputs either: only the full engine skips the ops that feed
+        outputs a backward pass does not differentiate (NOTE [unused outputs])."""
         rec = self.recorder
+        if sum(1 for t in tensor_leaves(out) if t.requires_grad) > 1:
+            return None
         if (self.routed or self.levels or self.nested.children or self.inner_backward or rec.region
                 or rec.written_outside or rec.offloaded_written):
             return None
@@ -359,12 +364,7 @@ class Frame:
         if self.drops:
             for i, (a, v0, v1) in enumerate(zip(flat, self.versions, now)):
                 if v0 != v1:
-                    raise RematError(
-                        f"remat: {self.fn_name} modified its input #{i} ({_shape(a)}) in place during "
-                        "its forward pass; the recompute would read the modified value and give wrong "
-                        "gradients. Clone the input inside the function before modifying it "
-                        "(x = x.clone()), or do the in-place update outside the remat'd function."
-                    )
+                    raise input_written_in_forward(self.fn_name, i, a)
         self.versions = now
 
     # ---- hooks ---------------------------------------------------------------
@@ -631,11 +631,7 @@ class Frame:
             if self.routed and _made_anew(self.flat[i]):
                 continue  # a copy from the parent (offloaded or recomputed there): the parent checked its source
             if isinstance(a, torch.Tensor) and v0 is not None and ti.unwrap_all(a)._version != v0:
-                raise RematError(
-                    f"remat: input #{i} ({_shape(a)}) of {self.fn_name} was modified in place after its "
-                    "forward pass and before its backward pass; the recompute would read the new "
-                    "value. Clone it before modifying it, or run the backward pass first."
-                )
+                raise input_written_before_backward(self.fn_name, i, a)
         detach = s < 0 and not torch.is_grad_enabled()
         capture = _Capture(self, s, detach)
         # the replay stash this call routed through its parent: fetched now, outside any mode (NOTE [nested remat])
@@ -870,6 +866,3 @@ def call_nested_replay(ctx: Any, run: Callable[[list[Any]], Any], flat: list[Any
         ctx.pack(tap.outputs[i][j])
     return out
 
-
-def _shape(t: torch.Tensor) -> str:
-    return f"shape {list(t.shape)}, {str(t.dtype).replace('torch.', '')}"
