@@ -5,7 +5,8 @@ next to nothing and what is left is Python and dispatch). Two chain lengths are
 timed (``--short`` and ``--long`` ops); the slope between them is the cost per op,
 the intercept the cost per call, each with plain autograd's subtracted. Forward and
 backward (for a remat'd function: its recompute) are timed apart. Every
-configuration runs once per round (interleaved), the table shows medians.
+configuration runs once per round (interleaved); the table shows the fastest round
+(``--stat median`` for medians).
 
     python benchmarks/overhead.py                # about a minute on 2 cores
     python benchmarks/overhead.py --rounds 41 --workload block
@@ -148,6 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=21)
     ap.add_argument("--reps", type=int, default=10, help="calls per configuration per round")
     ap.add_argument("--only", default="", help="comma-separated substrings of the configurations to run")
+    ap.add_argument("--stat", choices=["min", "median"], default="min",
+                    help="per configuration, the fastest round (default: what the code costs, least disturbed by "
+                         "other work on the machine) or the median round")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -175,8 +179,10 @@ def main(argv: list[str] | None = None) -> None:
             samples[key].append(_time(fn, W, x, args.reps))
     d_ops = n_ops["long"] - n_ops["short"]
 
+    stat = min if args.stat == "min" else statistics.median
+
     def med(name: str, k: str, i: int) -> float:
-        return statistics.median(s[i] for s in samples[(name, k)])
+        return stat(s[i] for s in samples[(name, k)])
 
     rows = []
     for name in wraps:
@@ -190,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
             per_call.append((at_zero - base0) * 1e6)
         rows.append((name, *per_op, *per_call))
     print(f"{args.workload}: {n_ops['short']} and {n_ops['long']} ATen ops per call, width {args.width}, "
-          f"1 thread, median of {args.rounds} interleaved rounds x {args.reps} calls, gc "
+          f"1 thread, {args.stat} of {args.rounds} interleaved rounds x {args.reps} calls, gc "
           f"{'on' if gc.isenabled() else 'off'}; torch {torch.__version__}, Python {sys.version.split()[0]}")
     print("overhead above plain autograd (us); backward = the recompute and the hooks; the names row runs the "
           "chain with its matmuls tagged (checkpoint_name: one more op each)")

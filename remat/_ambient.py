@@ -10,9 +10,9 @@ are left exactly as they were.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -44,17 +44,42 @@ class AmbientState:
         cuda = {d: torch.cuda.get_rng_state(d) for d in sorted(devices)}
         return cls(torch.get_rng_state(), cuda, autocast)
 
-    @contextlib.contextmanager
-    def restored(self) -> Iterator[None]:
+    def restored(self) -> _Restored:
         """Run the body under the captured state; the caller's state is kept outside."""
-        with contextlib.ExitStack() as es:
-            for dev, (enabled, dtype) in self.autocast.items():
-                # entering torch.autocast costs ~4 us a device: only where the state differs from now
-                if (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) != (enabled, dtype):
-                    es.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
-            if self.cpu_rng is not None:
-                es.enter_context(torch.random.fork_rng(devices=list(self.cuda_rng), device_type="cuda"))
-                torch.set_rng_state(self.cpu_rng)
-                for d, st in self.cuda_rng.items():
-                    torch.cuda.set_rng_state(st, d)
-            yield
+        return _Restored(self)
+
+
+class _Restored:
+    """The context manager of :meth:`AmbientState.restored`: a class rather than a generator, as it runs once per
+    recompute (torch.random.fork_rng, which it does the work of, costs several times more)."""
+
+    __slots__ = ("state", "autocast", "cpu", "cuda")
+
+    def __init__(self, state: AmbientState) -> None:
+        self.state = state
+        self.autocast: list[Any] = []
+        self.cpu: torch.Tensor | None = None
+        self.cuda: dict[int, torch.Tensor] = {}
+
+    def __enter__(self) -> None:
+        st = self.state
+        for dev, (enabled, dtype) in st.autocast.items():
+            # entering torch.autocast costs ~4 us a device: only where the state differs from now
+            if (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) != (enabled, dtype):
+                ctx = torch.autocast(dev, dtype=dtype, enabled=enabled)
+                ctx.__enter__()
+                self.autocast.append(ctx)
+        if st.cpu_rng is not None:
+            self.cpu = torch.get_rng_state()
+            self.cuda = {d: torch.cuda.get_rng_state(d) for d in st.cuda_rng}
+            torch.set_rng_state(st.cpu_rng)
+            for d, rng in st.cuda_rng.items():
+                torch.cuda.set_rng_state(rng, d)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cpu is not None:
+            torch.set_rng_state(self.cpu)
+            for d, rng in self.cuda.items():
+                torch.cuda.set_rng_state(rng, d)
+        while self.autocast:
+            self.autocast.pop().__exit__(*exc)

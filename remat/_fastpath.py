@@ -63,11 +63,10 @@ NOTE [planned calls]
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -292,14 +291,13 @@ class FastFrame:
     def forward(self) -> Any:
         self.forwarding = True
         try:
-            with contextlib.ExitStack() as es:
-                es.enter_context(ti.saved_tensors_hooks_enabled())
-                es.enter_context(saved_tensors_hooks(self.pack, self.unpack))
-                if self.plan.ops is not None:
-                    es.enter_context(_naming())
-                    es.enter_context(_Tap(self))
+            with ti.saved_tensors_hooks_enabled(), saved_tensors_hooks(self.pack, self.unpack):
                 try:
-                    out = self.run(self.flat)
+                    if self.plan.ops is None:
+                        out = self.run(self.flat)
+                    else:
+                        with _Naming(), _Tap(self):
+                            out = self.run(self.flat)
                 except RuntimeError as e:
                     if "support saved tensor hooks" not in str(e):
                         raise
@@ -384,7 +382,7 @@ class FastFrame:
         if slot is not None and self.flat[slot] is t:
             return _In(slot)
         if self.diverged or (id(t) in self.state_ids if self.keep is None else pos in self.keep):  # type: ignore[operator]
-            return _Kept(_holdable(t), t._version)
+            return _Kept(_holdable(t, self.plan.ops is not None), t._version)
         decision = self.offload.get(pos) if self.offload else None
         if decision is not None and self.engine.applies(t, decision):
             self._offloaded = True
@@ -433,18 +431,16 @@ class FastFrame:
         # (a backward pass inside the forward pass: recompute only as far as the forward pass has got)
         self.placeholders = {}
         capture = _Capture(self.drops, self.n if self.forwarding else self.last_drop + 1, self.fn_name,
-                           detach=not torch.is_grad_enabled(), placeholders=self.placeholders)
-        with contextlib.ExitStack() as es:
-            es.enter_context(ti.saved_tensors_hooks_enabled())
-            es.enter_context(torch.enable_grad())
-            es.enter_context(self.state.restored(self.state.tensors))
-            es.enter_context(self.ambient.restored())
-            es.enter_context(saved_tensors_hooks(capture.pack, _identity))
-            if self.plan.ops is not None:
-                es.enter_context(_naming())
-                es.enter_context(_Replay(self, skip_dead))
+                           detach=not torch.is_grad_enabled(), placeholders=self.placeholders,
+                           mode=self.plan.ops is not None)
+        with ti.saved_tensors_hooks_enabled(), torch.enable_grad(), self.state.restored(self.state.tensors), \
+                self.ambient.restored(), saved_tensors_hooks(capture.pack, _identity):
             try:
-                self.run(self.flat)
+                if self.plan.ops is None:
+                    self.run(self.flat)
+                else:
+                    with _Naming(), _Replay(self, skip_dead):
+                        self.run(self.flat)
             except _Stop:
                 pass
         self.placeholders = {}
@@ -488,14 +484,16 @@ def _version_of(v: Any) -> int | None:
     return v._version if isinstance(v, torch.Tensor) else None
 
 
-@contextlib.contextmanager
-def _naming() -> Iterator[None]:
+class _Naming:
     """checkpoint_name tags, as in the recorded call (NOTE [planned calls])."""
-    tok = NAMING.set(True)
-    try:
-        yield
-    finally:
-        NAMING.reset(tok)
+
+    __slots__ = ("tok",)
+
+    def __enter__(self) -> None:
+        self.tok = NAMING.set(True)
+
+    def __exit__(self, *exc: object) -> None:
+        NAMING.reset(self.tok)
 
 
 class _Tap(TorchDispatchMode):
@@ -608,11 +606,12 @@ def _identity(x: Any) -> Any:
 
 
 class _Capture:
-    __slots__ = ("wanted", "stop_after", "fn_name", "detach", "n", "captured", "placeholders")
+    __slots__ = ("wanted", "stop_after", "fn_name", "detach", "n", "captured", "placeholders", "mode")
 
     def __init__(self, wanted: dict[int, tuple[Any, ...]], stop_after: int, fn_name: str,
-                 detach: bool, placeholders: dict[int, weakref.ref[torch.Tensor]]) -> None:
+                 detach: bool, placeholders: dict[int, weakref.ref[torch.Tensor]], mode: bool) -> None:
         self.placeholders = placeholders
+        self.mode = mode  # a planned recompute: remat's replay mode is on the stack
         self.wanted = wanted
         self.stop_after = stop_after
         self.fn_name = fn_name
@@ -642,13 +641,13 @@ class _Capture:
                 )
             if self.placeholders and _is_placeholder(self.placeholders, t):
                 raise _PlanWrong
-            held = _holdable(t)
+            held = _holdable(t, self.mode)
             # without create_graph the backward pass needs the value only, not the recompute's graph
             self.captured[pos] = held if self.detach else t
         elif t.grad_fn is None:
             held = t  # an input, a parameter, a replayed output: no node of its own to make a cycle with
         else:
-            held = _holdable(t)
+            held = _holdable(t, self.mode)
         if self.n >= self.stop_after:
             raise _Stop
         return held  # (the recompute's own graph: the function may run a backward pass of its own through it)
@@ -662,9 +661,13 @@ def _node_name(cls: Any) -> str:
     return "no op (an input)" if cls is None else cls.__name__
 
 
-def _holdable(t: torch.Tensor) -> torch.Tensor:
+def _holdable(t: torch.Tensor, mode: bool = True) -> torch.Tensor:
     """A saved tensor without its graph: holding an output would make a cycle through its own node."""
     if not t.requires_grad or t.grad_fn is None:
         return t  # (a leaf, such as a parameter: no node of its own)
+    if not mode:
+        return t.detach()  # (save-nothing: no mode of remat's is on the stack)
+    if type(t) is torch.Tensor:
+        return ti.detach_below_modes(t)  # (no mode sees it: no need to mark it remat's own)
     with internal():
-        return ti.detach_below_modes(t)
+        return t.detach()

@@ -811,8 +811,10 @@ def holdable(t: torch.Tensor) -> torch.Tensor:
     if not ti.is_wrapped(t):
         if not t.requires_grad or t.grad_fn is None:
             return t  # (a leaf, such as a parameter: no node of its own)
+        if type(t) is torch.Tensor:
+            return ti.detach_below_modes(t)  # (no mode sees it: no need to mark it remat's own)
         with internal():
-            return ti.detach_below_modes(t)
+            return t.detach()
     top = ti.peek_interpreter()
     if top is not None and ti.maybe_level(t) == int(top.level()) and t.grad_fn is not None:
         return ti.dead_grad_wrapper(ti.unwrap_one(t))

@@ -170,15 +170,19 @@ def inplace_requires_grad_allowed() -> Iterator[None]:
 # (pytorch issue 141845). remat's hooks are safe under them, so remat enables
 # hooks in its own scope only and restores the previous state on exit. There is
 # no public API for reading or setting that state.
-@contextlib.contextmanager
-def saved_tensors_hooks_enabled() -> Iterator[None]:
-    msg = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
-    torch._C._autograd._saved_tensors_hooks_enable()
-    try:
-        yield
-    finally:
-        if msg is not None:
-            torch._C._autograd._saved_tensors_hooks_disable(msg)
+class saved_tensors_hooks_enabled:
+    """(A class, not a generator: it is entered on every remat call and recompute.)"""
+
+    __slots__ = ("msg",)
+
+    def __enter__(self) -> None:
+        self.msg = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
+        if self.msg is not None:
+            torch._C._autograd._saved_tensors_hooks_enable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.msg is not None:
+            torch._C._autograd._saved_tensors_hooks_disable(self.msg)
 
 
 # torch.func.grad, vjp, jacrev and hessian refuse to start while any saved-tensor hooks are
