@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -93,3 +94,14 @@ def test_plot(tmp_path):
              "--policies", "save-nothing", "--plot", str(png))
     assert p.returncode == 0, p.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_overhead_benchmark_runs() -> None:
+    """benchmarks/overhead.py (docs/benchmarks.md, per-op overhead) runs and prints every configuration."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "overhead.py"), "--rounds", "1", "--reps", "1",
+                        "--short", "1", "--long", "2"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for row in ("plain", "torch checkpoint", "torch SAC (matmuls)", "remat save-nothing", "remat dots_saveable",
+                "remat names('mm')", "remat custom callable", "remat offload (min_bytes=0)"):
+        assert any(line.startswith(row) for line in r.stdout.splitlines()), (row, r.stdout)
