@@ -187,7 +187,12 @@ def plans_for(fn: Any, key: Any) -> dict[Any, Plan | None]:
         per_owner = _PLANS.setdefault(owner, {})
     except TypeError:  # an unhashable policy, or an owner that takes no weak reference: plans of its own
         return {}
-    return per_owner.setdefault(key, {})
+    plans = per_owner.get(key)
+    if plans is None:
+        if len(per_owner) >= MAX_PLANS:  # (a policy made anew on every call: remat(f, policy=lambda ...))
+            per_owner.pop(next(iter(per_owner)))
+        plans = per_owner[key] = {}
+    return plans
 
 
 def fast_path_applies() -> bool:
@@ -216,21 +221,24 @@ def signature(flat: list[Any], statics: dict[int, Any], state: Snapshot) -> tupl
     return tuple(parts)
 
 
+_VALUE_TYPES = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device)
+
+
 def _leaf_key(a: Any) -> Any:
-    try:
-        hash(a)
-    except TypeError:
-        return ("id", id(a))
-    return (type(a), a)
+    """A value by value; anything else (a module, a function) by identity, never held by the plan cache."""
+    if isinstance(a, _VALUE_TYPES) or (type(a) is tuple and all(isinstance(x, _VALUE_TYPES) for x in a)):
+        return (type(a), a)
+    return ("id", id(a))
 
 
 class _In:
-    """An input saved for the backward pass: held by the frame, named by its slot."""
+    """An input saved for the backward pass: held by the frame, named by its slot, with its version when saved."""
 
-    __slots__ = ("slot",)
+    __slots__ = ("slot", "version")
 
-    def __init__(self, slot: int) -> None:
+    def __init__(self, slot: int, version: int) -> None:
         self.slot = slot
+        self.version = version
 
 
 class _Off:
@@ -279,7 +287,8 @@ class FastFrame:
         self.recomputes = 0
         self.held: dict[int, list[Any]] = {}  # op index -> its outputs, detached or offloaded (NOTE [planned calls])
         self.held_versions: dict[int, list[int | None]] = {}
-        self.origins: dict[int, list[weakref.ref[torch.Tensor]]] = {}  # op index -> its outputs, weakly
+        self.versions_at_hold: dict[int, list[int | None]] = {}
+        self.origins: dict[int, list[Any]] = {}  # op index -> its outputs (strongly in the forward pass, then weakly)
         self.limit = len(plan.ops) if plan.ops is not None else 0  # ops that followed the plan
         self.diverged = False  # an op was not the plan's: every later save is held
         # the dead ops' placeholders in the running recompute: id -> weak reference (an id is reused once one dies)
@@ -303,14 +312,23 @@ class FastFrame:
                         raise
                     self.forget()
                     raise NeedsRegion(self, e) from e  # NOTE [reentrant region] in _reentrant.py
+        except BaseException:
+            self.origins = {}  # (held strongly during the forward pass only)
+            raise
         finally:
             self.forwarding = False
             self.cache = {}  # what a backward pass inside the forward pass recomputed
         if self.diverged:
             self.forget()
         self._check_versions(after_forward=True)
-        for i, vals in self.held.items():
-            self.held_versions[i] = [_version_of(v) for v in self.origins.get(i, vals)]
+        for i, vals in list(self.held.items()):
+            now = [_version_of(v) for v in self.origins.get(i, vals)]
+            if i in self.origins:
+                self.origins[i] = [weakref.ref(t) for t in self.origins[i]]
+            if any(a is not None and a != b for a, b in zip(now, self.versions_at_hold.get(i, ()))):
+                del self.held[i]  # written in place after the op ran: the recompute runs the op again
+                continue
+            self.held_versions[i] = now
         if self._offloaded:
             self.engine.end_of_call()  # NOTE [stream-ordered reuse] in _offload.py
         return out
@@ -348,18 +366,26 @@ class FastFrame:
     def _hold(self, i: int, h: _Hold, out: Any) -> None:
         """Hold op ``i``'s outputs for the recompute (detached: an output would hold its own node)."""
         # (inside the tap's handler: the mode is off the stack, and no remat mode runs below a planned call)
+        # the version lives on the op's own output (a result the caller may hold and write), not on the
+        # detached alias, which has a counter of its own: watched through a weak reference, from now (a write
+        # later in the forward pass means the held value is not the op's output: forward() lets it run again)
+        if h.single:
+            self.versions_at_hold[i] = [out._version]
         if h.weak:
             self.held[i] = [weakref.ref(out)] if h.single else [
                 weakref.ref(x) for x in optree.tree_leaves(out, none_is_leaf=True) if isinstance(x, torch.Tensor)]
+            if not h.single:
+                self.versions_at_hold[i] = [_version_of(r) for r in self.held[i]]
             return
-        # the version lives on the op's own output (a result the caller may hold and write), not on the
-        # detached alias, which has a counter of its own: watched through a weak reference
+        # (held strongly until the forward pass ends, when forward() reads their versions: an output that died
+        # before could have been written in place; then weakly, to catch the caller's writes)
         if h.single and h.offload is None:
             self.held[i] = [out.detach()]
-            self.origins[i] = [weakref.ref(out)]
+            self.origins[i] = [out]
             return
         outs = [x for x in optree.tree_leaves(out, none_is_leaf=True) if isinstance(x, torch.Tensor)]
-        self.origins[i] = [weakref.ref(t) for t in outs]
+        self.origins[i] = list(outs)
+        self.versions_at_hold[i] = [t._version for t in outs]
         with internal():
             if h.offload is not None:
                 vals: list[Any] = []
@@ -380,7 +406,7 @@ class FastFrame:
         self.n = pos + 1
         slot = self.input_ids.get(id(t))
         if slot is not None and self.flat[slot] is t:
-            return _In(slot)
+            return _In(slot, t._version)
         if self.diverged or (id(t) in self.state_ids if self.keep is None else pos in self.keep):  # type: ignore[operator]
             return _Kept(_holdable(t, self.plan.ops is not None), t._version)
         decision = self.offload.get(pos) if self.offload else None
@@ -405,15 +431,14 @@ class FastFrame:
                     out = self.cache.pop(p)
                 return out
         if type(p) is _In:
-            return self.flat[p.slot]  # type: ignore[no-any-return]
+            t = self.flat[p.slot]
+            if t._version != p.version:
+                raise _written_after_saved(self.fn_name, t, p.version)
+            return t  # type: ignore[no-any-return]
         if type(p) is _Off:
             return self.engine.fetch(p.handle)  # type: ignore[no-any-return]
         if p.t._version != p.version:
-            raise RematError(
-                f"remat: a tensor of shape {list(p.t.shape)} that {self.fn_name} saved for the backward pass was "
-                f"modified in place after it was saved (version {p.version} -> {p.t._version}). Do not modify "
-                "it before the backward pass; clone it first."
-            )
+            raise _written_after_saved(self.fn_name, p.t, p.version)
         return p.t  # type: ignore[no-any-return]
 
     # ---- recompute -------------------------------------------------------------
@@ -478,6 +503,14 @@ class FastFrame:
 _RUN = object()  # FastFrame.replayed: run the op instead
 
 
+def _written_after_saved(fn_name: str, t: torch.Tensor, version: int) -> RematError:
+    return RematError(
+        f"remat: a tensor of shape {list(t.shape)} that {fn_name} saved for the backward pass was modified in place "
+        f"after it was saved (version {version} -> {t._version}). Do not modify it before the backward pass; clone "
+        "it first."
+    )
+
+
 def _version_of(v: Any) -> int | None:
     if isinstance(v, weakref.ref):
         v = v()
@@ -528,8 +561,8 @@ class _Replay(TorchDispatchMode):
 
     A dead op hands back NaN placeholders, as on the full engine (NOTE [dead ops]). The plan's liveness comes
     from the recorded call, so it is checked: what an op computes from a placeholder is one too (a view that
-    always runs), and a placeholder captured as a saved tensor, or written or drawn on, stops the recompute
-    (``_PlanWrong``), which runs again without skipping anything.
+    always runs), and a placeholder captured as a saved tensor, written or drawn on, or read as a number
+    (``.item()``) stops the recompute (``_PlanWrong``), which runs again without skipping anything.
     """
 
     def __init__(self, frame: FastFrame, skip_dead: bool) -> None:
@@ -566,7 +599,11 @@ class _Replay(TorchDispatchMode):
             # placeholders too; a write or a random draw on one is not followed, the recompute runs again
             if any(traits(func)):
                 raise _PlanWrong
-            return self._taint(func(*args, **kwargs) if kwargs else func(*args))
+            out = func(*args, **kwargs) if kwargs else func(*args)
+            if not isinstance(out, torch.Tensor) and any(
+                    x is not None and not isinstance(x, torch.Tensor) for x in optree.tree_leaves(out, none_is_leaf=True)):
+                raise _PlanWrong  # a number read from a placeholder (.item()): Python code may branch on it
+            return self._taint(out)
         return func(*args, **kwargs) if kwargs else func(*args)
 
     def _taint(self, out: Any) -> Any:

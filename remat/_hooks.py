@@ -321,9 +321,13 @@ class Frame:
             del self._forward_inputs
         return out
 
-    def record_plan(self) -> None:
-        """Note what the fast path needs from this call (NOTE [fast path]); ``self.plan`` says after forward()."""
+    def record_plan(self, refuse: Callable[[], None]) -> None:
+        """Note what the fast path needs from this call (NOTE [fast path]); ``self.plan`` says after forward().
+        ``refuse`` marks the signature as never planned: called if this call's recompute raises (a Python number
+        that changed, an op that differs), which only the full engine can see."""
+        self._refuse_plan: Callable[[], None] | None = refuse
         self._plan_packs = []
+        self._plan_inputs: list[bool] = []  # per pack: the saved tensor was an input of the call
 
     def _make_plan(self, out: Any) -> Plan | None:
         """This call's plan for later calls of its signature, or None if it was not clean (NOTE [fast path]).
@@ -344,7 +348,8 @@ class Frame:
                 if storage_key(t) not in state_keys:
                     return None
         assert self._plan_packs is not None
-        kept = [p for p in self._plan_packs if p.kind == _KEEP]
+        # (an input is recognised by identity on the fast path: its save positions are not the plan's to keep)
+        kept = [p for p, is_input in zip(self._plan_packs, self._plan_inputs) if p.kind == _KEEP and not is_input]
         state_ids = {id(t) for t in self.state.tensors}
         keep: frozenset[int] | None = frozenset(p.pos for p in kept)
         if all(id(p.payload) in state_ids for p in kept):
@@ -425,6 +430,7 @@ class Frame:
             insp = INSPECTOR.get()
             if self._plan_packs is not None:
                 self._plan_packs.append(p)
+                self._plan_inputs.append(any(t is a for a in self._forward_inputs))
             if insp is not None:  # remat.saved_residuals is listing what is saved (_inspect.py)
                 final = p
                 while final.kind == _ROUTED:  # what the enclosing calls decided for it
@@ -624,6 +630,15 @@ class Frame:
         return self.recorder.unused_ops(used) if skipped else set()
 
     def _recompute(self, s: int, skip_unused: bool = True) -> dict[int, torch.Tensor]:
+        try:
+            return self._run_recompute(s, skip_unused)
+        except RematError:
+            refuse = getattr(self, "_refuse_plan", None)
+            if refuse is not None:
+                refuse()  # the signature's later calls stay on the full engine, which sees this (NOTE [fast path])
+            raise
+
+    def _run_recompute(self, s: int, skip_unused: bool = True) -> dict[int, torch.Tensor]:
         self.recomputes += 1
         check_lower_levels(self.levels, s, self.fn_name)
         flat = self._inputs()

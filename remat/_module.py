@@ -13,7 +13,8 @@ from ._transform import Rematted, remat
 __all__ = ["remat_module", "remat_modules", "unremat_module", "unremat_modules"]
 
 
-def remat_module(module: nn.Module, *, policy: Any = None, preserve_rng_state: bool = True) -> nn.Module:
+def remat_module(module: nn.Module, *, policy: Any = None, preserve_rng_state: bool = True,
+                 debug: bool = False) -> nn.Module:
     """Rematerialize a module's forward pass, in place; return the same module.
 
     The module keeps its class (``isinstance`` checks keep working), its
@@ -36,7 +37,7 @@ def remat_module(module: nn.Module, *, policy: Any = None, preserve_rng_state: b
     Args:
         module: the module.
         policy: a policy, as for :func:`remat` (default: save nothing).
-        preserve_rng_state: as for :func:`remat`.
+        preserve_rng_state, debug: as for :func:`remat`.
 
     Returns:
         ``module`` itself.
@@ -59,7 +60,7 @@ def remat_module(module: nn.Module, *, policy: Any = None, preserve_rng_state: b
             "remat(f, policy=...)."
         )
     unremat_module(module)
-    module.forward = remat(module.forward, policy=policy, preserve_rng_state=preserve_rng_state)
+    module.forward = remat(module.forward, policy=policy, preserve_rng_state=preserve_rng_state, debug=debug)
     return module
 
 
@@ -99,7 +100,7 @@ def _selector(where: Any) -> Callable[[str, nn.Module], bool]:
 
 
 def remat_modules(root: nn.Module, where: Any, *, policy: Any = None,
-                  preserve_rng_state: bool = True) -> list[str]:
+                  preserve_rng_state: bool = True, debug: bool = False) -> list[str]:
     """Apply :func:`remat_module` to every submodule of ``root`` that ``where`` selects; return their names.
 
     Like torch's ``apply_activation_checkpointing``, but in place and without
@@ -109,7 +110,7 @@ def remat_modules(root: nn.Module, where: Any, *, policy: Any = None,
         root: the model.
         where: an ``nn.Module`` subclass (``GPT2Block``), a tuple of them, or a
             predicate ``where(qualified_name, module) -> bool``.
-        policy, preserve_rng_state: as for :func:`remat`.
+        policy, preserve_rng_state, debug: as for :func:`remat`.
 
     Returns:
         The qualified names of the modules changed, in ``named_modules`` order
@@ -125,7 +126,7 @@ def remat_modules(root: nn.Module, where: Any, *, policy: Any = None,
     select = _selector(where)
     chosen = [(name, m) for name, m in root.named_modules() if select(name, m)]
     for _, m in chosen:
-        remat_module(m, policy=policy, preserve_rng_state=preserve_rng_state)
+        remat_module(m, policy=policy, preserve_rng_state=preserve_rng_state, debug=debug)
     return [name for name, _ in chosen]
 
 

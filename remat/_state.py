@@ -52,7 +52,9 @@ class _Slot:
     __slots__ = ("owner", "kind", "name", "label")
 
     def __init__(self, owner: Any, kind: str, name: Any, label: str) -> None:
-        self.owner = owner  # a module (kind "_parameters"/"_buffers"), a cell ("cell") or an object ("attr")
+        # a module's _parameters or _buffers dict (kind "_parameters"/"_buffers": not the module, which the
+        # cache of module slots must not hold), a cell ("cell") or an object ("attr")
+        self.owner = owner
         self.kind = kind
         self.name = name
         self.label = label  # for messages: "GPT2Block.attn.c_attn.weight"
@@ -62,7 +64,7 @@ class _Slot:
             return self.owner.cell_contents
         if self.kind == "attr":
             return self.owner.__dict__[self.name]
-        return getattr(self.owner, self.kind)[self.name]
+        return self.owner[self.name]
 
     def set(self, value: Any) -> None:
         if self.kind == "cell":
@@ -70,7 +72,7 @@ class _Slot:
         elif self.kind == "attr":
             self.owner.__dict__[self.name] = value
         else:  # what torch.func.functional_call does (nn.utils._named_member_accessor.swap_tensor)
-            getattr(self.owner, self.kind)[self.name] = value
+            self.owner[self.name] = value
 
 
 class Snapshot:
@@ -209,13 +211,14 @@ def _walk_module(root: nn.Module, snap: Snapshot, seen: set[int]) -> None:
     slots, values, specs, tensors = snap.slots, snap.values, snap.specs, snap.tensors
     mods, sharded = _module_slots(root)
     snap.sharded += sharded
-    for m, mslots in mods:
-        if m is not root and id(m) in seen:
+    for mref, mslots in mods:
+        m = mref()
+        if m is None or (m is not root and id(m) in seen):
             continue
         seen.add(id(m))
         snap.modules.append(m)
         for slot in mslots:
-            t = getattr(m, slot.kind)[slot.name]  # a parameter or buffer: a tensor, or None
+            t = slot.owner[slot.name]  # a parameter or buffer: a tensor, or None
             if t is not None:
                 slots.append(slot)
                 values.append(t)
@@ -228,7 +231,7 @@ def _walk_module(root: nn.Module, snap: Snapshot, seen: set[int]) -> None:
 # sizes of the dicts (a parameter, buffer or submodule registered or removed since) and the identity of
 # every child module (one replaced); a slot missed by any other change would still be caught by the
 # recompute's check (NOTE [outside tensors]).
-_Mods = list[tuple[nn.Module, list[_Slot]]]
+_Mods = list[tuple[weakref.ref[nn.Module], list[_Slot]]]  # (weakly: the cache must not keep its key alive)
 _SLOTS: weakref.WeakKeyDictionary[nn.Module, tuple[list[Any], list[int], _Mods, list[str], list[Any]]] = (
     weakref.WeakKeyDictionary())
 
@@ -247,9 +250,9 @@ def _module_slots(root: nn.Module) -> tuple[_Mods, list[str]]:
     label = type(root).__name__
     for prefix, m in root.named_modules(remove_duplicate=False):
         where = f"{label}.{prefix}" if prefix else label
-        slots = [_Slot(m, kind, name, f"{where}.{name}") for kind in ("_parameters", "_buffers")
+        slots = [_Slot(getattr(m, kind), kind, name, f"{where}.{name}") for kind in ("_parameters", "_buffers")
                  for name in getattr(m, kind)]
-        out.append((m, slots))
+        out.append((weakref.ref(m), slots))
         dicts += [m._parameters, m._buffers, m._modules]
         if prefix and fsdp_module is not None and isinstance(m, fsdp_module):
             sharded.append(where)
@@ -259,7 +262,7 @@ def _module_slots(root: nn.Module) -> tuple[_Mods, list[str]]:
 
 def _children(mods: _Mods) -> list[Any]:
     """Every child module of the cached tree, in order: a replaced submodule invalidates the cache."""
-    return [c for m, _ in mods for c in m._modules.values()]
+    return [c for mref, _ in mods if (m := mref()) is not None for c in m._modules.values()]
 
 
 def brief_name(fn: Any, limit: int = 60) -> str:

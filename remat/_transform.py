@@ -39,14 +39,14 @@ _MISSING = object()
 
 @overload
 def remat(fn: F, *, policy: Any = None, static_argnums: int | Sequence[int] = (),
-          preserve_rng_state: bool = True) -> F: ...
+          preserve_rng_state: bool = True, debug: bool = False) -> F: ...
 @overload
 def remat(fn: None = None, *, policy: Any = None, static_argnums: int | Sequence[int] = (),
-          preserve_rng_state: bool = True) -> Callable[[F], F]: ...
+          preserve_rng_state: bool = True, debug: bool = False) -> Callable[[F], F]: ...
 
 
 def remat(fn: Any = None, *, policy: Any = None, static_argnums: int | Sequence[int] = (),
-          preserve_rng_state: bool = True) -> Any:
+          preserve_rng_state: bool = True, debug: bool = False) -> Any:
     """Rematerialize: keep less between the forward and the backward pass, recompute the rest.
 
     ``remat(f, policy=p)`` returns a function with the same results and the same
@@ -72,6 +72,12 @@ def remat(fn: Any = None, *, policy: Any = None, static_argnums: int | Sequence[
         preserve_rng_state: the recompute sees exactly the random numbers the
             forward pass saw (CPU and every CUDA device in use). Turn off only
             for functions that draw no random numbers, to save the state copy.
+        debug: run every call on the full engine, which records each op and checks
+            in the recompute that every op and its Python numbers are the same.
+            By default only the first call of each input signature does; later
+            calls follow the plan it recorded, checking the saved tensors' count,
+            shapes, dtypes and producing ops (NOTE [fast path] in
+            ``remat/_fastpath.py``). Use it to find a function that is not pure.
 
     Returns:
         The wrapped function, with ``fn``'s name and docstring. Used bare
@@ -97,7 +103,8 @@ def remat(fn: Any = None, *, policy: Any = None, static_argnums: int | Sequence[
     """
     if fn is None:
         return functools.partial(
-            remat, policy=policy, static_argnums=static_argnums, preserve_rng_state=preserve_rng_state
+            remat, policy=policy, static_argnums=static_argnums, preserve_rng_state=preserve_rng_state,
+            debug=debug,
         )
     if not callable(fn):
         raise TypeError(
@@ -108,7 +115,9 @@ def remat(fn: Any = None, *, policy: Any = None, static_argnums: int | Sequence[
     statics = _normalize_argnums(static_argnums)
     if not isinstance(preserve_rng_state, bool):
         raise TypeError(f"remat: preserve_rng_state must be True or False, got {preserve_rng_state!r}")
-    return Rematted(fn, pol, statics, preserve_rng_state)
+    if not isinstance(debug, bool):
+        raise TypeError(f"remat: debug must be True or False, got {debug!r}")
+    return Rematted(fn, pol, statics, preserve_rng_state, debug)
 
 
 class Rematted:
@@ -122,11 +131,12 @@ class Rematted:
     """
 
     def __init__(self, fn: Callable[..., Any], policy: Callable[..., Any], statics: tuple[int, ...],
-                 preserve_rng_state: bool) -> None:
+                 preserve_rng_state: bool, debug: bool = False) -> None:
         self.__remat_target__ = fn
         self.policy = policy
         self.static_argnums = statics
         self.preserve_rng_state = preserve_rng_state
+        self.debug = debug
         self._name = brief_name(fn)
         self._region = False  # runs as a reentrant region (NOTE [reentrant region] in _reentrant.py)
         # signature -> plan (NOTE [fast path] in _fastpath.py), shared with every remat of fn with this policy
@@ -154,7 +164,8 @@ class Rematted:
         inner = self.__dict__.get("_inner")
         if inner is None or inner.__remat_target__ != module.forward:
             # kept across calls: it holds the fast-path plans (NOTE [fast path] in _fastpath.py)
-            inner = self._inner = Rematted(module.forward, self.policy, self.static_argnums, self.preserve_rng_state)
+            inner = self._inner = Rematted(module.forward, self.policy, self.static_argnums, self.preserve_rng_state,
+                                           self.debug)
             inner._name = f"{self._name}.forward"
         module.__dict__["forward"] = inner
         try:
@@ -179,7 +190,8 @@ class Rematted:
             obj = getattr(obj, part, None)
         if obj is self:
             return str(self.__qualname__)  # type: ignore[attr-defined]
-        return (Rematted, (self.__remat_target__, self.policy, self.static_argnums, self.preserve_rng_state))
+        return (Rematted, (self.__remat_target__, self.policy, self.static_argnums, self.preserve_rng_state,
+                           self.debug))
 
 
 checkpoint = remat
@@ -250,7 +262,7 @@ def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics
     outermost = not enclosed()
     frame: Any = None
     key = None
-    if owner is not None and not region and ctx is None and fast_path_applies():
+    if owner is not None and not owner.debug and not region and ctx is None and fast_path_applies():
         key = signature(flat, static_vals, state)  # NOTE [fast path] in _fastpath.py
     try:
         if region:
@@ -262,7 +274,8 @@ def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics
             return frame.forward()
         frame = Frame(run, flat, name, policy, preserve_rng, default_engine(), state)
         if key is not None and key not in owner._plans:
-            frame.record_plan()
+            plans = owner._plans
+            frame.record_plan(lambda: plans.__setitem__(key, None))
         out = frame.forward()
         if key is not None and key not in owner._plans:
             if len(owner._plans) >= MAX_PLANS:

@@ -10,6 +10,7 @@ what is dropped is observed with weak references and call counts.
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import pytest
@@ -597,3 +598,146 @@ def test_plans_of_a_method_are_per_instance():
     x = leaf(2, 6)
     a(x).sum().backward()
     assert len(remat(blocks[0].forward, policy="save-matmuls")._plans) == 1 and not b._plans
+
+
+# ---- found by review: each would have been a wrong gradient, a leak or memory kept on a later call -------------
+
+
+def test_held_output_written_later_in_the_forward_is_run_again():
+    """Which value is written in place depends on the data; the op sequence does not."""
+
+    def f(W, x):
+        a = x @ W  # held for the recompute (dots_saveable)
+        c = torch.sin(x)
+        (a if bool(x[0, 0] > 0) else c).mul_(2)
+        return (torch.tanh(a) * torch.tanh(c)).sum()
+
+    W = leaf(4, 4)
+    g = remat(f, policy=policies.dots_saveable)
+    for sign in (-1, 1, 1):
+        x = (leaf(4, 4, seed=1).detach().abs() * sign).requires_grad_()
+        assert_tree_close(torch.autograd.grad(g(W, x), (W, x)), torch.autograd.grad(f(W, x), (W, x)))
+    assert all(p is not None for p in g._plans.values())
+
+
+@pytest.mark.parametrize("policy", ["save-matmuls", "save-everything"])
+def test_dead_placeholder_read_as_a_number_falls_back(policy):
+    def f(W, x):
+        h = x @ W
+        a, b = torch.sin(h).sum(), torch.cos(h).sum()
+        v = (a if bool(x[0, 0] > 0) else b).item()  # which reduction is read depends on the data
+        return torch.tanh(h * (2.0 if v > -100 else 3.0)).sum()
+
+    W = leaf(4, 4)
+    g = remat(f, policy=policy)
+    for sign in (1, -1, -1):
+        x = (leaf(4, 4, seed=1).detach().abs() * sign).requires_grad_()
+        assert_tree_close(torch.autograd.grad(g(W, x), (W, x)), torch.autograd.grad(f(W, x), (W, x)))
+
+
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", "save-everything"])
+@pytest.mark.parametrize("when", ["before backward", "in the forward"])
+def test_saved_input_written_in_place_raises_when_nothing_is_dropped(policy, when):
+    def f(W, x):
+        out = (x @ W).sum()  # mm saves x; nothing is dropped
+        if when == "in the forward":
+            x.mul_(2)
+        return out
+
+    W = leaf(3, 4)
+    g = remat(f, policy=policy)
+    for call in range(3):
+        x = leaf(2, 3, seed=1, grad=False)
+        out = g(W, x)
+        if when == "before backward":
+            x.mul_(2)
+        with pytest.raises(RematError, match="modified in place"):
+            out.backward()
+        assert call == 0 or all(p is not None for p in g._plans.values())
+
+
+def test_numbers_that_change_before_the_recompute_keep_the_full_engine():
+    """The full engine checks each op's Python numbers in the recompute; a signature whose recorded call fails
+    that check is never planned, so every call keeps raising rather than a later one going silently wrong."""
+
+    class Ramp(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.step = 0
+
+        def forward(self, x):
+            self.step += 1  # the recompute would see the next step's scale
+            return torch.tanh(self.lin(x) * min(1.0, self.step / 10))
+
+    m = remat_module(Ramp().double())
+    x = leaf(3, 4)
+    for _ in range(3):
+        with pytest.raises(RematError, match="numbers"):
+            m(x).sum().backward()
+    assert list(m.forward._plans.values()) == [None]
+
+
+def test_debug_runs_every_call_on_the_full_engine():
+    probe = Probe()
+    f = chain(probe)
+    g = remat(f, debug=True)
+    W, b, x = leaf(5, 5), leaf(5, seed=1), leaf(2, 5, seed=2)
+    for _ in range(3):
+        assert_tree_close(grads(g, (W, b, x), (W, b, x)), grads(f, (W, b, x), (W, b, x)))
+    assert not g._plans
+    assert probe.modes[::3] == [True, True, True]  # each remat'd forward ran under the recorder
+    with pytest.raises(TypeError, match="debug must be True or False"):
+        remat(f, debug="yes")
+
+
+def test_a_branch_that_shifts_save_positions_keeps_nothing_extra():
+    """save-nothing holds inputs and module state by identity, never by position: a data-dependent extra op
+    early in the function does not make it hold activations."""
+
+    def f(W, x):
+        if bool(x.abs().amax() > 1.5):
+            x = x.clamp(-1.5, 1.5)
+        h = x
+        for _ in range(4):
+            h = torch.tanh(torch.sin(h) @ W)
+        return h.sum()
+
+    W = leaf(64, 64)
+    g = remat(f)
+    held = []
+    for x in [leaf(16, 64, seed=1) * 0.1, leaf(16, 64, seed=1)] * 2:
+        x = x.detach().requires_grad_()
+        loss, n = live_bytes_after(lambda: g(W, x))  # noqa: B023
+        held.append(n)
+        assert_tree_close(torch.autograd.grad(loss, (W, x)), torch.autograd.grad(f(W, x), (W, x)))
+    assert held == [0, 0, 0, 0], held
+
+
+def test_a_module_passed_as_an_argument_is_not_kept_alive():
+    def block(layer, x):
+        return torch.tanh(layer(x))
+
+    for g in (remat(block), remat(block, static_argnums=(0,))):
+        refs = []
+        for _ in range(3):
+            layer = nn.Linear(16, 16)
+            x = torch.randn(2, 16, requires_grad=True)
+            for _ in range(2):
+                g(layer, x).sum().backward()
+            refs.append(weakref.ref(layer.weight))
+            del layer, x
+        gc.collect()
+        assert [r() for r in refs] == [None, None, None]
+
+
+def test_plans_stay_bounded_with_a_policy_made_on_every_call():
+    from remat._fastpath import _PLANS, MAX_PLANS
+
+    def block(x):
+        return torch.sin(x).sum()
+
+    x = leaf(3)
+    for _ in range(MAX_PLANS + 10):
+        remat(block, policy=lambda op, *a, **k: False)(x).backward()
+    assert len(_PLANS[block]) == MAX_PLANS
