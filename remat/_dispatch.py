@@ -576,6 +576,23 @@ class Recorder(TorchDispatchMode):
                 self._settle_outside(rec)
         self._pending = {}
 
+    def watch_results(self, results: list[torch.Tensor]) -> None:
+        """A held output whose own tensor died may still be written through a result of the call that shares its
+        storage (``return y, h.detach()``): watch that result's version instead (it moves with every write)."""
+        by_key = {storage_key(t): t for t in results}
+        by_key.pop(0, None)
+        if not by_key:
+            return
+        for rec in self.ops:
+            if rec.stash is None or rec.versions is None:
+                continue
+            for j, (held, v) in enumerate(zip(rec.stash, rec.versions)):
+                if v is None and isinstance(held, torch.Tensor):
+                    res = by_key.get(storage_key(held))
+                    if res is not None:
+                        rec.refs[j] = weakref.ref(res)
+                        rec.versions[j] = res._version
+
     def _settle_outside(self, rec: OpRecord) -> None:
         assert rec.outside is not None
         keep = []

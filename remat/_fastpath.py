@@ -288,7 +288,7 @@ class FastFrame:
         self.held: dict[int, list[Any]] = {}  # op index -> its outputs, detached or offloaded (NOTE [planned calls])
         self.held_versions: dict[int, list[int | None]] = {}
         self.versions_at_hold: dict[int, list[int | None]] = {}
-        self.origins: dict[int, list[Any]] = {}  # op index -> its outputs (strongly in the forward pass, then weakly)
+        self.origins: dict[int, list[Any]] = {}  # op index -> its outputs (in the forward pass), then aliases of them
         self.limit = len(plan.ops) if plan.ops is not None else 0  # ops that followed the plan
         self.diverged = False  # an op was not the plan's: every later save is held
         # the dead ops' placeholders in the running recompute: id -> weak reference (an id is reused once one dies)
@@ -324,7 +324,10 @@ class FastFrame:
         for i, vals in list(self.held.items()):
             now = [_version_of(v) for v in self.origins.get(i, vals)]
             if i in self.origins:
-                self.origins[i] = [weakref.ref(t) for t in self.origins[i]]
+                # an alias made now, above autograd, shares the output's version counter (the detached value held
+                # since the op ran does not): a write through any view of the output, a result of the call
+                # included (return y, h.detach()), moves it; and it holds no graph
+                self.origins[i] = [ti.detach_below_modes(t) for t in self.origins[i]]
             if any(a is not None and a != b for a, b in zip(now, self.versions_at_hold.get(i, ()))):
                 del self.held[i]  # written in place after the op ran: the recompute runs the op again
                 continue
@@ -377,8 +380,8 @@ class FastFrame:
             if not h.single:
                 self.versions_at_hold[i] = [_version_of(r) for r in self.held[i]]
             return
-        # (held strongly until the forward pass ends, when forward() reads their versions: an output that died
-        # before could have been written in place; then weakly, to catch the caller's writes)
+        # (held until the forward pass ends, when forward() reads their versions, since an output that died before
+        # could have been written in place; then as aliases sharing their version counters, for the caller's writes)
         if h.single and h.offload is None:
             self.held[i] = [out.detach()]
             self.origins[i] = [out]

@@ -301,6 +301,8 @@ class Frame:
                     if self._plan_packs is not None:
                         self.plan = self._make_plan(out)
                     self.recorder.seal()  # its copies must be plain tensors
+                    if not self.levels:
+                        self.recorder.watch_results(tensor_leaves(out))
                 if self._offloaded:
                     self.engine.end_of_call()  # NOTE [stream-ordered reuse] in _offload.py
             if self.routed:

@@ -741,3 +741,24 @@ def test_plans_stay_bounded_with_a_policy_made_on_every_call():
     for _ in range(MAX_PLANS + 10):
         remat(block, policy=lambda op, *a, **k: False)(x).backward()
     assert len(_PLANS[block]) == MAX_PLANS
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["recorded call", "planned call"])
+def test_a_result_sharing_a_held_value_written_in_place_raises(planned):
+    """``return y, h.detach()``: the caller writes the second result, which is the matmul output held for the
+    recompute, though the matmul's own tensor is gone. Plain autograd is unaffected (tanh saved its output)."""
+
+    def f(W, x):
+        h = x @ W
+        return torch.tanh(h), h.detach()
+
+    W, x = leaf(4, 4), leaf(4, 4, seed=1)
+    g = remat(f, policy=policies.dots_saveable)
+    if planned:
+        y, hd = g(W, x)
+        y.sum().backward()
+        assert all(p is not None for p in g._plans.values())
+    y, hd = g(W, x)
+    hd.mul_(2)
+    with pytest.raises(RematError, match="kept for its recompute was modified in place"):
+        y.sum().backward()
