@@ -25,16 +25,23 @@ NOTE [fast path]
     too, rather than dropping them and reading them back.
 
     A later call of a known signature runs fast and still checks, from outside
-    the ops: the recompute must save as many tensors, of the same shapes and
-    dtypes, at every dropped position (else ``RematError``, as on the full path);
-    inputs and module state must not change version during the forward pass or
-    between it and the recompute. A fast call that writes module state in place
-    (data-dependent, unlike its signature's first call) cannot be replayed
-    exactly: it raises ``RematError`` and the signature's plan is forgotten, so
-    the next call records again. Anything that changes what the function does
-    without changing its signature and without these checks noticing (a Python
-    global read as a flag that flips between calls and changes no shape) is
-    outside what remat guarantees on either path: the function must be pure.
+    the ops: the recompute must save as many tensors, of the same shapes, dtypes
+    and producing node classes, at every dropped position (else ``RematError``, as
+    on the full path); inputs and module state must not change version during the
+    forward pass or between it and the recompute, nor a saved input before it is
+    read. Inputs and module state are recognised by identity, never by save
+    position, so a data-dependent extra op cannot make the call hold activations.
+    A fast call that writes module state in place (data-dependent, unlike its
+    signature's first call) cannot be replayed exactly: it raises ``RematError``
+    and the signature's plan is forgotten, so the next call records again. What
+    only the full engine sees: the Python numbers each op gets (a step counter
+    read from state that changes between a call's forward pass and its recompute)
+    and outside tensors the state walk does not reach. A signature whose recorded
+    call fails the full engine's checks in its recompute is never planned (every
+    call keeps raising); ``remat(f, debug=True)`` runs every call on the full
+    engine. A function that changes behind both (a global Python number changed
+    between the forward and the backward pass of a later call) is outside what
+    remat guarantees, as it is for ``torch.utils.checkpoint``: it must be pure.
 
 NOTE [planned calls]
     Every other policy (``dots_saveable``, names, offloading, a callable of your
