@@ -10,7 +10,7 @@ other's.
   its forward pass (``_hooks.Frame``) or a recompute's capture; nested calls and
   ``checkpoint_name`` look here. The save-nothing fast path (``_fastpath.py``)
   does not set it.
-* :data:`INTERNAL` / :class:`internal`: ops run inside are remat's own (a
+* :data:`INTERNAL` / :func:`internal`: ops run inside are remat's own (a
   detach, a copy), which the dispatch modes let through unrecorded.
 * :data:`PENDING_NAME`: set by ``checkpoint_name`` around the ``aten.alias`` that
   carries a name.
@@ -27,7 +27,7 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["INTERNAL", "PENDING_NAME", "NAMING", "INSPECTOR", "internal", "active_context", "activated"]
+__all__ = ["INTERNAL", "PENDING_NAME", "NAMING", "INSPECTOR", "internal", "naming", "active_context", "activated"]
 
 INTERNAL: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_internal", default=False)
 PENDING_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("remat_name", default=None)
@@ -36,16 +36,29 @@ INSPECTOR: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_inspector
 _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_active", default=None)
 
 
-class internal:
-    """Context manager: ops run inside are remat's own, not the user's."""
+class _Flag:
+    """Context manager: a boolean context variable is True for the body (a class: entered on hot paths)."""
 
-    __slots__ = ("_tok",)
+    __slots__ = ("var", "tok")
+
+    def __init__(self, var: contextvars.ContextVar[bool]) -> None:
+        self.var = var
 
     def __enter__(self) -> None:
-        self._tok = INTERNAL.set(True)
+        self.tok = self.var.set(True)
 
     def __exit__(self, *exc: object) -> None:
-        INTERNAL.reset(self._tok)
+        self.var.reset(self.tok)
+
+
+def internal() -> _Flag:
+    """Context manager: ops run inside are remat's own, not the user's."""
+    return _Flag(INTERNAL)
+
+
+def naming() -> _Flag:
+    """Context manager: ``checkpoint_name`` tags even though no remat context is active (a planned call)."""
+    return _Flag(NAMING)
 
 
 def active_context() -> Any:

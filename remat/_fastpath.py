@@ -82,7 +82,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from . import _torch_internals as ti
 from ._ambient import AmbientState
-from ._context import INSPECTOR, INTERNAL, NAMING, active_context, internal
+from ._context import INSPECTOR, INTERNAL, active_context, internal, naming
 from ._dispatch import OpRecord, arg_tensors, dead_value, ignored, traits
 from ._errors import RematError, input_written_before_backward, input_written_in_forward
 from ._policies import Offloadable
@@ -312,7 +312,7 @@ class FastFrame:
                     if self.plan.ops is None:
                         out = self.run(self.flat)
                     else:
-                        with _Naming(), _Tap(self):
+                        with naming(), _Tap(self):
                             out = self.run(self.flat)
                 except RuntimeError as e:
                     if "support saved tensor hooks" not in str(e):
@@ -474,7 +474,7 @@ class FastFrame:
                 if self.plan.ops is None:
                     self.run(self.flat)
                 else:
-                    with _Naming(), _Replay(self, skip_dead):
+                    with naming(), _Replay(self, skip_dead):
                         self.run(self.flat)
             except _Stop:
                 pass
@@ -525,18 +525,6 @@ def _version_of(v: Any) -> int | None:
     if isinstance(v, weakref.ref):
         v = v()
     return v._version if isinstance(v, torch.Tensor) else None
-
-
-class _Naming:
-    """checkpoint_name tags, as in the recorded call (NOTE [planned calls])."""
-
-    __slots__ = ("tok",)
-
-    def __enter__(self) -> None:
-        self.tok = NAMING.set(True)
-
-    def __exit__(self, *exc: object) -> None:
-        NAMING.reset(self.tok)
 
 
 class _Tap(TorchDispatchMode):
