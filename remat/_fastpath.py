@@ -327,7 +327,6 @@ class FastFrame:
             self.cache = {}  # what a backward pass inside the forward pass recomputed
         if self.diverged:
             self.forget()
-        self._check_versions(after_forward=True)
         for i, vals in list(self.held.items()):
             now = [_version_of(v) for v in self.origins.get(i, vals)]
             if i in self.origins:
@@ -341,6 +340,7 @@ class FastFrame:
             self.held_versions[i] = now
         if self._offloaded:
             self.engine.end_of_call()  # NOTE [stream-ordered reuse] in _offload.py
+        self._check_versions(after_forward=True)  # (after the outputs above are let go: it may raise)
         return out
 
     def rewind(self) -> None:

@@ -762,3 +762,32 @@ def test_a_result_sharing_a_held_value_written_in_place_raises(planned):
     hd.mul_(2)
     with pytest.raises(RematError, match="kept for its recompute was modified in place"):
         y.sum().backward()
+
+
+def test_a_planned_call_that_raises_at_the_end_of_its_forward_leaves_nothing_alive():
+    from remat._fastpath import FastFrame
+
+    class Counter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("n", torch.zeros(()))
+            self.count = False
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if self.count:
+                self.n.add_(1)
+            return torch.tanh(self.lin(x))
+
+    m = Counter().double()
+    g = remat(m, policy=policies.dots_saveable)
+    x = leaf(2, 4)
+    for _ in range(2):
+        g(x).sum().backward()
+    m.count = True
+    refs = []
+    with pytest.raises(RematError, match="wrote Counter.n in place"):
+        out = g(x)
+        refs.append(weakref.ref(out))
+    gc.collect()
+    assert sum(1 for o in gc.get_objects() if type(o) is FastFrame) == 0
