@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["RematError", "internal_error", "input_written_in_forward", "input_written_before_backward"]
+__all__ = ["RematError", "internal_error", "input_written_in_forward", "input_written_before_backward",
+           "saved_shape_differs"]
 
 
 class RematError(RuntimeError):
@@ -50,4 +51,14 @@ def input_written_before_backward(fn_name: str, i: int, t: Any) -> RematError:
         f"remat: input #{i} ({_shape(t)}) of {fn_name} was modified in place after its forward pass and before "
         "its backward pass; the recompute would read the new value. Clone it before modifying it, or run the "
         "backward pass first."
+    )
+
+
+def saved_shape_differs(fn_name: str, t: Any, meta: tuple[Any, ...], pos: int) -> RematError:
+    """The recompute saved a tensor of another shape or dtype than the forward pass at position ``pos``."""
+    return RematError(
+        f"remat: the recompute of {fn_name} saved a tensor of shape {list(t.shape)} {t.dtype} where its forward "
+        f"pass saved {list(meta[0])} {meta[1]} (saved tensor #{pos}); the function must compute the same shapes "
+        "every time it is called (a key/value cache that grows on every call changes them: for a Hugging Face model "
+        "pass use_cache=False (model.config.use_cache = False))."
     )

@@ -33,7 +33,7 @@ NOTE [fast path]
     position, so a data-dependent extra op cannot make the call hold activations.
     A fast call that writes module state in place (data-dependent, unlike its
     signature's first call) cannot be replayed exactly: it raises ``RematError``
-    and the signature's plan is forgotten, so the next call records again. What
+    and the signature runs on the full engine from then on. What
     only the full engine sees: the Python numbers each op gets (a step counter
     read from state that changes between a call's forward pass and its recompute)
     and outside tensors the state walk does not reach. A signature whose recorded
@@ -60,7 +60,9 @@ NOTE [planned calls]
     policies are consulted when a function is traced: policies are functions of
     the op and its arguments. An op that is not the plan's (a data-dependent
     branch) ends the plan for the rest of that call: every later save is held, as
-    plain autograd would, and the signature's plan is forgotten. The recompute
+    plain autograd would, and the signature runs on the full engine from then on,
+    which drops what the policy drops on every call (so a branch that alternates
+    costs one call's extra memory, not every other call's). The recompute
     raises ``RematError`` if its ops differ from the forward's at a planned index.
     Unlike the full engine, a planned call recomputes ops that only feed outputs
     the backward pass does not differentiate, and ops the liveness walk found
@@ -84,7 +86,7 @@ from . import _torch_internals as ti
 from ._ambient import AmbientState
 from ._context import INSPECTOR, INTERNAL, active_context, internal, naming
 from ._dispatch import OpRecord, arg_tensors, dead_value, ignored, traits
-from ._errors import RematError, input_written_before_backward, input_written_in_forward
+from ._errors import RematError, input_written_before_backward, input_written_in_forward, saved_shape_differs
 from ._policies import Offloadable
 from ._reentrant import NeedsRegion
 from ._state import Snapshot
@@ -271,13 +273,13 @@ class FastFrame:
     """One call of a remat'd function that follows its signature's plan (NOTE [fast path], NOTE [planned calls])."""
 
     def __init__(self, run: Callable[[list[Any]], Any], flat: list[Any], fn_name: str, preserve_rng: bool,
-                 state: Snapshot, plan: Plan, forget: Callable[[], None], engine: Any) -> None:
+                 state: Snapshot, plan: Plan, refuse: Callable[[], None], engine: Any) -> None:
         self.run = run
         self.flat = flat
         self.fn_name = fn_name
         self.state = state
         self.plan = plan
-        self.forget = forget  # drops this signature's plan
+        self.refuse = refuse  # this signature runs on the full engine from now on
         self.engine = engine
         self.keep, self.offload = plan.keep, plan.offload
         self.state_ids = {id(t) for t in state.tensors} if plan.keep is None else None
@@ -317,7 +319,7 @@ class FastFrame:
                 except RuntimeError as e:
                     if "support saved tensor hooks" not in str(e):
                         raise
-                    self.forget()
+                    self.refuse()
                     raise NeedsRegion(self, e) from e  # NOTE [reentrant region] in _reentrant.py
         except BaseException:
             self.origins = {}  # (held strongly during the forward pass only)
@@ -326,7 +328,7 @@ class FastFrame:
             self.forwarding = False
             self.cache = {}  # what a backward pass inside the forward pass recomputed
         if self.diverged:
-            self.forget()
+            self.refuse()
         for i, vals in list(self.held.items()):
             now = [_version_of(v) for v in self.origins.get(i, vals)]
             if i in self.origins:
@@ -361,11 +363,11 @@ class FastFrame:
             if t._version != v0:
                 label = self.state.label_of(t) or f"a tensor of shape {list(t.shape)}"
                 if after_forward:
-                    self.forget()
+                    self.refuse()
                     raise RematError(
                         f"remat: {self.fn_name} wrote {label} in place in this call, though its first call with "
                         "the same input shapes did not; remat's fast path (NOTE [fast path]) cannot replay such a "
-                        "write. The next call records the function in full again."
+                        "write. Later calls of this signature run on the full engine, which can."
                     )
                 raise RematError(
                     f"remat: {label}, which {self.fn_name} read, was modified in place after its forward pass and "
@@ -459,7 +461,7 @@ class FastFrame:
         try:
             return self._run_recompute(skip_dead=bool(self.plan.dead))
         except _PlanWrong:
-            self.forget()  # the recorded call's liveness does not hold for this one
+            self.refuse()  # the recorded call's liveness does not hold for this one
             return self._run_recompute(skip_dead=False)
 
     def _run_recompute(self, skip_dead: bool) -> dict[int, torch.Tensor]:
@@ -660,12 +662,7 @@ class _Capture:
         meta = self.wanted.get(pos)
         if meta is not None:
             if t.shape != meta[0] or t.dtype != meta[1]:
-                raise RematError(
-                    f"remat: the recompute of {self.fn_name} saved a tensor of shape {list(t.shape)} {t.dtype} "
-                    f"where its forward pass saved {list(meta[0])} {meta[1]} (saved tensor #{pos}); the function "
-                    "must compute the same shapes every time it is called (a key/value cache that grows on every "
-                    "call changes them: for a Hugging Face model pass use_cache=False)."
-                )
+                raise saved_shape_differs(self.fn_name, t, meta, pos)
             node = t.grad_fn
             if (None if node is None else type(node)) is not meta[2]:
                 raise RematError(

@@ -106,7 +106,7 @@ from . import _torch_internals as ti
 from ._ambient import AmbientState
 from ._context import INSPECTOR, activated, active_context, internal
 from ._dispatch import LIFTS, OpTap, Recorder, Replayer, storage_key, tensor_leaves
-from ._errors import RematError, input_written_before_backward, input_written_in_forward
+from ._errors import RematError, input_written_before_backward, input_written_in_forward, saved_shape_differs
 from ._fastpath import Plan
 from ._functorch import (
     Decomposed,
@@ -790,13 +790,7 @@ class _Capture:
             meta = self.wanted.get(pos)
             if meta is not None:
                 if (tuple(t.shape), t.dtype) != meta:
-                    raise RematError(
-                        f"remat: the recompute of {self.fn_name} saved a tensor of shape "
-                        f"{list(t.shape)} {t.dtype} where its forward pass saved {list(meta[0])} "
-                        f"{meta[1]} (saved tensor #{pos}); the function must compute the same "
-                        "shapes every time it is called (a key/value cache that grows on every call changes "
-                        "them: for a Hugging Face model pass use_cache=False (model.config.use_cache = False))."
-                    )
+                    raise saved_shape_differs(self.fn_name, t, meta, pos)
                 held = holdable(t)
                 if self.detach and not ti.is_wrapped(t):
                     self.captured[pos] = held  # (one detach serves both)

@@ -269,7 +269,7 @@ def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics
             return run_region(run, flat, name, policy, preserve_rng, state)
         plan = owner._plans.get(key) if key is not None else None
         if plan is not None:
-            frame = FastFrame(run, flat, name, preserve_rng, state, plan, lambda: owner._plans.pop(key, None),
+            frame = FastFrame(run, flat, name, preserve_rng, state, plan, lambda: owner._plans.__setitem__(key, None),
                               default_engine())
             return frame.forward()
         frame = Frame(run, flat, name, policy, preserve_rng, default_engine(), state)
