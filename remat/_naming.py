@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, TypeVar
 
 import optree
 import torch
 
+from . import _torch_internals as ti
 from ._context import INSPECTOR, NAMING, PENDING_NAME, active_context
 
 __all__ = ["checkpoint_name"]
@@ -47,6 +49,9 @@ def checkpoint_name(x: T, name: str) -> T:
     """
     if not isinstance(name, str):
         raise TypeError(f"checkpoint_name: name must be a string, got {name!r} ({type(name).__name__})")
+    if ti.is_compiling():
+        return optree.tree_map(functools.partial(_annotated_alias, name), x,  # type: ignore[arg-type,return-value]
+                               none_is_leaf=True)
     if active_context() is None and INSPECTOR.get() is None and not NAMING.get():
         return x  # outside remat, and not listed by saved_residuals: nothing to tag
 
@@ -60,3 +65,13 @@ def checkpoint_name(x: T, name: str) -> T:
             PENDING_NAME.reset(tok)
 
     return optree.tree_map(tag, x, none_is_leaf=True)  # type: ignore[arg-type,return-value]
+
+
+def _annotated_alias(name: str, leaf: Any) -> Any:
+    """Under torch.compile: an alias whose node carries the name (NOTE [compiled remat] in _compile.py)."""
+    if not isinstance(leaf, torch.Tensor):
+        return leaf
+    with ti.annotate_name(name):
+        if leaf.is_floating_point():
+            return torch.ops.aten.mul(leaf, 1)  # exact; inductor removes a clone before the partitioner sees it
+        return torch.ops.aten.clone(leaf)

@@ -289,3 +289,47 @@ def detach_below_modes(t: torch.Tensor) -> torch.Tensor:
         with torch._C._DisableTorchDispatch():
             return t.detach()
     return t.detach()
+
+
+# --- torch.compile (NOTE [compiled remat] in _compile.py) ---------------------------------------------------
+# Under torch.compile, a policy sees the ATen ops of a traced region through torch's selective-checkpoint
+# policy hook, called while AOTAutograd traces the region with fake tensors. A checkpoint_name there is an
+# aten.alias like any other: the only way to hand the name from Dynamo's trace to that hook is node metadata.
+# torch.fx.traceback.annotate puts a dict on the nodes traced inside it (Dynamo traces the context manager and
+# AOTAutograd carries the dict to the nodes it derives), and get_current_meta returns the metadata of the node
+# being interpreted. Both are in torch.fx.traceback without an underscore but undocumented (torch >= 2.9).
+_NAME_KEY = "remat_checkpoint_name"
+
+
+def annotate_name(name: str) -> contextlib.AbstractContextManager[Any]:
+    """Tag the nodes Dynamo traces inside with ``name`` (read back by :func:`annotated_name`)."""
+    import torch.fx.traceback as fxt
+
+    return fxt.annotate({_NAME_KEY: name})  # type: ignore[no-any-return]
+
+
+def annotated_name() -> str | None:
+    """The ``annotate_name`` of the node AOTAutograd is tracing now, if any."""
+    import torch.fx.traceback as fxt
+
+    meta = fxt.get_current_meta() or {}
+    name = (meta.get("custom") or {}).get(_NAME_KEY)
+    return name if isinstance(name, str) else None
+
+
+def is_compiled_callable(fn: Any) -> bool:
+    """Whether ``fn`` is what ``torch.compile`` returned (a compiled function or an ``OptimizedModule``).
+
+    torch has no public predicate; both forms carry the original as ``_torchdynamo_orig_callable`` or
+    ``_orig_mod``, set by torch._dynamo.eval_frame."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if isinstance(fn, OptimizedModule):
+        return True
+    seen = 0
+    while fn is not None and seen < 8:  # through bound methods and partials of a compiled function
+        if getattr(fn, "_torchdynamo_orig_callable", None) is not None:
+            return True
+        fn = getattr(fn, "__func__", None) or getattr(fn, "func", None)
+        seen += 1
+    return False

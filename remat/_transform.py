@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from . import _torch_internals as ti
+from ._compile import compiled_call, context_fn
 from ._context import active_context
 from ._errors import RematError
 from ._fastpath import MAX_PLANS, FastFrame, Plan, fast_path_applies, plans_for, signature
@@ -111,12 +112,24 @@ def remat(fn: Any = None, *, policy: Any = None, static_argnums: int | Sequence[
             f"remat: expected a function to wrap, got {fn!r} ({type(fn).__name__}); write "
             "remat(f, policy=...) or use @remat(policy=...) as a decorator."
         )
+    if ti.is_compiled_callable(fn):
+        raise TypeError(
+            f"remat: {brief_name(fn)} was compiled by torch.compile, and remat cannot see inside compiled code "
+            "(it would run eagerly, or keep everything). Compile outside remat instead: "
+            "torch.compile(remat(f, policy=...)), or remat_module(block, policy=...) before "
+            "torch.compile(model). Under torch.compile, remat lowers to torch's checkpoint region and the "
+            "compiler honours the policy (docs/transforms.md, 'torch.compile')."
+        )
     pol = resolve_policy(policy)
     statics = _normalize_argnums(static_argnums)
     if not isinstance(preserve_rng_state, bool):
         raise TypeError(f"remat: preserve_rng_state must be True or False, got {preserve_rng_state!r}")
     if not isinstance(debug, bool):
         raise TypeError(f"remat: debug must be True or False, got {debug!r}")
+    if ti.is_compiling():
+        # remat(block, policy=...) written inside a function Dynamo traces: no Rematted (its plan cache is
+        # global state Dynamo would have to replay), only the compiled call (NOTE [compiled remat] in _compile.py)
+        return functools.partial(compiled_call, fn, context_fn(pol), preserve_rng_state)
     return Rematted(fn, pol, statics, preserve_rng_state, debug)
 
 
@@ -141,10 +154,13 @@ class Rematted:
         self._region = False  # runs as a reentrant region (NOTE [reentrant region] in _reentrant.py)
         # signature -> plan (NOTE [fast path] in _fastpath.py), shared with every remat of fn with this policy
         self._plans: dict[Any, Plan | None] = plans_for(fn, (policy, statics))
+        self._context_fn = context_fn(policy)  # under torch.compile (NOTE [compiled remat] in _compile.py)
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         target = self.__remat_target__
+        if ti.is_compiling():  # Dynamo is tracing this call: torch's checkpoint region, with this policy
+            return compiled_call(target, self._context_fn, self.preserve_rng_state, *args, **kwargs)
         if isinstance(target, nn.Module):
             return self._call_module(target, args, kwargs)
         statics = self.static_argnums
@@ -237,12 +253,6 @@ def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics
         full = tuple(static_vals[i] if i in static_vals else a for i, a in enumerate(dargs))
         return fn(*full, **kw)
 
-    if ti.is_compiling():
-        raise RematError(
-            f"remat: {name} was called inside torch.compile, which remat does not support yet "
-            "(its saved-tensor hooks and dispatch mode cannot be traced). Call the remat'd function "
-            "outside the compiled region, or compile the function inside remat."
-        )
     if not torch.is_grad_enabled() and not ti.interpreter_stack():
         return run(flat)  # nothing will be saved: no frame needed
     region = owner is not None and owner._region

@@ -105,3 +105,30 @@ def test_overhead_benchmark_runs() -> None:
     for row in ("plain", "torch checkpoint", "torch SAC (matmuls)", "remat save-nothing", "remat dots_saveable",
                 "remat names('mm')", "remat custom callable", "remat offload (min_bytes=0)"):
         assert any(line.startswith(row) for line in r.stdout.splitlines()), (row, r.stdout)
+
+
+def test_cli_compile_adds_compiled_configurations(tmp_path):
+    out = tmp_path / "c.json"
+    p = _run("--model", "mlp", "--size", "small", "--device", "cpu", "--steps", "1", "--warmup", "0", "--threads", "1",
+             "--policies", "save-nothing", "--compile", "aot_eager", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    rows = {r["label"]: r for r in doc["rows"]}
+    assert doc["compile"] == "aot_eager"
+    assert list(rows) == ["no-remat", "save-nothing", "compiled no-remat", "compiled save-nothing",
+                          "compiled save-matmuls", "compiled torch-checkpoint", "compiled torch-sac-matmuls"]
+    compiled = {k.removeprefix("compiled "): r for k, r in rows.items() if k.startswith("compiled ")}
+    assert all(r["peak_bytes"] == -1 and r["time_s"] > 0 for r in compiled.values())  # no peak without a census
+    # the compiled program keeps what the policy says, as torch's checkpointing of the same ops does
+    assert compiled["save-nothing"]["retained_bytes"] == compiled["torch-checkpoint"]["retained_bytes"]
+    assert compiled["save-matmuls"]["retained_bytes"] == compiled["torch-sac-matmuls"]["retained_bytes"]
+    assert compiled["save-nothing"]["retained_bytes"] < compiled["save-matmuls"]["retained_bytes"] \
+        < compiled["no-remat"]["retained_bytes"]
+    # at most what the eager run of the policy keeps (the compiled graph may recompute the loss's input too)
+    assert 0 < compiled["save-nothing"]["retained_bytes"] <= rows["save-nothing"]["retained_bytes"]
+    assert compiled["save-nothing"]["recomputed_flops"] > 0 == compiled["save-matmuls"]["recomputed_flops"]
+
+
+def test_cli_compile_unknown_backend_is_refused():
+    p = _run("--compile", "nope", "--steps", "1")
+    assert p.returncode == 2 and "--compile: unknown backend 'nope'" in p.stderr and "inductor" in p.stderr

@@ -81,3 +81,27 @@ def test_detach_below_modes_skips_the_modes() -> None:
     assert seen == [torch.ops.aten.detach.default]  # only the public detach went through the mode
     assert not d.requires_grad and d.grad_fn is None
     assert d.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+
+def test_compile_helpers_work_on_this_torch() -> None:
+    """The name annotation reaches the node AOTAutograd traces; compiled callables are recognised."""
+    import torch.fx.traceback as fxt
+
+    with fxt.preserve_node_meta():
+        assert ti.annotated_name() is None
+    compiled = torch.compile(lambda x: x, backend="eager")
+    assert ti.is_compiled_callable(compiled) and ti.is_compiled_callable(torch.compile(torch.nn.Linear(1, 1)))
+    assert not ti.is_compiled_callable(lambda x: x) and not ti.is_compiled_callable(torch.nn.Linear(1, 1))
+    seen = []
+
+    def backend(gm: Any, example_inputs: Any) -> Any:
+        seen.extend(n.meta.get("custom") for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        with ti.annotate_name("h"):
+            return x * 1
+
+    torch._dynamo.reset()
+    torch.compile(f, backend=backend, fullgraph=True)(torch.ones(2))
+    assert {"remat_checkpoint_name": "h"} in seen

@@ -17,7 +17,7 @@ FLOORS = [
     {"_context", "_errors", "_torch_internals", "_outside", "_ambient", "bench"},
     {"_naming", "_functorch", "_offload", "bench.measure"},
     {"_policies", "offload", "bench.models"},
-    {"_dispatch", "policies"},
+    {"_dispatch", "policies", "_compile"},
     {"_state"},
     {"_reentrant"},
     {"_fastpath"},

@@ -506,7 +506,7 @@ def test_mutated_input_raises(name: str, pol: str) -> None:
                 run(g)
 
 
-# ---- functionalize and torch.compile -------------------------------------------------
+# ---- functionalize -------------------------------------------------
 
 
 def test_functionalize_outside_remat_raises() -> None:
@@ -521,20 +521,7 @@ def test_functionalize_inside_remat_works() -> None:
     assert counted.calls == 2  # forward + recompute
 
 
-def test_compile_outside_remat_raises() -> None:
-    torch._dynamo.reset()
-    x = X.clone().requires_grad_()
-    with pytest.raises(RematError, match="inside torch.compile, which remat does not support"):
-        torch.compile(remat(lambda x: mlp(P, x)), backend="eager")(x)
-
-
-def test_compile_inside_remat_works() -> None:
-    torch._dynamo.reset()
-    x = X.clone().requires_grad_()
-    remat(torch.compile(lambda x: mlp(P, x), backend="aot_eager"))(x).backward()
-    x2 = X.clone().requires_grad_()
-    mlp(P, x2).backward()
-    assert_tree_close(x.grad, x2.grad, **TOL)
+# torch.compile: tests/test_compile.py
 
 
 # ---- CUDA RNG of every device touched ------------------------------------------------

@@ -11,6 +11,7 @@ Example::
     python -m remat.bench                                   # small transformer, CPU, under a minute
     python -m remat.bench --model mlp --size medium --steps 10 --json out.json --plot out.png
     python -m remat.bench --device cuda --dtype bfloat16 --size large
+    python -m remat.bench --compile                         # adds the same model under torch.compile
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .configs import CONFIGS, NAMES, applies, default_configs, label, make_wrap
+from .configs import COMPILED, CONFIGS, NAMES, applies, default_configs, label, make_wrap
 from .measure import Config, format_table, measure, pareto_front, plot
 from .models import SIZES, make_model
 
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default=None,
                    help="comma-separated configurations to run (default: all that apply to the device); "
                    "no-remat always runs first as the baseline")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="also run the model under torch.compile (backend inductor, or the one named: aot_eager, "
+                   f"...) with no remat and with {', '.join(COMPILED[1:])}; labels start with 'compiled'")
     p.add_argument("--threads", type=_positive, default=None, help="torch.set_num_threads on CPU")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
     p.add_argument("--plot", metavar="PATH", default=None,
@@ -100,6 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     device = _device(p, a.device)
     keys = _configs(p, a.policies, a.model, device)
+    if a.compile is not None and a.compile not in torch.compiler.list_backends(exclude_tags=()):
+        p.error(f"--compile: unknown backend {a.compile!r}; choose from "
+                f"{', '.join(torch.compiler.list_backends(exclude_tags=()))}")
     if a.warmup < 0:
         p.error("--warmup must be >= 0")
     if a.plot and importlib.util.find_spec("matplotlib") is None:
@@ -111,7 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def say(msg: str) -> None:
         print(f"remat.bench: {msg}", file=sys.stderr, flush=True)
 
-    say(f"{a.model} {a.size}, {device}, {a.dtype}, configurations: {', '.join(keys)}")
+    say(f"{a.model} {a.size}, {device}, {a.dtype}, configurations: {', '.join(keys)}"
+        + (f"; compiled ({a.compile}): {', '.join(COMPILED)}" if a.compile else ""))
     for k in keys:
         why = applies(k, a.model, device)
         if why:
@@ -123,6 +131,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for k in keys:
         wrap = make_wrap(k, a.model)
         configs.append(Config(label(k, a.model), lambda prm, inp, wrap=wrap: apply(prm, inp, wrap)))
+    if a.compile:
+        for k in COMPILED:
+            wrap = make_wrap(k, a.model)
+            fn = torch.compile(lambda prm, inp, wrap=wrap: apply(prm, inp, wrap), backend=a.compile)
+            configs.append(Config(f"compiled {label(k, a.model)}", fn, compiled=True))
     t0 = time.perf_counter()
     rows = measure(configs, [params, x], steps=a.steps, warmup=a.warmup, progress=say)
     say(f"done in {time.perf_counter() - t0:.1f} s")
@@ -135,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc: dict[str, Any] = {
             "model": a.model, "size": a.size, "config": SIZES[a.size][a.model], "device": str(device),
             "dtype": a.dtype, "steps": a.steps, "torch": torch.__version__, "python": platform.python_version(),
-            "threads": torch.get_num_threads(), "rows": [r.to_dict() | {"pareto": r.label in front} for r in rows],
+            "threads": torch.get_num_threads(), "compile": a.compile,
+            "rows": [r.to_dict() | {"pareto": r.label in front} for r in rows],
         }
         with open(a.json, "w") as f:
             json.dump(doc, f, indent=2)

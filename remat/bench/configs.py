@@ -18,7 +18,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from .. import policies
 from .._transform import remat
 
-__all__ = ["CONFIGS", "NAMES", "TORCH_MATMULS", "make_wrap", "applies", "default_configs", "label"]
+__all__ = ["CONFIGS", "COMPILED", "NAMES", "TORCH_MATMULS", "make_wrap", "applies", "default_configs", "label"]
 
 Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -32,6 +32,9 @@ CONFIGS: dict[str, str] = {
     "torch-checkpoint": "torch.utils.checkpoint(use_reentrant=False)",
     "torch-sac-matmuls": "torch selective checkpointing saving mm/addmm/bmm/baddbmm",
 }
+
+# the configurations --compile adds, each the whole model under torch.compile
+COMPILED = ["no-remat", "save-nothing", "save-matmuls", "torch-checkpoint", "torch-sac-matmuls"]
 
 # the checkpoint_name tags of each reference model's block (remat/bench/models.py)
 NAMES: dict[str, tuple[str, ...]] = {"transformer": ("attn", "ff"), "cnn": ("act",)}

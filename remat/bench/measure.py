@@ -11,6 +11,12 @@ arguments that require grad. For each configuration :func:`measure` reports:
   them die. Neither reads remat's bookkeeping.
 * peak bytes: the most memory allocated at once during the step, above what was
   allocated before it (``torch.cuda.max_memory_allocated``, or the census).
+* compiled configurations (``Config.compiled``) on a CPU: Dynamo runs compiled code
+  eagerly while a dispatch mode such as the census is active, so their retained
+  bytes are weighed from the autograd graph instead (:func:`saved_bytes`: what the
+  compiled forward saved for its backward graph, inputs excepted); the two measures
+  agree on eager autograd (``tests/test_compile.py``). Their peak is not measured
+  (``-1``, shown as ``-``).
 * time per step: median over interleaved rounds (every configuration once per
   round, so drift of a shared machine hits them alike), and the median of the
   per-round ratios to the first configuration (the baseline).
@@ -35,7 +41,7 @@ from torch.utils.flop_counter import flop_registry
 
 from .._torch_internals import TorchDispatchMode
 
-__all__ = ["FlopCount", "Config", "Result", "LiveCensus", "live_bytes_after", "measure", "ratio", "format_table", "pareto_front", "plot", "MiB"]
+__all__ = ["FlopCount", "Config", "Result", "LiveCensus", "live_bytes_after", "saved_bytes", "measure", "ratio", "format_table", "pareto_front", "plot", "MiB"]
 
 MiB = float(1 << 20)
 Progress = Callable[[str], None]
@@ -47,6 +53,9 @@ class Config:
 
     label: str
     loss_fn: Callable[..., torch.Tensor]
+    # torch.compile'd: no dispatch mode may watch it (Dynamo would run it eagerly), so on a CPU the retained
+    # bytes are read from the autograd graph (saved_bytes) and the peak is not measured
+    compiled: bool = False
 
 
 @dataclasses.dataclass
@@ -158,6 +167,47 @@ def live_bytes_after(forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor,
         census.close()
 
 
+def saved_bytes(loss: torch.Tensor, inputs: Any = ()) -> int:
+    """Bytes of the storages that ``loss``'s autograd graph holds for the backward pass, ``inputs``' excepted.
+
+    Walks the graph from ``loss.grad_fn`` and weighs, once per storage, every tensor a
+    node saved (``_saved_*`` of torch's nodes, ``saved_tensors`` of autograd Functions,
+    which is where a ``torch.compile``'d forward keeps what its backward graph needs).
+    Storages of ``inputs`` (a pytree: arguments, parameters) are not counted, as
+    :class:`LiveCensus` does not count what existed before the forward pass. For
+    compiled code, where no dispatch mode can watch (Dynamo does not run compiled code
+    under one). Reading a saved tensor runs its unpack hook: use it only on graphs
+    without saved-tensor hooks (no eager remat, no ``save_on_cpu``).
+
+    Example:
+        >>> import torch
+        >>> from remat.bench.measure import saved_bytes
+        >>> x = torch.ones(256, requires_grad=True)
+        >>> saved_bytes(x.exp().sum(), inputs=[x])  # exp saved its 1 KiB output
+        1024
+    """
+    skip = {_ptr(t) for t in optree.tree_leaves(inputs, none_is_leaf=True) if isinstance(t, torch.Tensor)}
+    sizes: dict[int, int] = {}
+    todo, seen = [loss.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for attr in dir(node):
+            if not (attr.startswith("_saved_") or attr == "saved_tensors"):
+                continue
+            try:
+                val = getattr(node, attr)
+            except RuntimeError:  # freed, or not a tensor
+                continue
+            for t in val if isinstance(val, (tuple, list)) else (val,):
+                if isinstance(t, torch.Tensor) and (p := _ptr(t)) and p not in skip:
+                    sizes[p] = int(t.untyped_storage().nbytes())
+        todo.extend(fn for fn, _ in node.next_functions)
+    return sum(sizes.values())
+
+
 def _ptr(t: torch.Tensor) -> int:
     try:
         return int(t.untyped_storage().data_ptr())
@@ -183,6 +233,9 @@ def _step(cfg: Config, args: Sequence[Any], wrt: list[torch.Tensor]) -> None:
 
 def _memory(cfg: Config, args: Sequence[Any], wrt: list[torch.Tensor], device: torch.device) -> tuple[int, int]:
     gc.collect()
+    if cfg.compiled and device.type != "cuda":
+        loss = cfg.loss_fn(*args)
+        return saved_bytes(loss, inputs=list(args)), -1
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
@@ -268,7 +321,7 @@ def measure(configs: Sequence[Config], args: Sequence[Any], *, steps: int = 5, w
     flops: dict[str, int] = {}
     for i, c in enumerate(configs):
         say(f"[{i + 1}/{len(configs)}] {c.label}: warm-up, memory, FLOPs")
-        for _ in range(warmup):
+        for _ in range(max(warmup, 1 if c.compiled else 0)):  # the first call of a compiled one compiles
             _step(c, args, wrt)
         mem[c.label] = _memory(c, args, wrt, device)
         flops[c.label] = _backward_flops(c, args, wrt)
@@ -301,7 +354,8 @@ def format_table(rows: Sequence[Result], baseline: str | None = None) -> str:
     """An aligned text table of results."""
     base = baseline or (rows[0].label if rows else "")
     head = ["configuration", "retained MiB", "peak MiB", "ms/step", f"time vs {base}", "recomputed GFLOP"]
-    body = [[r.label, f"{r.retained_bytes / MiB:.1f}", f"{r.peak_bytes / MiB:.1f}", f"{r.time_s * 1e3:.1f}",
+    body = [[r.label, f"{r.retained_bytes / MiB:.1f}", f"{r.peak_bytes / MiB:.1f}" if r.peak_bytes >= 0 else "-",
+             f"{r.time_s * 1e3:.1f}",
              f"{r.time_ratio:.2f}x", f"{r.recomputed_flops / 1e9:.3f}"] for r in rows]
     widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
 

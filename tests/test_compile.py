@@ -1,0 +1,380 @@
+"""remat under ``torch.compile`` (NOTE [compiled remat] in ``remat/_compile.py``).
+
+Every gradient test compares the compiled model whose blocks are remat'd with the
+same model compiled without remat, same backend: ``aot_eager`` in float64 to 1e-10,
+``inductor`` in float32 at the tolerance of torch's own compile tests. A counting
+backend proves that the remat'd code was compiled (how many graphs), and the bytes
+the compiled forward keeps for the backward pass are weighed from torch's autograd
+graph (``remat.bench.measure.saved_bytes``, not remat's bookkeeping), against the
+same model compiled with ``torch.utils.checkpoint`` and selective checkpointing.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.backends.registry import lookup_backend
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import remat
+from remat import checkpoint_name, policies
+from remat._compile import CompiledPolicy
+from remat.bench.configs import TORCH_MATMULS
+from remat.bench.measure import live_bytes_after, saved_bytes
+
+from .helpers import assert_tree_close
+
+F64 = {"rtol": 1e-10, "atol": 1e-10}
+# torch's compile tests (torch._dynamo.testing / utils.same) compare float32 at 1e-4
+F32_INDUCTOR = {"rtol": 1e-4, "atol": 1e-5, "exact_float32": False}
+POLICIES: dict[str, Any] = {
+    "save-nothing": "save-nothing",
+    "save-matmuls": "save-matmuls",
+    "names": policies.save_only_these_names("attn", "act"),
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Counting:
+    """A backend that counts the graphs Dynamo hands it, then compiles them with ``backend``."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = lookup_backend(backend)
+        self.graphs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        self.graphs += 1
+        return self.backend(gm, example_inputs)
+
+
+def tiny(model: str, dtype: torch.dtype) -> tuple[Any, torch.Tensor, Callable[..., torch.Tensor]]:
+    cfg = {"transformer": {"blocks": 2, "batch": 2, "seq": 8, "d": 16, "heads": 2, "ff": 32},
+           "cnn": {"blocks": 2, "batch": 2, "channels": 4, "hw": 8}}[model]
+    from remat.bench import models
+
+    params, x, _, apply = getattr(models, f"make_{model}")(**cfg, dtype=dtype)
+    for p in params:
+        for t in p.values():
+            t.requires_grad_(True)
+    return params, x, apply
+
+
+def grads_of(fn: Callable[..., torch.Tensor], params: Any, x: torch.Tensor) -> list[torch.Tensor]:
+    wrt = [t for p in params for t in p.values()]
+    return list(torch.autograd.grad(fn(params, x), wrt))
+
+
+def wrapped(apply: Callable[..., torch.Tensor], wrap: Callable[[Any], Any]) -> Callable[..., torch.Tensor]:
+    return lambda params, x: apply(params, x, wrap)
+
+
+def remat_wrap(policy: Any) -> Callable[[Any], Any]:
+    return lambda f: remat.remat(f, policy=policy)
+
+
+def torch_wrap(selective: bool) -> Callable[[Any], Any]:
+    kw: dict[str, Any] = {"use_reentrant": False}
+    if selective:
+        kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, TORCH_MATMULS)
+    return lambda f: (lambda *a: torch.utils.checkpoint.checkpoint(f, *a, **kw))
+
+
+# ---- gradients ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("model", ["transformer", "cnn"])
+def test_aot_eager_float64_equals_compiled_without_remat(model: str, policy: str) -> None:
+    params, x, apply = tiny(model, torch.float64)
+    ref = grads_of(torch.compile(apply, backend="aot_eager", fullgraph=True), params, x)
+    be = Counting("aot_eager")
+    got = grads_of(torch.compile(wrapped(apply, remat_wrap(POLICIES[policy])), backend=be, fullgraph=True), params, x)
+    assert be.graphs == 1  # compiled, in one graph: remat is not run eagerly
+    assert_tree_close(got, ref, **F64)
+    eager = grads_of(apply, params, x)
+    assert_tree_close(got, eager, **F64)
+
+
+def mlp(W1: torch.Tensor, W2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    h = checkpoint_name(torch.tanh(x @ W1), "h")
+    return torch.sin(h @ W2) @ W2
+
+
+def test_inductor_float32_gradients_and_what_is_kept() -> None:
+    """inductor (C++ kernels on this CPU): gradients equal the compiled function without remat, and the compiled
+    forward keeps what the policy says, as torch's selective checkpointing does for the same ops."""
+    g = torch.Generator().manual_seed(0)
+    W1, W2 = (torch.randn(32, 32, generator=g, requires_grad=True) for _ in range(2))
+    x = torch.randn(16, 32, generator=g)
+    ins = (W1, W2, x)
+
+    def run(fn: Callable[..., torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+        torch._dynamo.reset()
+        be = Counting("inductor")
+        loss = torch.compile(lambda *a: fn(*a).pow(2).sum(), backend=be, fullgraph=True)(*ins)
+        assert be.graphs == 1
+        return list(torch.autograd.grad(loss, [W1, W2], retain_graph=True)), saved_bytes(loss, inputs=ins)
+
+    ref, plain = run(mlp)
+    got, matmuls = run(remat.remat(mlp, policy="save-matmuls"))
+    assert_tree_close(got, ref, **F32_INDUCTOR)
+    got, names = run(remat.remat(mlp, policy=policies.save_only_these_names("h")))
+    assert_tree_close(got, ref, **F32_INDUCTOR)
+    _, sac = run(torch_wrap(True)(mlp))
+    _, nothing = run(remat.remat(mlp, policy="save-nothing"))
+    assert nothing < matmuls == sac < plain
+    assert names - nothing == 16 * 32 * 4  # h, and nothing else
+
+
+def test_remat_called_inside_forward_with_a_policy_built_there() -> None:
+    """``remat(block, policy=policies.save_only_these_names(...))`` written inside the compiled function."""
+    params, x, apply = tiny("transformer", torch.float64)
+
+    def fn(params: Any, x: torch.Tensor) -> torch.Tensor:
+        return apply(params, x, lambda f: remat.remat(f, policy=policies.save_only_these_names("attn")))
+
+    be = Counting("aot_eager")
+    got = grads_of(torch.compile(fn, backend=be, fullgraph=True), params, x)
+    assert be.graphs == 1
+    assert_tree_close(got, grads_of(apply, params, x), **F64)
+
+
+# ---- what the compiled forward keeps --------------------------------------------------------------------------
+
+
+def kept(fn: Callable[..., torch.Tensor], params: Any, x: torch.Tensor) -> int:
+    loss = fn(params, x)
+    return saved_bytes(loss, inputs=(params, x))
+
+
+def test_the_compiled_program_keeps_what_the_policy_says() -> None:
+    """remat save-nothing keeps what torch.utils.checkpoint keeps, save-matmuls what torch's selective
+    checkpointing of the matmuls keeps, names in between; all less than no remat, measured on torch's graph."""
+    params, x, apply = tiny("transformer", torch.float32)
+
+    def compiled(wrap: Callable[[Any], Any]) -> int:
+        torch._dynamo.reset()
+        return kept(torch.compile(wrapped(apply, wrap), backend="aot_eager", fullgraph=True), params, x)
+
+    plain = compiled(lambda f: f)
+    nothing, matmuls = compiled(remat_wrap("save-nothing")), compiled(remat_wrap("save-matmuls"))
+    names = compiled(remat_wrap(policies.save_only_these_names("attn")))
+    torch_ckpt, torch_sac = compiled(torch_wrap(False)), compiled(torch_wrap(True))
+    assert nothing == torch_ckpt
+    assert matmuls == torch_sac
+    assert nothing < names < plain and nothing < matmuls < plain
+    # the attention probabilities, saved under names: batch * heads * seq * seq floats per block
+    assert names - nothing == 2 * (2 * 2 * 8 * 8) * 4
+
+
+def test_saved_bytes_agrees_with_the_live_storage_census() -> None:
+    """The two measures of retained memory, on eager autograd where both apply."""
+    params, x, apply = tiny("transformer", torch.float32)
+    _, live = live_bytes_after(lambda: apply(params, x))
+    assert abs(kept(apply, params, x) - live) < 64  # a scalar made outside any op is seen only by the graph walk
+
+
+def test_a_custom_callable_policy_is_honoured() -> None:
+    sin = torch.ops.aten.sin.default
+
+    def keep_sin(op: Any, *args: Any, **kwargs: Any) -> bool:
+        return op is sin
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x).exp().sum()
+
+    x = torch.randn(1000, dtype=torch.float64, requires_grad=True)
+    held = {}
+    for pol in ["save-nothing", keep_sin]:
+        torch._dynamo.reset()
+        fn = torch.compile(remat.remat(f, policy=pol), backend="aot_eager", fullgraph=True)
+        loss = fn(x)
+        held[pol if isinstance(pol, str) else "sin"] = saved_bytes(loss, inputs=x)
+        assert_tree_close(torch.autograd.grad(loss, x), torch.autograd.grad(f(x), x), **F64)
+    assert held["sin"] - held["save-nothing"] == 1000 * 8
+
+
+# ---- models ----------------------------------------------------------------------------------------------------
+
+
+def test_batchnorm_cnn_module_updates_running_stats_once() -> None:
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3)).double()
+
+    x = torch.randn(2, 3, 10, 10, dtype=torch.float64)
+    ref, r = net(), net()
+    remat.remat_modules(r, nn.Sequential, policy="save-matmuls")
+    be = Counting("aot_eager")
+    torch.compile(r, backend=be)(x).sum().backward()
+    torch.compile(ref, backend="aot_eager")(x).sum().backward()
+    assert be.graphs >= 1
+    assert_tree_close([p.grad for p in r.parameters()], [p.grad for p in ref.parameters()], **F64)
+    assert_tree_close(list(r.buffers()), list(ref.buffers()), **F64)
+    assert int(r[1].num_batches_tracked) == 1
+
+
+def test_gpt2_stack_compiled() -> None:
+    policy = "save-matmuls"
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).double()
+    r = copy.deepcopy(model)
+    assert remat.remat_modules(r, transformers.models.gpt2.modeling_gpt2.GPT2Block, policy=policy) == ["transformer.h.0",
+                                                                                                       "transformer.h.1"]
+    ids = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    be = Counting("aot_eager")
+    loss = torch.compile(r, backend=be)(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids).loss.backward()
+    assert be.graphs >= 1
+    assert_tree_close({k: p.grad for k, p in r.named_parameters()}, {k: p.grad for k, p in model.named_parameters()},
+                      **F64)
+
+
+# ---- graph breaks, randomness, arguments -----------------------------------------------------------------------
+
+
+def test_graph_breaks_inside_the_remat_function_are_exact(capsys: pytest.CaptureFixture[str]) -> None:
+    def block(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ W)
+        print("inside")
+        if h.sum() > 0:  # data-dependent
+            h = h * 2
+        return h @ W
+
+    W = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    for x in (torch.randn(4, 8, dtype=torch.float64), -torch.ones(4, 8, dtype=torch.float64)):
+        fn = torch.compile(lambda W, x: remat.remat(block, policy="save-matmuls")(W, x).sum(), backend="aot_eager")
+        got = torch.autograd.grad(fn(W, x), W)
+        assert_tree_close(got, torch.autograd.grad(block(W, x).sum(), W), **F64)
+    assert "inside" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls"])
+def test_dropout_recompute_sees_the_same_mask(policy: str) -> None:
+    def block(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(torch.tanh(x @ W), 0.5, training=True) @ W
+
+    W = torch.randn(16, 16, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(8, 16, dtype=torch.float64)
+    fn = torch.compile(lambda W, x: remat.remat(block, policy=policy)(W, x).sum(), backend="aot_eager", fullgraph=True)
+    ref = torch.compile(lambda W, x: block(W, x).sum(), backend="aot_eager", fullgraph=True)
+    torch.manual_seed(3)
+    got = torch.autograd.grad(fn(W, x), W)
+    torch.manual_seed(3)
+    assert_tree_close(got, torch.autograd.grad(ref(W, x), W), **F64)
+
+
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", "save-everything"])
+def test_in_place_ops_inside_the_region(policy: str) -> None:
+    """torch warns that selective checkpointing under compile wants no in-place ops; functionalization makes
+    them out-of-place copies before the policy sees them, and the gradients stay exact."""
+    def block(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = x @ W
+        h.add_(1)  # a saved matmul output written in place (the saved value is the one before the write)
+        h = torch.relu(h)
+        g = h @ W
+        g.view(-1)[::2].mul_(3)  # through a view
+        return torch.sin(g).add_(1)
+
+    W = torch.randn(16, 16, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(8, 16, dtype=torch.float64)
+    fn = torch.compile(lambda W, x: remat.remat(block, policy=policy)(W, x).pow(2).sum(), backend="aot_eager",
+                       fullgraph=True)
+    assert_tree_close(torch.autograd.grad(fn(W, x), W), torch.autograd.grad(block(W, x).pow(2).sum(), W), **F64)
+
+
+def test_static_arguments_and_keywords() -> None:
+    def block(W: torch.Tensor, x: torch.Tensor, scale: float, *, debug: bool = False) -> torch.Tensor:
+        return torch.tanh(x @ W) * scale + (1.0 if debug else 0.0)  # 'debug' is also torch checkpoint's keyword
+
+    W = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    f = remat.remat(block, static_argnums=2)
+    fn = torch.compile(lambda W, x: f(W, x, 3.0, debug=True).sum(), backend="aot_eager", fullgraph=True)
+    assert_tree_close(torch.autograd.grad(fn(W, x), W), torch.autograd.grad(block(W, x, 3.0, debug=True).sum(), W),
+                      **F64)
+
+
+def test_offload_under_compile_recomputes_with_one_warning() -> None:
+    def f(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ W) @ W
+
+    W = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    fn = torch.compile(lambda W, x: remat.remat(f, policy=policies.offload_to_cpu(min_bytes=0))(W, x).sum(),
+                       backend="aot_eager", fullgraph=True)
+    with pytest.warns(UserWarning, match="recomputes them instead") as rec:
+        got = torch.autograd.grad(fn(W, x), W)
+    assert sum("recomputes them instead" in str(w.message) for w in rec) == 1
+    assert_tree_close(got, torch.autograd.grad(f(W, x).sum(), W), **F64)
+
+
+# ---- remat(torch.compile(f)) ---------------------------------------------------------------------------------
+
+
+def test_remat_of_a_compiled_function_raises_with_the_fix() -> None:
+    compiled = torch.compile(lambda x: x.sin(), backend="aot_eager")
+    with pytest.raises(TypeError, match=r"torch\.compile\(remat\(f, policy=\.\.\.\)\)"):
+        remat.remat(compiled)
+    module = torch.compile(nn.Linear(2, 2), backend="aot_eager")
+    with pytest.raises(TypeError, match="was compiled by torch.compile"):
+        remat.remat(module)
+    with pytest.raises(TypeError, match="was compiled by torch.compile"):
+        remat.remat_module(module)
+
+
+def test_remat_modules_on_a_compiled_model_rematerializes_its_blocks() -> None:
+    """remat_modules(torch.compile(model), Block): the blocks are the original model's, compiled with it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)), nn.Tanh()).double()
+    ref = copy.deepcopy(model)
+    be = Counting("aot_eager")
+    compiled = torch.compile(model, backend=be)
+    assert remat.remat_modules(compiled, lambda name, m: name == "_orig_mod.0") == ["_orig_mod.0"]
+    x = torch.randn(4, 8, dtype=torch.float64)
+    loss = compiled(x).pow(2).sum()
+    assert be.graphs == 1
+    assert saved_bytes(loss, inputs=(list(model.parameters()), x)) < saved_bytes(ref(x).pow(2).sum(),
+                                                                                  inputs=(list(ref.parameters()), x))
+    loss.backward()
+    ref(x).pow(2).sum().backward()
+    assert_tree_close([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()], **F64)
+
+
+# ---- the translated policy -----------------------------------------------------------------------------------
+
+
+def test_compiled_policy_translates_decisions() -> None:
+    mm, sin = torch.ops.aten.mm.default, torch.ops.aten.sin.default
+    a = torch.ones(2, 2)
+    assert CompiledPolicy(policies.dots_saveable)(None, mm, a, a) is CheckpointPolicy.MUST_SAVE
+    assert CompiledPolicy(policies.dots_saveable)(None, sin, a) is CheckpointPolicy.PREFER_RECOMPUTE
+    assert CompiledPolicy(policies.everything_saveable)(None, sin, a) is CheckpointPolicy.MUST_SAVE
+    with pytest.raises(remat.RematError, match="returned 'yes'"):
+        CompiledPolicy(lambda op, *a, **k: "yes")(None, sin, a)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert CompiledPolicy(policies.nothing_saveable)(None, mm, a, a) is CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_checkpoint_name_outside_compile_and_remat_is_the_value() -> None:
+    x = torch.randn(3)
+    assert checkpoint_name(x, "a") is x
