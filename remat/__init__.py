@@ -22,10 +22,11 @@ from ._module import remat_modules as remat_modules
 from ._module import unremat_module as unremat_module
 from ._module import unremat_modules as unremat_modules
 from ._naming import checkpoint_name as checkpoint_name
+from ._sequential import sequential as sequential
 from ._transform import checkpoint as checkpoint
 from ._transform import remat as remat
 
 __all__ = ["remat", "checkpoint", "checkpoint_name", "remat_module", "remat_modules", "unremat_module",
-           "unremat_modules", "policies", "offload", "RematError", "saved_residuals",
+           "unremat_modules", "sequential", "policies", "offload", "RematError", "saved_residuals",
            "print_saved_residuals", "format_saved_residuals", "SavedResidual", "memory_report", "MemoryReport"]
 __version__ = "0.1.0"

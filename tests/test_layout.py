@@ -23,7 +23,7 @@ FLOORS = [
     {"_fastpath"},
     {"_hooks"},
     {"_transform"},
-    {"_module", "_inspect", "bench.configs"},
+    {"_module", "_inspect", "_sequential", "bench.configs"},
     {"__init__", "bench.__main__"},
 ]
 

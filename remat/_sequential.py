@@ -1,0 +1,340 @@
+"""``remat.sequential``: checkpoint a chain of blocks in segments, chosen equal or to fit a byte budget.
+
+NOTE [chain schedules]: a chain ``x -> b_0 -> b_1 -> ... -> b_{n-1}`` is cut into
+contiguous segments. A remat'd segment keeps only its input between the forward
+and the backward pass; the backward pass recomputes it (under ``policy``) and then
+holds its activations while it runs through it. A plain segment keeps its
+activations from the forward pass. With ``a_i`` the bytes block ``i`` allocates
+(its activations, its output included), ``in_s`` the bytes of a segment's input
+and ``c_i`` its FLOPs, a schedule costs
+
+* memory: ``persistent + max transient``, where ``persistent`` is the sum over
+  remat'd segments of ``in_s`` (nothing for the chain's own input) plus the sum of
+  ``a_i`` over plain blocks, and ``transient`` is a remat'd segment's ``sum a_i``
+  (an upper bound: the segment's input is counted in both);
+* recompute: the sum of ``c_i`` over remat'd blocks.
+
+``segments=k`` cuts ``k`` equal segments and runs the last one plain, as
+``torch.utils.checkpoint.checkpoint_sequential`` does (its activations are the
+first the backward pass needs: recomputing them would cost time and save no
+peak). ``budget=`` solves for the least recompute under the memory bound above,
+exactly, by dynamic programming over segment ends with Pareto sets of
+(persistent bytes, recompute) for every candidate ``max transient``
+(:func:`solve`, checked against brute force in ``tests/test_sequential.py``).
+The sizes and FLOPs are measured on the first call of each input signature,
+which runs every block remat'd alone (the schedule with the least memory):
+``a_i`` is what autograd would have kept for block ``i`` (the tensors remat drops,
+and the block's input if it saves it, seen through the engine's observer interface
+``_context.INSPECTOR``), and a dispatch mode around each block counts its FLOPs with torch's
+formulas. No block runs twice in a forward pass, so module state (BatchNorm's
+running statistics) is written once. The solved schedule is
+cached per signature and used from the second call on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+from torch.utils.flop_counter import flop_registry
+
+from . import _torch_internals as ti
+from ._context import INSPECTOR, internal
+from ._transform import remat
+
+__all__ = ["sequential", "Sequential", "Schedule", "solve", "equal_segments"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Segments ``(start, end, rematted)`` covering the chain, and what the cost model predicts for them."""
+
+    segments: tuple[tuple[int, int, bool], ...]
+    memory: int = 0  # predicted bytes: persistent + max transient
+    recompute: float = 0.0  # predicted FLOPs recomputed
+
+    def __str__(self) -> str:
+        parts = [f"{'remat' if r else 'plain'}[{s}:{e}]" for s, e, r in self.segments]
+        return " ".join(parts)
+
+
+def equal_segments(n: int, k: int) -> Schedule:
+    """``k`` contiguous segments of ``n`` blocks, as equal as possible; all remat'd but the last.
+
+    Example:
+        >>> from remat._sequential import equal_segments
+        >>> str(equal_segments(5, 2))
+        'remat[0:3] plain[3:5]'
+    """
+    if not 1 <= k:
+        raise ValueError(f"remat.sequential: segments must be a positive int, got {k}")
+    k = min(k, n)
+    bounds = [round(i * n / k) for i in range(k + 1)]
+    return Schedule(tuple((bounds[i], bounds[i + 1], i < k - 1) for i in range(k)))
+
+
+def cost(schedule: Schedule, act: Sequence[int], inp: Sequence[int], flops: Sequence[float]) -> tuple[int, float]:
+    """(memory, recompute) of ``schedule`` under the cost model of NOTE [chain schedules]."""
+    persistent, transient, recompute = 0, 0, 0.0
+    for s, e, rematted in schedule.segments:
+        if rematted:
+            persistent += inp[s] if s > 0 else 0
+            transient = max(transient, sum(act[s:e]))
+            recompute += sum(flops[s:e])
+        else:
+            persistent += sum(act[s:e])
+    return persistent + transient, recompute
+
+
+def solve(act: Sequence[int], inp: Sequence[int], flops: Sequence[float], budget: int) -> Schedule | None:
+    """The schedule with the least recompute whose memory (NOTE [chain schedules]) is at most ``budget``.
+
+    ``act[i]``: bytes block ``i`` allocates; ``inp[i]``: bytes of its input; ``flops[i]``: its cost.
+    None when no schedule fits (not even every block remat'd alone).
+
+    Example:
+        >>> from remat._sequential import solve
+        >>> str(solve(act=[10, 10, 10, 10], inp=[1, 1, 1, 1], flops=[1, 1, 1, 1], budget=22))
+        'remat[0:1] remat[1:2] remat[2:3] plain[3:4]'
+    """
+    n = len(act)
+    pre_a = [0, *itertools.accumulate(act)]
+    pre_c = [0.0, *itertools.accumulate(flops)]
+    best: tuple[float, int, tuple[tuple[int, int, bool], ...]] | None = None
+    transients = sorted({pre_a[e] - pre_a[s] for s in range(n) for e in range(s + 1, n + 1)} | {0})
+    for t in transients:
+        if t > budget:
+            break
+        room = budget - t
+        # front[i]: Pareto set {persistent: (recompute, segments)} over schedules of blocks [0, i)
+        front: list[dict[int, tuple[float, tuple[tuple[int, int, bool], ...]]]] = [{} for _ in range(n + 1)]
+        front[0][0] = (0.0, ())
+        for e in range(1, n + 1):
+            cand: dict[int, tuple[float, tuple[tuple[int, int, bool], ...]]] = {}
+
+            def offer(p: int, c: float, segs: tuple[tuple[int, int, bool], ...]) -> None:
+                if p <= room and (p not in cand or c < cand[p][0]):  # noqa: B023
+                    cand[p] = (c, segs)  # noqa: B023
+
+            for p, (c, segs) in front[e - 1].items():  # block e-1 plain
+                offer(p + act[e - 1], c, (*segs, (e - 1, e, False)))
+            for s in range(e):  # blocks [s, e) one remat'd segment
+                if pre_a[e] - pre_a[s] > t:
+                    continue
+                keep = inp[s] if s > 0 else 0
+                for p, (c, segs) in front[s].items():
+                    offer(p + keep, c + pre_c[e] - pre_c[s], (*segs, (s, e, True)))
+            pareto, low = {}, math.inf
+            for p in sorted(cand):
+                if cand[p][0] < low:
+                    pareto[p] = cand[p]
+                    low = cand[p][0]
+            front[e] = pareto
+        for p, (c, segs) in front[n].items():
+            if best is None or (c, p + t) < (best[0], best[1]):
+                best = (c, p + t, segs)
+    if best is None:
+        return None
+    return Schedule(best[2], memory=best[1], recompute=best[0])
+
+
+class _Flops(ti.TorchDispatchMode):
+    """FLOPs of the ops run while active (torch's formulas: matmuls, convolutions, attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0.0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.flops += float(formula(*args, **kwargs, out_val=out))
+        return out
+
+
+class _Kept:
+    """An observer of the engine (``INSPECTOR``): bytes of the storages a block makes autograd keep.
+
+    What remat drops (autograd would have kept it) and the block's input if an op of the block saves
+    it; parameters and storages counted for an earlier block (``seen``, shared along the chain) are not."""
+
+    def __init__(self, block_input: Any, seen: set[int]) -> None:
+        self.bytes = 0
+        self._seen = seen
+        self._input = {_ptr(t) for t in optree.tree_leaves(block_input, none_is_leaf=True)
+                       if isinstance(t, torch.Tensor)}
+
+    def on_save(self, t: torch.Tensor, decision: str, frame: Any) -> None:
+        with internal():
+            s = ti.unwrap_all(t).untyped_storage()
+            p = s.data_ptr()
+            if (decision == "recomputed" or p in self._input) and p not in self._seen:
+                self._seen.add(p)
+                self.bytes += int(s.nbytes())
+
+
+def _ptr(t: torch.Tensor) -> int:
+    with internal():
+        try:
+            return int(ti.unwrap_all(t).untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):
+            return 0
+
+
+def _nbytes(x: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in optree.tree_leaves(x, none_is_leaf=True)
+               if isinstance(t, torch.Tensor))
+
+
+class _Segment:
+    """Blocks ``[start, end)`` run one after the other (what a remat'd segment wraps)."""
+
+    def __init__(self, blocks: Sequence[Callable[[Any], Any]]) -> None:
+        self.blocks = list(blocks)
+
+    def __call__(self, x: Any) -> Any:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class Sequential:
+    """What :func:`sequential` returns: call it on the chain's input."""
+
+    def __init__(self, blocks: Sequence[Callable[[Any], Any]], segments: int | None, budget: int | float | None,
+                 policy: Any) -> None:
+        self.blocks = list(blocks)
+        self.segments = segments
+        self.budget = budget
+        self.policy = policy
+        self.solves = 0  # how many times a budget was solved (once per input signature)
+        self._schedules: dict[Any, Schedule] = {}
+        self._runs: dict[tuple[int, int], Any] = {}
+
+    def _key(self, x: Any) -> Any:
+        return tuple((tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else t
+                     for t in optree.tree_leaves(x, none_is_leaf=True))
+
+    def schedule(self, x: Any) -> Schedule | None:
+        """The schedule for input ``x``: equal segments, or under a budget the one solved on the first call
+        with this input signature (None before that call)."""
+        n = len(self.blocks)
+        if self.budget is None:
+            return equal_segments(n, self.segments or math.isqrt(n - 1) + 1)
+        return self._schedules.get(self._key(x))
+
+    def _run(self, s: int, e: int) -> Any:
+        run = self._runs.get((s, e))
+        if run is None:
+            run = self._runs[(s, e)] = remat(_Segment(self.blocks[s:e]), policy=self.policy)
+        return run
+
+    def _first_call(self, x: Any, key: Any) -> Any:
+        """Every block remat'd alone, each weighed (NOTE [chain schedules]); then solve the budget."""
+        n = len(self.blocks)
+        act, inp, flops = [], [], []
+        seen = {_ptr(t) for t in optree.tree_leaves(x, none_is_leaf=True) if isinstance(t, torch.Tensor)}
+        for i in range(n):
+            inp.append(_nbytes(x))
+            kept = _Kept(x, seen)
+            tok = INSPECTOR.set(kept)
+            try:
+                with _Flops() as w:
+                    x = self._run(i, i + 1)(x)
+            finally:
+                INSPECTOR.reset(tok)
+            act.append(kept.bytes)
+            flops.append(w.flops)
+        assert self.budget is not None
+        budget = int(self.budget * sum(act)) if isinstance(self.budget, float) else int(self.budget)
+        found = solve(act, inp, flops, budget)
+        self.solves += 1
+        if found is None:
+            least, _ = cost(Schedule(tuple((i, i + 1, True) for i in range(n))), act, inp, flops)
+            raise ValueError(
+                f"remat.sequential: no schedule of these {n} blocks fits budget={self.budget!r} ({budget} bytes); "
+                f"the least any schedule needs is {least} bytes (every block remat'd alone, by the cost model). "
+                "Raise the budget, or split the blocks finer."
+            )
+        self._schedules[key] = found
+        return x
+
+    def __call__(self, x: Any) -> Any:
+        sched = self.schedule(x)
+        if sched is None:
+            return self._first_call(x, self._key(x))
+        for s, e, rematted in sched.segments:
+            if rematted:
+                x = self._run(s, e)(x)
+            else:
+                for b in self.blocks[s:e]:
+                    x = b(x)
+        return x
+
+    def __repr__(self) -> str:
+        how = f"budget={self.budget!r}" if self.budget is not None else f"segments={self.segments}"
+        return f"remat.sequential({len(self.blocks)} blocks, {how})"
+
+
+def sequential(blocks: Sequence[Callable[[Any], Any]], *, segments: int | None = None,
+               budget: int | float | None = None, policy: Any = None) -> Sequential:
+    """Rematerialize a chain of blocks ``x -> x`` in segments: equal ones, or the fewest recomputes under a budget.
+
+    ``remat.sequential(blocks)(x)`` runs ``blocks[0]`` to ``blocks[-1]`` on ``x``,
+    with the same results and gradients as the plain loop, and keeps less between
+    the forward and the backward pass: only the inputs of remat'd segments
+    (and what ``policy`` saves inside them). With neither ``segments`` nor
+    ``budget``, ``ceil(sqrt(n))`` equal segments (memory grows like ``sqrt(n)``).
+    With ``budget``, the schedule with the least recomputed FLOPs whose predicted
+    memory fits (NOTE [chain schedules] in ``remat/_sequential.py``), solved on the
+    first call of each input signature and cached. Works under plain autograd and
+    the ``torch.func`` transforms, like :func:`remat`.
+
+    Args:
+        blocks: functions or modules, each mapping the chain's value (a tensor or
+            pytree) to the next.
+        segments: cut into this many equal segments; the last runs without remat,
+            as in ``torch.utils.checkpoint.checkpoint_sequential``.
+        budget: bytes (int), or a fraction (float in [0, 1]) of what the chain
+            allocates without remat, for activations kept between forward and
+            backward plus the largest recompute.
+        policy: the policy inside remat'd segments (default: save nothing).
+
+    Returns:
+        A callable :class:`Sequential`; ``.schedule(x)`` shows the schedule.
+
+    Raises:
+        ValueError: both ``segments`` and ``budget``, a bad value, or a budget no
+            schedule fits.
+
+    Example:
+        >>> import torch, remat
+        >>> blocks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(9)]
+        >>> chain = remat.sequential(blocks)
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> chain(x).sum().backward()
+        >>> str(chain.schedule(x))
+        'remat[0:3] remat[3:6] plain[6:9]'
+    """
+    blocks = list(blocks)
+    if not blocks or not all(callable(b) for b in blocks):
+        raise TypeError(f"remat.sequential: blocks must be a non-empty sequence of callables, got {blocks!r}")
+    if segments is not None and budget is not None:
+        raise ValueError("remat.sequential: pass segments or budget, not both")
+    if segments is not None and (not isinstance(segments, int) or isinstance(segments, bool) or segments < 1):
+        raise ValueError(f"remat.sequential: segments must be a positive int, got {segments!r}")
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+            raise TypeError(f"remat.sequential: budget must be bytes (int) or a fraction (float), got {budget!r}")
+        if isinstance(budget, float) and not 0.0 <= budget <= 1.0:
+            raise ValueError(f"remat.sequential: a fractional budget must be in [0, 1], got {budget}")
+        if isinstance(budget, int) and budget < 0:
+            raise ValueError(f"remat.sequential: budget must be >= 0 bytes, got {budget}")
+    return Sequential(blocks, segments, budget, policy)

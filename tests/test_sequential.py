@@ -1,0 +1,184 @@
+"""``remat.sequential``: chains of blocks in equal segments or under a byte budget (NOTE [chain schedules]).
+
+Gradients are compared with the plain loop over the blocks (float64 to 1e-10, float32 bitwise), under
+autograd and ``torch.func.grad``; the solver is compared with brute force on small chains; what a
+schedule keeps is measured from outside (``live_bytes_after``) and its recompute with a FLOP counter.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import random
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat._sequential import Schedule, cost, equal_segments, solve
+from remat.bench.measure import FlopCount, live_bytes_after
+
+from .helpers import assert_tree_close
+
+F64 = {"rtol": 1e-10, "atol": 1e-10}
+
+
+def all_schedules(n: int) -> list[Schedule]:
+    """Every cut of n blocks into segments, each remat'd or (one block at a time) plain."""
+    out = []
+    for cuts in itertools.product([False, True], repeat=n - 1):
+        bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [n]
+        segs = list(zip(bounds, bounds[1:]))
+        for flags in itertools.product([False, True], repeat=len(segs)):
+            if any(not f and e - s > 1 for (s, e), f in zip(segs, flags)):
+                continue
+            out.append(Schedule(tuple((s, e, f) for (s, e), f in zip(segs, flags))))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_solver_matches_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    n = rng.randint(1, 7)
+    act = [rng.randint(1, 50) for _ in range(n)]
+    inp = [rng.randint(1, 10) for _ in range(n)]
+    flops = [float(rng.randint(1, 20)) for _ in range(n)]
+    scheds = all_schedules(n)
+    for budget in sorted({rng.randint(0, sum(act) + 10) for _ in range(6)} | {0, sum(act)}):
+        fits = [(cost(s, act, inp, flops)[1], s) for s in scheds if cost(s, act, inp, flops)[0] <= budget]
+        got = solve(act, inp, flops, budget)
+        if not fits:
+            assert got is None
+            continue
+        assert got is not None
+        mem, rec = cost(got, act, inp, flops)
+        assert mem <= budget and (mem, rec) == (got.memory, got.recompute)
+        assert rec == min(c for c, _ in fits)
+
+
+def test_equal_segments_and_the_sqrt_default() -> None:
+    assert str(equal_segments(9, 3)) == "remat[0:3] remat[3:6] plain[6:9]"
+    assert str(equal_segments(4, 9)) == "remat[0:1] remat[1:2] remat[2:3] plain[3:4]"
+    blocks = [nn.Linear(2, 2) for _ in range(10)]
+    assert str(remat.sequential(blocks).schedule(torch.ones(1, 2))) == \
+        "remat[0:2] remat[2:5] remat[5:8] plain[8:10]"  # ceil(sqrt(10)) = 4 segments
+
+
+def chain(n: int = 6, d: int = 16, dtype: torch.dtype = torch.float64, seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return [nn.Sequential(nn.Linear(d, 4 * d), nn.Tanh(), nn.Linear(4 * d, d), nn.Tanh()).to(dtype) for _ in range(n)]
+
+
+def plain(blocks: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for b in blocks:
+        x = b(x)
+    return x
+
+
+def grads(blocks: list[nn.Module], fn: Any, x: torch.Tensor) -> list[torch.Tensor]:
+    params = [p for b in blocks for p in b.parameters()]
+    return list(torch.autograd.grad(fn(x).pow(2).sum(), [x, *params]))
+
+
+@pytest.mark.parametrize("how", [{}, {"segments": 2}, {"budget": 0.5}, {"budget": 1.0}, {"budget": 0.0001}])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_gradients_equal_the_plain_loop(how: dict[str, Any], dtype: torch.dtype) -> None:
+    blocks = chain(dtype=dtype)
+    x = torch.randn(8, 16, dtype=dtype, requires_grad=True)
+    ref = grads(blocks, functools.partial(plain, blocks), x)
+    if how.get("budget") == 0.0001:
+        with pytest.raises(ValueError, match="no schedule of these 6 blocks fits"):
+            remat.sequential(blocks, **how)(x)
+        return
+    seq = remat.sequential(blocks, **how)
+    for _ in range(2):  # the first call (measuring) and a call on the solved schedule
+        got = grads(blocks, seq, x)
+        if dtype == torch.float32:
+            assert all(torch.equal(a, b) for a, b in zip(got, ref))
+        else:
+            assert_tree_close(got, ref, **F64)
+
+
+@pytest.mark.parametrize("how", [{"segments": 3}, {"budget": 0.5}])
+def test_under_torch_func_grad(how: dict[str, Any]) -> None:
+    blocks = chain()
+    params = {f"{i}.{k}": v.detach() for i, b in enumerate(blocks) for k, v in b.named_parameters()}
+    x = torch.randn(8, 16, dtype=torch.float64)
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor, use: bool) -> torch.Tensor:
+        fs = [functools.partial(torch.func.functional_call, b, {k.split(".", 1)[1]: v for k, v in p.items()
+                                                                if k.split(".", 1)[0] == str(i)})
+              for i, b in enumerate(blocks)]
+        h = remat.sequential(fs, **how)(x) if use else plain(fs, x)  # type: ignore[arg-type]
+        return h.pow(2).sum()
+
+    got = torch.func.grad(loss)(params, x, True)
+    assert_tree_close(got, torch.func.grad(loss)(params, x, False), **F64)
+
+
+def backward_flops(fn: Any, x: torch.Tensor, blocks: list[nn.Module]) -> int:
+    loss = fn(x).pow(2).sum()
+    with FlopCount() as fc:
+        torch.autograd.grad(loss, [x, *[p for b in blocks for p in b.parameters()]])
+    return fc.total
+
+
+def test_budget_is_honoured_and_recompute_is_as_predicted() -> None:
+    """Measured from outside: bytes kept after the forward pass fall with the budget and stay within it; the
+    backward pass recomputes the FLOPs the schedule predicts."""
+    blocks = chain(n=8, d=32, dtype=torch.float32)
+    x = torch.randn(64, 32, requires_grad=True)
+    _, full = live_bytes_after(lambda: plain(blocks, x).pow(2).sum())
+    base = backward_flops(functools.partial(plain, blocks), x, blocks)
+    kept = []
+    for frac in (1.0, 0.7, 0.5, 0.35):
+        seq = remat.sequential(blocks, budget=frac)
+        seq(x)  # first call: measures and solves
+        sched = seq.schedule(x)
+        assert sched is not None and sched.memory <= int(frac * full) + 1024
+        _, held = live_bytes_after(lambda: seq(x).pow(2).sum())  # noqa: B023
+        kept.append(held)
+        assert held <= max(frac * full, sched.memory) + 64 * 1024  # the loss's own saves: x * x
+        assert backward_flops(seq, x, blocks) - base == pytest.approx(sched.recompute, rel=0.01)
+    assert kept == sorted(kept, reverse=True) and kept[-1] < kept[0] / 2
+
+
+def test_schedule_is_solved_once_per_input_signature() -> None:
+    blocks = chain(n=4)
+    seq = remat.sequential(blocks, budget=0.5)
+    for _ in range(3):
+        seq(torch.randn(8, 16, dtype=torch.float64, requires_grad=True)).sum().backward()
+    assert seq.solves == 1
+    seq(torch.randn(4, 16, dtype=torch.float64, requires_grad=True)).sum().backward()
+    assert seq.solves == 2
+
+
+def test_batchnorm_statistics_written_once_per_call() -> None:
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh()).double() for _ in range(4)]
+    ref = copy.deepcopy(blocks)
+    seq = remat.sequential(blocks, budget=0.75)
+    x = torch.randn(16, 8, dtype=torch.float64)
+    for _ in range(2):
+        seq(x).sum().backward()
+        plain(ref, x).sum().backward()
+    assert_tree_close([b for m in blocks for b in m.buffers()], [b for m in ref for b in m.buffers()], **F64)
+    assert_tree_close([p.grad for m in blocks for p in m.parameters()], [p.grad for m in ref for p in m.parameters()],
+                      **F64)
+
+
+def test_bad_arguments() -> None:
+    blocks = [nn.Linear(2, 2)]
+    with pytest.raises(ValueError, match="segments or budget, not both"):
+        remat.sequential(blocks, segments=2, budget=0.5)
+    with pytest.raises(ValueError, match="segments must be a positive int"):
+        remat.sequential(blocks, segments=0)
+    with pytest.raises(ValueError, match=r"fractional budget must be in \[0, 1\]"):
+        remat.sequential(blocks, budget=1.5)
+    with pytest.raises(TypeError, match="budget must be bytes"):
+        remat.sequential(blocks, budget="1GB")
+    with pytest.raises(TypeError, match="non-empty sequence of callables"):
+        remat.sequential([])
