@@ -69,7 +69,7 @@ def equal_segments(n: int, k: int) -> Schedule:
     Example:
         >>> from remat._sequential import equal_segments
         >>> str(equal_segments(5, 2))
-        'remat[0:3] plain[3:5]'
+        'remat[0:2] plain[2:5]'
     """
     if not 1 <= k:
         raise ValueError(f"remat.sequential: segments must be a positive int, got {k}")
