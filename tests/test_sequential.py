@@ -182,3 +182,17 @@ def test_bad_arguments() -> None:
         remat.sequential(blocks, budget="1GB")
     with pytest.raises(TypeError, match="non-empty sequence of callables"):
         remat.sequential([])
+
+
+def test_chain_budget_benchmark_runs() -> None:
+    """benchmarks/chain_budget.py (docs/budgets.md) runs on a short chain and prints every configuration."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "chain_budget.py"), "--blocks", "4", "--budgets",
+                        "0.8,1.0", "--steps", "1", "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    for label in ("no-remat", "budget 80%", "budget 100%", "equal 2 segments", "checkpoint_sequential(2)"):
+        assert label in r.stdout
