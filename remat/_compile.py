@@ -38,10 +38,13 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from . import _torch_internals as ti
+from ._context import COMPILED_REGIONS
+from ._errors import RematError
 from ._naming import checkpoint_name
 from ._policies import Offloadable, Saveable, decide_explicit
 
@@ -68,13 +71,30 @@ class CompiledPolicy:
 
     def __init__(self, policy: Callable[..., Any]) -> None:
         self.policy = policy
+        # NOTE [writes in a compiled region]: tensors by id (held, so that ids stay unique while tracing)
+        self._keep: dict[int, Any] = {}
+        self._fresh: set[int] = set()  # made inside the region (not views of its inputs)
+        self._root: dict[int, int] = {}  # a view of an input, or a name of it -> the input
+        self._readers: dict[int, set[int]] = {}  # input -> the calls that read it
+        self._written: set[int] = set()  # inputs written in place
+        self._names: set[int] = set()  # checkpoint_name outputs (copies here, aliases in eager mode)
+        self._calls = 0
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        schema = getattr(op, "_schema", None)
+        if not getattr(ctx, "is_recompute", False):  # (eager selective checkpointing recomputes after a graph break)
+            self._check_writes(ctx, op, schema, args, kwargs)
+            self._note_output(ctx, op, schema, args)
+        if schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+            # an op that writes in place keeps its output (the tensor it wrote: for an input, saving costs
+            # nothing), so that an eager recompute after a graph break replays it instead of writing again
+            # (BatchNorm's statistics would be updated twice)
+            return CheckpointPolicy.MUST_SAVE
         name = ti.annotated_name() if op in _NAME_OPS else None
         if name is not None:
-            decision, _ = decide_explicit(self.policy, checkpoint_name, args[:1], {"name": name})
+            decision, _ = decide_explicit(_Concrete(self.policy), checkpoint_name, args[:1], {"name": name})
         else:
-            decision, _ = decide_explicit(self.policy, op, args, kwargs)
+            decision, _ = decide_explicit(_Concrete(self.policy), op, args, kwargs)
         if decision is Saveable:
             return CheckpointPolicy.MUST_SAVE
         if isinstance(decision, Offloadable) and repr(self.policy) not in _WARNED:
@@ -86,8 +106,96 @@ class CompiledPolicy:
                 "that saves or recomputes.", stacklevel=2)
         return CheckpointPolicy.PREFER_RECOMPUTE
 
+    def _note_output(self, ctx: Any, op: Any, schema: Any, args: tuple[Any, ...]) -> None:
+        out = getattr(ctx, "op_output", None)  # torch >= 2.13 hands the policy the op's output
+        if out is None:
+            return
+        is_view = schema is not None and any(r.alias_info is not None for r in schema.returns)
+        base = args[0] if is_view and args and isinstance(args[0], torch.Tensor) else None
+        named = op in _NAME_OPS and ti.annotated_name() is not None
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(t, torch.Tensor) or id(t) in self._keep:
+                continue
+            self._keep[id(t)] = t
+            if named:
+                self._names.add(id(t))
+            if base is not None and id(base) in self._names:
+                self._names.add(id(t))  # a view of a name
+            elif base is not None and id(base) not in self._fresh:
+                self._root[id(t)] = self._root_of(base)  # a view of an input
+            else:
+                self._fresh.add(id(t))
+
+    def _root_of(self, t: Any) -> int:
+        self._keep[id(t)] = t
+        return self._root.get(id(t), id(t))
+
+    def _check_writes(self, ctx: Any, op: Any, schema: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """NOTE [writes in a compiled region]: torch's compiled checkpoint region recomputes from its inputs as
+        they are when the backward pass runs, so a value computed from an input (an argument, a closed-over
+        tensor, a module buffer) that the region also writes in place is recomputed from the written value:
+        wrong gradients without an error. So an input written in the region may be read by no other op of the
+        region, through any view (BatchNorm's running statistics, read and written by the one op that updates
+        them, pass); the op that breaks the rule raises. On a torch whose policy hook does not see op outputs
+        (< 2.13), views cannot be followed, and every write to a tensor raises."""
+        self._calls += 1
+        known = hasattr(ctx, "op_output")
+        writes = set()
+        for i, a in enumerate(schema.arguments if schema is not None else ()):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            t = args[i] if i < len(args) else kwargs.get(a.name)
+            if isinstance(t, torch.Tensor) and id(t) in self._names:
+                raise RematError(
+                    f"remat: {op} inside a remat'd function under torch.compile writes in place into a value "
+                    "returned by checkpoint_name, which is a copy under torch.compile (an alias in eager mode): "
+                    "the write would not reach the named tensor. Write out of place, or write before naming.")
+            if isinstance(t, torch.Tensor) and id(t) not in self._fresh:
+                if not known:
+                    self._refuse(op, f"a tensor (on torch {torch.__version__} remat cannot tell whether the "
+                                     "region made it; torch >= 2.13 can)")
+                writes.add(self._root_of(t))
+        tree: Any = (args, kwargs)
+        reads = {self._root_of(t) for t in optree.tree_leaves(tree, none_is_leaf=True)
+                 if isinstance(t, torch.Tensor) and id(t) not in self._fresh}
+        for r in writes:
+            if self._readers.get(r, {self._calls}) != {self._calls}:
+                self._refuse(op, "an input of the region that another op of the region reads")
+            if r in self._written:
+                self._refuse(op, "an input of the region that another op of the region writes")
+            self._written.add(r)
+        for r in reads:
+            if r in self._written and r not in writes:
+                self._refuse(op, "", read=True)
+            self._readers.setdefault(r, set()).add(self._calls)
+
+    def _refuse(self, op: Any, what: str, read: bool = False) -> None:
+        head = (f"remat: {op} inside a remat'd function under torch.compile reads an input of the region that "
+                "another op of the region writes in place" if read else
+                f"remat: {op} inside a remat'd function under torch.compile writes in place into {what}")
+        raise RematError(
+            f"{head} (an argument, a closed-over tensor or a module buffer); torch's compiled checkpoint region "
+            "would recompute from the written value and give wrong gradients. Write it out of place "
+            "(y = x * 2 instead of x.mul_(2)), or keep the write outside the remat'd function."
+        )
+
     def __repr__(self) -> str:
         return f"CompiledPolicy({self.policy!r})"
+
+
+class _Concrete:
+    """The policy, with symbolic booleans (a shape comparison under dynamic shapes) made concrete."""
+
+    def __init__(self, policy: Callable[..., Any]) -> None:
+        self.policy = policy
+        self.__name__ = getattr(policy, "__name__", repr(policy))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.policy(*args, **kwargs)
+        return bool(out) if isinstance(out, torch.SymBool) else out
+
+    def __repr__(self) -> str:
+        return repr(self.policy)
 
 
 def _contexts(spec: Any) -> Any:
@@ -139,5 +247,9 @@ def compiled_call(fn: Callable[..., Any], ctx_fn: Callable[[], Any], preserve_rn
     if kwargs and not _CHECKPOINT_KWARGS.isdisjoint(kwargs):
         fn = functools.partial(fn, **kwargs)  # names torch.utils.checkpoint would take as its own
         kwargs = {}
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=ctx_fn,
-                                             preserve_rng_state=preserve_rng, **kwargs)
+    COMPILED_REGIONS[0] += 1
+    try:
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=ctx_fn,
+                                                 preserve_rng_state=preserve_rng, **kwargs)
+    finally:
+        COMPILED_REGIONS[0] -= 1

@@ -27,12 +27,16 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["INTERNAL", "PENDING_NAME", "NAMING", "INSPECTOR", "internal", "naming", "active_context", "activated"]
+__all__ = ["INTERNAL", "PENDING_NAME", "NAMING", "INSPECTOR", "COMPILED_REGIONS", "internal", "naming", "active_context", "activated"]
 
 INTERNAL: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_internal", default=False)
 PENDING_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("remat_name", default=None)
 NAMING: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_naming", default=False)
 INSPECTOR: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_inspector", default=None)
+# How many remat calls Dynamo is tracing into torch's checkpoint region right now (NOTE [compiled remat] in
+# _compile.py): checkpoint_name tags only inside one. A list, not a ContextVar: Dynamo traces a list's
+# mutation as a side effect of the trace, and reads the new value inside the region it speculates.
+COMPILED_REGIONS: list[int] = [0]
 _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_active", default=None)
 
 

@@ -9,7 +9,7 @@ import optree
 import torch
 
 from . import _torch_internals as ti
-from ._context import INSPECTOR, NAMING, PENDING_NAME, active_context
+from ._context import COMPILED_REGIONS, INSPECTOR, NAMING, PENDING_NAME, active_context
 
 __all__ = ["checkpoint_name"]
 
@@ -50,6 +50,8 @@ def checkpoint_name(x: T, name: str) -> T:
     if not isinstance(name, str):
         raise TypeError(f"checkpoint_name: name must be a string, got {name!r} ({type(name).__name__})")
     if ti.is_compiling():
+        if not COMPILED_REGIONS[0]:
+            return x  # compiled code outside a remat'd function: nothing to tag, as in eager mode
         return optree.tree_map(functools.partial(_annotated_alias, name), x,  # type: ignore[arg-type,return-value]
                                none_is_leaf=True)
     if active_context() is None and INSPECTOR.get() is None and not NAMING.get():
@@ -72,6 +74,6 @@ def _annotated_alias(name: str, leaf: Any) -> Any:
     if not isinstance(leaf, torch.Tensor):
         return leaf
     with ti.annotate_name(name):
-        if leaf.is_floating_point():
+        if leaf.dtype is not torch.bool and not leaf.is_complex():
             return torch.ops.aten.mul(leaf, 1)  # exact; inductor removes a clone before the partitioner sees it
         return torch.ops.aten.clone(leaf)

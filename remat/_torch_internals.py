@@ -328,6 +328,8 @@ def is_compiled_callable(fn: Any) -> bool:
         return True
     seen = 0
     while fn is not None and seen < 8:  # through bound methods and partials of a compiled function
+        if getattr(fn, "_torchdynamo_disable", False):  # torch.compiler.disable sets the attribute too
+            return False
         if getattr(fn, "_torchdynamo_orig_callable", None) is not None:
             return True
         fn = getattr(fn, "__func__", None) or getattr(fn, "func", None)

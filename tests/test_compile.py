@@ -35,6 +35,7 @@ from .helpers import assert_tree_close
 F64 = {"rtol": 1e-10, "atol": 1e-10}
 # torch's compile tests (torch._dynamo.testing / utils.same) compare float32 at 1e-4
 F32_INDUCTOR = {"rtol": 1e-4, "atol": 1e-5, "exact_float32": False}
+needs_outputs = pytest.mark.skipif(not torch.__version__ >= "2.13", reason="the policy hook sees op outputs on 2.13+")
 POLICIES: dict[str, Any] = {
     "save-nothing": "save-nothing",
     "save-matmuls": "save-matmuls",
@@ -219,6 +220,10 @@ def test_batchnorm_cnn_module_updates_running_stats_once() -> None:
     x = torch.randn(2, 3, 10, 10, dtype=torch.float64)
     ref, r = net(), net()
     remat.remat_modules(r, nn.Sequential, policy="save-matmuls")
+    if not torch.__version__ >= "2.13":  # the policy hook cannot tell BatchNorm's writes from unsafe ones
+        with pytest.raises(Exception, match="RematError"):
+            torch.compile(r, backend="aot_eager")(x)
+        return
     be = Counting("aot_eager")
     torch.compile(r, backend=be)(x).sum().backward()
     torch.compile(ref, backend="aot_eager")(x).sum().backward()
@@ -282,6 +287,7 @@ def test_dropout_recompute_sees_the_same_mask(policy: str) -> None:
     assert_tree_close(got, torch.autograd.grad(ref(W, x), W), **F64)
 
 
+@needs_outputs
 @pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", "save-everything"])
 def test_in_place_ops_inside_the_region(policy: str) -> None:
     """torch warns that selective checkpointing under compile wants no in-place ops; functionalization makes
@@ -299,6 +305,49 @@ def test_in_place_ops_inside_the_region(policy: str) -> None:
     fn = torch.compile(lambda W, x: remat.remat(block, policy=policy)(W, x).pow(2).sum(), backend="aot_eager",
                        fullgraph=True)
     assert_tree_close(torch.autograd.grad(fn(W, x), W), torch.autograd.grad(block(W, x).pow(2).sum(), W), **F64)
+
+
+def write_input(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    x.mul_(2)  # an input written in place, then read: the compiled recompute would read the written value
+    return torch.tanh(x @ W) @ W
+
+
+def write_through_a_view(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    h = torch.tanh(x @ W)
+    x[0].mul_(2)
+    return h @ W
+
+
+def write_a_name(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    h = x @ W
+    checkpoint_name(h, "h").add_(1)  # an alias in eager mode, a copy under compile
+    return torch.sin(h) @ W
+
+
+@pytest.mark.parametrize("block", [write_input, write_through_a_view, write_a_name])
+def test_writes_that_compiled_recompute_would_get_wrong_raise(block: Callable[..., torch.Tensor]) -> None:
+    W = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    f = remat.remat(block, policy=policies.save_only_these_names("h"))
+    fn = torch.compile(lambda W, x: f(W, x).sum(), backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"RematError: remat: aten\.\w+\.\w+ inside a remat'd function "
+                       "under torch.compile (writes|reads)"):
+        fn(W, torch.randn(3, 4, dtype=torch.float64))
+
+
+def test_a_buffer_written_then_read_raises() -> None:
+    class EMA(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4).double()
+            self.register_buffer("avg", torch.zeros(4, dtype=torch.float64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.avg.mul_(0.5).add_(x.mean(0).detach())
+            return torch.tanh(self.lin(x)) * self.avg
+
+    m = remat.remat_module(EMA())
+    with pytest.raises(Exception, match="RematError"):
+        torch.compile(m, backend="aot_eager")(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
 
 
 def test_static_arguments_and_keywords() -> None:
