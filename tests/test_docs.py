@@ -15,6 +15,8 @@ import importlib
 import inspect
 import pkgutil
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -43,15 +45,21 @@ def python_blocks(text: str) -> list[tuple[int, str, bool]]:
 @pytest.mark.parametrize("page", [p for p in PAGES if p.exists()], ids=lambda p: str(p.relative_to(ROOT)))
 def test_code_blocks_run(page: Path) -> None:
     blocks = python_blocks(page.read_text())
-    namespace: dict[str, object] = {"__name__": f"docs_{page.stem}"}
+    # a real module: torch.compile looks up the module of the functions it compiles by name
+    module = types.ModuleType(f"docs_{page.stem}")
+    namespace = module.__dict__
+    sys.modules[module.__name__] = module
     torch.manual_seed(0)
-    for line, code, skipped in blocks:
-        if skipped:
-            continue
-        try:
-            exec(compile(code, f"{page.relative_to(ROOT)}:{line}", "exec"), namespace)
-        except Exception as e:
-            raise AssertionError(f"{page.relative_to(ROOT)}, code block at line {line} failed: {e!r}") from e
+    try:
+        for line, code, skipped in blocks:
+            if skipped:
+                continue
+            try:
+                exec(compile(code, f"{page.relative_to(ROOT)}:{line}", "exec"), namespace)
+            except Exception as e:
+                raise AssertionError(f"{page.relative_to(ROOT)}, code block at line {line} failed: {e!r}") from e
+    finally:
+        del sys.modules[module.__name__]
 
 
 def test_block_extraction() -> None:
