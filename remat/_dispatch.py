@@ -352,9 +352,10 @@ class Recorder(TorchDispatchMode):
             rec.skippable = (not random and not mutable and not zero and bool(outs) and rec.out_spec is not None
                              and all(storage_key(t) not in in_keys for t in outs))
             stashable = not random and not mutable and not zero and bool(outs) and rec.out_spec is not None
-            if self.region and any(k in in_keys for k in rec.out_keys):
-                # a view, held at once in a region, would be copied before a write through it and its replay would
-                # hand back the copy, not a view of its base (the write would miss the base): run views again
+            if any(k in in_keys for k in rec.out_keys):
+                # a view (a checkpoint_name alias too) held for the replay would be copied before a write through it,
+                # apart from its base's copy, and its replay would hand back that copy, not a view of the base: the
+                # replayed write would miss the base. Views cost nothing to run again: run them again
                 stashable = False
             if decision is not Recompute and stashable:
                 self._stash(rec, idx)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from remat import RematError, policies, remat
+
+from .helpers import assert_tree_close
 
 POLICIES = {
     "save-nothing": "save-nothing",
@@ -72,3 +76,25 @@ def test_result_kept_for_the_replay_unchanged_is_fine():
     (got,) = torch.autograd.grad(loss, w)
     (ref,) = torch.autograd.grad(f(w, x)[0], w)
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("through", ["name", "view_of_name", "base"])
+@pytest.mark.parametrize("policy", [policies.save_only_these_names("h"), policies.save_anything_except_these_names("h"),
+                                    policies.dots_saveable, policies.everything_saveable], ids=repr)
+def test_write_through_a_checkpoint_name_alias(through: str, policy: Any) -> None:
+    """A write through the alias checkpoint_name returns reaches the named tensor in the replay too: the alias is
+    run again from its replayed base, never replayed from a copy of its own (which the write would miss)."""
+    from remat import checkpoint_name
+
+    def block(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = x @ W
+        n = checkpoint_name(h, "h")
+        {"name": n, "view_of_name": n[0], "base": h}[through].add_(1)
+        return torch.sin(h) @ W
+
+    W = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    want = torch.autograd.grad(block(W, x).pow(2).sum(), W)
+    f = remat(block, policy=policy)
+    for _ in range(3):  # the recorded call, then planned calls
+        assert_tree_close(torch.autograd.grad(f(W, x).pow(2).sum(), W), want, rtol=1e-10, atol=1e-10)
