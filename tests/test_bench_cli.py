@@ -132,3 +132,17 @@ def test_cli_compile_adds_compiled_configurations(tmp_path):
 def test_cli_compile_unknown_backend_is_refused():
     p = _run("--compile", "nope", "--steps", "1")
     assert p.returncode == 2 and "--compile: unknown backend 'nope'" in p.stderr and "inductor" in p.stderr
+
+
+def test_cli_budgets(tmp_path):
+    out = tmp_path / "b.json"
+    p = _run("--model", "mlp", "--size", "small", "--device", "cpu", "--steps", "1", "--warmup", "0", "--threads", "1",
+             "--policies", "save-nothing", "--budgets", "0.01,0.85,1.0", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    rows = {r["label"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["no-remat", "save-nothing", "budget 85%", "budget 100%"]
+    assert "note: budget 1% left out: remat.sequential: no schedule" in p.stderr
+    # measured from outside: the budget's chain keeps less, and recomputes, where no remat keeps everything
+    assert rows["budget 85%"]["retained_bytes"] <= 0.85 * rows["no-remat"]["retained_bytes"] + 64 * 1024
+    assert rows["budget 85%"]["recomputed_flops"] > 0 == rows["budget 100%"]["recomputed_flops"]
+    assert rows["budget 100%"]["retained_bytes"] == rows["no-remat"]["retained_bytes"]

@@ -12,11 +12,13 @@ Example::
     python -m remat.bench --model mlp --size medium --steps 10 --json out.json --plot out.png
     python -m remat.bench --device cuda --dtype bfloat16 --size large
     python -m remat.bench --compile                         # adds the same model under torch.compile
+    python -m remat.bench --budgets 0.35,0.5                # adds remat.sequential over the blocks at these budgets
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import platform
@@ -27,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .._sequential import sequential
 from .configs import COMPILED, CONFIGS, NAMES, applies, default_configs, label, make_wrap
 from .measure import Config, format_table, measure, pareto_front, plot
 from .models import SIZES, make_model
@@ -42,6 +45,16 @@ def _positive(s: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
     return v
+
+
+def _fractions(s: str) -> list[float]:
+    try:
+        out = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected fractions such as 0.25,0.5, got {s!r}") from None
+    if not out or not all(0.0 < f <= 1.0 for f in out):
+        raise argparse.ArgumentTypeError(f"expected fractions in (0, 1], got {s!r}")
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="also run the model under torch.compile (backend inductor, or the one named: aot_eager, "
                    f"...) with no remat and with {', '.join(COMPILED[1:])}; labels start with 'compiled'")
+    p.add_argument("--budgets", default=None, metavar="F[,F...]", type=_fractions,
+                   help="also run remat.sequential over the model's blocks with budget=F (a fraction of what the "
+                   "blocks keep without remat), for each F; labels 'budget F%%'")
     p.add_argument("--threads", type=_positive, default=None, help="torch.set_num_threads on CPU")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
     p.add_argument("--plot", metavar="PATH", default=None,
@@ -99,6 +115,10 @@ def _configs(p: argparse.ArgumentParser, spec: str | None, model: str, device: t
     return ["no-remat"] + [k for k in dict.fromkeys(keys) if k != "no-remat"]
 
 
+def _square_mean(h: torch.Tensor) -> torch.Tensor:
+    return (h * h).mean()  # the reference models' loss (remat/bench/models.py)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
@@ -124,13 +144,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         why = applies(k, a.model, device)
         if why:
             say(f"note: {k}: {why}; measured anyway, as asked")
-    params, x, _, apply = make_model(a.model, a.size, dtype=dtype, device=device)
+    params, x, block, apply = make_model(a.model, a.size, dtype=dtype, device=device)
     for leaf in [t for blk in params for t in blk.values()]:
         leaf.requires_grad_(True)
     configs = []
     for k in keys:
         wrap = make_wrap(k, a.model)
         configs.append(Config(label(k, a.model), lambda prm, inp, wrap=wrap: apply(prm, inp, wrap)))
+    for f in a.budgets or ():
+        chain = sequential([functools.partial(block, blk) for blk in params], budget=f)
+        try:
+            chain(x)  # the first call measures the blocks and solves the schedule
+        except ValueError as e:
+            say(f"note: budget {f:.0%} left out: {e}")
+            continue
+        say(f"budget {f:.0%}: {chain.schedule(x)}")
+        configs.append(Config(f"budget {f:.0%}", lambda prm, inp, chain=chain: _square_mean(chain(inp))))
     if a.compile:
         for k in COMPILED:
             wrap = make_wrap(k, a.model)
