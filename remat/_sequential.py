@@ -163,11 +163,14 @@ class _Kept:
     """An observer of the engine (``INSPECTOR``): bytes of the storages a block makes autograd keep.
 
     What remat drops (autograd would have kept it) and the block's input if an op of the block saves
-    it; parameters and storages counted for an earlier block (``seen``, shared along the chain) are not."""
+    it; not parameters, nor ``carried`` (the input's storages, when the block before counted them).
+    The storages counted are held until the block ends, so that a freed one whose address an op
+    reuses is not mistaken for it."""
 
-    def __init__(self, block_input: Any, seen: set[int]) -> None:
+    def __init__(self, block_input: Any, carried: set[int]) -> None:
         self.bytes = 0
-        self._seen = seen
+        self.held: dict[int, Any] = {}
+        self._carried = carried
         self._input = {_ptr(t) for t in optree.tree_leaves(block_input, none_is_leaf=True)
                        if isinstance(t, torch.Tensor)}
 
@@ -175,8 +178,8 @@ class _Kept:
         with internal():
             s = ti.unwrap_all(t).untyped_storage()
             p = s.data_ptr()
-            if (decision == "recomputed" or p in self._input) and p not in self._seen:
-                self._seen.add(p)
+            if (decision == "recomputed" or p in self._input) and p not in self._carried and p not in self.held:
+                self.held[p] = s
                 self.bytes += int(s.nbytes())
 
 
@@ -240,10 +243,10 @@ class Sequential:
         """Every block remat'd alone, each weighed (NOTE [chain schedules]); then solve the budget."""
         n = len(self.blocks)
         act, inp, flops = [], [], []
-        seen = {_ptr(t) for t in optree.tree_leaves(x, none_is_leaf=True) if isinstance(t, torch.Tensor)}
+        carried = {_ptr(t) for t in optree.tree_leaves(x, none_is_leaf=True) if isinstance(t, torch.Tensor)}
         for i in range(n):
             inp.append(_nbytes(x))
-            kept = _Kept(x, seen)
+            kept = _Kept(x, carried)
             tok = INSPECTOR.set(kept)
             try:
                 with _Flops() as w:
@@ -251,6 +254,10 @@ class Sequential:
             finally:
                 INSPECTOR.reset(tok)
             act.append(kept.bytes)
+            # the block's output, if it kept it, is counted: the next block must not count it again
+            carried = {p for p in (_ptr(t) for t in optree.tree_leaves(x, none_is_leaf=True)
+                                   if isinstance(t, torch.Tensor)) if p in kept.held}
+            del kept
             flops.append(w.flops)
         assert self.budget is not None
         budget = int(self.budget * sum(act)) if isinstance(self.budget, float) else int(self.budget)
