@@ -236,7 +236,7 @@ def test_batchnorm_cnn_module_updates_running_stats_once() -> None:
 def test_gpt2_stack_compiled() -> None:
     policy = "save-matmuls"
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16, resid_pdrop=0.0,
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=4, vocab_size=64, n_positions=16, resid_pdrop=0.0,
                                   embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, attn_implementation="eager")
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg).double()

@@ -191,7 +191,7 @@ def test_chain_budget_benchmark_runs() -> None:
     import sys
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "chain_budget.py"), "--blocks", "4", "--budgets",
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "chain_budget.py"), "--blocks", "3", "--budgets",
                         "0.8,1.0", "--steps", "1", "--threads", "1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     for label in ("no-remat", "budget 80%", "budget 100%", "equal 2 segments", "checkpoint_sequential(2)"):
