@@ -35,7 +35,7 @@ from remat.bench.models import make_transformer
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", type=int, default=24)
-    p.add_argument("--budgets", default="0.35,0.5,0.75,1.0", help="comma-separated fractions")
+    p.add_argument("--budgets", default="0.15,0.25,0.5,0.75,1.0", help="comma-separated fractions")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
     a = p.parse_args(argv)
