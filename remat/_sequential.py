@@ -41,11 +41,11 @@ from typing import Any
 
 import optree
 import torch
-from torch.utils.flop_counter import flop_registry
 
 from . import _torch_internals as ti
 from ._context import INSPECTOR, internal
 from ._transform import remat
+from .bench.measure import FlopCount
 
 __all__ = ["sequential", "Sequential", "Schedule", "solve", "equal_segments"]
 
@@ -143,22 +143,6 @@ def solve(act: Sequence[int], inp: Sequence[int], flops: Sequence[float], budget
     return Schedule(best[2], memory=best[1], recompute=best[0])
 
 
-class _Flops(ti.TorchDispatchMode):
-    """FLOPs of the ops run while active (torch's formulas: matmuls, convolutions, attention)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.flops = 0.0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            self.flops += float(formula(*args, **kwargs, out_val=out))
-        return out
-
-
 class _Kept:
     """An observer of the engine (``INSPECTOR``): bytes of the storages a block makes autograd keep.
 
@@ -249,7 +233,7 @@ class Sequential:
             kept = _Kept(x, carried)
             tok = INSPECTOR.set(kept)
             try:
-                with _Flops() as w:
+                with FlopCount() as w:
                     x = self._run(i, i + 1)(x)
             finally:
                 INSPECTOR.reset(tok)
@@ -258,7 +242,7 @@ class Sequential:
             carried = {p for p in (_ptr(t) for t in optree.tree_leaves(x, none_is_leaf=True)
                                    if isinstance(t, torch.Tensor)) if p in kept.held}
             del kept
-            flops.append(w.flops)
+            flops.append(float(w.total))
         assert self.budget is not None
         budget = int(self.budget * sum(act)) if isinstance(self.budget, float) else int(self.budget)
         found = solve(act, inp, flops, budget)
