@@ -12,9 +12,11 @@ selective checkpointing, with remat's policy translated per ATen op by
 * ``Saveable`` → ``MUST_SAVE``; ``Recompute`` → ``PREFER_RECOMPUTE``. The
   partitioner then keeps exactly the saved values between the compiled forward
   and backward graphs and recomputes the rest, fused into the backward kernels.
-* ``checkpoint_name``: traced as an ``aten.alias`` annotated with its name
-  (``_torch_internals.annotate_name``); the policy sees it as a
-  ``checkpoint_name`` call, as in eager mode.
+* ``checkpoint_name``: inside a compiled remat region, traced as ``x * 1`` (a
+  copy, exact) annotated with its name (``_torch_internals.annotate_name``); the
+  policy sees it as a ``checkpoint_name`` call, as in eager mode. Not an alias or
+  a clone: inductor removes those before its partitioner sees the decision. Bool
+  and complex values are cloned, so under inductor their names are not seen.
 * ``Offloadable``: a compiled graph has no place to move a value to another
   device and back, so the value is recomputed instead, with a one-time warning.
 * Random ops (dropout): the partitioner never recomputes them; their outputs

@@ -70,7 +70,7 @@ def checkpoint_name(x: T, name: str) -> T:
 
 
 def _annotated_alias(name: str, leaf: Any) -> Any:
-    """Under torch.compile: an alias whose node carries the name (NOTE [compiled remat] in _compile.py)."""
+    """Under torch.compile: an exact copy whose node carries the name (NOTE [compiled remat] in _compile.py)."""
     if not isinstance(leaf, torch.Tensor):
         return leaf
     with ti.annotate_name(name):
