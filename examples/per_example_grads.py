@@ -45,7 +45,7 @@ from remat import remat
 from remat.bench.models import make_transformer, transformer_block
 
 # batch = number of examples; long sequences, so that activations outweigh the per-example gradients
-CFG = {"blocks": 4, "batch": 8, "seq": 256, "d": 64, "heads": 4, "ff": 256}
+CFG = {"blocks": 2, "batch": 8, "seq": 256, "d": 64, "heads": 4, "ff": 256}
 
 
 def per_example_grads(use_remat: bool, method: str = "grad") -> tuple[Any, int]:

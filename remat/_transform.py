@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from . import _torch_internals as ti
+from ._budget import MemoryBudget
 from ._compile import compiled_call, context_fn
-from ._context import active_context
+from ._context import INSPECTOR, active_context
 from ._errors import RematError
 from ._fastpath import MAX_PLANS, FastFrame, Plan, fast_path_applies, plans_for, signature
 from ._hooks import Frame, call_nested_replay
@@ -274,9 +275,29 @@ def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics
     key = None
     if owner is not None and not owner.debug and not region and ctx is None and fast_path_applies():
         key = signature(flat, static_vals, state)  # NOTE [fast path] in _fastpath.py
+    budget, measuring = None, None
+    if isinstance(policy, MemoryBudget):  # NOTE [memory budget] in _budget.py: decided per signature
+        budget = policy
+        bkey = (signature(flat, static_vals, state), tuple(str(i.key()) for i in ti.interpreter_stack()))
+        policy, measuring = budget.bind(bkey)
+        if region:
+            measuring = None  # (saves nothing this time; a later call outside the region measures)
+        if measuring is not None:
+            key = None  # this call saves nothing while it measures: no fast-path plan from it
     try:
         if region:
             return run_region(run, flat, name, policy, preserve_rng, state)
+        if measuring is not None:
+            frame = Frame(run, flat, name, policy, preserve_rng, default_engine(), state)
+            measuring.frame = frame
+            tok = INSPECTOR.set(measuring)
+            try:
+                out = frame.forward()
+            finally:
+                INSPECTOR.reset(tok)
+            assert budget is not None
+            budget.learn(bkey, policy, measuring, frame.recorder.ops)
+            return out
         plan = owner._plans.get(key) if key is not None else None
         if plan is not None:
             frame = FastFrame(run, flat, name, preserve_rng, state, plan, lambda: owner._plans.__setitem__(key, None),

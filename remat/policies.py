@@ -5,6 +5,7 @@ Names and meanings follow ``jax.checkpoint_policies``. A policy is any callable
 :data:`Recompute` or :class:`Offloadable`.
 """
 
+from ._budget import BudgetPlan, MemoryBudget, memory_budget
 from ._policies import (
     DEFAULT_MIN_OFFLOAD_BYTES,
     Decision,
@@ -45,4 +46,7 @@ __all__ = [
     "save_and_offload_only_these_names",
     "offload_dot_with_no_batch_dims",
     "DEFAULT_MIN_OFFLOAD_BYTES",
+    "memory_budget",
+    "MemoryBudget",
+    "BudgetPlan",
 ]

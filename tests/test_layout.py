@@ -17,6 +17,7 @@ FLOORS = [
     {"_context", "_errors", "_torch_internals", "_outside", "_ambient", "bench"},
     {"_naming", "_functorch", "_offload", "bench.measure"},
     {"_policies", "offload", "bench.models"},
+    {"_budget"},
     {"_dispatch", "policies", "_compile"},
     {"_state"},
     {"_reentrant"},
