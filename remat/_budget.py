@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -419,7 +420,18 @@ class BudgetPlan:
     ``recompute_flops`` the FLOPs the recompute runs by torch's formulas (matrix
     products, convolutions, attention) and ``recompute_cost`` the model's cost,
     which also counts one per element of every other op. ``kept`` names the ops
-    whose outputs are kept, in call order.
+    whose outputs are kept, in call order; ``solve_seconds`` is how long building
+    the model and solving it took.
+
+    Example:
+        >>> import torch
+        >>> from remat import remat, policies
+        >>> budget = policies.memory_budget(1.0)  # keep everything autograd would
+        >>> w = torch.randn(32, 32, requires_grad=True)
+        >>> remat(lambda w: torch.tanh(w @ w).sum(), policy=budget)(w).backward()
+        >>> plan = next(iter(budget.plans.values()))
+        >>> plan.kept_bytes == plan.full_bytes == 32 * 32 * 4, plan.recompute_flops
+        (True, 0)
     """
 
     decisions: tuple[tuple[Any, bool], ...] = dataclasses.field(repr=False)
@@ -429,6 +441,7 @@ class BudgetPlan:
     recompute_flops: int
     recompute_cost: float
     kept: tuple[str, ...]
+    solve_seconds: float = 0.0
 
 
 class _Planned:
@@ -455,8 +468,19 @@ class _Planned:
 class MemoryBudget:
     """What :func:`memory_budget` returns: a policy solved per input signature (NOTE [memory budget]).
 
-    ``plans`` maps each signature seen to its :class:`BudgetPlan`; ``solves``
-    counts how many times the solver ran.
+    ``plans`` maps each signature seen to its :class:`BudgetPlan` (None when the
+    measuring call could not be told op from op: that signature saves nothing);
+    ``solves`` counts how many times the solver ran.
+
+    Example:
+        >>> import torch
+        >>> from remat import remat, policies
+        >>> budget = policies.memory_budget(0)  # keep nothing: the same as nothing_saveable
+        >>> f = remat(lambda x: x.sin().exp().sum(), policy=budget)
+        >>> x = torch.randn(16, requires_grad=True)
+        >>> f(x).backward(); f(x).backward()
+        >>> budget.solves, next(iter(budget.plans.values())).kept_bytes
+        (1, 0)
     """
 
     def __init__(self, budget: int | float) -> None:
@@ -494,6 +518,7 @@ class MemoryBudget:
             self.plans[key] = None  # cannot tell op from op: save nothing, which fits any budget
             return
         self.solves += 1
+        t0 = time.perf_counter()
         g = _graph(ops, policy.calls, saved.saved)
         full = full_bytes(g)
         b = self.budget
@@ -504,7 +529,8 @@ class MemoryBudget:
         decisions = tuple((c[0], i in sol.keep and g.keepable[i]) for i, c in enumerate(policy.calls))
         needed = _needed(g, sol.keep)
         kept = tuple(str(ops[i].func) for i in sorted(sol.keep) if any(v in needed for v in g.outs[i]))
-        self.plans[key] = BudgetPlan(decisions, full, limit, sol.bytes, flops, sol.cost, kept)
+        self.plans[key] = BudgetPlan(decisions, full, limit, sol.bytes, flops, sol.cost, kept,
+                                     time.perf_counter() - t0)
 
 
 _UNSEEN: Any = object()

@@ -45,6 +45,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from . import _torch_internals as ti
+from ._budget import MemoryBudget
 from ._context import COMPILED_REGIONS
 from ._errors import RematError
 from ._naming import checkpoint_name
@@ -201,7 +202,15 @@ class _Concrete:
 
 
 def _contexts(spec: Any) -> Any:
-    return create_selective_checkpoint_contexts(CompiledPolicy(_build(spec)))
+    policy = _build(spec)
+    if isinstance(policy, MemoryBudget):
+        raise RematError(
+            f"remat: {policy!r} under torch.compile: the budget is solved from the eager ops of each call, which "
+            "compiled code does not run. Under torch.compile, drop the remat and set torch's own budget, "
+            "activation_memory_budget in the functorch config (the same fraction; docs/budgets.md), or call the "
+            "remat'd function outside the compiled region."
+        )
+    return create_selective_checkpoint_contexts(CompiledPolicy(policy))
 
 
 def context_fn(policy: Callable[..., Any]) -> Callable[[], Any]:

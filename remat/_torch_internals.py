@@ -335,3 +335,12 @@ def is_compiled_callable(fn: Any) -> bool:
         fn = getattr(fn, "__func__", None) or getattr(fn, "func", None)
         seen += 1
     return False
+
+
+def activation_memory_budget(fraction: float) -> contextlib.AbstractContextManager[Any]:
+    """``torch.compile``'s own activation budget for the partitioner while the body compiles (the peer that
+    ``python -m remat.bench --budgets ... --compile`` measures ``policies.memory_budget`` against). torch sets it
+    only in ``torch._functorch.config``, which has no public setter."""
+    import torch._functorch.config as fc
+
+    return fc.patch(activation_memory_budget=fraction)  # type: ignore[no-any-return]

@@ -89,15 +89,6 @@ def test_plot_without_matplotlib(capsys, tmp_path):
     assert "--plot needs matplotlib" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not HAS_MPL, reason="matplotlib is not installed")
-def test_plot(tmp_path):
-    png = tmp_path / "p.png"
-    p = _run("--model", "mlp", "--device", "cpu", "--steps", "1", "--warmup", "0", "--threads", "1",
-             "--policies", "save-nothing", "--plot", str(png))
-    assert p.returncode == 0, p.stderr
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
 def test_overhead_benchmark_runs() -> None:
     """benchmarks/overhead.py (docs/benchmarks.md, per-op overhead) runs and prints every configuration."""
     root = pathlib.Path(__file__).resolve().parents[1]
@@ -109,16 +100,31 @@ def test_overhead_benchmark_runs() -> None:
         assert any(line.startswith(row) for line in r.stdout.splitlines()), (row, r.stdout)
 
 
-def test_cli_compile_adds_compiled_configurations(tmp_path):
-    out = tmp_path / "c.json"
+def test_cli_compile_and_budgets_add_configurations(tmp_path):
+    """One run for --compile, --budgets and --plot (each costs a few seconds of start-up)."""
+    out, png = tmp_path / "c.json", tmp_path / "p.png"
     p = _run("--model", "mlp", "--size", "small", "--device", "cpu", "--steps", "1", "--warmup", "0", "--threads", "1",
-             "--policies", "save-nothing", "--compile", "aot_eager", "--json", str(out))
+             "--policies", "save-nothing", "--compile", "aot_eager", "--budgets", "0.3,1", "--json", str(out),
+             *(("--plot", str(png)) if HAS_MPL else ()))
     assert p.returncode == 0, p.stderr
+    if HAS_MPL:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     doc = json.loads(out.read_text())
     rows = {r["label"]: r for r in doc["rows"]}
     assert doc["compile"] == "aot_eager"
-    assert list(rows) == ["no-remat", "save-nothing", "compiled no-remat", "compiled save-nothing",
-                          "compiled save-matmuls", "compiled torch-checkpoint", "compiled torch-sac-matmuls"]
+    assert list(rows) == ["no-remat", "save-nothing", "memory_budget 30%", "budget 100%", "memory_budget 100%",
+                          "compiled no-remat", "compiled save-nothing",
+                          "compiled save-matmuls", "compiled torch-checkpoint", "compiled torch-sac-matmuls",
+                          "compiled budget 30%", "compiled budget 100%"]
+    assert "budget 30% left out" in p.stderr  # remat.sequential: no schedule of these blocks fits
+    # each MLP block keeps one value (the addmm output gelu saves): 30% of it does not fit, 100% keeps it
+    rows_mb = rows["memory_budget 30%"], rows["memory_budget 100%"]
+    assert rows_mb[0]["retained_bytes"] == rows["save-nothing"]["retained_bytes"] < rows_mb[1]["retained_bytes"]
+    assert rows_mb[1]["retained_bytes"] == rows["no-remat"]["retained_bytes"]
+    assert rows_mb[0]["recomputed_flops"] > 0 == rows_mb[1]["recomputed_flops"]
+    # torch's budget for the compiled model: less kept at 30%, the default at 100%
+    c30, c100 = rows["compiled budget 30%"], rows["compiled budget 100%"]
+    assert c30["retained_bytes"] < c100["retained_bytes"] == rows["compiled no-remat"]["retained_bytes"]
     compiled = {k.removeprefix("compiled "): r for k, r in rows.items() if k.startswith("compiled ")}
     assert all(r["peak_bytes"] == -1 and r["time_s"] > 0 for r in compiled.values())  # no peak without a census
     # the compiled program keeps what the policy says, as torch's checkpointing of the same ops does

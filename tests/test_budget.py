@@ -292,3 +292,26 @@ def test_a_branch_that_changes_the_ops_keeps_less_not_more() -> None:
     got = torch.autograd.grad(g(w, x).sum(), w)[0]
     assert_tree_close(got, ref, **F64)
     assert held <= 8 * 16 * 8 * 2  # less than the 4 values a full plan would keep
+
+
+def test_under_torch_compile_a_clear_error() -> None:
+    f = remat.remat(lambda w, x: torch.tanh(x @ w).sum(), policy=policies.memory_budget(0.5))
+    w = torch.randn(8, 8, requires_grad=True)
+    with pytest.raises(Exception, match="under torch.compile: the budget is solved from the eager ops") as e:
+        torch.compile(f, backend="aot_eager", fullgraph=True)(w, torch.randn(4, 8))
+    assert "activation_memory_budget" in str(e.value)
+
+
+def test_memory_budget_benchmark_runs() -> None:
+    """benchmarks/memory_budget.py (docs/budgets.md) runs on a tiny model and prints every configuration."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "memory_budget.py"), "--tiny", "--model", "stack",
+                        "--budgets", "0.3", "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for label in ("no remat", "memory_budget, whole model", "memory_budget, each block", "best fixed policy",
+                  "torch.compile activation_memory_budget", "memory_budget at torch's bytes"):
+        assert f"| {label}" in r.stdout, (label, r.stdout)

@@ -12,7 +12,9 @@ Example::
     python -m remat.bench --model mlp --size medium --steps 10 --json out.json --plot out.png
     python -m remat.bench --device cuda --dtype bfloat16 --size large
     python -m remat.bench --compile                         # adds the same model under torch.compile
-    python -m remat.bench --budgets 0.35,0.5                # adds remat.sequential over the blocks at these budgets
+    python -m remat.bench --budgets 0.35,0.5                # adds remat.sequential over the blocks and
+                                                            # policies.memory_budget per block at these budgets
+    python -m remat.bench --budgets 0.25 --compile          # and torch.compile's activation_memory_budget
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ from typing import Any
 
 import torch
 
+from .. import _torch_internals as ti
+from .. import policies
 from .._sequential import sequential
+from .._transform import remat
 from .configs import COMPILED, CONFIGS, NAMES, applies, default_configs, label, make_wrap
 from .measure import Config, format_table, measure, pareto_front, plot
 from .models import SIZES, make_model
@@ -77,8 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run the model under torch.compile (backend inductor, or the one named: aot_eager, "
                    f"...) with no remat and with {', '.join(COMPILED[1:])}; labels start with 'compiled'")
     p.add_argument("--budgets", default=None, metavar="F[,F...]", type=_fractions,
-                   help="also run remat.sequential over the model's blocks with budget=F (a fraction of what the "
-                   "blocks keep without remat), for each F; labels 'budget F%%'")
+                   help="also run, for each F: remat.sequential over the model's blocks with budget=F (a fraction of "
+                   "what the blocks keep without remat; label 'budget F%%'), each block remat'd with "
+                   "policies.memory_budget(F) ('memory_budget F%%') and, with --compile, the model compiled with "
+                   "torch's activation_memory_budget=F ('compiled budget F%%')")
     p.add_argument("--threads", type=_positive, default=None, help="torch.set_num_threads on CPU")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
     p.add_argument("--plot", metavar="PATH", default=None,
@@ -113,6 +120,11 @@ def _configs(p: argparse.ArgumentParser, spec: str | None, model: str, device: t
         p.error(f"--policies: names: {applies('names', model, device)}; "
                 f"use it with --model {' or '.join(sorted(NAMES))}")
     return ["no-remat"] + [k for k in dict.fromkeys(keys) if k != "no-remat"]
+
+
+def _with_budget(fn: Any, fraction: float, *args: Any) -> Any:
+    with ti.activation_memory_budget(fraction):  # read when the first call compiles
+        return fn(*args)
 
 
 def _square_mean(h: torch.Tensor) -> torch.Tensor:
@@ -157,14 +169,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             chain(x)  # the first call measures the blocks and solves the schedule
         except ValueError as e:
             say(f"note: budget {f:.0%} left out: {e}")
-            continue
-        say(f"budget {f:.0%}: {chain.schedule(x)}")
-        configs.append(Config(f"budget {f:.0%}", lambda prm, inp, chain=chain: _square_mean(chain(inp))))
+        else:
+            say(f"budget {f:.0%}: {chain.schedule(x)}")
+            configs.append(Config(f"budget {f:.0%}", lambda prm, inp, chain=chain: _square_mean(chain(inp))))
+        # policies.memory_budget: one policy (one plan) for every block, solved on a first call here
+        pol = policies.memory_budget(f)
+        wrap = functools.partial(remat, policy=pol)
+        apply(params, x, wrap).backward()
+        plan = next(iter(pol.plans.values()))
+        if plan is not None:
+            say(f"memory_budget {f:.0%}: each block keeps {plan.kept_bytes / 2**20:.2f} of "
+                f"{plan.full_bytes / 2**20:.2f} MiB, recomputes {plan.recompute_flops / 1e9:.3f} GFLOP")
+        configs.append(Config(f"memory_budget {f:.0%}", lambda prm, inp, wrap=wrap: apply(prm, inp, wrap)))
     if a.compile:
         for k in COMPILED:
             wrap = make_wrap(k, a.model)
             fn = torch.compile(lambda prm, inp, wrap=wrap: apply(prm, inp, wrap), backend=a.compile)
             configs.append(Config(f"compiled {label(k, a.model)}", fn, compiled=True))
+        for f in a.budgets or ():
+            # torch's own budget; the string default makes Dynamo compile this function once per budget
+            budgeted = torch.compile(lambda prm, inp, tag=f"{f}": apply(prm, inp) if tag else None, backend=a.compile)
+            configs.append(Config(f"compiled budget {f:.0%}", functools.partial(_with_budget, budgeted, f),
+                                  compiled=True))
     t0 = time.perf_counter()
     rows = measure(configs, [params, x], steps=a.steps, warmup=a.warmup, progress=say)
     say(f"done in {time.perf_counter() - t0:.1f} s")
