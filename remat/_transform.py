@@ -278,7 +278,10 @@ def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics
     budget, measuring = None, None
     if isinstance(policy, MemoryBudget):  # NOTE [memory budget] in _budget.py: decided per signature
         budget = policy
-        bkey = (signature(flat, static_vals, state), tuple(str(i.key()) for i in ti.interpreter_stack()))
+        # per function (its code: identical blocks share a plan) and signature, with the torch.func levels
+        code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None), "__code__", None)
+        bkey = (code or type(fn), signature(flat, static_vals, state),
+                tuple(str(i.key()) for i in ti.interpreter_stack()))
         policy, measuring = budget.bind(bkey)
         if region:
             measuring = None  # (saves nothing this time; a later call outside the region measures)

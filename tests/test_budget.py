@@ -315,3 +315,27 @@ def test_memory_budget_benchmark_runs() -> None:
     for label in ("no remat", "memory_budget, whole model", "memory_budget, each block", "best fixed policy",
                   "torch.compile activation_memory_budget", "memory_budget at torch's bytes"):
         assert f"| {label}" in r.stdout, (label, r.stdout)
+
+
+def test_one_policy_object_on_two_functions_keeps_two_plans() -> None:
+    """Plans are per function and signature: a plan solved for one function is never applied to another whose
+    ops happen to start alike (it could keep more than the budget there)."""
+    w = torch.randn(32, 32, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(16, 32, dtype=torch.float64)
+    pol = policies.memory_budget(0.5)
+
+    def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.tanh(x @ w) @ w)
+
+    def g(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.tanh(torch.tanh(x @ w) @ w) @ w)
+
+    for fn in (f, g, f, g):
+        r = remat.remat(fn, policy=pol)
+        assert_tree_close(torch.autograd.grad(r(w, x).sum(), w), torch.autograd.grad(fn(w, x).sum(), w), **F64)
+    assert pol.solves == 2 and len(pol.plans) == 2
+    for fn in (f, g):
+        r = remat.remat(fn, policy=pol)
+        _, held = live_bytes_after(lambda: r(w, x).sum())  # noqa: B023
+        _, full = live_bytes_after(lambda: fn(w, x).sum())  # noqa: B023
+        assert held <= 0.5 * full
