@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -136,9 +137,6 @@ def solve(g: Graph, budget: int, exhaustive: int = EXHAUSTIVE) -> Solution:
     """
     ops = g.relevant()
     keepable = [i for i in ops if g.keepable[i]]
-    everything = evaluate(g, frozenset(keepable))
-    if everything.bytes <= budget:
-        return everything
     if len(keepable) <= exhaustive:
         best = evaluate(g, frozenset())
         for r in range(1, len(keepable) + 1):
@@ -147,6 +145,9 @@ def solve(g: Graph, budget: int, exhaustive: int = EXHAUSTIVE) -> Solution:
                 if s.bytes <= budget and (s.cost, s.bytes) < (best.cost, best.bytes):
                     best = s
         return best
+    everything = evaluate(g, frozenset(keepable))
+    if everything.bytes <= budget:
+        return everything
     fits, over = _lagrangian(g, ops, budget)
     best = _fill(g, fits, keepable, budget)
     if over is not None:
@@ -306,17 +307,23 @@ class _Measure:
 
     def __init__(self) -> None:
         self.calls: list[tuple[Any, Any]] = []
+        self.shapes: list[tuple[Any, ...]] = []  # of each op's tensor arguments: a planned call checks them
 
     def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
         if op is checkpoint_name:
             self.calls.append((op, None))
         else:
             self.calls.append((op, optree.tree_map(_shape, (args, kwargs), none_is_leaf=True)))  # type: ignore[arg-type]
+        self.shapes.append(_arg_shapes(args))
         return False
 
 
 def _shape(x: Any) -> Any:
     return x.shape if isinstance(x, torch.Tensor) else x
+
+
+def _arg_shapes(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(a.shape for a in args if isinstance(a, torch.Tensor))
 
 
 class _Saved:
@@ -385,9 +392,7 @@ def _bytes(meta: tuple[Any, ...]) -> int:
     shape, dtype, _, stride = meta
     if any(d == 0 for d in shape):
         return 0
-    extent = 1 + sum((d - 1) * abs(s) for d, s in zip(shape, stride))
-    return extent * (torch.finfo(dtype).bits if dtype.is_floating_point or dtype.is_complex
-                     else torch.iinfo(dtype).bits if dtype != torch.bool else 8) // 8
+    return (1 + sum((d - 1) * abs(st) for d, st in zip(shape, stride))) * dtype.itemsize
 
 
 def _cost(rec: Any, shapes: Any) -> int:
@@ -434,7 +439,7 @@ class BudgetPlan:
         (True, 0)
     """
 
-    decisions: tuple[tuple[Any, bool], ...] = dataclasses.field(repr=False)
+    decisions: tuple[tuple[Any, bool, tuple[Any, ...]], ...] = dataclasses.field(repr=False)
     full_bytes: int
     budget_bytes: int
     kept_bytes: int
@@ -442,16 +447,18 @@ class BudgetPlan:
     recompute_cost: float
     kept: tuple[str, ...]
     solve_seconds: float = 0.0
+    dynamic: bool = False  # an op's output size depends on values (nonzero, a boolean mask): no fast path
 
 
 class _Planned:
     """The policy of a planned call: the plan's decision for each op by its position, saving nothing from the
-    first op that is not the plan's (a data-dependent branch: less is kept, never more)."""
+    first op that is not the plan's or reads other shapes (a data-dependent branch or size, a Python setting the
+    signature does not see): less is kept, never more."""
 
     __slots__ = ("decisions", "n", "diverged")
     __name__ = "memory_budget(planned)"
 
-    def __init__(self, decisions: tuple[tuple[Any, bool], ...]) -> None:
+    def __init__(self, decisions: tuple[tuple[Any, bool, tuple[Any, ...]], ...]) -> None:
         self.decisions = decisions
         self.n = 0
         self.diverged = False
@@ -459,10 +466,14 @@ class _Planned:
     def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Any:
         i = self.n
         self.n = i + 1
-        if self.diverged or i >= len(self.decisions) or self.decisions[i][0] is not op:
+        if self.diverged or i >= len(self.decisions):
             self.diverged = True
             return False
-        return Saveable if self.decisions[i][1] else False
+        planned, keep, shapes = self.decisions[i]
+        if planned is not op or (keep and shapes != _arg_shapes(args)):
+            self.diverged = True
+            return False
+        return Saveable if keep else False
 
 
 class MemoryBudget:
@@ -500,14 +511,16 @@ class MemoryBudget:
             "its activation_memory_budget (in the functorch config, docs/budgets.md)."
         )
 
-    def bind(self, key: Any) -> tuple[Callable[..., Any], _Saved | None]:
-        """The policy for one call of signature ``key``, and the observer to install when the call measures."""
+    def bind(self, key: Any) -> tuple[Callable[..., Any], _Saved | None, bool]:
+        """The policy for one call of signature ``key``, the observer to install when the call measures, and
+        whether the call may follow the fast path's plan (not when sizes depend on values: the fast path holds
+        what the recorded call held, whatever its size; ``_Planned`` checks the shapes)."""
         plan = self.plans.get(key, _UNSEEN)
         if plan is _UNSEEN:
-            return _Measure(), _Saved(INSPECTOR.get())
+            return _Measure(), _Saved(INSPECTOR.get()), False
         if plan is None:
-            return _nothing, None
-        return _Planned(plan.decisions), None  # type: ignore[union-attr]
+            return _nothing, None, True
+        return _Planned(plan.decisions), None, not plan.dynamic  # type: ignore[union-attr]
 
     def learn(self, key: Any, policy: Any, saved: _Saved, ops: Sequence[Any]) -> None:
         """Solve for signature ``key`` from the measuring call's records."""
@@ -526,11 +539,12 @@ class MemoryBudget:
         sol = solve(g, limit)
         _, _, ran = _closure(g, sol.keep)
         flops = sum(_flops(ops[i], policy.calls[i][1]) for i in ran if not ops[i].random)
-        decisions = tuple((c[0], i in sol.keep and g.keepable[i]) for i, c in enumerate(policy.calls))
+        decisions = tuple((c[0], i in sol.keep and g.keepable[i], policy.shapes[i]) for i, c in enumerate(policy.calls))
         needed = _needed(g, sol.keep)
         kept = tuple(str(ops[i].func) for i in sorted(sol.keep) if any(v in needed for v in g.outs[i]))
+        dynamic = any(torch.Tag.dynamic_output_shape in getattr(r.func, "tags", ()) for r in ops)
         self.plans[key] = BudgetPlan(decisions, full, limit, sol.bytes, flops, sol.cost, kept,
-                                     time.perf_counter() - t0)
+                                     time.perf_counter() - t0, dynamic)
 
 
 _UNSEEN: Any = object()
@@ -598,6 +612,15 @@ def memory_budget(budget: int | float) -> MemoryBudget:
         >>> plan.kept_bytes <= plan.budget_bytes == plan.full_bytes // 2
         True
     """
+    if isinstance(budget, numbers.Integral) and not isinstance(budget, bool):
+        budget = int(budget)
+    elif isinstance(budget, numbers.Real) and not isinstance(budget, bool):
+        budget = float(budget)
+    if budget == 1 and isinstance(budget, int):
+        raise ValueError(
+            "memory_budget: budget=1 is one byte (an int budget counts bytes); to keep everything autograd would, "
+            "pass the fraction 1.0"
+        )
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise TypeError(
             f"memory_budget: budget must be bytes (an int) or a fraction of what autograd keeps (a float in "

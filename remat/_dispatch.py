@@ -644,12 +644,15 @@ class Recorder(TorchDispatchMode):
 
     def prune(self, needed_vids: set[int]) -> None:
         """Release stashed outputs nothing live will read (NOTE [stash liveness])."""
-        # In-place writes need no special case here: a write returns the tensor it wrote, so the
-        # walk sees it as producing that value again; every write runs in the recompute (writes
-        # are never replayed or skipped); and a stashed output is copied before a write (cow).
+        # An in-place write always runs in the recompute (writes are never replayed or skipped), so
+        # it is always live: what it writes must be the forward's value, even when the tensor it
+        # returns is a view (``r[2:4] = v`` writes r's storage through a slice whose own value
+        # nothing reads; a dead ``v`` would write NaN placeholders into r). A stashed output is
+        # copied before a write (cow).
         needed = set(needed_vids)
         for rec in reversed(self.ops):
-            is_live = any(v in needed for v in rec.out_vids) or not rec.out_vids
+            is_live = (any(v in needed for v in rec.out_vids) or not rec.out_vids
+                       or (hasattr(rec.func, "_schema") and traits(rec.func)[0]))
             rec.live = is_live
             replayed = rec.stash is not None
             if is_live and rec.stash is not None and any(

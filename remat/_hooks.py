@@ -489,7 +489,13 @@ class Frame:
 
     def _drop(self, s: int, pos: int, phys: torch.Tensor, meta: tuple[Any, ...], rec: Any) -> Packed:
         self.drops.setdefault(s, {})[pos] = meta
-        self.needed_vids.add(self.recorder.vid(phys))
+        v = self.recorder.known_vid(phys)
+        if v is None and rec is not None:
+            # not a tensor an op of this call returned but a copy of one (a nested call's stash, routed here
+            # detached): the recompute must make the output it copies, found by storage
+            k = storage_key(phys)
+            v = next((ov for ov, ok in zip(rec.out_vids, rec.out_keys) if ok == k), None)
+        self.needed_vids.add(v if v is not None else self.recorder.vid(phys))
         if self.levels:
             # the stash may hold what made it (detach): plain tensors, not wrappers of the saving level
             with below_all_levels(), ti.plain_ops_in_pack_hook():

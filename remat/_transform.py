@@ -275,23 +275,25 @@ def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics
     key = None
     if owner is not None and not owner.debug and not region and ctx is None and fast_path_applies():
         key = signature(flat, static_vals, state)  # NOTE [fast path] in _fastpath.py
-    budget, measuring = None, None
+    budget, measuring, call_policy = None, None, policy
     if isinstance(policy, MemoryBudget):  # NOTE [memory budget] in _budget.py: decided per signature
         budget = policy
         # per function (its code: identical blocks share a plan) and signature, with the torch.func levels
         code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None), "__code__", None)
         bkey = (code or type(fn), signature(flat, static_vals, state),
                 tuple(str(i.key()) for i in ti.interpreter_stack()))
-        policy, measuring = budget.bind(bkey)
+        call_policy, measuring, fast = budget.bind(bkey)
         if region:
-            measuring = None  # (saves nothing this time; a later call outside the region measures)
-        if measuring is not None:
-            key = None  # this call saves nothing while it measures: no fast-path plan from it
+            # a function that enters a torch.func reverse transform runs as a reentrant region every time: it saves
+            # nothing (the measuring policy), and never gets a plan (docs/budgets.md)
+            measuring = None
+        if measuring is not None or not fast:
+            key = None  # measuring (it saves nothing): no fast-path plan from it; value-dependent sizes: none
     try:
         if region:
-            return run_region(run, flat, name, policy, preserve_rng, state)
+            return run_region(run, flat, name, call_policy, preserve_rng, state)
         if measuring is not None:
-            frame = Frame(run, flat, name, policy, preserve_rng, default_engine(), state)
+            frame = Frame(run, flat, name, call_policy, preserve_rng, default_engine(), state)
             measuring.frame = frame
             tok = INSPECTOR.set(measuring)
             try:
@@ -299,14 +301,14 @@ def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics
             finally:
                 INSPECTOR.reset(tok)
             assert budget is not None
-            budget.learn(bkey, policy, measuring, frame.recorder.ops)
+            budget.learn(bkey, call_policy, measuring, frame.recorder.ops)
             return out
         plan = owner._plans.get(key) if key is not None else None
         if plan is not None:
             frame = FastFrame(run, flat, name, preserve_rng, state, plan, lambda: owner._plans.__setitem__(key, None),
                               default_engine())
             return frame.forward()
-        frame = Frame(run, flat, name, policy, preserve_rng, default_engine(), state)
+        frame = Frame(run, flat, name, call_policy, preserve_rng, default_engine(), state)
         if key is not None and key not in owner._plans:
             plans = owner._plans
             frame.record_plan(lambda: plans.__setitem__(key, None))

@@ -339,3 +339,82 @@ def test_one_policy_object_on_two_functions_keeps_two_plans() -> None:
         _, held = live_bytes_after(lambda: r(w, x).sum())  # noqa: B023
         _, full = live_bytes_after(lambda: fn(w, x).sum())  # noqa: B023
         assert held <= 0.5 * full
+
+
+def test_value_dependent_sizes_never_exceed_the_budget() -> None:
+    """A boolean mask selects a number of rows that depends on values: the plan (solved for few rows) must not
+    hold more when many are selected, on any later call (found by review: 64x the budget)."""
+    W = torch.randn(64, 64, requires_grad=True)
+
+    def f(W: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x[mask] @ W)
+        h = torch.tanh(h @ W)
+        return torch.tanh(h @ W).sum()
+
+    pol = policies.memory_budget(0.5)
+    g = remat.remat(f, policy=pol)
+    x = torch.randn(1024, 64)
+    few = torch.zeros(1024, dtype=torch.bool)
+    few[:16] = True
+    many = torch.ones(1024, dtype=torch.bool)
+    for m in (few, few, few, many, many, few):
+        loss, held = live_bytes_after(lambda: g(W, x, m))  # noqa: B023
+        assert torch.equal(torch.autograd.grad(loss, W)[0], torch.autograd.grad(f(W, x, m), W)[0])
+        plan = next(iter(pol.plans.values()))
+        assert plan is not None and plan.dynamic and held <= plan.budget_bytes
+
+
+def test_a_python_setting_the_signature_does_not_see() -> None:
+    """Two closures of one code differ in a captured int that sets a size: the plan of one must not make the
+    other keep more than the budget."""
+    W = torch.randn(64, 64, requires_grad=True)
+
+    def make(n: int) -> Any:
+        def blk(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(x.repeat(n, 1) @ W)
+            return torch.tanh(h @ W).sum()
+        return blk
+
+    pol = policies.memory_budget(0.5)
+    small, big = remat.remat(make(1), policy=pol), remat.remat(make(64), policy=pol)
+    x = torch.randn(16, 64)
+    small(W, x).backward()
+    budget = next(iter(pol.plans.values())).budget_bytes  # type: ignore[union-attr]
+    for _ in range(3):
+        _, held = live_bytes_after(lambda: big(W, x))
+        assert held <= budget
+
+
+def test_complex_values_weighed_at_their_size() -> None:
+    """complex64 is 8 bytes an element (the model counted 4 before: over budget, found by review)."""
+    W = torch.randn(32, 32, dtype=torch.complex64, requires_grad=True)
+
+    def f(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = (x @ W + 1) * 2
+        return (h.exp() @ W).abs().sum()
+
+    pol = policies.memory_budget(0.3)
+    g = remat.remat(f, policy=pol)
+    x = torch.randn(64, 32, dtype=torch.complex64)
+    g(W, x).backward()
+    plan = next(iter(pol.plans.values()))
+    assert plan is not None
+    for _ in range(2):
+        _, held = live_bytes_after(lambda: g(W, x))
+        assert held <= plan.budget_bytes and held == plan.kept_bytes
+
+
+def test_budget_arguments_from_numpy_and_the_one_byte_trap() -> None:
+    np = pytest.importorskip("numpy")
+    assert policies.memory_budget(np.float32(0.5)).budget == 0.5
+    assert policies.memory_budget(np.int64(4096)).budget == 4096
+    with pytest.raises(ValueError, match="budget=1 is one byte"):
+        policies.memory_budget(1)
+
+
+def test_exhaustive_path_prefers_fewer_bytes_at_equal_cost() -> None:
+    """Keeping a free op's output costs bytes and saves nothing: the exact path must not keep it."""
+    g = Graph(cost=[0.0, 10.0], keepable=[True, True], reads=[[], [0]], outs=[[0], [1]], size=[16, 8],
+              producer=[0, 1], saved=[0, 1])
+    sol = solve(g, budget=100)
+    assert (sol.cost, sol.bytes) == (0.0, 8) and sol.keep == frozenset({1})

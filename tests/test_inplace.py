@@ -98,3 +98,32 @@ def test_write_through_a_checkpoint_name_alias(through: str, policy: Any) -> Non
     f = remat(block, policy=policy)
     for _ in range(3):  # the recorded call, then planned calls
         assert_tree_close(torch.autograd.grad(f(W, x).pow(2).sum(), W), want, rtol=1e-10, atol=1e-10)
+
+
+def _keep(*ops: Any) -> Any:
+    return lambda op, *a, **k: op in ops
+
+
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", "keep-exp", "budget"])
+@pytest.mark.parametrize("case", ["slice-of-a-clone", "slice-of-a-kept-value"])
+def test_a_write_through_a_view_of_a_recomputed_value(case: str, policy: str) -> None:
+    """``r[2:4] = v``: the write returns the slice, which nothing reads; the value written (and, when a policy
+    keeps it, its stashed source) must still be made in the recompute (found by review: NaN gradients)."""
+    def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if case == "slice-of-a-clone":
+            r = w.clone()
+            r[2:4] = x[2:4] * 2
+            return torch.tanh(r)
+        y = x @ w
+        y[:, 0] = y[:, 1].exp()
+        return y.cos()
+
+    pol: Any = {"keep-exp": _keep(torch.ops.aten.exp.default), "budget": policies.memory_budget(1.0)}.get(policy, policy)
+    g = remat(f, policy=pol)
+    w0, x0 = torch.randn(6, 6, dtype=torch.float64), torch.randn(6, 6, dtype=torch.float64)
+    for _ in range(3):  # the recorded call, then the planned ones
+        w1, x1 = w0.clone().requires_grad_(), x0.clone().requires_grad_()
+        w2, x2 = w0.clone().requires_grad_(), x0.clone().requires_grad_()
+        got = torch.autograd.grad(g(w1, x1).sum(), [w1, x1])
+        ref = torch.autograd.grad(f(w2, x2).sum(), [w2, x2])
+        assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-10) for a, b in zip(got, ref))

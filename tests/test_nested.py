@@ -253,3 +253,27 @@ def test_outer_offload_over_inner_save_nothing() -> None:
         with torch.no_grad():
             h.mul_(2)
         loss.backward()
+
+
+@pytest.mark.parametrize("outer", ["keep-exp", "keep-nothing", "keep-mm", "budget-0.5"])
+@pytest.mark.parametrize("inner", ["dots", "nothing", "everything"])
+def test_inner_stash_routed_to_an_outer_that_keeps_a_later_op(inner: str, outer: str) -> None:
+    """An inner call's replay stash (dots_saveable's matmul outputs) is routed through the outer call as copies;
+    an outer policy that keeps only the op after the inner call (exp) must still recompute what those copies
+    stand for (found by review: NaN gradients)."""
+    ip = {"dots": policies.dots_saveable, "nothing": policies.nothing_saveable,
+          "everything": policies.everything_saveable}[inner]
+    block = remat(lambda w, h: torch.tanh(h @ w) @ w, policy=ip)
+
+    def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return block(w, torch.tanh(x @ w)).exp()
+
+    keep = {"keep-exp": torch.ops.aten.exp.default, "keep-mm": torch.ops.aten.mm.default}.get(outer)
+    op: Any = policies.memory_budget(0.5) if outer == "budget-0.5" else (lambda o, *a, **k: o is keep)
+    g = remat(f, policy=op)
+    w0, x = torch.randn(6, 6, dtype=torch.float64) * 0.5, torch.randn(4, 6, dtype=torch.float64)
+    for _ in range(3):
+        w1, w2 = w0.clone().requires_grad_(), w0.clone().requires_grad_()
+        got = torch.autograd.grad(g(w1, x).sum(), w1)[0]
+        ref = torch.autograd.grad(f(w2, x).sum(), w2)[0]
+        assert torch.allclose(got, ref, rtol=1e-10, atol=1e-10)
