@@ -53,8 +53,9 @@ FIXED = {
 }
 
 
-def run_model(name: str, budgets: list[float], backend: str) -> list[tuple[str, str, float, float, str]]:
-    params, x, _, apply = make_transformer(**MODELS[name])
+def run_model(name: str, cfg: dict[str, int], budgets: list[float],
+              backend: str) -> list[tuple[str, str, float, float, str]]:
+    params, x, _, apply = make_transformer(**cfg)
     for blk in params:
         for t in blk.values():
             t.requires_grad_(True)
@@ -111,7 +112,7 @@ def run_model(name: str, budgets: list[float], backend: str) -> list[tuple[str, 
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=["stack", "chain", "both"], default="both")
     p.add_argument("--budgets", default="0.05,0.1,0.25,0.5", help="comma-separated fractions")
@@ -119,30 +120,30 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--tiny", action="store_true", help="tiny models (a smoke test)")
     p.add_argument("--plot", default=None, metavar="PNG", help="retained MiB against recomputed GFLOP, per model")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     budgets = [float(s) for s in a.budgets.split(",")]
-    if a.tiny:
-        MODELS.update({k: TINY for k in MODELS})
+    models = {k: TINY for k in MODELS} if a.tiny else MODELS
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, compiled with backend {a.backend}")
     names = ["stack", "chain"] if a.model == "both" else [a.model]
     results = {}
     for name in names:
-        cfg = MODELS[name]
+        cfg = models[name]
         print(f"\n{name}: {cfg}")
         print("| budget | configuration | retained MiB | recomputed GFLOP | |\n|---|---|--:|--:|---|")
-        results[name] = rows = run_model(name, budgets, a.backend)
+        results[name] = rows = run_model(name, cfg, budgets, a.backend)
         for budget, what, held, flops, note in rows:
             mib = "-" if math.isnan(held) else f"{held / 2**20:.2f}"
             gf = "-" if math.isnan(flops) else f"{flops / 1e9:.3f}"
             print(f"| {budget} | {what} | {mib} | {gf} | {note} |", flush=True)
     if a.plot:
-        plot(results, a.plot)
+        plot(results, models, a.plot)
         print(f"wrote {a.plot}")
 
 
-def plot(results: dict[str, list[tuple[str, str, float, float, str]]], path: str) -> None:
+def plot(results: dict[str, list[tuple[str, str, float, float, str]]], models: dict[str, dict[str, int]],
+         path: str) -> None:
     """One panel per model: retained MiB (x) against recomputed GFLOP (y), a line per configuration family."""
     import matplotlib
 
@@ -159,7 +160,7 @@ def plot(results: dict[str, list[tuple[str, str, float, float, str]]], path: str
                          if what.startswith(key) and not math.isnan(held))
             if pts:
                 ax.plot(*zip(*pts), style, label=label, alpha=0.8)
-        ax.set_title(f"{name}: {MODELS[name]}", fontsize=8)
+        ax.set_title(f"{name}: {models[name]}", fontsize=8)
         ax.set_xlabel("retained MiB (activations between forward and backward)")
         ax.set_ylabel("recomputed GFLOP in the backward pass")
         ax.grid(alpha=0.3)
