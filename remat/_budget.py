@@ -35,7 +35,12 @@ op (its inputs, outputs, shapes) and the engine's observer interface
 decision for each op by its position in the call, is used from the second call
 on; the second call records the fast path's plan, so later calls cost what a
 fixed policy costs. A call whose ops differ from the plan's (a data-dependent
-branch) saves nothing from the first difference on: it stays within the budget.
+branch), or whose kept ops read other shapes (a size set by a Python value the
+signature does not see), saves nothing from the first difference on: it stays
+within the budget. When an op's output size depends on values (``nonzero``, a
+boolean mask; torch's ``dynamic_output_shape`` tag) the fast path, which holds
+what the recorded call held whatever its size, is not used: every call runs the
+full engine, where ``_Planned`` checks the shapes.
 """
 
 from __future__ import annotations
