@@ -32,6 +32,19 @@ NOTE [nested remat]
     it to the parent's decision. Under torch.func levels the inner frame holds its own saved
     tensors (its levels differ from the outer's and its recompute rebuilds them).
 
+NOTE [what a recompute holds]
+    A recompute runs the function with grad enabled, so that autograd's pack hooks
+    hand it the tensors to capture; the graph it builds is thrown away when it
+    ends. In a plain backward pass (no ``torch.func`` level, grad mode off: the
+    captured tensors are detached), when the function runs no backward pass of its
+    own inside (NOTE [backward inside the forward pass]), nothing will differentiate
+    that graph, so the saves it does not capture are not held either: the recompute then holds
+    only what it captures, not every activation until it ends. What this buys is
+    two-level checkpointing's peak: an outer recompute re-runs inner remat calls,
+    whose own activations (not routed to the outer call) their frames recompute
+    again later, block by block. Under ``create_graph`` or a ``torch.func`` level
+    the captured tensors keep their history and the graph holds everything.
+
 NOTE [free as used]
     Each recomputed tensor is let go as soon as the backward pass has read it (as
     ``torch.utils.checkpoint`` does), so memory falls node by node; what is never
@@ -776,6 +789,9 @@ class _Capture:
         self.s = s
         self.target: int | None = None
         self.detach = detach
+        # NOTE [what a recompute holds]: nothing will differentiate the recompute's graph (unless the function
+        # runs a backward pass of its own inside, which reads it)
+        self.drop_unused = detach and not frame.inner_backward and not frame.forwarding
         self.n = 0
         self.fn_name = frame.fn_name
         self.wanted = frame.drops.get(s, {})
@@ -808,10 +824,24 @@ class _Capture:
                 return held
             if self.stop_after is not None and self.n >= self.stop_after:
                 raise _StopRecompute
+            if self.drop_unused:
+                return _NOT_HELD  # NOTE [what a recompute holds]
         return holdable(t)
 
     def unpack(self, t: Any) -> Any:
         return t
+
+
+class _NotHeld:
+    """What a recompute's own graph holds for a tensor nobody will read (NOTE [what a recompute holds]).
+
+    Autograd hands it to ``unpack``, which returns it, only if that graph is differentiated, which never happens;
+    a node given it would fail loudly ("expected a Tensor"), never compute with a wrong value."""
+
+    __slots__ = ()
+
+
+_NOT_HELD = _NotHeld()
 
 
 def holdable(t: torch.Tensor) -> torch.Tensor:
@@ -850,6 +880,7 @@ class _PassThrough:
         self.routed = set() if nested is None else nested.routed
         self._children = iter(() if nested is None else nested.children)
         self.n = 0
+        self.drop_unused = getattr(ctx, "drop_unused", False)  # the outer recompute's graph is never differentiated
 
     def next_nested(self) -> _Nested | None:
         return next(self._children, None)
@@ -859,6 +890,11 @@ class _PassThrough:
         self.n += 1
         if pos in self.routed:
             return self.ctx.pack(t)
+        if self.drop_unused:
+            # the inner call's own activations: its own frame recomputes them when the backward pass reaches it;
+            # holding them here would keep every inner activation until the outer recompute ends
+            # (NOTE [what a recompute holds])
+            return _NOT_HELD
         return holdable(t)
 
     def unpack(self, t: Any) -> Any:

@@ -14,6 +14,17 @@ and ``c_i`` its FLOPs, a schedule costs
   (an upper bound: the segment's input is counted in both);
 * recompute: the sum of ``c_i`` over remat'd blocks.
 
+A segment may have a schedule of its own (a multi-level schedule): its recompute
+runs its inner segments, remat'd ones keeping only their inputs again (NOTE [what a
+recompute holds] in ``_hooks.py``), and backpropagates through them one by one. Its
+transient is then that inner schedule's memory (inner persistent + inner max
+transient, its first inner segment's input being its own), and its recompute the
+segment's FLOPs plus the inner schedule's. ``levels=L`` nests ``L`` levels of equal
+segments (:func:`nested_segments`); a budget also tries nested equal schedules
+(2 to ``ceil(log2 n)`` levels) and takes one when it fits with less recompute than
+the best single-level schedule, or when none of those fits: halving down to single
+blocks needs about one block input per level plus one block.
+
 ``segments=k`` cuts ``k`` equal segments and runs the last one plain, as
 ``torch.utils.checkpoint.checkpoint_sequential`` does (its activations are the
 first the backward pass needs: recomputing them would cost time and save no
@@ -47,7 +58,7 @@ from ._context import INSPECTOR, internal
 from ._transform import remat
 from .bench.measure import FlopCount
 
-__all__ = ["sequential", "Sequential", "Schedule", "solve", "equal_segments"]
+__all__ = ["sequential", "Sequential", "Schedule", "solve", "equal_segments", "nested_segments"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +68,22 @@ class Schedule:
     segments: tuple[tuple[int, int, bool], ...]
     memory: int = 0  # predicted bytes: persistent + max transient
     recompute: float = 0.0  # predicted FLOPs recomputed
+    # per segment, the schedule its recompute follows (a multi-level schedule); None or absent: its blocks plain
+    inner: tuple[Schedule | None, ...] = ()
+
+    def sub(self, i: int) -> Schedule | None:
+        return self.inner[i] if i < len(self.inner) else None
+
+    def depth(self) -> int:
+        """Levels of remat'd segments (1: single level)."""
+        return max((1 + (0 if self.sub(i) is None else self.sub(i).depth())  # type: ignore[union-attr]
+                    for i, (_, _, r) in enumerate(self.segments) if r), default=0)
 
     def __str__(self) -> str:
-        parts = [f"{'remat' if r else 'plain'}[{s}:{e}]" for s, e, r in self.segments]
+        parts = []
+        for i, (s, e, r) in enumerate(self.segments):
+            sub = self.sub(i)
+            parts.append(f"{'remat' if r else 'plain'}[{s}:{e}]" + (f"{{{sub}}}" if sub is not None else ""))
         return " ".join(parts)
 
 
@@ -78,14 +102,50 @@ def equal_segments(n: int, k: int) -> Schedule:
     return Schedule(tuple((bounds[i], bounds[i + 1], i < k - 1) for i in range(k)))
 
 
-def cost(schedule: Schedule, act: Sequence[int], inp: Sequence[int], flops: Sequence[float]) -> tuple[int, float]:
-    """(memory, recompute) of ``schedule`` under the cost model of NOTE [chain schedules]."""
+def nested_segments(n: int, k: int, levels: int) -> Schedule:
+    """``levels`` levels of ``k`` equal remat'd segments: the chain cut into ``k``, each segment longer than a
+    block cut again into ``k``, ``levels`` times (NOTE [chain schedules]). With ``k = 2`` and
+    ``levels = ceil(log2 n)`` memory grows like ``log n`` and a block is recomputed up to ``levels`` times.
+
+    Example:
+        >>> from remat._sequential import nested_segments
+        >>> str(nested_segments(8, 2, 2))
+        'remat[0:4]{remat[0:2] remat[2:4]} remat[4:8]{remat[4:6] remat[6:8]}'
+    """
+    if k < 2 or levels < 1:
+        raise ValueError(f"remat.sequential: need segments >= 2 and levels >= 1 for nested segments, got {k}, {levels}")
+    top = _split(0, n, k, levels)
+    return top if top is not None else equal_segments(n, 1)
+
+
+def _split(s: int, e: int, k: int, levels: int) -> Schedule | None:
+    if levels < 1 or e - s < 2:
+        return None
+    k = min(k, e - s)
+    bounds = [s + round(i * (e - s) / k) for i in range(k + 1)]
+    segs = tuple((bounds[i], bounds[i + 1], True) for i in range(k))
+    return Schedule(segs, inner=tuple(_split(a, b, k, levels - 1) for a, b, _ in segs))
+
+
+def cost(schedule: Schedule, act: Sequence[int], inp: Sequence[int], flops: Sequence[float],
+         start: int = 0) -> tuple[int, float]:
+    """(memory, recompute) of ``schedule`` under the cost model of NOTE [chain schedules]; a segment with an
+    inner schedule costs that schedule's memory as its transient, and its recompute on top of its own."""
     persistent, transient, recompute = 0, 0, 0.0
-    for s, e, rematted in schedule.segments:
+    for i, (s, e, rematted) in enumerate(schedule.segments):
         if rematted:
-            persistent += inp[s] if s > 0 else 0
-            transient = max(transient, sum(act[s:e]))
-            recompute += sum(flops[s:e])
+            persistent += inp[s] if s > start else 0  # (the first segment's input is the caller's)
+            sub = schedule.sub(i)
+            if sub is None:
+                transient = max(transient, sum(act[s:e]))
+                recompute += sum(flops[s:e])
+            else:
+                mem, rec = cost(sub, act, inp, flops, start=s)
+                transient = max(transient, mem)
+                # its recompute runs the inner segments forward but for a last remat'd one, whose output only
+                # the segment returns (a dead op for the recompute, NOTE [dead ops]); then each inner one again
+                ls, le, lr = sub.segments[-1]
+                recompute += sum(flops[s:e]) - (sum(flops[ls:le]) if lr else 0.0) + rec
         else:
             persistent += sum(act[s:e])
     return persistent + transient, recompute
@@ -192,18 +252,31 @@ class _Segment:
         return x
 
 
+class _Inner:
+    """A remat'd segment whose blocks follow a schedule of their own (a multi-level schedule): its recompute
+    re-runs the inner remat'd segments, which keep only their inputs again (NOTE [what a recompute holds])."""
+
+    def __init__(self, chain: Sequential, schedule: Schedule) -> None:
+        self.chain = chain
+        self.schedule = schedule
+
+    def __call__(self, x: Any) -> Any:
+        return self.chain._follow(self.schedule, x)
+
+
 class Sequential:
     """What :func:`sequential` returns: call it on the chain's input."""
 
     def __init__(self, blocks: Sequence[Callable[[Any], Any]], segments: int | None, budget: int | float | None,
-                 policy: Any) -> None:
+                 policy: Any, levels: int = 1) -> None:
         self.blocks = list(blocks)
         self.segments = segments
         self.budget = budget
         self.policy = policy
+        self.levels = levels
         self.solves = 0  # how many times a budget was solved (once per input signature)
         self._schedules: dict[Any, Schedule] = {}
-        self._runs: dict[tuple[int, int], Any] = {}
+        self._runs: dict[Any, Any] = {}
 
     def _key(self, x: Any) -> Any:
         return tuple((tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else t
@@ -214,14 +287,27 @@ class Sequential:
         with this input signature (None before that call)."""
         n = len(self.blocks)
         if self.budget is None:
+            if self.levels > 1:
+                return nested_segments(n, self.segments or max(2, math.ceil(n ** (1 / self.levels) - 1e-9)),
+                                       self.levels)
             return equal_segments(n, self.segments or math.isqrt(n - 1) + 1)
         return self._schedules.get(self._key(x))
 
-    def _run(self, s: int, e: int) -> Any:
-        run = self._runs.get((s, e))
+    def _run(self, s: int, e: int, inner: Schedule | None = None) -> Any:
+        run = self._runs.get((s, e, inner))
         if run is None:
-            run = self._runs[(s, e)] = remat(_Segment(self.blocks[s:e]), policy=self.policy)
+            body = _Segment(self.blocks[s:e]) if inner is None else _Inner(self, inner)
+            run = self._runs[(s, e, inner)] = remat(body, policy=self.policy)
         return run
+
+    def _follow(self, sched: Schedule, x: Any) -> Any:
+        for i, (s, e, rematted) in enumerate(sched.segments):
+            if rematted:
+                x = self._run(s, e, sched.sub(i))(x)
+            else:
+                for b in self.blocks[s:e]:
+                    x = b(x)
+        return x
 
     def _first_call(self, x: Any, key: Any) -> Any:
         """Every block remat'd alone, each weighed (NOTE [chain schedules]); then solve the budget."""
@@ -246,12 +332,21 @@ class Sequential:
         assert self.budget is not None
         budget = int(self.budget * sum(act)) if isinstance(self.budget, float) else int(self.budget)
         found = solve(act, inp, flops, budget)
+        # multi-level schedules of equal segments, where they fit with less recompute (or where no single-level
+        # schedule fits: below one block input per block, memory must grow like log n)
+        for levels in range(2, max(2, math.ceil(math.log2(n))) + 1):
+            tree = nested_segments(n, max(2, math.ceil(n ** (1 / levels) - 1e-9)), levels)
+            mem, rec = cost(tree, act, inp, flops)
+            if mem <= budget and (found is None or (rec, mem) < (found.recompute, found.memory)):
+                found = dataclasses.replace(tree, memory=mem, recompute=rec)
         self.solves += 1
         if found is None:
-            least, _ = cost(Schedule(tuple((i, i + 1, True) for i in range(n))), act, inp, flops)
+            least = min(cost(nested_segments(n, 2, max(1, math.ceil(math.log2(n)))), act, inp, flops)[0],
+                        cost(Schedule(tuple((i, i + 1, True) for i in range(n))), act, inp, flops)[0])
             raise ValueError(
                 f"remat.sequential: no schedule of these {n} blocks fits budget={self.budget!r} ({budget} bytes); "
-                f"the least any schedule needs is {least} bytes (every block remat'd alone, by the cost model). "
+                f"the least any schedule needs is {least} bytes (by the cost model: nested halves down to single "
+                "blocks, or every block remat'd alone). "
                 "Raise the budget, or split the blocks finer."
             )
         self._schedules[key] = found
@@ -261,21 +356,16 @@ class Sequential:
         sched = self.schedule(x)
         if sched is None:
             return self._first_call(x, self._key(x))
-        for s, e, rematted in sched.segments:
-            if rematted:
-                x = self._run(s, e)(x)
-            else:
-                for b in self.blocks[s:e]:
-                    x = b(x)
-        return x
+        return self._follow(sched, x)
 
     def __repr__(self) -> str:
-        how = f"budget={self.budget!r}" if self.budget is not None else f"segments={self.segments}"
+        how = f"budget={self.budget!r}" if self.budget is not None else f"segments={self.segments}" + (
+            f", levels={self.levels}" if self.levels > 1 else "")
         return f"remat.sequential({len(self.blocks)} blocks, {how})"
 
 
 def sequential(blocks: Sequence[Callable[[Any], Any]], *, segments: int | None = None,
-               budget: int | float | None = None, policy: Any = None) -> Sequential:
+               budget: int | float | None = None, policy: Any = None, levels: int = 1) -> Sequential:
     """Rematerialize a chain of blocks ``x -> x`` in segments: equal ones, or the fewest recomputes under a budget.
 
     ``remat.sequential(blocks)(x)`` runs ``blocks[0]`` to ``blocks[-1]`` on ``x``,
@@ -283,10 +373,14 @@ def sequential(blocks: Sequence[Callable[[Any], Any]], *, segments: int | None =
     the forward and the backward pass: only the inputs of remat'd segments
     (and what ``policy`` saves inside them). With neither ``segments`` nor
     ``budget``, ``ceil(sqrt(n))`` equal segments (memory grows like ``sqrt(n)``).
-    With ``budget``, the schedule with the least recomputed FLOPs whose predicted
-    memory fits (NOTE [chain schedules] in ``remat/_sequential.py``), solved on the
-    first call of each input signature and cached. Works under plain autograd and
-    the ``torch.func`` transforms, like :func:`remat`.
+    ``levels=L`` nests: ``L`` levels of equal remat'd segments, each cut again
+    inside (``levels=ceil(log2(n))``, two segments a level: memory grows like
+    ``log n``, a block recomputed up to ``L`` times). With ``budget``, the schedule
+    with the least recomputed FLOPs whose predicted memory fits (NOTE [chain
+    schedules] in ``remat/_sequential.py``): the best single-level schedule, exactly,
+    or a nested one where that fits with less recompute or where no single-level
+    one fits; solved on the first call of each input signature and cached. Works
+    under plain autograd and the ``torch.func`` transforms, like :func:`remat`.
 
     Args:
         blocks: functions or modules, each mapping the chain's value (a tensor or
@@ -297,6 +391,9 @@ def sequential(blocks: Sequence[Callable[[Any], Any]], *, segments: int | None =
             allocates without remat, for activations kept between forward and
             backward plus the largest recompute.
         policy: the policy inside remat'd segments (default: save nothing).
+        levels: with ``segments`` or neither, how many levels of nested segments
+            (1: a single level); ``segments`` is then the count per level
+            (default ``ceil(n ** (1 / levels))``, at least 2).
 
     Returns:
         A callable :class:`Sequential`; ``.schedule(x)`` shows the schedule.
@@ -319,6 +416,12 @@ def sequential(blocks: Sequence[Callable[[Any], Any]], *, segments: int | None =
         raise TypeError(f"remat.sequential: blocks must be a non-empty sequence of callables, got {blocks!r}")
     if segments is not None and budget is not None:
         raise ValueError("remat.sequential: pass segments or budget, not both")
+    if not isinstance(levels, int) or isinstance(levels, bool) or levels < 1:
+        raise ValueError(f"remat.sequential: levels must be a positive int, got {levels!r}")
+    if levels > 1 and budget is not None:
+        raise ValueError("remat.sequential: a budget chooses its own levels; pass levels without a budget")
+    if levels > 1 and segments is not None and segments < 2:
+        raise ValueError(f"remat.sequential: nested levels need at least 2 segments a level, got {segments}")
     if segments is not None and (not isinstance(segments, int) or isinstance(segments, bool) or segments < 1):
         raise ValueError(f"remat.sequential: segments must be a positive int, got {segments!r}")
     if budget is not None:
@@ -328,4 +431,4 @@ def sequential(blocks: Sequence[Callable[[Any], Any]], *, segments: int | None =
             raise ValueError(f"remat.sequential: a fractional budget must be in [0, 1], got {budget}")
         if isinstance(budget, int) and budget < 0:
             raise ValueError(f"remat.sequential: budget must be >= 0 bytes, got {budget}")
-    return Sequential(blocks, segments, budget, policy)
+    return Sequential(blocks, segments, budget, policy, levels)

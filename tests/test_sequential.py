@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import math
 import random
 from typing import Any
 
@@ -18,8 +19,8 @@ import torch
 from torch import nn
 
 import remat
-from remat._sequential import Schedule, cost, equal_segments, solve
-from remat.bench.measure import FlopCount, live_bytes_after
+from remat._sequential import Schedule, cost, equal_segments, nested_segments, solve
+from remat.bench.measure import FlopCount, LiveCensus, live_bytes_after
 
 from .helpers import assert_tree_close
 
@@ -194,5 +195,88 @@ def test_chain_budget_benchmark_runs() -> None:
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "chain_budget.py"), "--blocks", "3", "--budgets",
                         "0.8,1.0", "--steps", "1", "--threads", "1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    for label in ("no-remat", "budget 80%", "budget 100%", "equal 2 segments", "checkpoint_sequential(2)"):
+    for label in ("no-remat", "budget 80%", "budget 100%", "equal 2 segments", "nested halves, 2 levels",
+                  "checkpoint_sequential(2)"):
         assert label in r.stdout
+
+
+# ---- multi-level schedules ------------------------------------------------------------------------------------
+
+
+def test_nested_segments_and_their_cost() -> None:
+    sched = nested_segments(8, 2, 3)
+    assert str(sched) == ("remat[0:4]{remat[0:2]{remat[0:1] remat[1:2]} remat[2:4]{remat[2:3] remat[3:4]}} "
+                          "remat[4:8]{remat[4:6]{remat[4:5] remat[5:6]} remat[6:8]{remat[6:7] remat[7:8]}}")
+    assert sched.depth() == 3
+    act, inp, flops = [10] * 8, [1] * 8, [1.0] * 8
+    mem, rec = cost(sched, act, inp, flops)
+    # persistent: the second half's input, then one input per level below, then one block recomputed
+    assert mem == 1 + 1 + 1 + 10
+    # each block once alone; each pair and each half recomputes its first half only (the last is dead there)
+    assert rec == 8 + 4 * 1 + 2 * 2
+
+
+@pytest.mark.parametrize("levels", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_nested_levels_give_the_plain_gradients(levels: int, dtype: torch.dtype) -> None:
+    blocks = chain(n=8, dtype=dtype)
+    x = torch.randn(8, 16, dtype=dtype, requires_grad=True)
+    ref = grads(blocks, functools.partial(plain, blocks), x)
+    seq = remat.sequential(blocks, levels=levels)
+    assert seq.schedule(x).depth() == levels  # type: ignore[union-attr]
+    got = grads(blocks, seq, x)
+    if dtype is torch.float64:
+        assert_tree_close(got, ref, rtol=1e-10, atol=1e-10)
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    g = torch.func.grad(lambda x: seq(x).pow(2).sum())(x.detach())
+    assert_tree_close(g, torch.func.grad(lambda x: plain(blocks, x).pow(2).sum())(x.detach()), rtol=1e-4,
+                      atol=1e-5, exact_float32=False)
+
+
+def backward_peak(fn: Any, x: torch.Tensor) -> int:
+    """Peak bytes of storages ops allocate in the backward pass to ``x`` (a census outside remat)."""
+    census = LiveCensus()
+    try:
+        with census:
+            loss = fn(x).pow(2).sum()
+            census.peak = census.live
+            torch.autograd.grad(loss, x)
+        return census.peak
+    finally:
+        census.close()
+
+
+def test_memory_grows_like_log_n_with_log_n_levels() -> None:
+    """Measured from outside: halving down to single blocks (ceil(log2 n) levels) peaks about one block input
+    higher each time the chain doubles; sqrt(n) equal segments grow much faster; recompute is as predicted."""
+    peaks, sqrt_peaks = {}, {}
+    for n in (8, 16, 32, 64):
+        blocks = chain(n=n, d=32, dtype=torch.float32)
+        x = torch.randn(64, 32, requires_grad=True)
+        act = x.numel() * 4
+        seq = remat.sequential(blocks, levels=math.ceil(math.log2(n)), segments=2)
+        peaks[n] = backward_peak(seq, x) / act
+        sqrt_peaks[n] = backward_peak(remat.sequential(blocks), x) / act
+    steps = [peaks[2 * n] - peaks[n] for n in (8, 16, 32)]
+    assert all(0 <= s <= 2 for s in steps), (peaks, sqrt_peaks)
+    assert sqrt_peaks[64] - sqrt_peaks[8] > 3 * (peaks[64] - peaks[8]), (peaks, sqrt_peaks)
+
+
+def test_a_budget_below_one_input_per_block_nests() -> None:
+    """Below the single-level floor (every block remat'd alone: 25% of what this chain keeps) a budget takes a
+    nested schedule (15%: two levels fit); what stays alive after the forward pass is within it (a census outside
+    remat), and its recompute is what the model predicts (each block recomputed once per level)."""
+    blocks = chain(n=16, d=32, dtype=torch.float32)
+    x = torch.randn(64, 32, requires_grad=True)
+    base = backward_flops(functools.partial(plain, blocks), x, blocks)
+    _, full = live_bytes_after(lambda: plain(blocks, x).pow(2).sum())
+    seq = remat.sequential(blocks, budget=0.15)
+    seq(x)
+    sched = seq.schedule(x)
+    assert sched is not None and sched.depth() >= 2, sched
+    _, held = live_bytes_after(lambda: seq(x).pow(2).sum())
+    assert held <= 0.15 * full
+    assert backward_flops(seq, x, blocks) - base == pytest.approx(sched.recompute, rel=0.01)
+    ref = grads(blocks, functools.partial(plain, blocks), x)
+    assert all(torch.equal(a, b) for a, b in zip(grads(blocks, seq, x), ref))
