@@ -60,8 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     configs = [Config("no-remat", loss(plain))]
     seqs = {}
     for f in [float(s) for s in a.budgets.split(",")]:
-        seqs[f] = remat.sequential(blocks, budget=f)
-        configs.append(Config(f"budget {f:.0%}", loss(seqs[f])))
+        seq = remat.sequential(blocks, budget=f)
+        try:
+            seq(x)  # the first call measures the blocks and solves
+        except ValueError as e:
+            print(f"budget {f:.0%} left out: {e}", file=sys.stderr)
+            continue
+        seqs[f] = seq
+        configs.append(Config(f"budget {f:.0%}", loss(seq)))
     configs.append(Config(f"equal {k} segments", loss(remat.sequential(blocks))))
     levels = math.ceil(math.log2(a.blocks))
     configs.append(Config(f"nested halves, {levels} levels", loss(remat.sequential(blocks, segments=2, levels=levels))))
