@@ -664,7 +664,7 @@ class _Capture:
             if t.shape != meta[0] or t.dtype != meta[1]:
                 raise saved_shape_differs(self.fn_name, t, meta, pos)
             node = t.grad_fn
-            if (None if node is None else type(node)) is not meta[2]:
+            if not _same_maker(None if node is None else type(node), meta[2]):
                 raise RematError(
                     f"remat: the recompute of {self.fn_name} saved a tensor made by "
                     f"{_node_name(type(node) if node is not None else None)} where its forward pass saved one made by "
@@ -691,6 +691,17 @@ class _Capture:
 
 def _node_name(cls: Any) -> str:
     return "no op (an input)" if cls is None else cls.__name__
+
+
+# The nodes of one view, by how torch decomposed ``reshape``/``view``: a Python dispatch mode on the stack in the
+# forward pass but not in the recompute (a user's memory census) turns ``view`` into ``_reshape_alias``.
+_VIEWS = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"})
+
+
+def _same_maker(got: Any, want: Any) -> bool:
+    """Whether a recomputed saved tensor was made as the forward's was (node classes, a view as any view)."""
+    return got is want or (got is not None and want is not None and got.__name__ in _VIEWS
+                           and want.__name__ in _VIEWS)
 
 
 def _holdable(t: torch.Tensor, mode: bool = True) -> torch.Tensor:

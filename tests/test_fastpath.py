@@ -813,3 +813,24 @@ def test_an_alternating_branch_costs_one_call_of_memory_not_every_other():
     _, plain = live_bytes_after(lambda: f(W, leaf(16, 64, seed=1)))
     # the recorded call, then the one call that left the plan, then the full engine's figure on every call
     assert held[1] > held[0] and held[2:] == [held[0]] * 4 and held[0] < plain, (held, plain)
+
+
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls"])
+def test_forward_under_a_users_dispatch_mode_and_backward_outside(policy: str) -> None:
+    """A memory census (a Python dispatch mode) around the forward pass only: torch decomposes the reshape into
+    ``_reshape_alias`` there and into ``view`` in the recompute, which runs outside it. The same view: not a
+    divergence (a false RematError before, found by review), and the gradients are exact."""
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(64, 64, generator=g, dtype=torch.float64, requires_grad=True)
+    X = torch.randn(32, 64, generator=g, dtype=torch.float64)
+
+    def attn(W: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+        q = (X @ W).view(32, 4, 16).transpose(0, 1)
+        o = F.scaled_dot_product_attention(q, q, q)
+        return F.softmax(o.transpose(0, 1).reshape(32, 64) @ W, -1)
+
+    ref = torch.autograd.grad(attn(W, X).pow(2).sum(), W)[0]
+    f = remat(attn, policy=policy)
+    for _ in range(3):  # the recorded call, then planned ones
+        loss, _ = live_bytes_after(lambda: f(W, X).pow(2).sum())
+        assert_tree_close(torch.autograd.grad(loss, W)[0], ref, rtol=1e-10, atol=1e-10)
