@@ -19,11 +19,15 @@ runs its inner segments, remat'd ones keeping only their inputs again (NOTE [wha
 recompute holds] in ``_hooks.py``), and backpropagates through them one by one. Its
 transient is then that inner schedule's memory (inner persistent + inner max
 transient, its first inner segment's input being its own), and its recompute the
-segment's FLOPs plus the inner schedule's. ``levels=L`` nests ``L`` levels of equal
-segments (:func:`nested_segments`); a budget also tries nested equal schedules
-(2 to ``ceil(log2 n)`` levels) and takes one when it fits with less recompute than
-the best single-level schedule, or when none of those fits: halving down to single
-blocks needs about one block input per level plus one block.
+segment's FLOPs (but for a last remat'd inner segment, whose output nothing in the
+recompute reads: remat does not run it) plus the inner schedule's. ``levels=L``
+nests ``L`` levels of equal segments (``nested_segments``). A budget also solves
+the best multi-level schedule (``solve_nested`` in ``_schedules.py``: a dynamic
+program over spans, the largest inner transient and persistent bytes, exact on a
+grid of ``budget / 48`` steps, checked against every nested schedule of short
+chains) and takes it when it recomputes less than the exact single-level one, or
+when no single-level schedule fits: halving down to single blocks needs about one
+block input per level plus one block.
 
 ``segments=k`` cuts ``k`` equal segments and runs the last one plain, as
 ``torch.utils.checkpoint.checkpoint_sequential`` does (its activations are the
@@ -31,7 +35,7 @@ first the backward pass needs: recomputing them would cost time and save no
 peak). ``budget=`` solves for the least recompute under the memory bound above,
 exactly, by dynamic programming over segment ends with Pareto sets of
 (persistent bytes, recompute) for every candidate ``max transient``
-(:func:`solve`, checked against brute force in ``tests/test_sequential.py``).
+(``solve``, checked against brute force in ``tests/test_sequential.py``).
 The sizes and FLOPs are measured on the first call of each input signature,
 which runs every block remat'd alone (the schedule with the least memory):
 ``a_i`` is what autograd would have kept for block ``i`` (the tensors remat drops,
@@ -44,8 +48,6 @@ cached per signature and used from the second call on.
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,152 +57,12 @@ import torch
 
 from . import _torch_internals as ti
 from ._context import INSPECTOR, internal
+from ._schedules import Schedule, cost, equal_segments, nested_segments, solve, solve_nested
 from ._transform import remat
 from .bench.measure import FlopCount
 
-__all__ = ["sequential", "Sequential", "Schedule", "solve", "equal_segments", "nested_segments"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """Segments ``(start, end, rematted)`` covering the chain, and what the cost model predicts for them."""
-
-    segments: tuple[tuple[int, int, bool], ...]
-    memory: int = 0  # predicted bytes: persistent + max transient
-    recompute: float = 0.0  # predicted FLOPs recomputed
-    # per segment, the schedule its recompute follows (a multi-level schedule); None or absent: its blocks plain
-    inner: tuple[Schedule | None, ...] = ()
-
-    def sub(self, i: int) -> Schedule | None:
-        return self.inner[i] if i < len(self.inner) else None
-
-    def depth(self) -> int:
-        """Levels of remat'd segments (1: single level)."""
-        return max((1 + (0 if self.sub(i) is None else self.sub(i).depth())  # type: ignore[union-attr]
-                    for i, (_, _, r) in enumerate(self.segments) if r), default=0)
-
-    def __str__(self) -> str:
-        parts = []
-        for i, (s, e, r) in enumerate(self.segments):
-            sub = self.sub(i)
-            parts.append(f"{'remat' if r else 'plain'}[{s}:{e}]" + (f"{{{sub}}}" if sub is not None else ""))
-        return " ".join(parts)
-
-
-def equal_segments(n: int, k: int) -> Schedule:
-    """``k`` contiguous segments of ``n`` blocks, as equal as possible; all remat'd but the last.
-
-    Example:
-        >>> from remat._sequential import equal_segments
-        >>> str(equal_segments(5, 2))
-        'remat[0:2] plain[2:5]'
-    """
-    if not 1 <= k:
-        raise ValueError(f"remat.sequential: segments must be a positive int, got {k}")
-    k = min(k, n)
-    bounds = [round(i * n / k) for i in range(k + 1)]
-    return Schedule(tuple((bounds[i], bounds[i + 1], i < k - 1) for i in range(k)))
-
-
-def nested_segments(n: int, k: int, levels: int) -> Schedule:
-    """``levels`` levels of ``k`` equal remat'd segments: the chain cut into ``k``, each segment longer than a
-    block cut again into ``k``, ``levels`` times (NOTE [chain schedules]). With ``k = 2`` and
-    ``levels = ceil(log2 n)`` memory grows like ``log n`` and a block is recomputed up to ``levels`` times.
-
-    Example:
-        >>> from remat._sequential import nested_segments
-        >>> str(nested_segments(8, 2, 2))
-        'remat[0:4]{remat[0:2] remat[2:4]} remat[4:8]{remat[4:6] remat[6:8]}'
-    """
-    if k < 2 or levels < 1:
-        raise ValueError(f"remat.sequential: need segments >= 2 and levels >= 1 for nested segments, got {k}, {levels}")
-    top = _split(0, n, k, levels)
-    return top if top is not None else equal_segments(n, 1)
-
-
-def _split(s: int, e: int, k: int, levels: int) -> Schedule | None:
-    if levels < 1 or e - s < 2:
-        return None
-    k = min(k, e - s)
-    bounds = [s + round(i * (e - s) / k) for i in range(k + 1)]
-    segs = tuple((bounds[i], bounds[i + 1], True) for i in range(k))
-    return Schedule(segs, inner=tuple(_split(a, b, k, levels - 1) for a, b, _ in segs))
-
-
-def cost(schedule: Schedule, act: Sequence[int], inp: Sequence[int], flops: Sequence[float],
-         start: int = 0) -> tuple[int, float]:
-    """(memory, recompute) of ``schedule`` under the cost model of NOTE [chain schedules]; a segment with an
-    inner schedule costs that schedule's memory as its transient, and its recompute on top of its own."""
-    persistent, transient, recompute = 0, 0, 0.0
-    for i, (s, e, rematted) in enumerate(schedule.segments):
-        if rematted:
-            persistent += inp[s] if s > start else 0  # (the first segment's input is the caller's)
-            sub = schedule.sub(i)
-            if sub is None:
-                transient = max(transient, sum(act[s:e]))
-                recompute += sum(flops[s:e])
-            else:
-                mem, rec = cost(sub, act, inp, flops, start=s)
-                transient = max(transient, mem)
-                # its recompute runs the inner segments forward but for a last remat'd one, whose output only
-                # the segment returns (a dead op for the recompute, NOTE [dead ops]); then each inner one again
-                ls, le, lr = sub.segments[-1]
-                recompute += sum(flops[s:e]) - (sum(flops[ls:le]) if lr else 0.0) + rec
-        else:
-            persistent += sum(act[s:e])
-    return persistent + transient, recompute
-
-
-def solve(act: Sequence[int], inp: Sequence[int], flops: Sequence[float], budget: int) -> Schedule | None:
-    """The schedule with the least recompute whose memory (NOTE [chain schedules]) is at most ``budget``.
-
-    ``act[i]``: bytes block ``i`` allocates; ``inp[i]``: bytes of its input; ``flops[i]``: its cost.
-    None when no schedule fits (not even every block remat'd alone).
-
-    Example:
-        >>> from remat._sequential import solve
-        >>> str(solve(act=[10, 10, 10, 10], inp=[1, 1, 1, 1], flops=[1, 1, 1, 1], budget=22))
-        'remat[0:1] remat[1:2] remat[2:3] plain[3:4]'
-    """
-    n = len(act)
-    pre_a = [0, *itertools.accumulate(act)]
-    pre_c = [0.0, *itertools.accumulate(flops)]
-    best: tuple[float, int, tuple[tuple[int, int, bool], ...]] | None = None
-    transients = sorted({pre_a[e] - pre_a[s] for s in range(n) for e in range(s + 1, n + 1)} | {0})
-    for t in transients:
-        if t > budget:
-            break
-        room = budget - t
-        # front[i]: Pareto set {persistent: (recompute, segments)} over schedules of blocks [0, i)
-        front: list[dict[int, tuple[float, tuple[tuple[int, int, bool], ...]]]] = [{} for _ in range(n + 1)]
-        front[0][0] = (0.0, ())
-        for e in range(1, n + 1):
-            cand: dict[int, tuple[float, tuple[tuple[int, int, bool], ...]]] = {}
-
-            def offer(p: int, c: float, segs: tuple[tuple[int, int, bool], ...]) -> None:
-                if p <= room and (p not in cand or c < cand[p][0]):  # noqa: B023
-                    cand[p] = (c, segs)  # noqa: B023
-
-            for p, (c, segs) in front[e - 1].items():  # block e-1 plain
-                offer(p + act[e - 1], c, (*segs, (e - 1, e, False)))
-            for s in range(e):  # blocks [s, e) one remat'd segment
-                if pre_a[e] - pre_a[s] > t:
-                    continue
-                keep = inp[s] if s > 0 else 0
-                for p, (c, segs) in front[s].items():
-                    offer(p + keep, c + pre_c[e] - pre_c[s], (*segs, (s, e, True)))
-            pareto, low = {}, math.inf
-            for p in sorted(cand):
-                if cand[p][0] < low:
-                    pareto[p] = cand[p]
-                    low = cand[p][0]
-            front[e] = pareto
-        for p, (c, segs) in front[n].items():
-            if best is None or (c, p + t) < (best[0], best[1]):
-                best = (c, p + t, segs)
-    if best is None:
-        return None
-    return Schedule(best[2], memory=best[1], recompute=best[0])
+__all__ = ["sequential", "Sequential", "Schedule", "solve", "solve_nested", "equal_segments", "nested_segments",
+           "cost"]
 
 
 class _Kept:
@@ -332,21 +194,18 @@ class Sequential:
         assert self.budget is not None
         budget = int(self.budget * sum(act)) if isinstance(self.budget, float) else int(self.budget)
         found = solve(act, inp, flops, budget)
-        # multi-level schedules of equal segments, where they fit with less recompute (or where no single-level
-        # schedule fits: below one block input per block, memory must grow like log n)
-        for levels in range(2, max(2, math.ceil(math.log2(n))) + 1):
-            tree = nested_segments(n, max(2, math.ceil(n ** (1 / levels) - 1e-9)), levels)
-            mem, rec = cost(tree, act, inp, flops)
-            if mem <= budget and (found is None or (rec, mem) < (found.recompute, found.memory)):
-                found = dataclasses.replace(tree, memory=mem, recompute=rec)
+        # the exact multi-level schedule (on a grid of memory units), where it recomputes less than the exact
+        # single-level one, or where no single-level schedule fits
+        nested = solve_nested(act, inp, flops, budget)
+        if nested is not None and (found is None or (nested.recompute, nested.memory) < (found.recompute,
+                                                                                         found.memory)):
+            found = nested
         self.solves += 1
         if found is None:
-            least = min(cost(nested_segments(n, 2, max(1, math.ceil(math.log2(n)))), act, inp, flops)[0],
-                        cost(Schedule(tuple((i, i + 1, True) for i in range(n))), act, inp, flops)[0])
+            least = cost(nested_segments(n, 2, max(1, math.ceil(math.log2(n)))), act, inp, flops)[0]
             raise ValueError(
                 f"remat.sequential: no schedule of these {n} blocks fits budget={self.budget!r} ({budget} bytes); "
-                f"the least any schedule needs is {least} bytes (by the cost model: nested halves down to single "
-                "blocks, or every block remat'd alone). "
+                f"nested halves down to single blocks need {least} bytes by the cost model. "
                 "Raise the budget, or split the blocks finer."
             )
         self._schedules[key] = found

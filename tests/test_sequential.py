@@ -280,3 +280,42 @@ def test_a_budget_below_one_input_per_block_nests() -> None:
     assert backward_flops(seq, x, blocks) - base == pytest.approx(sched.recompute, rel=0.01)
     ref = grads(blocks, functools.partial(plain, blocks), x)
     assert all(torch.equal(a, b) for a, b in zip(grads(blocks, seq, x), ref))
+
+
+def all_nested(s: int, e: int, top: bool) -> list[Schedule]:
+    """Every children list of [s, e): plain blocks and remat'd strict sub-spans (the whole span too at the top),
+    each remat'd one with any inner list (an all-plain inner list is a flat segment)."""
+    out: list[Schedule] = []
+
+    def rec(k: int, acc: list[tuple[int, int, bool, Schedule | None]]) -> None:
+        if k == e:
+            out.append(Schedule(tuple((a, b, r) for a, b, r, _ in acc), inner=tuple(x for *_, x in acc)))
+            return
+        rec(k + 1, [*acc, (k, k + 1, False, None)])
+        for j in range(k + 1, e + 1):
+            if (k, j) == (s, e) and not top:
+                continue
+            for sub in [None, *[x for x in all_nested(k, j, False) if any(r for _, _, r in x.segments)]]:
+                rec(j, [*acc, (k, j, True, sub)])
+
+    rec(s, [])
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_nested_solver_matches_brute_force(seed: int) -> None:
+    """solve_nested against every nested schedule of random chains of 4 blocks (bytes on the solver's grid)."""
+    rng = random.Random(seed)
+    n = 4
+    act = [rng.randint(2, 12) for _ in range(n)]
+    inp = [rng.randint(1, 3) for _ in range(n)]
+    flops = [float(rng.randint(1, 9)) for _ in range(n)]
+    scheds = all_nested(0, n, True)
+    costs = [cost(x, act, inp, flops) for x in scheds]
+    for budget in sorted({rng.randint(min(m for m, _ in costs), sum(act)) for _ in range(5)}):
+        best = min(r for m, r in costs if m <= budget)
+        got = remat._sequential.solve_nested(act, inp, flops, budget, units=budget)
+        assert got is not None and got.memory <= budget and got.recompute == pytest.approx(best), (budget, got)
+        assert cost(got, act, inp, flops) == (got.memory, got.recompute)
+    assert remat._sequential.solve_nested(act, inp, flops, min(m for m, _ in costs) - 1,
+                                          units=max(1, min(m for m, _ in costs) - 1)) is None
