@@ -315,7 +315,7 @@ def test_memory_budget_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> Non
     spec.loader.exec_module(mod)
     threads = torch.get_num_threads()
     try:
-        mod.main(["--tiny", "--model", "stack", "--budgets", "0.3", "--threads", "1"])
+        mod.main(["--tiny", "--model", "stack", "--budgets", "0.3", "--threads", "1", "--backend", "eager"])
     finally:
         torch.set_num_threads(threads)
         torch._dynamo.reset()

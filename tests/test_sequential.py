@@ -185,19 +185,26 @@ def test_bad_arguments() -> None:
         remat.sequential([])
 
 
-def test_chain_budget_benchmark_runs() -> None:
-    """benchmarks/chain_budget.py (docs/budgets.md) runs on a short chain and prints every configuration."""
+def test_chain_budget_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/chain_budget.py (docs/budgets.md) runs on a short chain and prints every configuration (in this
+    process: a subprocess spends seconds importing torch)."""
+    import importlib.util
     import pathlib
-    import subprocess
-    import sys
 
-    root = pathlib.Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "chain_budget.py"), "--blocks", "3", "--budgets",
-                        "0.8,1.0", "--steps", "1", "--threads", "1"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "chain_budget.py"
+    spec = importlib.util.spec_from_file_location("chain_budget_benchmark", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    threads = torch.get_num_threads()
+    try:
+        assert mod.main(["--blocks", "3", "--budgets", "0.8,1.0", "--steps", "1", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
     for label in ("no-remat", "budget 80%", "budget 100%", "equal 2 segments", "nested halves, 2 levels",
                   "checkpoint_sequential(2)"):
-        assert label in r.stdout
+        assert label in out, (label, out)
 
 
 # ---- multi-level schedules ------------------------------------------------------------------------------------
