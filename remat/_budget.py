@@ -97,7 +97,8 @@ class Solution:
     cost: float  # of the recompute
 
 
-def _closure(g: Graph, keep: frozenset[int]) -> tuple[int, float, set[int]]:
+def _closure(g: Graph, keep: frozenset[int]) -> tuple[int, float, set[int], set[int]]:
+    """Walk back from the saved values: (bytes kept, recompute cost, ops run again, values needed)."""
     seen: set[int] = set()
     ran: set[int] = set()
     kept = 0
@@ -115,12 +116,12 @@ def _closure(g: Graph, keep: frozenset[int]) -> tuple[int, float, set[int]]:
             ran.add(p)
             cost += g.cost[p]
             stack.extend(g.reads[p])
-    return kept, cost, ran
+    return kept, cost, ran, seen
 
 
 def evaluate(g: Graph, keep: frozenset[int]) -> Solution:
     """Bytes kept and recompute cost when the ops in ``keep`` are kept (NOTE [memory budget])."""
-    kept, cost, _ = _closure(g, keep)
+    kept, cost, _, _ = _closure(g, keep)
     return Solution(frozenset(keep), kept, cost)
 
 
@@ -210,7 +211,7 @@ def _fill(g: Graph, sol: Solution, keepable: list[int], budget: int) -> Solution
     """Keep more ops while they fit: recomputed ops by recompute saved per byte kept, in passes until none helps."""
     for _ in range(4):
         improved = False
-        _, _, ran = _closure(g, sol.keep)
+        _, _, ran, _ = _closure(g, sol.keep)
         needed = _needed(g, sol.keep)
 
         gain = {i: g.cost[i] / max(1, sum(g.size[v] for v in g.outs[i] if v in needed))
@@ -542,7 +543,7 @@ class MemoryBudget:
         b = self.budget
         limit = int(b * full) if isinstance(b, float) else int(b)
         sol = solve(g, limit)
-        _, _, ran = _closure(g, sol.keep)
+        _, _, ran, _ = _closure(g, sol.keep)
         flops = sum(_flops(ops[i], policy.calls[i][1]) for i in ran if not ops[i].random)
         decisions = tuple((c[0], i in sol.keep and g.keepable[i], policy.shapes[i]) for i, c in enumerate(policy.calls))
         needed = _needed(g, sol.keep)
@@ -556,17 +557,7 @@ _UNSEEN: Any = object()
 
 
 def _needed(g: Graph, keep: frozenset[int]) -> set[int]:
-    seen: set[int] = set()
-    stack = list(g.saved)
-    while stack:
-        v = stack.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        p = g.producer[v]
-        if not (p in keep and g.keepable[p]):
-            stack.extend(g.reads[p])
-    return seen
+    return _closure(g, keep)[3]
 
 
 def _nothing(op: Any, *args: Any, **kwargs: Any) -> bool:

@@ -101,3 +101,22 @@ def requires_grad_tree(tree: Any) -> Any:
 
 def leaves(tree: Any) -> list[torch.Tensor]:
     return [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def run_benchmark_in_process(name: str, argv: list[str]) -> Any:
+    """Run ``benchmarks/<name>.py``'s ``main(argv)`` in this process (a subprocess spends seconds importing torch
+    and its compiler); the thread count and Dynamo's caches are put back afterwards."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    threads = torch.get_num_threads()
+    try:
+        return mod.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()

@@ -16,7 +16,7 @@ from remat._budget import Graph, _min_cut, evaluate, solve
 from remat.bench.measure import FlopCount, live_bytes_after
 from remat.bench.models import make_cnn, make_transformer
 
-from .helpers import assert_tree_close
+from .helpers import assert_tree_close, run_benchmark_in_process
 
 F64 = {"rtol": 1e-10, "atol": 1e-10}
 
@@ -303,22 +303,9 @@ def test_under_torch_compile_a_clear_error() -> None:
 
 
 def test_memory_budget_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    """benchmarks/memory_budget.py (docs/budgets.md) runs on a tiny model and prints every configuration (in this
-    process: a subprocess would spend most of its time importing torch's compiler)."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "memory_budget.py"
-    spec = importlib.util.spec_from_file_location("memory_budget_benchmark", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    threads = torch.get_num_threads()
-    try:
-        mod.main(["--tiny", "--model", "stack", "--budgets", "0.3", "--threads", "1", "--backend", "eager"])
-    finally:
-        torch.set_num_threads(threads)
-        torch._dynamo.reset()
+    """benchmarks/memory_budget.py (docs/budgets.md) runs on a tiny model and prints every configuration."""
+    run_benchmark_in_process("memory_budget", ["--tiny", "--model", "stack", "--budgets", "0.3", "--threads", "1",
+                                               "--backend", "eager"])
     out = capsys.readouterr().out
     for label in ("no remat", "memory_budget, whole model", "memory_budget, each block", "best fixed policy",
                   "torch.compile activation_memory_budget", "memory_budget at torch's bytes"):

@@ -22,7 +22,7 @@ import remat
 from remat._sequential import Schedule, cost, equal_segments, nested_segments, solve
 from remat.bench.measure import FlopCount, LiveCensus, live_bytes_after
 
-from .helpers import assert_tree_close
+from .helpers import assert_tree_close, run_benchmark_in_process
 
 F64 = {"rtol": 1e-10, "atol": 1e-10}
 
@@ -186,21 +186,9 @@ def test_bad_arguments() -> None:
 
 
 def test_chain_budget_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    """benchmarks/chain_budget.py (docs/budgets.md) runs on a short chain and prints every configuration (in this
-    process: a subprocess spends seconds importing torch)."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "chain_budget.py"
-    spec = importlib.util.spec_from_file_location("chain_budget_benchmark", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    threads = torch.get_num_threads()
-    try:
-        assert mod.main(["--blocks", "3", "--budgets", "0.8,1.0", "--steps", "1", "--threads", "1"]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    """benchmarks/chain_budget.py (docs/budgets.md) runs on a short chain and prints every configuration."""
+    assert run_benchmark_in_process("chain_budget", ["--blocks", "3", "--budgets", "0.8,1.0", "--steps", "1",
+                                                     "--threads", "1"]) == 0
     out = capsys.readouterr().out
     for label in ("no-remat", "budget 80%", "budget 100%", "equal 2 segments", "nested halves, 2 levels",
                   "checkpoint_sequential(2)"):
