@@ -492,8 +492,19 @@ class FastFrame:
     def replayed(self, i: int) -> Any:
         """Op ``i``'s held outputs, for the recompute (NOTE [planned calls])."""
         h = self.plan.hold[i]
-        vals = []
         origins = self.origins.get(i) or self.held[i]
+        if h.single and h.offload is None:  # (one tensor held, the common case: on the hot path)
+            v = self.held[i][0]
+            if h.weak:
+                v = v()
+                if v is None:
+                    return _RUN  # died since the forward pass: run the op again
+            v0s = self.held_versions.get(i)
+            now = _version_of(origins[0])
+            if v0s and v0s[0] is not None and now is not None and now != v0s[0]:
+                raise self._written(i, v0s[0], now)
+            return ti.detach_below_modes(v)  # (no mode sees remat's own detach)
+        vals = []
         with internal():
             for v, v0, orig in zip(self.held[i], self.held_versions.get(i, ()), origins):
                 if isinstance(v, weakref.ref):
@@ -502,14 +513,17 @@ class FastFrame:
                         return _RUN  # died since the forward pass: run the op again
                 now = _version_of(orig)
                 if v0 is not None and now is not None and now != v0:
-                    raise RematError(
-                        f"remat: an output of op #{i} ({self.plan.ops[i]}) that {self.fn_name} kept for its "  # type: ignore[index]
-                        f"recompute was modified in place after the forward pass (version {v0} -> {now}), e.g. a "
-                        "result of the function changed before the backward pass. Clone a result before modifying "
-                        "it, or run the backward pass first."
-                    )
+                    raise self._written(i, v0, now)
                 vals.append(v.detach() if isinstance(v, torch.Tensor) else self.engine.fetch(v))
         return vals[0] if h.single else h.rebuild(vals)
+
+    def _written(self, i: int, v0: int, now: int) -> RematError:
+        return RematError(
+            f"remat: an output of op #{i} ({self.plan.ops[i]}) that {self.fn_name} kept for its "  # type: ignore[index]
+            f"recompute was modified in place after the forward pass (version {v0} -> {now}), e.g. a "
+            "result of the function changed before the backward pass. Clone a result before modifying "
+            "it, or run the backward pass first."
+        )
 
 
 _RUN = object()  # FastFrame.replayed: run the op instead
