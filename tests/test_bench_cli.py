@@ -135,3 +135,17 @@ def test_cli_compile_and_budgets_add_configurations(tmp_path):
     # at most what the eager run of the policy keeps (the compiled graph may recompute the loss's input too)
     assert 0 < compiled["save-nothing"]["retained_bytes"] <= rows["save-nothing"]["retained_bytes"]
     assert compiled["save-nothing"]["recomputed_flops"] > 0 == compiled["save-matmuls"]["recomputed_flops"]
+
+
+def test_measure_rounds_until_min_time():
+    """Rounds: exactly ``steps`` without ``min_time``; with it, more until the timed steps add up, at most
+    ``max_steps``; bad combinations refused."""
+    from remat.bench.measure import Config, measure
+
+    w = torch.randn(8, 8, requires_grad=True)
+    f = lambda w: (w @ w).sum()  # noqa: E731
+    c = [Config("plain", f)]
+    assert len(measure(c, [w], steps=2, warmup=0)[0].times_s) == 2
+    assert len(measure(c, [w], steps=2, warmup=0, min_time=60.0, max_steps=4)[0].times_s) == 4
+    with pytest.raises(ValueError, match="max_steps"):
+        measure(c, [w], steps=5, max_steps=3)

@@ -39,6 +39,9 @@ from .configs import COMPILED, CONFIGS, NAMES, applies, default_configs, label, 
 from .measure import Config, format_table, measure, pareto_front, plot
 from .models import SIZES, make_model
 
+MIN_TIME = 4.0  # seconds of timed steps the default run measures at least (a small model's steps are short)
+MAX_STEPS = 60
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -73,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", choices=list(SIZES), default="small", help="model size (default: small)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    p.add_argument("--steps", type=_positive, default=5, help="timed rounds (every configuration once per round)")
+    p.add_argument("--steps", type=_positive, default=None,
+                   help="timed rounds, every configuration once per round (default: at least 5, and more until "
+                   f"the timed steps took {MIN_TIME:g} s in all, at most {MAX_STEPS} rounds)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration first (default 1)")
     p.add_argument("--policies", default=None,
                    help="comma-separated configurations to run (default: all that apply to the device); "
@@ -192,9 +197,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             configs.append(Config(f"compiled budget {f:.0%}", functools.partial(_with_budget, budgeted, f),
                                   compiled=True))
     t0 = time.perf_counter()
-    rows = measure(configs, [params, x], steps=a.steps, warmup=a.warmup, progress=say)
+    auto = a.steps is None
+    rows = measure(configs, [params, x], steps=5 if auto else a.steps, warmup=a.warmup, progress=say,
+                   min_time=MIN_TIME if auto else 0.0, max_steps=MAX_STEPS if auto else a.steps)
+    steps = len(rows[0].times_s)
     say(f"done in {time.perf_counter() - t0:.1f} s")
-    title = f"{a.model} ({a.size}), {device}, {a.dtype}, median of {a.steps} step(s), torch {torch.__version__}"
+    title = f"{a.model} ({a.size}), {device}, {a.dtype}, median of {steps} step(s), torch {torch.__version__}"
     print(title)
     print(format_table(rows, baseline="no-remat"))
     front = {r.label for r in pareto_front(rows)}
@@ -202,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.json:
         doc: dict[str, Any] = {
             "model": a.model, "size": a.size, "config": SIZES[a.size][a.model], "device": str(device),
-            "dtype": a.dtype, "steps": a.steps, "torch": torch.__version__, "python": platform.python_version(),
+            "dtype": a.dtype, "steps": steps, "torch": torch.__version__, "python": platform.python_version(),
             "threads": torch.get_num_threads(), "compile": a.compile,
             "rows": [r.to_dict() | {"pareto": r.label in front} for r in rows],
         }

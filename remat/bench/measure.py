@@ -292,8 +292,12 @@ def _backward_flops(cfg: Config, args: Sequence[Any], wrt: list[torch.Tensor]) -
 
 
 def measure(configs: Sequence[Config], args: Sequence[Any], *, steps: int = 5, warmup: int = 1,
-            progress: Progress | None = None) -> list[Result]:
+            progress: Progress | None = None, min_time: float = 0.0, max_steps: int = 100) -> list[Result]:
     """Measure each configuration on the same arguments; the first one is the baseline for ratios.
+
+    Timing runs ``steps`` rounds (every configuration once per round, interleaved), then more rounds while the
+    timed steps took less than ``min_time`` seconds in all, up to ``max_steps`` rounds: a small model's steps are
+    short, and its medians need more of them to be stable on a busy machine.
 
     Example:
         >>> import torch
@@ -307,6 +311,8 @@ def measure(configs: Sequence[Config], args: Sequence[Any], *, steps: int = 5, w
     """
     if not configs:
         raise ValueError("measure: no configurations to measure")
+    if min_time < 0 or max_steps < steps:
+        raise ValueError(f"measure: min_time must be >= 0 and max_steps >= steps, got {min_time}, {max_steps}")
     if steps < 1 or warmup < 0:
         raise ValueError(f"measure: steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     wrt = _grad_leaves(args)
@@ -327,16 +333,20 @@ def measure(configs: Sequence[Config], args: Sequence[Any], *, steps: int = 5, w
         flops[c.label] = _backward_flops(c, args, wrt)
     times: dict[str, list[float]] = {c.label: [] for c in configs}
     cpu: dict[str, list[float]] = {c.label: [] for c in configs}
-    for r in range(steps):
-        say(f"timing round {r + 1}/{steps}")
+    r, spent = 0, 0.0
+    while r < steps or (spent < min_time and r < max_steps):
+        r += 1
+        say(f"timing round {r}/{steps}" if r <= steps else f"timing round {r} (until {min_time:g} s in all)")
+        gc.collect()  # (a full collection costs ~0.1 s with torch loaded: once a round, the young ones per step)
         for c in configs:
-            gc.collect()
+            gc.collect(1)
             _sync(device)
             t0, c0 = time.perf_counter(), time.process_time()
             _step(c, args, wrt)
             _sync(device)
             times[c.label].append(time.perf_counter() - t0)
             cpu[c.label].append(time.process_time() - c0)
+            spent += times[c.label][-1]
     base = configs[0].label
     out = []
     for c in configs:
