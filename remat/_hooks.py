@@ -21,7 +21,7 @@ NOTE [nested remat]
     the op that made them (they come back through the outer recompute) or keeps
     them. So an outer save-nothing holds only its inputs between forward and
     backward, whatever the inner policy (two-level checkpointing). For the
-    positions to line up, each routed frame records (``_Nested``) which of its
+    positions to line up, each routed frame records (``Nested``) which of its
     save positions went to the parent, and the routed calls made inside it; the
     outer recompute re-runs each inner call (``call_nested_replay``) under a
     ``_PassThrough`` that saves exactly those positions through the recompute's
@@ -55,7 +55,7 @@ NOTE [backward inside the forward pass]
     The function may run a backward pass of its own (``torch.autograd.grad`` for a
     gradient penalty) that reads tensors this call dropped before its forward pass
     has ended. The recompute then runs the function only as far as the forward pass
-    got: it stops (``_StopRecompute`` from the capture hook) once it has made every
+    got: it stops (``StopRecompute`` from the capture hook in ``_recompute.py``) once it has made every
     tensor saved so far, with the forward's recorder paused (it is still on the mode
     stack); the backward pass's own ops are recorded as ops of the call and replayed
     like any other. Its results are released when the forward pass ends. The tensors
@@ -118,74 +118,25 @@ from torch.autograd.graph import saved_tensors_hooks
 from . import _torch_internals as ti
 from ._ambient import AmbientState
 from ._context import INSPECTOR, activated, active_context, internal
-from ._dispatch import LIFTS, OpTap, Recorder, Replayer, storage_key, tensor_leaves
-from ._errors import RematError, input_written_before_backward, input_written_in_forward, saved_shape_differs
+from ._dispatch import LIFTS, Recorder, storage_key, tensor_leaves
+from ._errors import RematError, input_written_in_forward
 from ._fastpath import Plan
 from ._functorch import (
     Decomposed,
     Level,
     below_all_levels,
-    check_lower_levels,
     decompose,
     record_stack,
-    replay,
     saving_height,
 )
+from ._packed import DROP, INPUT, KEEP, OFFLOAD, ROUTED, Nested, Packed, ParentHandle
 from ._policies import Offloadable, Recompute
+from ._recompute import holdable, run_recompute
 from ._reentrant import NeedsRegion, forward_pass, rewind_attempt
 from ._state import Snapshot
 
-__all__ = ["Frame", "call_nested_replay", "holdable"]
+__all__ = ["Frame"]
 
-_KEEP, _OFFLOAD, _DROP, _INPUT = "kept", "offloaded", "recomputed", "input"
-_ROUTED = "routed"  # a routed frame's kept tensor, saved through the parent frame (NOTE [nested remat])
-
-class Packed:
-    """What autograd holds for one saved tensor of a remat call."""
-
-    __slots__ = ("frame", "kind", "height", "pos", "payload", "version", "meta", "record")
-
-    def __init__(self, frame: Frame, kind: str, height: int, pos: int, payload: Any, version: int,
-                 meta: tuple[Any, ...], record: Any) -> None:
-        self.frame = frame
-        self.kind = kind
-        self.height = height
-        self.pos = pos
-        self.payload = payload
-        self.version = version
-        self.meta = meta
-        self.record = record  # the OpRecord that produced it (None: an input), for inspection
-
-
-class _Nested:
-    """What the parent's recompute must know to re-run one routed call (NOTE [nested remat]).
-
-    ``routed``: the call's save positions handed to the parent (its kept tensors);
-    ``stash``: the outputs of its replay stash handed to the parent when its forward pass ended,
-    as (op index, output position); ``children``: the same for the routed calls made inside it, in call order.
-    """
-
-    __slots__ = ("routed", "stash", "children")
-
-    def __init__(self) -> None:
-        self.routed: set[int] = set()
-        self.stash: list[tuple[int, int]] = []
-        self.children: list[_Nested] = []
-
-
-class _ParentHandle:
-    """A stashed output of a routed call, saved through its parent (NOTE [nested remat])."""
-
-    __slots__ = ("parent", "packed", "value")
-    routed = True
-
-    def __init__(self, parent: Frame, packed: Packed) -> None:
-        self.parent = parent
-        self.packed = packed
-        self.value: torch.Tensor | None = None  # fetched for the duration of this call's recompute
-
-    def fetch(self) -> torch.Tensor:
-        return self.parent.unpack(self.packed)
 
 
 class Frame:
@@ -202,7 +153,7 @@ class Frame:
         # Two-level checkpointing (NOTE [nested remat]): inputs saved through the parent.
         self.parent: Frame | None = parent if parent is not None and h == 0 else None
         self.routed = self.parent is not None
-        self.nested = _Nested()  # the routed calls made in this forward pass, and this call's own routing
+        self.nested = Nested()  # the routed calls made in this forward pass, and this call's own routing
         if self.parent is not None:
             self.parent.nested.children.append(self.nested)
         self.engine = engine
@@ -324,7 +275,7 @@ class Frame:
                 assert self.parent is not None
                 parent = self.parent
                 with internal():
-                    self.nested.stash = self.recorder.route_stash(lambda t: _ParentHandle(parent, parent.pack(t)))
+                    self.nested.stash = self.recorder.route_stash(lambda t: ParentHandle(parent, parent.pack(t)))
         finally:
             self.forwarding = False
             self._plan_packs = None
@@ -364,12 +315,12 @@ class Frame:
                     return None
         assert self._plan_packs is not None
         # (an input is recognised by identity on the fast path: its save positions are not the plan's to keep)
-        kept = [p for p, is_input in zip(self._plan_packs, self._plan_inputs) if p.kind == _KEEP and not is_input]
+        kept = [p for p, is_input in zip(self._plan_packs, self._plan_inputs) if p.kind == KEEP and not is_input]
         state_ids = {id(t) for t in self.state.tensors}
         keep: frozenset[int] | None = frozenset(p.pos for p in kept)
         if all(id(p.payload) in state_ids for p in kept):
             keep = None  # module state only: held by identity (NOTE [fast path])
-        offload = {p.pos: p.record.decision for p in self._plan_packs if p.kind == _OFFLOAD}
+        offload = {p.pos: p.record.decision for p in self._plan_packs if p.kind == OFFLOAD}
         plan = Plan.of_ops(keep, offload, rec.ops)
         if not plan.hold:
             return Plan(keep, offload)  # nothing to hand back in the recompute: no dispatch mode at all
@@ -399,7 +350,7 @@ class Frame:
             decision = None if rec is None else rec.decision
             slot = self.input_ids.get(id(t))
             if slot is not None and self._forward_inputs[slot] is t:
-                p = Packed(self, _INPUT, s, pos, slot, phys._version, meta, None)
+                p = Packed(self, INPUT, s, pos, slot, phys._version, meta, None)
             elif decision is None and self.routed and self.recorder.made_here_decision(phys) in (None, Recompute):
                 # a view of an input, or a tensor of the enclosing call: recompute, do not pin it
                 # (a view the policy saves is kept below: it pins what the policy asked for)
@@ -421,7 +372,7 @@ class Frame:
                     p = self._drop(s, pos, phys, meta, rec)
                 else:
                     # t itself (the engine detaches): the engine keeps a weakref to catch in-place writes
-                    p = Packed(self, _OFFLOAD, s, pos, self._offload(t, decision), phys._version, meta, rec)
+                    p = Packed(self, OFFLOAD, s, pos, self._offload(t, decision), phys._version, meta, rec)
             elif self.routed:
                 # kept by this call's policy: the parent's policy decides whether it survives the
                 # forward pass (NOTE [nested remat]); the parent's recompute re-saves this position
@@ -432,14 +383,14 @@ class Frame:
                     handle = self.parent.pack(t)
                 finally:
                     INSPECTOR.reset(tok)
-                p = Packed(self, _ROUTED, s, pos, handle, phys._version, meta, rec)
+                p = Packed(self, ROUTED, s, pos, handle, phys._version, meta, rec)
             else:  # an input or parameter held by reference, or a saved op output
-                p = Packed(self, _KEEP, s, pos, holdable(t), phys._version, meta, rec)
+                p = Packed(self, KEEP, s, pos, holdable(t), phys._version, meta, rec)
                 if rec is not None:
                     self._kept.setdefault(storage_key(phys), []).append((p, self.recorder.vid(phys)))
                 if rec is not None and rec.stash is not None and any(lv.kind == "grad" for lv in self.levels[:s]):
                     self._mixed.append((p, self.recorder.vid(phys)))  # NOTE [kept under higher-order grad]
-            if p.kind == _DROP and any(lv.kind == "jvp" for lv in self.levels[: max(s, 0)]):
+            if p.kind == DROP and any(lv.kind == "jvp" for lv in self.levels[: max(s, 0)]):
                 # its tangents are read after the forward pass (no op may run inside a pack hook)
                 self._tangents_todo.append((t, s))
             insp = INSPECTOR.get()
@@ -448,7 +399,7 @@ class Frame:
                 self._plan_inputs.append(any(t is a for a in self._forward_inputs))
             if insp is not None:  # remat.saved_residuals is listing what is saved (_inspect.py)
                 final = p
-                while final.kind == _ROUTED:  # what the enclosing calls decided for it
+                while final.kind == ROUTED:  # what the enclosing calls decided for it
                     final = final.payload
                 insp.on_save(t, final.kind, self)
             return p
@@ -483,7 +434,7 @@ class Frame:
                 continue  # an output of the op is gone, it could not be replayed: keep this one
             self.drops[p.height][p.pos] = p.meta
             self.needed_vids.add(vid)
-            p.kind, p.payload = _DROP, None
+            p.kind, p.payload = DROP, None
 
     def _offload(self, t: torch.Tensor, decision: Offloadable) -> Any:
         """What the recorder stashes for an output to offload (``t``: the op's own output)."""
@@ -496,7 +447,7 @@ class Frame:
     def _demote(self, key: int) -> None:
         """A checkpoint_name the policy drops names a value already saved as kept: drop it now."""
         for p, vid in self._kept.pop(key, ()):
-            p.kind, p.payload = _DROP, None
+            p.kind, p.payload = DROP, None
             self.drops.setdefault(p.height, {})[p.pos] = p.meta
             self.needed_vids.add(vid)
 
@@ -515,7 +466,7 @@ class Frame:
                 self.recorder.drop_value(phys)
         else:
             self.recorder.drop_value(phys)  # the recompute must make it again
-        return Packed(self, _DROP, s, pos, None, 0, meta, rec)
+        return Packed(self, DROP, s, pos, None, 0, meta, rec)
 
     def unpack(self, p: Packed) -> torch.Tensor:
         # The autograd engine runs a graph spanning devices on one thread per device: two of them
@@ -535,14 +486,14 @@ class Frame:
         return out
 
     def _unpack(self, p: Packed) -> torch.Tensor:
-        if p.kind == _KEEP:
+        if p.kind == KEEP:
             self._check_version(p, ti.unwrap_all(p.payload)._version)
             return p.payload  # type: ignore[no-any-return]
-        if p.kind == _OFFLOAD:
+        if p.kind == OFFLOAD:
             return self.engine.fetch(p.payload)  # type: ignore[no-any-return]
-        if p.kind == _INPUT:
+        if p.kind == INPUT:
             return self._inputs()[p.payload]  # type: ignore[no-any-return]
-        if p.kind == _ROUTED:
+        if p.kind == ROUTED:
             assert self.parent is not None
             return self.parent.unpack(p.payload)
         s = p.height
@@ -619,128 +570,15 @@ class Frame:
         self._in_cache = out
         return out
 
-    def _unused_ops(self, s: int) -> set[int]:
-        """NOTE [unused outputs]: the ops the recompute may skip because they feed only outputs this backward
-        pass does not differentiate (JAX removes them with its dead-code elimination, ``test_remat_eqn_dce``).
-
-        An output whose tensor is still alive is unused when the engine will not run its node; one whose
-        tensor and node both died (its prehook with it) is unused too; otherwise it counts as used. The ops
-        reaching no used output are skipped like dead ops (NOTE [dead ops]): the saved tensors they would
-        make are read only by nodes that do not run.
-        """
-        if not self._outs:
-            return set()
-        used: set[int] = set()
-        skipped = False
-        for i, (ref, key, ran, version) in enumerate(self._outs):
-            t = ref()
-            if t is None:
-                # the tensor died: its node too (and the prehook it held) unless something computed from it lives
-                # (only on the first recompute: a later one is usually a double backward, which reaches the
-                # forward's nodes through the first backward's graph, and would recompute twice)
-                if ran is not None and ran() is None and s not in self._skipped:
-                    skipped = True
-                else:
-                    used.add(key)
-                continue
-            node = t.grad_fn  # (written in place since: not the node the forward made, so it cannot tell)
-            if node is None or t._version != version or i in self._ran or ti.will_engine_execute(node):
-                used.add(key)
-            else:
-                skipped = True
-        return self.recorder.unused_ops(used) if skipped else set()
-
     def _recompute(self, s: int, skip_unused: bool = True) -> dict[int, torch.Tensor]:
         try:
-            return self._run_recompute(s, skip_unused)
+            return run_recompute(self, s, skip_unused, _forwarding_frames())
         except RematError:
             refuse = getattr(self, "_refuse_plan", None)
             if refuse is not None:
                 refuse()  # the signature's later calls stay on the full engine, which sees this (NOTE [fast path])
             raise
 
-    def _run_recompute(self, s: int, skip_unused: bool = True) -> dict[int, torch.Tensor]:
-        self.recomputes += 1
-        check_lower_levels(self.levels, s, self.fn_name)
-        flat = self._inputs()
-        for i, (a, v0) in enumerate(zip(flat, self.versions)):
-            if self.routed and _made_anew(self.flat[i]):
-                continue  # a copy from the parent (offloaded or recomputed there): the parent checked its source
-            if isinstance(a, torch.Tensor) and v0 is not None and ti.unwrap_all(a)._version != v0:
-                raise input_written_before_backward(self.fn_name, i, a)
-        detach = s < 0 and not torch.is_grad_enabled()
-        capture = _Capture(self, s, detach)
-        # the replay stash this call routed through its parent: fetched now, outside any mode (NOTE [nested remat])
-        routed = [h for r in self.recorder.ops for h in r.stash or () if isinstance(h, _ParentHandle)]
-        for h in routed:
-            h.value = h.fetch()
-        # the backward pass of the outputs' own level (plain autograd, or a lone grad/vjp level)
-        unused = (self._unused_ops(s) if skip_unused and not self.forwarding and s == len(self.levels) - 1
-                  else set())
-        # NOTE [backward inside the forward pass]
-        partial = self.forwarding
-        if partial:
-            if self.levels:
-                raise RematError(
-                    f"remat: {self.fn_name} runs a backward pass (torch.autograd.grad) inside its own forward "
-                    "pass that reads a tensor remat dropped, under torch.func transforms, which remat does not "
-                    "support yet. Use a policy that saves what the inner backward pass reads "
-                    "(policies.everything_saveable), or remat the function outside the transform."
-                )
-            capture.stop_after = self.counts.get(s, 0)
-        replayer = Replayer(self.recorder, unused)
-        with contextlib.ExitStack() as es:
-            # every call still in its forward pass has its recorder on the mode stack: none of them may see
-            # the recompute's ops (this call's, if it is forwarding, and its enclosing calls')
-            for frame in _forwarding_frames():
-                es.enter_context(frame.recorder.paused())
-            es.enter_context(ti.saved_tensors_hooks_enabled())
-            n = len(flat)
-            vals, target = es.enter_context(
-                replay(self.levels, self.decs + self.state_decs, flat + self.state.tensors, s))
-            vals, state_vals = vals[:n], vals[n:]
-            written = self.recorder.written_outside
-            if written:
-                # state the forward pass wrote (a BatchNorm's statistics): the recompute's writes go to a
-                # copy at the dispatch level (NOTE [outside tensors]), but autograd would still bump the real
-                # buffer's version and give it the recompute's history: let the recompute write a stand-in
-                with internal():
-                    state_vals = [v.detach().clone() if storage_key(ti.unwrap_all(t)) in written else v
-                                  for t, v in zip(self.state.tensors, state_vals)]
-            es.enter_context(self.state.restored(state_vals))
-            capture.target = target
-            es.enter_context(self.ambient.restored())
-            es.enter_context(saved_tensors_hooks(capture.pack, capture.unpack))
-            es.enter_context(replayer)
-            es.enter_context(activated(capture))
-            try:
-                self.run(vals)
-                replayer.finish()
-            except _StopRecompute:
-                pass
-        self._skipped[s] = replayer.unused_keys
-        for h in routed:
-            h.value = None
-        captured, capture.captured, capture.frame = capture.captured, {}, None  # no cycle via the hooks
-        if partial and capture.n >= self.counts.get(s, 0):
-            pass  # stopped once it had made everything saved so far
-        elif capture.n != self.counts.get(s, 0):
-            raise RematError(
-                f"remat: the recompute of {self.fn_name} saved {capture.n} tensors for the backward pass "
-                f"where its forward pass saved {self.counts.get(s, 0)}; the function must do the same "
-                "work every time it is called (no data-dependent branches or changing global state). If it "
-                "reads tensors that are not its arguments from somewhere remat does not look (a dict or a "
-                "global, under torch.func), pass them as arguments."
-            )
-        return captured
-
-
-def _made_anew(handle: Any) -> bool:
-    """Whether a parent hands this saved tensor back as a new tensor (fetched from host memory, recomputed), whose
-    version counter is not the forward's input's (NOTE [nested remat])."""
-    while isinstance(handle, Packed) and handle.kind == _ROUTED:
-        handle = handle.payload
-    return isinstance(handle, Packed) and handle.kind in (_OFFLOAD, _DROP)
 
 
 def _forwarding_frames() -> list[Frame]:
@@ -776,148 +614,4 @@ class _Ran:
             frame._ran.add(self.i)
             ti.queue_backward_callback(frame._release_later())
 
-
-class _StopRecompute(Exception):
-    """Raised by a partial recompute's pack hook once it has made every tensor it was asked for."""
-
-
-class _Capture:
-    """Saved-tensor hooks of a recompute: keep what the saving level saves, in order."""
-
-    def __init__(self, frame: Frame, s: int, detach: bool) -> None:
-        self.frame: Frame | None = frame
-        self.s = s
-        self.target: int | None = None
-        self.detach = detach
-        # NOTE [what a recompute holds]: nothing will differentiate the recompute's graph (unless the function
-        # runs a backward pass of its own inside, which reads it)
-        self.drop_unused = detach and not frame.inner_backward and not frame.forwarding
-        self.n = 0
-        self.fn_name = frame.fn_name
-        self.wanted = frame.drops.get(s, {})
-        self.captured: dict[int, torch.Tensor] = {}
-        self._children = iter(frame.nested.children)
-        self.stop_after: int | None = None  # a partial recompute: stop after this many saves
-
-    def next_nested(self) -> _Nested | None:
-        """The routing of the next routed call this recompute re-runs (in forward order)."""
-        return next(self._children, None)
-
-    def pack(self, t: torch.Tensor) -> Any:
-        top = ti.peek_interpreter()
-        level = None if top is None else int(top.level())
-        if level == self.target:
-            pos = self.n
-            self.n += 1
-            meta = self.wanted.get(pos)
-            if meta is not None:
-                if (tuple(t.shape), t.dtype) != meta:
-                    raise saved_shape_differs(self.fn_name, t, meta, pos)
-                held = holdable(t)
-                if self.detach and not ti.is_wrapped(t):
-                    self.captured[pos] = held  # (one detach serves both)
-                else:
-                    with internal():
-                        self.captured[pos] = t.detach() if self.detach else t
-                if self.stop_after is not None and self.n >= self.stop_after:
-                    raise _StopRecompute
-                return held
-            if self.stop_after is not None and self.n >= self.stop_after:
-                raise _StopRecompute
-            if self.drop_unused:
-                return _NOT_HELD  # NOTE [what a recompute holds]
-        return holdable(t)
-
-    def unpack(self, t: Any) -> Any:
-        return t
-
-
-class _NotHeld:
-    """What a recompute's own graph holds for a tensor nobody will read (NOTE [what a recompute holds]).
-
-    Autograd hands it to ``unpack``, which returns it, only if that graph is differentiated, which never happens;
-    a node given it would fail loudly ("expected a Tensor"), never compute with a wrong value."""
-
-    __slots__ = ()
-
-
-_NOT_HELD = _NotHeld()
-
-
-def holdable(t: torch.Tensor) -> torch.Tensor:
-    """What to hold for a saved tensor (in a pack hook) without a reference cycle.
-
-    A saved output's grad_fn is the node that saves it: holding the tensor itself
-    would make a cycle through the C++ graph that Python's gc cannot see, and the
-    graph with its activations would leak on every step. Autograd restores the
-    graph metadata on unpack, so a plain tensor is detached. A functorch wrapper
-    must keep its lower-level history (detach would strip every level), so its
-    inner value is re-wrapped in a dead wrapper, which functorch treats as
-    transparent, exactly like a saved wrapper of an exited level.
-    """
-    if not ti.is_wrapped(t):
-        if not t.requires_grad or t.grad_fn is None:
-            return t  # (a leaf, such as a parameter: no node of its own)
-        if type(t) is torch.Tensor:
-            return ti.detach_below_modes(t)  # (no mode sees it: no need to mark it remat's own)
-        with internal():
-            return t.detach()
-    top = ti.peek_interpreter()
-    if top is not None and ti.maybe_level(t) == int(top.level()) and t.grad_fn is not None:
-        return ti.dead_grad_wrapper(ti.unwrap_one(t))
-    return t
-
-
-class _PassThrough:
-    """An inner remat call re-run by an outer recompute: its saves are the outer graph's own.
-
-    The positions the call's forward pass routed to the parent (``nested.routed``) are
-    saved through ``ctx`` again, so the outer recompute sees them at the same positions.
-    """
-
-    def __init__(self, ctx: Any, nested: _Nested | None) -> None:
-        self.ctx = ctx
-        self.routed = set() if nested is None else nested.routed
-        self._children = iter(() if nested is None else nested.children)
-        self.n = 0
-        self.drop_unused = getattr(ctx, "drop_unused", False)  # the outer recompute's graph is never differentiated
-
-    def next_nested(self) -> _Nested | None:
-        return next(self._children, None)
-
-    def pack(self, t: torch.Tensor) -> Any:
-        pos = self.n
-        self.n += 1
-        if pos in self.routed:
-            return self.ctx.pack(t)
-        if self.drop_unused:
-            # the inner call's own activations: its own frame recomputes them when the backward pass reaches it;
-            # holding them here would keep every inner activation until the outer recompute ends
-            # (NOTE [what a recompute holds])
-            return _NOT_HELD
-        return holdable(t)
-
-    def unpack(self, t: Any) -> Any:
-        return t
-
-
-def call_nested_replay(ctx: Any, run: Callable[[list[Any]], Any], flat: list[Any]) -> Any:
-    """Run an inner remat call inside an outer recompute (NOTE [nested remat])."""
-    nested = None
-    if not ti.interpreter_stack():  # the forward made a routed frame for this call
-        nested = ctx.next_nested()
-        for a in flat:
-            if isinstance(a, torch.Tensor):
-                ctx.pack(a)
-    pt = _PassThrough(ctx, nested)
-    tap = OpTap({i for i, _ in nested.stash} if nested is not None else set())
-    with saved_tensors_hooks(pt.pack, pt.unpack), activated(pt):
-        if not tap.wanted:
-            return run(flat)
-        with tap:
-            out = run(flat)
-    assert nested is not None
-    for i, j in nested.stash:  # the stash the forward pass routed, re-saved in the same order
-        ctx.pack(tap.outputs[i][j])
-    return out
 

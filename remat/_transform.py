@@ -18,9 +18,10 @@ from ._compile import compiled_call, context_fn
 from ._context import INSPECTOR, active_context
 from ._errors import RematError
 from ._fastpath import MAX_PLANS, FastFrame, Plan, fast_path_applies, plans_for, signature
-from ._hooks import Frame, call_nested_replay
+from ._hooks import Frame
 from ._offload import default_engine
 from ._policies import resolve_policy
+from ._recompute import call_nested_replay
 from ._reentrant import NeedsRegion, enclosed, run_region
 from ._state import brief_name, snapshot
 

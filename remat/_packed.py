@@ -1,0 +1,74 @@
+"""What a full-engine call's pack hook hands autograd for each saved tensor (``Frame.pack`` in ``_hooks.py``).
+
+A :class:`Packed` names the call, what became of the tensor (``KEEP``: held by reference, ``OFFLOAD``: copied to
+host memory, ``DROP``: recomputed, ``INPUT``: an argument, ``ROUTED``: saved through the enclosing call), and
+where it sits. A routed call (NOTE [nested remat] in ``_hooks.py``) also leaves a :class:`Nested` for its
+parent's recompute, and hands its stash to the parent as :class:`ParentHandle` records. Both the forward pass
+(``_hooks.py``) and the recompute (``_recompute.py``) read these records.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["KEEP", "OFFLOAD", "DROP", "INPUT", "ROUTED", "Packed", "Nested", "ParentHandle", "made_anew"]
+
+KEEP, OFFLOAD, DROP, INPUT = "kept", "offloaded", "recomputed", "input"
+ROUTED = "routed"  # a routed frame's kept tensor, saved through the parent frame (NOTE [nested remat])
+
+class Packed:
+    """What autograd holds for one saved tensor of a remat call."""
+
+    __slots__ = ("frame", "kind", "height", "pos", "payload", "version", "meta", "record")
+
+    def __init__(self, frame: Any, kind: str, height: int, pos: int, payload: Any, version: int,
+                 meta: tuple[Any, ...], record: Any) -> None:
+        self.frame = frame
+        self.kind = kind
+        self.height = height
+        self.pos = pos
+        self.payload = payload
+        self.version = version
+        self.meta = meta
+        self.record = record  # the OpRecord that produced it (None: an input), for inspection
+
+
+class Nested:
+    """What the parent's recompute must know to re-run one routed call (NOTE [nested remat]).
+
+    ``routed``: the call's save positions handed to the parent (its kept tensors);
+    ``stash``: the outputs of its replay stash handed to the parent when its forward pass ended,
+    as (op index, output position); ``children``: the same for the routed calls made inside it, in call order.
+    """
+
+    __slots__ = ("routed", "stash", "children")
+
+    def __init__(self) -> None:
+        self.routed: set[int] = set()
+        self.stash: list[tuple[int, int]] = []
+        self.children: list[Nested] = []
+
+
+class ParentHandle:
+    """A stashed output of a routed call, saved through its parent (NOTE [nested remat])."""
+
+    __slots__ = ("parent", "packed", "value")
+    routed = True
+
+    def __init__(self, parent: Any, packed: Packed) -> None:
+        self.parent = parent
+        self.packed = packed
+        self.value: torch.Tensor | None = None  # fetched for the duration of this call's recompute
+
+    def fetch(self) -> torch.Tensor:
+        return self.parent.unpack(self.packed)
+
+
+def made_anew(handle: Any) -> bool:
+    """Whether a parent hands this saved tensor back as a new tensor (fetched from host memory, recomputed), whose
+    version counter is not the forward's input's (NOTE [nested remat])."""
+    while isinstance(handle, Packed) and handle.kind == ROUTED:
+        handle = handle.payload
+    return isinstance(handle, Packed) and handle.kind in (OFFLOAD, DROP)

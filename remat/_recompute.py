@@ -1,0 +1,286 @@
+"""The full engine's recompute: one call of a remat'd function run again, under capture hooks, for what its
+backward pass needs (``Frame._recompute`` in ``_hooks.py`` calls :func:`run_recompute`).
+
+The recompute rebuilds the forward's transform stack (NOTE [per-level replay] in ``_functorch.py``), restores the
+module state, random-number and autocast state, and re-runs the function under the dispatch
+:class:`~remat._dispatch.Replayer` (which hands back what the policy kept and skips dead and unused ops) and a
+:class:`Capture`, whose pack hook takes the saved tensors at the positions the forward pass dropped, checks them
+against what the forward pass saved there, and stops the run once it has them all. NOTE [unused outputs], NOTE
+[what a recompute holds] and NOTE [nested remat] are in ``_hooks.py``: an inner remat call re-run by an outer
+recompute goes through :func:`call_nested_replay`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from . import _torch_internals as ti
+from ._context import activated, internal
+from ._dispatch import OpTap, Replayer, storage_key
+from ._errors import RematError, input_written_before_backward, saved_shape_differs
+from ._functorch import check_lower_levels, replay
+from ._packed import Nested, ParentHandle, made_anew
+
+__all__ = ["run_recompute", "unused_ops", "Capture", "StopRecompute", "NOT_HELD", "holdable", "call_nested_replay"]
+
+
+def run_recompute(frame: Any, s: int, skip_unused: bool, forwarding: list[Any]) -> dict[int, torch.Tensor]:
+    """Re-run ``frame``'s call for saving level ``s`` and return what it saves at the positions the forward pass
+    dropped (``forwarding``: the calls still in their forward pass on this thread, whose recorders must not see
+    the recompute's ops)."""
+    frame.recomputes += 1
+    check_lower_levels(frame.levels, s, frame.fn_name)
+    flat = frame._inputs()
+    for i, (a, v0) in enumerate(zip(flat, frame.versions)):
+        if frame.routed and made_anew(frame.flat[i]):
+            continue  # a copy from the parent (offloaded or recomputed there): the parent checked its source
+        if isinstance(a, torch.Tensor) and v0 is not None and ti.unwrap_all(a)._version != v0:
+            raise input_written_before_backward(frame.fn_name, i, a)
+    detach = s < 0 and not torch.is_grad_enabled()
+    capture = Capture(frame, s, detach)
+    # the replay stash this call routed through its parent: fetched now, outside any mode (NOTE [nested remat])
+    routed = [h for r in frame.recorder.ops for h in r.stash or () if isinstance(h, ParentHandle)]
+    for h in routed:
+        h.value = h.fetch()
+    # the backward pass of the outputs' own level (plain autograd, or a lone grad/vjp level)
+    unused = (unused_ops(frame, s) if skip_unused and not frame.forwarding and s == len(frame.levels) - 1
+              else set())
+    # NOTE [backward inside the forward pass]
+    partial = frame.forwarding
+    if partial:
+        if frame.levels:
+            raise RematError(
+                f"remat: {frame.fn_name} runs a backward pass (torch.autograd.grad) inside its own forward "
+                "pass that reads a tensor remat dropped, under torch.func transforms, which remat does not "
+                "support yet. Use a policy that saves what the inner backward pass reads "
+                "(policies.everything_saveable), or remat the function outside the transform."
+            )
+        capture.stop_after = frame.counts.get(s, 0)
+    replayer = Replayer(frame.recorder, unused)
+    with contextlib.ExitStack() as es:
+        # every call still in its forward pass has its recorder on the mode stack: none of them may see
+        # the recompute's ops (this call's, if it is forwarding, and its enclosing calls')
+        for f in forwarding:
+            es.enter_context(f.recorder.paused())
+        es.enter_context(ti.saved_tensors_hooks_enabled())
+        n = len(flat)
+        vals, target = es.enter_context(
+            replay(frame.levels, frame.decs + frame.state_decs, flat + frame.state.tensors, s))
+        vals, state_vals = vals[:n], vals[n:]
+        written = frame.recorder.written_outside
+        if written:
+            # state the forward pass wrote (a BatchNorm's statistics): the recompute's writes go to a
+            # copy at the dispatch level (NOTE [outside tensors]), but autograd would still bump the real
+            # buffer's version and give it the recompute's history: let the recompute write a stand-in
+            with internal():
+                state_vals = [v.detach().clone() if storage_key(ti.unwrap_all(t)) in written else v
+                              for t, v in zip(frame.state.tensors, state_vals)]
+        es.enter_context(frame.state.restored(state_vals))
+        capture.target = target
+        es.enter_context(frame.ambient.restored())
+        es.enter_context(saved_tensors_hooks(capture.pack, capture.unpack))
+        es.enter_context(replayer)
+        es.enter_context(activated(capture))
+        try:
+            frame.run(vals)
+            replayer.finish()
+        except StopRecompute:
+            pass
+    frame._skipped[s] = replayer.unused_keys
+    for h in routed:
+        h.value = None
+    captured, capture.captured, capture.frame = capture.captured, {}, None  # no cycle via the hooks
+    if partial and capture.n >= frame.counts.get(s, 0):
+        pass  # stopped once it had made everything saved so far
+    elif capture.n != frame.counts.get(s, 0):
+        raise RematError(
+            f"remat: the recompute of {frame.fn_name} saved {capture.n} tensors for the backward pass "
+            f"where its forward pass saved {frame.counts.get(s, 0)}; the function must do the same "
+            "work every time it is called (no data-dependent branches or changing global state). If it "
+            "reads tensors that are not its arguments from somewhere remat does not look (a dict or a "
+            "global, under torch.func), pass them as arguments."
+        )
+    return captured
+
+
+def unused_ops(frame: Any, s: int) -> set[int]:
+    """NOTE [unused outputs]: the ops the recompute may skip because they feed only outputs this backward
+    pass does not differentiate (JAX removes them with its dead-code elimination, ``test_remat_eqn_dce``).
+
+    An output whose tensor is still alive is unused when the engine will not run its node; one whose
+    tensor and node both died (its prehook with it) is unused too; otherwise it counts as used. The ops
+    reaching no used output are skipped like dead ops (NOTE [dead ops]): the saved tensors they would
+    make are read only by nodes that do not run.
+    """
+    if not frame._outs:
+        return set()
+    used: set[int] = set()
+    skipped = False
+    for i, (ref, key, ran, version) in enumerate(frame._outs):
+        t = ref()
+        if t is None:
+            # the tensor died: its node too (and the prehook it held) unless something computed from it lives
+            # (only on the first recompute: a later one is usually a double backward, which reaches the
+            # forward's nodes through the first backward's graph, and would recompute twice)
+            if ran is not None and ran() is None and s not in frame._skipped:
+                skipped = True
+            else:
+                used.add(key)
+            continue
+        node = t.grad_fn  # (written in place since: not the node the forward made, so it cannot tell)
+        if node is None or t._version != version or i in frame._ran or ti.will_engine_execute(node):
+            used.add(key)
+        else:
+            skipped = True
+    return frame.recorder.unused_ops(used) if skipped else set()
+
+
+class StopRecompute(Exception):
+    """Raised by a partial recompute's pack hook once it has made every tensor it was asked for."""
+
+
+class Capture:
+    """Saved-tensor hooks of a recompute: keep what the saving level saves, in order."""
+
+    def __init__(self, frame: Any, s: int, detach: bool) -> None:
+        self.frame: Any = frame
+        self.s = s
+        self.target: int | None = None
+        self.detach = detach
+        # NOTE [what a recompute holds]: nothing will differentiate the recompute's graph (unless the function
+        # runs a backward pass of its own inside, which reads it)
+        self.drop_unused = detach and not frame.inner_backward and not frame.forwarding
+        self.n = 0
+        self.fn_name = frame.fn_name
+        self.wanted = frame.drops.get(s, {})
+        self.captured: dict[int, torch.Tensor] = {}
+        self._children = iter(frame.nested.children)
+        self.stop_after: int | None = None  # a partial recompute: stop after this many saves
+
+    def next_nested(self) -> Nested | None:
+        """The routing of the next routed call this recompute re-runs (in forward order)."""
+        return next(self._children, None)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        top = ti.peek_interpreter()
+        level = None if top is None else int(top.level())
+        if level == self.target:
+            pos = self.n
+            self.n += 1
+            meta = self.wanted.get(pos)
+            if meta is not None:
+                if (tuple(t.shape), t.dtype) != meta:
+                    raise saved_shape_differs(self.fn_name, t, meta, pos)
+                held = holdable(t)
+                if self.detach and not ti.is_wrapped(t):
+                    self.captured[pos] = held  # (one detach serves both)
+                else:
+                    with internal():
+                        self.captured[pos] = t.detach() if self.detach else t
+                if self.stop_after is not None and self.n >= self.stop_after:
+                    raise StopRecompute
+                return held
+            if self.stop_after is not None and self.n >= self.stop_after:
+                raise StopRecompute
+            if self.drop_unused:
+                return NOT_HELD  # NOTE [what a recompute holds]
+        return holdable(t)
+
+    def unpack(self, t: Any) -> Any:
+        return t
+
+
+class _NotHeld:
+    """What a recompute's own graph holds for a tensor nobody will read (NOTE [what a recompute holds]).
+
+    Autograd hands it to ``unpack``, which returns it, only if that graph is differentiated, which never happens;
+    a node given it would fail loudly ("expected a Tensor"), never compute with a wrong value."""
+
+    __slots__ = ()
+
+
+NOT_HELD = _NotHeld()
+
+
+def holdable(t: torch.Tensor) -> torch.Tensor:
+    """What to hold for a saved tensor (in a pack hook) without a reference cycle.
+
+    A saved output's grad_fn is the node that saves it: holding the tensor itself
+    would make a cycle through the C++ graph that Python's gc cannot see, and the
+    graph with its activations would leak on every step. Autograd restores the
+    graph metadata on unpack, so a plain tensor is detached. A functorch wrapper
+    must keep its lower-level history (detach would strip every level), so its
+    inner value is re-wrapped in a dead wrapper, which functorch treats as
+    transparent, exactly like a saved wrapper of an exited level.
+    """
+    if not ti.is_wrapped(t):
+        if not t.requires_grad or t.grad_fn is None:
+            return t  # (a leaf, such as a parameter: no node of its own)
+        if type(t) is torch.Tensor:
+            return ti.detach_below_modes(t)  # (no mode sees it: no need to mark it remat's own)
+        with internal():
+            return t.detach()
+    top = ti.peek_interpreter()
+    if top is not None and ti.maybe_level(t) == int(top.level()) and t.grad_fn is not None:
+        return ti.dead_grad_wrapper(ti.unwrap_one(t))
+    return t
+
+
+class _PassThrough:
+    """An inner remat call re-run by an outer recompute: its saves are the outer graph's own.
+
+    The positions the call's forward pass routed to the parent (``nested.routed``) are
+    saved through ``ctx`` again, so the outer recompute sees them at the same positions.
+    """
+
+    def __init__(self, ctx: Any, nested: Nested | None) -> None:
+        self.ctx = ctx
+        self.routed = set() if nested is None else nested.routed
+        self._children = iter(() if nested is None else nested.children)
+        self.n = 0
+        self.drop_unused = getattr(ctx, "drop_unused", False)  # the outer recompute's graph is never differentiated
+
+    def next_nested(self) -> Nested | None:
+        return next(self._children, None)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        pos = self.n
+        self.n += 1
+        if pos in self.routed:
+            return self.ctx.pack(t)
+        if self.drop_unused:
+            # the inner call's own activations: its own frame recomputes them when the backward pass reaches it;
+            # holding them here would keep every inner activation until the outer recompute ends
+            # (NOTE [what a recompute holds])
+            return NOT_HELD
+        return holdable(t)
+
+    def unpack(self, t: Any) -> Any:
+        return t
+
+
+def call_nested_replay(ctx: Any, run: Callable[[list[Any]], Any], flat: list[Any]) -> Any:
+    """Run an inner remat call inside an outer recompute (NOTE [nested remat])."""
+    nested = None
+    if not ti.interpreter_stack():  # the forward made a routed frame for this call
+        nested = ctx.next_nested()
+        for a in flat:
+            if isinstance(a, torch.Tensor):
+                ctx.pack(a)
+    pt = _PassThrough(ctx, nested)
+    tap = OpTap({i for i, _ in nested.stash} if nested is not None else set())
+    with saved_tensors_hooks(pt.pack, pt.unpack), activated(pt):
+        if not tap.wanted:
+            return run(flat)
+        with tap:
+            out = run(flat)
+    assert nested is not None
+    for i, j in nested.stash:  # the stash the forward pass routed, re-saved in the same order
+        ctx.pack(tap.outputs[i][j])
+    return out
+
