@@ -85,14 +85,15 @@ from torch.autograd.graph import saved_tensors_hooks
 from . import _torch_internals as ti
 from ._ambient import AmbientState
 from ._context import INSPECTOR, INTERNAL, active_context, internal, naming
-from ._dispatch import OpRecord, arg_tensors, dead_value, ignored, traits
+from ._dispatch import LIFTS, OpRecord, arg_tensors, dead_value, ignored, storage_key, tensor_leaves, traits
 from ._errors import RematError, input_written_before_backward, input_written_in_forward, saved_shape_differs
+from ._packed import KEEP, OFFLOAD
 from ._policies import Offloadable
 from ._reentrant import NeedsRegion
 from ._state import Snapshot
 from ._torch_internals import TorchDispatchMode
 
-__all__ = ["Plan", "FastFrame", "signature", "fast_path_applies", "plans_for", "MAX_PLANS"]
+__all__ = ["Plan", "plan_of_call", "FastFrame", "signature", "fast_path_applies", "plans_for", "MAX_PLANS"]
 
 MAX_PLANS = 32  # signatures remembered per remat'd function (a new one past this forgets the oldest)
 
@@ -175,6 +176,39 @@ class Plan:
 
 
 _ONE_LEAF = optree.tree_structure(0)  # type: ignore[arg-type]
+
+
+def plan_of_call(frame: Any, out: Any) -> Plan | None:
+    """The plan a full-engine call (``_hooks.Frame``) leaves for later calls of its signature, or None if it was
+    not clean (NOTE [fast path]).
+
+    Not for a call with several differentiable outputs either: only the full engine skips the ops that feed
+    outputs a backward pass does not differentiate (NOTE [unused outputs])."""
+    rec = frame.recorder
+    if sum(1 for t in tensor_leaves(out) if t.requires_grad) > 1:
+        return None
+    if (frame.routed or frame.levels or frame.nested.children or frame.inner_backward or rec.region
+            or rec.written_outside or rec.offloaded_written):
+        return None
+    state_keys = {storage_key(ti.unwrap_all(t)) for t in frame.state.tensors}
+    for r in rec.ops:
+        if r.func in LIFTS or r.subst or r.cow:
+            return None
+        for _, t, _ in r.outside or ():
+            if storage_key(t) not in state_keys:
+                return None
+    assert frame.plan_packs is not None
+    # (an input is recognised by identity on the fast path: its save positions are not the plan's to keep)
+    kept = [p for p, is_input in zip(frame.plan_packs, frame.plan_inputs) if p.kind == KEEP and not is_input]
+    state_ids = {id(t) for t in frame.state.tensors}
+    keep: frozenset[int] | None = frozenset(p.pos for p in kept)
+    if all(id(p.payload) in state_ids for p in kept):
+        keep = None  # module state only: held by identity (NOTE [fast path])
+    offload = {p.pos: p.record.decision for p in frame.plan_packs if p.kind == OFFLOAD}
+    plan = Plan.of_ops(keep, offload, rec.ops)
+    if not plan.hold:
+        return Plan(keep, offload)  # nothing to hand back in the recompute: no dispatch mode at all
+    return plan
 
 
 # The plans of each function, shared by every remat(...) of it with the same policy and static_argnums, as JAX

@@ -118,9 +118,9 @@ from torch.autograd.graph import saved_tensors_hooks
 from . import _torch_internals as ti
 from ._ambient import AmbientState
 from ._context import INSPECTOR, activated, active_context, internal
-from ._dispatch import LIFTS, Recorder, storage_key, tensor_leaves
+from ._dispatch import Recorder, storage_key, tensor_leaves
 from ._errors import RematError, input_written_in_forward
-from ._fastpath import Plan
+from ._fastpath import Plan, plan_of_call
 from ._functorch import (
     Decomposed,
     Level,
@@ -195,8 +195,8 @@ class Frame:
         self._ran: set[int] = set()  # outputs whose node ran in this backward pass (_Ran)
         self._skipped: dict[int, set[int]] = {}  # height -> storages of placeholders for unused ops
         # NOTE [fast path] in _fastpath.py: the packs of a call that may become its signature's plan
-        self._plan_packs: list[Packed] | None = None
-        self.plan: Plan | None = None  # set when the forward pass ends, if _plan_packs was asked for
+        self.plan_packs: list[Packed] | None = None
+        self.plan: Plan | None = None  # set when the forward pass ends, if plan_packs was asked for
         self.inner_backward = False  # a backward pass inside the forward pass read a saved tensor
 
     # ---- forward -------------------------------------------------------------
@@ -262,8 +262,8 @@ class Frame:
                         pass
                     else:
                         self.recorder.prune(self.needed_vids)
-                    if self._plan_packs is not None:
-                        self.plan = self._make_plan(out)
+                    if self.plan_packs is not None:
+                        self.plan = plan_of_call(self, out)
                     self.recorder.seal()  # its copies must be plain tensors
                     if not self.levels:
                         self.recorder.watch_results(tensor_leaves(out))
@@ -278,7 +278,7 @@ class Frame:
                     self.nested.stash = self.recorder.route_stash(lambda t: ParentHandle(parent, parent.pack(t)))
         finally:
             self.forwarding = False
-            self._plan_packs = None
+            self.plan_packs = None
             self.needed_vids = set()
             self._kept = {}
             self._mixed = []
@@ -292,39 +292,8 @@ class Frame:
         ``refuse`` marks the signature as never planned: called if this call's recompute raises (a Python number
         that changed, an op that differs), which only the full engine can see."""
         self._refuse_plan: Callable[[], None] | None = refuse
-        self._plan_packs = []
-        self._plan_inputs: list[bool] = []  # per pack: the saved tensor was an input of the call
-
-    def _make_plan(self, out: Any) -> Plan | None:
-        """This call's plan for later calls of its signature, or None if it was not clean (NOTE [fast path]).
-
-        Not for a call with several differentiable outputs either: only the full engine skips the ops that feed
-        outputs a backward pass does not differentiate (NOTE [unused outputs])."""
-        rec = self.recorder
-        if sum(1 for t in tensor_leaves(out) if t.requires_grad) > 1:
-            return None
-        if (self.routed or self.levels or self.nested.children or self.inner_backward or rec.region
-                or rec.written_outside or rec.offloaded_written):
-            return None
-        state_keys = {storage_key(ti.unwrap_all(t)) for t in self.state.tensors}
-        for r in rec.ops:
-            if r.func in LIFTS or r.subst or r.cow:
-                return None
-            for _, t, _ in r.outside or ():
-                if storage_key(t) not in state_keys:
-                    return None
-        assert self._plan_packs is not None
-        # (an input is recognised by identity on the fast path: its save positions are not the plan's to keep)
-        kept = [p for p, is_input in zip(self._plan_packs, self._plan_inputs) if p.kind == KEEP and not is_input]
-        state_ids = {id(t) for t in self.state.tensors}
-        keep: frozenset[int] | None = frozenset(p.pos for p in kept)
-        if all(id(p.payload) in state_ids for p in kept):
-            keep = None  # module state only: held by identity (NOTE [fast path])
-        offload = {p.pos: p.record.decision for p in self._plan_packs if p.kind == OFFLOAD}
-        plan = Plan.of_ops(keep, offload, rec.ops)
-        if not plan.hold:
-            return Plan(keep, offload)  # nothing to hand back in the recompute: no dispatch mode at all
-        return plan
+        self.plan_packs = []
+        self.plan_inputs: list[bool] = []  # per pack: the saved tensor was an input of the call
 
     def rewind(self) -> None:
         """Undo what a forward pass cut short did, so that the call can run again (NOTE [reentrant region])."""
@@ -394,9 +363,9 @@ class Frame:
                 # its tangents are read after the forward pass (no op may run inside a pack hook)
                 self._tangents_todo.append((t, s))
             insp = INSPECTOR.get()
-            if self._plan_packs is not None:
-                self._plan_packs.append(p)
-                self._plan_inputs.append(any(t is a for a in self._forward_inputs))
+            if self.plan_packs is not None:
+                self.plan_packs.append(p)
+                self.plan_inputs.append(any(t is a for a in self._forward_inputs))
             if insp is not None:  # remat.saved_residuals is listing what is saved (_inspect.py)
                 final = p
                 while final.kind == ROUTED:  # what the enclosing calls decided for it
