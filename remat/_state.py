@@ -10,7 +10,9 @@ NOTE [state is an input]
     ``vjp``'s level has exited: reading them again would compute with other
     values. So each call takes a :class:`Snapshot` of the state it can reach
     (walking the function object: bound ``self``, partial arguments, closure
-    cells, nested functions, modules and their submodules), holds those tensors
+    cells, nested functions, modules and their submodules, and the functions,
+    partials and modules in the lists, tuples and dicts those hold: a list of
+    ``functools.partial(block, params)``), holds those tensors
     until its backward pass like its inputs, and the recompute runs with them
     put back (:meth:`Snapshot.restored`): module slots set in ``_parameters`` /
     ``_buffers`` (what ``functional_call`` itself does), closure cells pointed
@@ -53,7 +55,8 @@ class _Slot:
 
     def __init__(self, owner: Any, kind: str, name: Any, label: str) -> None:
         # a module's _parameters or _buffers dict (kind "_parameters"/"_buffers": not the module, which the
-        # cache of module slots must not hold), a cell ("cell") or an object ("attr")
+        # cache of module slots must not hold), a cell ("cell"), an object ("attr") or a functools.partial's
+        # argument ("partial": name is its index, or its keyword)
         self.owner = owner
         self.kind = kind
         self.name = name
@@ -64,6 +67,9 @@ class _Slot:
             return self.owner.cell_contents
         if self.kind == "attr":
             return self.owner.__dict__[self.name]
+        if self.kind == "partial":
+            p = self.owner
+            return p.args[self.name] if isinstance(self.name, int) else p.keywords[self.name]
         return self.owner[self.name]
 
     def set(self, value: Any) -> None:
@@ -71,6 +77,14 @@ class _Slot:
             self.owner.cell_contents = value
         elif self.kind == "attr":
             self.owner.__dict__[self.name] = value
+        elif self.kind == "partial":  # (a partial's arguments are read-only but for its pickling protocol)
+            p = self.owner
+            args, keywords = list(p.args), dict(p.keywords)
+            if isinstance(self.name, int):
+                args[self.name] = value
+            else:
+                keywords[self.name] = value
+            p.__setstate__((p.func, tuple(args), keywords, p.__dict__ or None))
         else:  # what torch.func.functional_call does (nn.utils._named_member_accessor.swap_tensor)
             self.owner[self.name] = value
 
@@ -177,9 +191,13 @@ def _walk(obj: Any, snap: Snapshot, seen: set[int], label: str, depth: int) -> N
         _walk(obj.__func__, snap, seen, label, depth)
     elif isinstance(obj, functools.partial):
         _walk(obj.func, snap, seen, label, depth + 1)
-        for a in (*obj.args, *obj.keywords.values()):
+        for name, a in (*enumerate(obj.args), *obj.keywords.items()):
             if isinstance(a, nn.Module) or callable(a):
                 _walk(a, snap, seen, brief_name(a), depth + 1)
+            elif isinstance(a, (torch.Tensor, list, tuple, dict)):
+                # functools.partial(block, params): the params are state of the call like a closure's
+                snap._add(_Slot(obj, "partial", name, f"{label}'s argument {name!r}"), a)
+                _walk_leaves(a, snap, seen, label, depth + 1)
     elif isinstance(obj, types.FunctionType):
         for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
             try:
@@ -192,10 +210,20 @@ def _walk(obj: Any, snap: Snapshot, seen: set[int], label: str, depth: int) -> N
             elif isinstance(value, (torch.Tensor, list, tuple, dict)) and id(cell) not in seen:
                 seen.add(id(cell))
                 snap._add(_Slot(cell, "cell", name, f"{name} (closed over by {label})"), value)
+                _walk_leaves(value, snap, seen, f"{label}:{name}", depth + 1)
     elif hasattr(obj, "__remat_target__"):  # remat's own wrappers: look at what they wrap
         _walk(obj.__remat_target__, snap, seen, label, depth)
     elif not isinstance(obj, type) and callable(obj):
         _walk_attrs(obj, snap, seen, label, depth)
+
+
+def _walk_leaves(container: Any, snap: Snapshot, seen: set[int], label: str, depth: int) -> None:
+    """The modules and functions in a list, tuple or dict the call reads (a list of blocks, of partials)."""
+    if isinstance(container, torch.Tensor):
+        return
+    for x in optree.tree_leaves(container, none_is_leaf=True):
+        if isinstance(x, nn.Module) or (callable(x) and not isinstance(x, (torch.Tensor, type))):
+            _walk(x, snap, seen, brief_name(x), depth)
 
 
 def _walk_attrs(obj: Any, snap: Snapshot, seen: set[int], label: str, depth: int) -> None:
@@ -203,6 +231,7 @@ def _walk_attrs(obj: Any, snap: Snapshot, seen: set[int], label: str, depth: int
     for name, value in list(getattr(obj, "__dict__", {}).items()):
         if isinstance(value, (torch.Tensor, list, tuple, dict)):
             snap._add(_Slot(obj, "attr", name, f"{label}.{name}"), value)
+            _walk_leaves(value, snap, seen, f"{label}.{name}", depth + 1)
         elif isinstance(value, nn.Module):
             _walk(value, snap, seen, f"{label}.{name}", depth + 1)
 

@@ -678,3 +678,74 @@ def test_outside_tensor_replaced_during_the_call(n: int, clean_after: None) -> N
     else:
         with pytest.raises(RematError, match=r"read a different tensor of shape \[20000\].*use_cache=False"):
             torch.autograd.grad(out, x)
+
+
+# ---- parameters held by partials and lists of blocks (NOTE [state is an input]) ----------------------------
+
+
+def _block(p: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(h @ p["W"] + p["b"])
+
+
+def _params(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"W": torch.randn(4, 4, generator=g, dtype=DT).requires_grad_(),
+             "b": torch.randn(4, generator=g, dtype=DT).requires_grad_()} for _ in range(n)]
+
+
+class _Chain:
+    """A callable object holding a list of partials (what remat.sequential's segments are)."""
+
+    def __init__(self, blocks: list[Callable[[torch.Tensor], torch.Tensor]]) -> None:
+        self.blocks = blocks
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            h = b(h)
+        return h
+
+
+@pytest.mark.parametrize("how", ["object", "closure", "partial-of-list"])
+def test_params_in_partials_are_state_and_take_the_fast_path(how: str, clean_after: None) -> None:
+    """functools.partial(block, params) in a list (an object's attribute, a closure cell, a partial's argument):
+    the params are found as state, so later calls are planned (no recorder) and drop what they claim."""
+    params = _params(3)
+    blocks = [functools.partial(_block, p) for p in params]
+    if how == "object":
+        fn: Any = _Chain(blocks)
+    elif how == "closure":
+        def fn(h: torch.Tensor) -> torch.Tensor:
+            for b in blocks:
+                h = b(h)
+            return h
+    else:
+        fn = functools.partial(lambda bs, h: _Chain(bs)(h), blocks)
+    wrt = [t for p in params for t in p.values()]
+    x = torch.randn(5, 4, dtype=DT, requires_grad=True)
+    want = torch.autograd.grad(_Chain(blocks)(x).sum(), [x, *wrt])
+    g = remat.remat(fn)
+    for _ in range(3):
+        assert_tree_close(torch.autograd.grad(g(x).sum(), [x, *wrt]), want, **TOL)
+    plans = list(g._plans.values())
+    assert plans and all(p is not None for p in plans)  # clean: the params were found, not read from outside
+    _, held = live_bytes_after(lambda: g(x).sum())
+    _, plain = live_bytes_after(lambda: _Chain(blocks)(x).sum())
+    assert held < plain
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp"])
+def test_params_in_partials_under_torch_func(transform: str, clean_after: None) -> None:
+    """torch.func with respect to params held by partials: the recompute reads the transform's values (under
+    vjp it runs after the level exited, with the partials' arguments put back as the forward pass saw them)."""
+    params = _params(2)
+    x = torch.randn(5, 4, dtype=DT)
+
+    def loss(wrap: Callable[[Any], Any]) -> Callable[[list[dict[str, torch.Tensor]]], torch.Tensor]:
+        return lambda ps: wrap(_Chain([functools.partial(_block, p) for p in ps]))(x).square().sum()
+
+    ps = [{k: v.detach() for k, v in p.items()} for p in params]
+    if transform == "grad":
+        assert_tree_close(grad(loss(remat.remat))(ps), grad(loss(lambda f: f))(ps), **TOL)
+    else:
+        one = torch.ones((), dtype=DT)
+        assert_tree_close(vjp(loss(remat.remat), ps)[1](one), vjp(loss(lambda f: f), ps)[1](one), **TOL)
