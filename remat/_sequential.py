@@ -121,6 +121,7 @@ class _Inner:
     def __init__(self, chain: Sequential, schedule: Schedule) -> None:
         self.chain = chain
         self.schedule = schedule
+        self.blocks = chain.blocks  # (what the call reads: the state walk finds the blocks' parameters here)
 
     def __call__(self, x: Any) -> Any:
         return self.chain._follow(self.schedule, x)

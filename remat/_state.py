@@ -12,11 +12,14 @@ NOTE [state is an input]
     (walking the function object: bound ``self``, partial arguments, closure
     cells, nested functions, modules and their submodules, and the functions,
     partials and modules in the lists, tuples and dicts those hold: a list of
-    ``functools.partial(block, params)``), holds those tensors
+    ``functools.partial(block, params)``; not other callable objects, whose
+    tensors the call may never read), holds those tensors
     until its backward pass like its inputs, and the recompute runs with them
     put back (:meth:`Snapshot.restored`): module slots set in ``_parameters`` /
     ``_buffers`` (what ``functional_call`` itself does), closure cells pointed
-    at the same values. Under torch.func the held tensors are re-wrapped for the
+    at the same values. Containers of blocks (a list of partials, a module's
+    submodules) are put back too: a block replaced between the forward and the
+    backward pass is not what the recompute runs. Under torch.func the held tensors are re-wrapped for the
     rebuilt levels exactly like the arguments (NOTE [per-level replay]).
 
     What the walk cannot reach (a tensor in a global, in a dict inside a
@@ -111,7 +114,9 @@ class Snapshot:
             return
         leaves, spec = optree.tree_flatten(value, none_is_leaf=True)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        if tensors:
+        # (a list of blocks holds no tensor, but a block replaced before the backward pass must not be what the
+        # recompute runs: the container is put back like one of tensors)
+        if tensors or any(_walkable(x) for x in leaves):
             self.slots.append(slot)
             self.values.append((value, leaves))  # the leaves as they were: the container may change later
             self.specs.append(spec)
@@ -217,12 +222,18 @@ def _walk(obj: Any, snap: Snapshot, seen: set[int], label: str, depth: int) -> N
         _walk_attrs(obj, snap, seen, label, depth)
 
 
+def _walkable(x: Any) -> bool:
+    """What the walk follows inside a container: modules, functions, methods, partials (not any callable object:
+    its tensors would be state the call may never read, whose in-place updates the fast path refuses)."""
+    return isinstance(x, (nn.Module, types.FunctionType, types.MethodType, functools.partial))
+
+
 def _walk_leaves(container: Any, snap: Snapshot, seen: set[int], label: str, depth: int) -> None:
     """The modules and functions in a list, tuple or dict the call reads (a list of blocks, of partials)."""
     if isinstance(container, torch.Tensor):
         return
     for x in optree.tree_leaves(container, none_is_leaf=True):
-        if isinstance(x, nn.Module) or (callable(x) and not isinstance(x, (torch.Tensor, type))):
+        if _walkable(x):
             _walk(x, snap, seen, brief_name(x), depth)
 
 
@@ -246,6 +257,8 @@ def _walk_module(root: nn.Module, snap: Snapshot, seen: set[int]) -> None:
             continue
         seen.add(id(m))
         snap.modules.append(m)
+        if m._modules:  # a child replaced before the backward pass must not be what the recompute runs
+            snap._add(_Slot(m, "attr", "_modules", f"{type(m).__name__}'s submodules"), m._modules)
         for slot in mslots:
             t = slot.owner[slot.name]  # a parameter or buffer: a tensor, or None
             if t is not None:

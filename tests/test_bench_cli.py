@@ -149,3 +149,13 @@ def test_measure_rounds_until_min_time():
     assert len(measure(c, [w], steps=2, warmup=0, min_time=60.0, max_steps=4)[0].times_s) == 4
     with pytest.raises(ValueError, match="max_steps"):
         measure(c, [w], steps=5, max_steps=3)
+
+
+def test_measure_many_steps_and_bad_min_time():
+    from remat.bench.measure import Config, measure
+
+    w = torch.randn(4, 4, requires_grad=True)
+    c = [Config("plain", lambda w: (w @ w).sum())]
+    assert len(measure(c, [w], steps=101, warmup=0)[0].times_s) == 101  # (max_steps defaults to >= steps)
+    with pytest.raises(ValueError, match="min_time"):
+        measure(c, [w], steps=1, min_time=float("nan"))

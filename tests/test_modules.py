@@ -749,3 +749,101 @@ def test_params_in_partials_under_torch_func(transform: str, clean_after: None) 
     else:
         one = torch.ones((), dtype=DT)
         assert_tree_close(vjp(loss(remat.remat), ps)[1](one), vjp(loss(lambda f: f), ps)[1](one), **TOL)
+
+
+POLICY_NAMES = {"save-nothing": None, "dots": policies.dots_saveable}
+
+
+@pytest.mark.parametrize("policy", list(POLICY_NAMES))
+@pytest.mark.parametrize("how", ["closure", "object", "partial-of-list"])
+def test_block_replaced_before_backward_is_not_what_the_recompute_runs(how: str, policy: str,
+                                                                         clean_after: None) -> None:
+    """A list of partials the call reads, one replaced between the forward and the backward pass (after clean
+    calls, on the fast path): the recompute runs the blocks the forward pass ran."""
+    params, other = _params(2), _params(1, seed=1)[0]
+    orig = [functools.partial(_block, p) for p in params]
+    blocks = list(orig)
+    if how == "closure":
+        def fn(h: torch.Tensor) -> torch.Tensor:
+            for b in blocks:
+                h = b(h)
+            return h
+    elif how == "object":
+        fn = _Chain(blocks)
+    else:
+        fn = functools.partial(lambda bs, h: _Chain(bs)(h), blocks)
+    x = torch.randn(5, 4, dtype=DT, requires_grad=True)
+    wrt = [x, *(t for p in params for t in p.values())]
+    want = torch.autograd.grad(_Chain(orig)(x).sum(), wrt)
+    g = remat.remat(fn, policy=POLICY_NAMES[policy])
+    for call in range(4):
+        blocks[:] = orig
+        y = g(x).sum()
+        if call:
+            blocks[0] = functools.partial(_block, other)
+        assert_tree_close(torch.autograd.grad(y, wrt), want, **TOL)
+    assert all(p is not None for p in g._plans.values())
+
+
+@pytest.mark.parametrize("policy", list(POLICY_NAMES))
+def test_submodule_replaced_before_backward_is_not_what_the_recompute_runs(policy: str,
+                                                                            clean_after: None) -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).to(DT)
+    first, alt = m[0], nn.Linear(4, 4).to(DT)
+    x = torch.randn(5, 4, dtype=DT, requires_grad=True)
+    wrt = [x, *m.parameters()]
+    want = torch.autograd.grad(m(x).sum(), wrt)
+    g = remat.remat(lambda h: m(h), policy=POLICY_NAMES[policy])
+    for call in range(4):
+        m[0] = first
+        y = g(x).sum()
+        if call:
+            m[0] = alt
+        assert_tree_close(torch.autograd.grad(y, wrt), want, **TOL)
+    m[0] = first
+
+
+def test_other_callables_in_a_walked_list_are_not_state(clean_after: None) -> None:
+    """A callable object in the same list, which the call does not run, updating its own tensor between the
+    forward and the backward pass: not state of the call, so no error."""
+
+    class Counter:
+        def __init__(self) -> None:
+            self.n = torch.zeros(())
+
+        def __call__(self) -> None:
+            self.n += 1
+
+    params = _params(2)
+    ctr = Counter()
+    things: list[Any] = [*(functools.partial(_block, p) for p in params), ctr]
+
+    def fn(h: torch.Tensor) -> torch.Tensor:
+        for b in things[:2]:
+            h = b(h)
+        return h
+
+    x = torch.randn(5, 4, dtype=DT, requires_grad=True)
+    want = torch.autograd.grad(fn(x).sum(), x)
+    g = remat.remat(fn)
+    for _ in range(3):
+        y = g(x).sum()
+        ctr()
+        assert_tree_close(torch.autograd.grad(y, x), want, **TOL)
+
+
+def test_sequential_levels_puts_replaced_params_back(clean_after: None) -> None:
+    params, other = _params(4), _params(1, seed=1)[0]
+    blocks = [functools.partial(_block, p) for p in params]
+    x = torch.randn(5, 4, dtype=DT, requires_grad=True)
+    wrt = [x, *(t for p in params for t in p.values())]
+    want = torch.autograd.grad(_Chain(blocks)(x).sum(), wrt)
+    seq = remat.sequential(blocks, segments=2, levels=2)
+    for _ in range(3):
+        saved = params[1]["W"]
+        y = seq(x).sum()
+        params[1]["W"] = other["W"]  # the dict entry replaced (not written) before the backward pass
+        got = torch.autograd.grad(y, wrt)
+        params[1]["W"] = saved
+        assert_tree_close(got, want, **TOL)

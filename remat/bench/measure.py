@@ -292,12 +292,13 @@ def _backward_flops(cfg: Config, args: Sequence[Any], wrt: list[torch.Tensor]) -
 
 
 def measure(configs: Sequence[Config], args: Sequence[Any], *, steps: int = 5, warmup: int = 1,
-            progress: Progress | None = None, min_time: float = 0.0, max_steps: int = 100) -> list[Result]:
+            progress: Progress | None = None, min_time: float = 0.0, max_steps: int | None = None) -> list[Result]:
     """Measure each configuration on the same arguments; the first one is the baseline for ratios.
 
     Timing runs ``steps`` rounds (every configuration once per round, interleaved), then more rounds while the
-    timed steps took less than ``min_time`` seconds in all, up to ``max_steps`` rounds: a small model's steps are
-    short, and its medians need more of them to be stable on a busy machine.
+    timed steps took less than ``min_time`` seconds in all, up to ``max_steps`` rounds (default: the larger of
+    ``steps`` and 100): a small model's steps are short, and its medians need more of them to be stable on a
+    busy machine.
 
     Example:
         >>> import torch
@@ -311,7 +312,9 @@ def measure(configs: Sequence[Config], args: Sequence[Any], *, steps: int = 5, w
     """
     if not configs:
         raise ValueError("measure: no configurations to measure")
-    if min_time < 0 or max_steps < steps:
+    if max_steps is None:
+        max_steps = max(steps, 100)
+    if not min_time >= 0 or max_steps < steps:  # (not >=: NaN too)
         raise ValueError(f"measure: min_time must be >= 0 and max_steps >= steps, got {min_time}, {max_steps}")
     if steps < 1 or warmup < 0:
         raise ValueError(f"measure: steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
