@@ -291,6 +291,15 @@ def _backward_flops(cfg: Config, args: Sequence[Any], wrt: list[torch.Tensor]) -
     return fc.total
 
 
+def _max_steps(steps: int, min_time: float, max_steps: int | None) -> int:
+    """The most rounds :func:`measure` times (default: the larger of ``steps`` and 100), checked."""
+    if max_steps is None:
+        max_steps = max(steps, 100)
+    if not min_time >= 0 or max_steps < steps:  # (not >=: NaN too)
+        raise ValueError(f"measure: min_time must be >= 0 and max_steps >= steps, got {min_time}, {max_steps}")
+    return max_steps
+
+
 def measure(configs: Sequence[Config], args: Sequence[Any], *, steps: int = 5, warmup: int = 1,
             progress: Progress | None = None, min_time: float = 0.0, max_steps: int | None = None) -> list[Result]:
     """Measure each configuration on the same arguments; the first one is the baseline for ratios.
@@ -312,10 +321,7 @@ def measure(configs: Sequence[Config], args: Sequence[Any], *, steps: int = 5, w
     """
     if not configs:
         raise ValueError("measure: no configurations to measure")
-    if max_steps is None:
-        max_steps = max(steps, 100)
-    if not min_time >= 0 or max_steps < steps:  # (not >=: NaN too)
-        raise ValueError(f"measure: min_time must be >= 0 and max_steps >= steps, got {min_time}, {max_steps}")
+    max_steps = _max_steps(steps, min_time, max_steps)
     if steps < 1 or warmup < 0:
         raise ValueError(f"measure: steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     wrt = _grad_leaves(args)
