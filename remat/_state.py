@@ -49,6 +49,7 @@ from ._torch_internals import unwrap_all
 __all__ = ["Snapshot", "snapshot", "brief_name"]
 
 _MAX_DEPTH = 4  # functions reached through closures of closures of ...
+_MISSING = object()
 
 
 class _Slot:
@@ -95,10 +96,12 @@ class _Slot:
 class Snapshot:
     """The state one call read: slots, and per slot the value (a tensor, or a pytree of them for a cell)."""
 
-    __slots__ = ("slots", "values", "specs", "tensors", "sharded", "modules")
+    __slots__ = ("slots", "values", "specs", "tensors", "sharded", "modules", "children")
 
     def __init__(self) -> None:
         self.modules: list[nn.Module] = []  # every module walked (their training flags select a fast-path plan)
+        # per module with submodules, its submodules at the forward pass (put back for the recompute)
+        self.children: list[tuple[nn.Module, tuple[tuple[str, Any], ...]]] = []
         self.sharded: list[str] = []  # submodules sharded by FSDP2 (fully_shard) below a module the call runs
         self.slots: list[_Slot] = []
         self.values: list[Any] = []  # the slot's value at the forward pass
@@ -128,8 +131,16 @@ class Snapshot:
         tensors, re-wrapped for the recompute's levels). Slots already holding exactly that are
         left alone (the common case: no functional_call, no transform)."""
         undo: list[tuple[_Slot, Any]] = []
+        undo_children: list[tuple[dict[str, Any], str, Any]] = []
         it = iter(tensors)
         try:
+            for m, items in self.children:
+                mods = m._modules
+                for name, child in items:
+                    cur = mods.get(name, _MISSING)
+                    if cur is not child:
+                        undo_children.append((mods, name, cur))
+                        mods[name] = child
             for slot, value, spec in zip(self.slots, self.values, self.specs):
                 want: Any
                 if spec is None:
@@ -148,6 +159,11 @@ class Snapshot:
         finally:
             for slot, cur in reversed(undo):
                 slot.set(cur)
+            for mods, name, cur in reversed(undo_children):
+                if cur is _MISSING:
+                    del mods[name]
+                else:
+                    mods[name] = cur
 
     def label_of(self, t: torch.Tensor) -> str | None:
         """The slot a (plain) tensor came from, for messages: same storage as a held tensor."""
@@ -258,7 +274,7 @@ def _walk_module(root: nn.Module, snap: Snapshot, seen: set[int]) -> None:
         seen.add(id(m))
         snap.modules.append(m)
         if m._modules:  # a child replaced before the backward pass must not be what the recompute runs
-            snap._add(_Slot(m, "attr", "_modules", f"{type(m).__name__}'s submodules"), m._modules)
+            snap.children.append((m, tuple(m._modules.items())))
         for slot in mslots:
             t = slot.owner[slot.name]  # a parameter or buffer: a tensor, or None
             if t is not None:
