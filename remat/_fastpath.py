@@ -527,29 +527,30 @@ class FastFrame:
         """Op ``i``'s held outputs, for the recompute (NOTE [planned calls])."""
         h = self.plan.hold[i]
         origins = self.origins.get(i) or self.held[i]
+        v0s = self.held_versions.get(i, ())
         if h.single and h.offload is None:  # (one tensor held, the common case: on the hot path)
-            v = self.held[i][0]
-            if h.weak:
-                v = v()
-                if v is None:
-                    return _RUN  # died since the forward pass: run the op again
-            v0s = self.held_versions.get(i)
-            now = _version_of(origins[0])
-            if v0s and v0s[0] is not None and now is not None and now != v0s[0]:
-                raise self._written(i, v0s[0], now)
-            return ti.detach_below_modes(v)  # (no mode sees remat's own detach)
+            return self._held_value(i, self.held[i][0], v0s[0] if v0s else None, origins[0])
         vals = []
         with internal():
-            for v, v0, orig in zip(self.held[i], self.held_versions.get(i, ()), origins):
-                if isinstance(v, weakref.ref):
-                    v = v()
-                    if v is None:
-                        return _RUN  # died since the forward pass: run the op again
-                now = _version_of(orig)
-                if v0 is not None and now is not None and now != v0:
-                    raise self._written(i, v0, now)
-                vals.append(v.detach() if isinstance(v, torch.Tensor) else self.engine.fetch(v))
+            for v, v0, orig in zip(self.held[i], v0s, origins):
+                val = self._held_value(i, v, v0, orig)
+                if val is _RUN:
+                    return _RUN
+                vals.append(val)
         return vals[0] if h.single else h.rebuild(vals)
+
+    def _held_value(self, i: int, v: Any, v0: int | None, orig: Any) -> Any:
+        """One held output of op ``i`` for the recompute: checked unwritten since the forward pass; ``_RUN`` if
+        it was held weakly and died; fetched if offloaded."""
+        if isinstance(v, weakref.ref):
+            v = v()
+            if v is None:
+                return _RUN  # died since the forward pass: run the op again
+        now = _version_of(orig)
+        if v0 is not None and now is not None and now != v0:
+            raise self._written(i, v0, now)
+        # (no mode sees remat's own detach)
+        return ti.detach_below_modes(v) if isinstance(v, torch.Tensor) else self.engine.fetch(v)
 
     def _written(self, i: int, v0: int, now: int) -> RematError:
         return RematError(
