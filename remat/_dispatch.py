@@ -159,6 +159,19 @@ def storage_key(t: torch.Tensor) -> int:
         return 0
 
 
+class _Alias:
+    """Called like a weak reference, but holds: an alias of a result that shares its version counter
+    (``Recorder.watch_results``)."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def __call__(self) -> torch.Tensor:
+        return self.t
+
+
 @dataclasses.dataclass
 class OpRecord:
     func: Any
@@ -579,7 +592,9 @@ class Recorder(TorchDispatchMode):
 
     def watch_results(self, results: list[torch.Tensor]) -> None:
         """A held output whose own tensor died may still be written through a result of the call that shares its
-        storage (``return y, h.detach()``): watch that result's version instead (it moves with every write)."""
+        storage (``return y, h.detach()``): watch that result's version instead (it moves with every write),
+        through an alias held here that shares its version counter, so that the watch outlives the caller's
+        reference to the result (a write, then ``del`` of the result, was a wrong gradient without an error)."""
         by_key = {storage_key(t): t for t in results}
         by_key.pop(0, None)
         if not by_key:
@@ -591,7 +606,7 @@ class Recorder(TorchDispatchMode):
                 if v is None and isinstance(held, torch.Tensor):
                     res = by_key.get(storage_key(held))
                     if res is not None:
-                        rec.refs[j] = weakref.ref(res)
+                        rec.refs[j] = _Alias(ti.detach_below_modes(res))  # (the held output's storage: no more)
                         rec.versions[j] = res._version
 
     def _settle_outside(self, rec: OpRecord) -> None:

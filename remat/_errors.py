@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["RematError", "internal_error", "input_written_in_forward", "input_written_before_backward",
-           "saved_shape_differs"]
+           "saved_shape_differs", "saved_written_after_save"]
 
 
 class RematError(RuntimeError):
@@ -61,4 +61,16 @@ def saved_shape_differs(fn_name: str, t: Any, meta: tuple[Any, ...], pos: int) -
         f"pass saved {list(meta[0])} {meta[1]} (saved tensor #{pos}); the function must compute the same shapes "
         "every time it is called (a key/value cache that grows on every call changes them: for a Hugging Face model "
         "pass use_cache=False (model.config.use_cache = False))."
+    )
+
+
+def saved_written_after_save(fn_name: str, pos: int, t: Any, v0: int, v1: int) -> RematError:
+    """The function wrote a tensor in place after saving it for the backward pass (seen when the recompute replays
+    the write after making the tensor at position ``pos``)."""
+    return RematError(
+        f"remat: {fn_name} modified a tensor ({_shape(t)}, saved tensor #{pos}) in place after an op saved it for "
+        f"the backward pass (version {v0} -> {v1}); plain autograd raises here too (\"one of the variables needed "
+        "for gradient computation has been modified by an inplace operation\"), and the recompute would hand the "
+        "modified value to the backward pass. Use the out-of-place op (x = x * 3, not x.mul_(3)), or clone the "
+        "tensor before modifying it."
     )

@@ -87,7 +87,7 @@ from ._ambient import AmbientState
 from ._context import INSPECTOR, INTERNAL, active_context, internal, naming
 from ._dispatch import LIFTS, OpRecord, arg_tensors, dead_value, ignored, storage_key, tensor_leaves, traits
 from ._errors import RematError, input_written_before_backward, input_written_in_forward, saved_shape_differs
-from ._packed import KEEP, OFFLOAD
+from ._packed import KEEP, OFFLOAD, Made
 from ._policies import Offloadable
 from ._reentrant import NeedsRegion
 from ._state import Snapshot
@@ -325,7 +325,7 @@ class FastFrame:
         self.n = 0  # tensors saved so far
         self.drops: dict[int, tuple[Any, ...]] = {}  # position -> shape, dtype, class of the node that made it
         self.last_drop = -1
-        self.cache: dict[int, torch.Tensor] = {}  # recomputed, not read yet
+        self.cache: dict[int, torch.Tensor] = {}  # recomputed, not read yet (a Made once a recompute ran)
         self.forwarding = False
         self.recomputes = 0
         self.held: dict[int, list[Any]] = {}  # op index -> its outputs, detached or offloaded (NOTE [planned calls])
@@ -468,14 +468,12 @@ class FastFrame:
     def unpack(self, p: Any) -> torch.Tensor:
         if type(p) is int:
             with self._lock:
-                out = self.cache.pop(p, None)
-                if out is None:
+                if p not in self.cache:
                     # not recomputed yet in this backward pass, or read once already (a second backward pass)
                     self.cache = self._recompute()
                     if not self.forwarding:
                         ti.queue_backward_callback(_release(self))
-                    out = self.cache.pop(p)
-                return out
+                return self.cache.take(self.fn_name, p)  # type: ignore[union-attr]
         if type(p) is _In:
             t = self.flat[p.slot]
             if t._version != p.version:
@@ -488,7 +486,7 @@ class FastFrame:
         return p.t  # type: ignore[no-any-return]
 
     # ---- recompute -------------------------------------------------------------
-    def _recompute(self) -> dict[int, torch.Tensor]:
+    def _recompute(self) -> Made:
         self.recomputes += 1
         if not self.forwarding:
             self._check_versions(after_forward=False)
@@ -498,7 +496,7 @@ class FastFrame:
             self.refuse()  # the recorded call's liveness does not hold for this one
             return self._run_recompute(skip_dead=False)
 
-    def _run_recompute(self, skip_dead: bool) -> dict[int, torch.Tensor]:
+    def _run_recompute(self, skip_dead: bool) -> Made:
         # (a backward pass inside the forward pass: recompute only as far as the forward pass has got)
         self.placeholders = {}
         capture = _Capture(self.drops, self.n if self.forwarding else self.last_drop + 1, self.fn_name,
@@ -692,7 +690,7 @@ def _identity(x: Any) -> Any:
 
 
 class _Capture:
-    __slots__ = ("wanted", "stop_after", "fn_name", "detach", "n", "captured", "placeholders", "mode")
+    __slots__ = ("wanted", "stop_after", "fn_name", "detach", "n", "captured", "placeholders", "mode", "versions")
 
     def __init__(self, wanted: dict[int, tuple[Any, ...]], stop_after: int, fn_name: str,
                  detach: bool, placeholders: dict[int, weakref.ref[torch.Tensor]], mode: bool) -> None:
@@ -704,6 +702,7 @@ class _Capture:
         self.detach = detach
         self.n = 0
         self.captured: dict[int, torch.Tensor] = {}
+        self.versions: dict[int, int] = {}  # position -> version when made (NOTE [written after saved])
 
     def pack(self, t: torch.Tensor) -> Any:
         pos = self.n
@@ -725,6 +724,7 @@ class _Capture:
             held = _holdable(t, self.mode)
             # without create_graph the backward pass needs the value only, not the recompute's graph
             self.captured[pos] = held if self.detach else t
+            self.versions[pos] = t._version
         elif t.grad_fn is None:
             held = t  # an input, a parameter, a replayed output: no node of its own to make a cycle with
         else:
@@ -733,9 +733,9 @@ class _Capture:
             raise _Stop
         return held  # (the recompute's own graph: the function may run a backward pass of its own through it)
 
-    def finish(self) -> dict[int, torch.Tensor]:
+    def finish(self) -> Made:
         captured, self.captured = self.captured, {}
-        return captured
+        return Made(captured, self.versions)
 
 
 def _node_name(cls: Any) -> str:

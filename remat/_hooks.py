@@ -129,7 +129,7 @@ from ._functorch import (
     record_stack,
     saving_height,
 )
-from ._packed import DROP, INPUT, KEEP, OFFLOAD, ROUTED, Nested, Packed, ParentHandle
+from ._packed import DROP, INPUT, KEEP, OFFLOAD, ROUTED, Made, Nested, Packed, ParentHandle
 from ._policies import Offloadable, Recompute
 from ._recompute import holdable, run_recompute
 from ._reentrant import NeedsRegion, forward_pass, rewind_attempt
@@ -180,7 +180,7 @@ class Frame:
         self.input_ids: dict[int, int] = {}  # id of an input tensor -> its slot, while routed forward runs
         self.counts: dict[int, int] = {}  # saving height -> number of tensors saved there
         self.drops: dict[int, dict[int, tuple[Any, ...]]] = {}  # height -> dropped position -> (shape, dtype)
-        self.cache: dict[int, dict[int, torch.Tensor]] = {}  # height -> recomputed, not yet read
+        self.cache: dict[int, Made] = {}  # height -> recomputed, not yet read
         self._lock = threading.RLock()  # re-entrant: a recompute may unpack the parent, or itself
         self.forwarding = False  # NOTE [backward inside the forward pass]
         self.recomputes = 0
@@ -475,12 +475,12 @@ class Frame:
             ti.queue_backward_callback(self._release_later())
         # NOTE [free as used]: each recomputed tensor is let go as soon as the backward pass has
         # read it, as torch.utils.checkpoint does, so the backward's peak falls as it goes
-        out = cached.pop(p.pos)
+        out = cached.take(self.fn_name, p.pos)  # (NOTE [written after saved] in _packed.py)
         if self._skipped.get(s) and storage_key(ti.unwrap_all(out)) in self._skipped[s]:
             # NOTE [unused outputs]: a node the analysis did not foresee reads it (a double backward reaches
             # the forward's nodes through the first backward's graph): recompute everything, and use that
             cached = self.cache[s] = self._recompute(s, skip_unused=False)
-            out = cached.pop(p.pos)
+            out = cached.take(self.fn_name, p.pos)
         if not cached:
             del self.cache[s]
         return out
@@ -539,7 +539,7 @@ class Frame:
         self._in_cache = out
         return out
 
-    def _recompute(self, s: int, skip_unused: bool = True) -> dict[int, torch.Tensor]:
+    def _recompute(self, s: int, skip_unused: bool = True) -> Made:
         try:
             return run_recompute(self, s, skip_unused, _forwarding_frames())
         except RematError:

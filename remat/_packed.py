@@ -4,7 +4,7 @@ A :class:`Packed` names the call, what became of the tensor (``KEEP``: held by r
 host memory, ``DROP``: recomputed, ``INPUT``: an argument, ``ROUTED``: saved through the enclosing call), and
 where it sits. A routed call (NOTE [nested remat] in ``_hooks.py``) also leaves a :class:`Nested` for its
 parent's recompute, and hands its stash to the parent as :class:`ParentHandle` records. Both the forward pass
-(``_hooks.py``) and the recompute (``_recompute.py``) read these records.
+(``_hooks.py``) and the recompute (``_recompute.py``) read these records; what a recompute made is a :class:`Made`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["KEEP", "OFFLOAD", "DROP", "INPUT", "ROUTED", "Packed", "Nested", "ParentHandle", "made_anew"]
+from . import _torch_internals as ti
+from ._errors import saved_written_after_save
+
+__all__ = ["KEEP", "OFFLOAD", "DROP", "INPUT", "ROUTED", "Packed", "Nested", "ParentHandle", "made_anew",
+           "Made"]
 
 KEEP, OFFLOAD, DROP, INPUT = "kept", "offloaded", "recomputed", "input"
 ROUTED = "routed"  # a routed frame's kept tensor, saved through the parent frame (NOTE [nested remat])
@@ -72,3 +76,36 @@ def made_anew(handle: Any) -> bool:
     while isinstance(handle, Packed) and handle.kind == ROUTED:
         handle = handle.payload
     return isinstance(handle, Packed) and handle.kind in (OFFLOAD, DROP)
+
+
+class Made(dict):  # type: ignore[type-arg]
+    """What a recompute made for the backward pass: save position -> tensor, and each tensor's version when it was
+    made, checked when the backward pass reads it (NOTE [written after saved]).
+
+    NOTE [written after saved]
+        Autograd refuses to hand a node a saved tensor that was written in place after the node saved it (its
+        version moved). A dropped tensor was not held, so that check cannot run on it; but every recompute
+        replays the forward pass's ops up to the last tensor it must make, writes included: a write after an op
+        saved the tensor shows there as a version that moved since the recompute made it, and the value it
+        would hand the backward pass is the written one, a wrong gradient without an error. So the version is
+        noted when the tensor is made and compared when the backward pass reads it, which is when autograd
+        compares (a tensor saved for a node the backward pass never runs may be written freely, as in plain
+        autograd). A planned recompute stops at the last tensor it must make: a write after that is not
+        replayed, the value handed back is the one the op saved, and the gradient is exact.
+    """
+
+    __slots__ = ("versions",)
+
+    def __init__(self, captured: dict[int, torch.Tensor], versions: dict[int, int]) -> None:
+        super().__init__(captured)
+        self.versions = versions
+
+    def take(self, fn_name: str, pos: int) -> torch.Tensor:
+        """Hand saved tensor ``pos`` to the backward pass, once, checked unwritten since it was made."""
+        t: torch.Tensor = self.pop(pos)
+        v0 = self.versions.get(pos)
+        if v0 is not None:
+            now = ti.unwrap_all(t)._version
+            if now != v0:
+                raise saved_written_after_save(fn_name, pos, t, v0, now)
+        return t

@@ -24,12 +24,12 @@ from ._context import activated, internal
 from ._dispatch import OpTap, Replayer, storage_key
 from ._errors import RematError, input_written_before_backward, saved_shape_differs
 from ._functorch import check_lower_levels, replay
-from ._packed import Nested, ParentHandle, made_anew
+from ._packed import Made, Nested, ParentHandle, made_anew
 
 __all__ = ["run_recompute", "unused_ops", "Capture", "StopRecompute", "NOT_HELD", "holdable", "call_nested_replay"]
 
 
-def run_recompute(frame: Any, s: int, skip_unused: bool, forwarding: list[Any]) -> dict[int, torch.Tensor]:
+def run_recompute(frame: Any, s: int, skip_unused: bool, forwarding: list[Any]) -> Made:
     """Re-run ``frame``'s call for saving level ``s`` and return what it saves at the positions the forward pass
     dropped (``forwarding``: the calls still in their forward pass on this thread, whose recorders must not see
     the recompute's ops)."""
@@ -105,7 +105,7 @@ def run_recompute(frame: Any, s: int, skip_unused: bool, forwarding: list[Any]) 
             "reads tensors that are not its arguments from somewhere remat does not look (a dict or a "
             "global, under torch.func), pass them as arguments."
         )
-    return captured
+    return Made(captured, capture.versions)
 
 
 def unused_ops(frame: Any, s: int) -> set[int]:
@@ -159,6 +159,7 @@ class Capture:
         self.fn_name = frame.fn_name
         self.wanted = frame.drops.get(s, {})
         self.captured: dict[int, torch.Tensor] = {}
+        self.versions: dict[int, int] = {}  # position -> version when made (NOTE [written after saved])
         self._children = iter(frame.nested.children)
         self.stop_after: int | None = None  # a partial recompute: stop after this many saves
 
@@ -177,6 +178,7 @@ class Capture:
                 if (tuple(t.shape), t.dtype) != meta:
                     raise saved_shape_differs(self.fn_name, t, meta, pos)
                 held = holdable(t)
+                self.versions[pos] = ti.unwrap_all(t)._version
                 if self.detach and not ti.is_wrapped(t):
                     self.captured[pos] = held  # (one detach serves both)
                 else:

@@ -127,3 +127,122 @@ def test_a_write_through_a_view_of_a_recomputed_value(case: str, policy: str) ->
         got = torch.autograd.grad(g(w1, x1).sum(), [w1, x1])
         ref = torch.autograd.grad(f(w2, x2).sum(), [w2, x2])
         assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-10) for a, b in zip(got, ref))
+
+
+def _saved_then_written(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    h = x * w
+    y = torch.sin(h)  # sin saves h ...
+    h.mul_(3)  # ... which is written afterwards: plain autograd raises at the backward pass
+    return (y * h).sum()
+
+
+def _saved_then_written_through_a_view(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    h = x * w
+    y = torch.sin(h)
+    h.view(-1).mul_(3)  # the same write, through a view that shares h's memory
+    return (y * h).sum()
+
+
+def _saved_then_written_last(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    h = x * w
+    y = torch.sin(h) * 2  # the last saved tensor is saved here, before the write
+    h.mul_(3)
+    return y.sum() + h.sum()  # sum saves nothing: the recompute stops before the write
+
+
+@pytest.mark.parametrize("fn", [_saved_then_written, _saved_then_written_through_a_view], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("debug", [False, True], ids=["fast-path", "full-engine"])
+@pytest.mark.parametrize("policy", list(POLICIES.values()), ids=list(POLICIES))
+def test_a_saved_tensor_written_later_in_the_forward_pass_raises(fn: Any, debug: bool, policy: Any) -> None:
+    """Plain autograd refuses a saved tensor written after it was saved; remat dropped it, so the recompute would
+    make it again and replay the write: sin's backward pass would read cos(3h), a wrong gradient without an error
+    (every engine did, before NOTE [written after saved]). Now a RematError, on every call."""
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        fn(w, x).backward()
+    g = remat(fn, policy=policy, debug=debug)
+    h = x * w
+    (exact,) = torch.autograd.grad((torch.sin(h) * (h * 3)).sum(), w)  # sin's derivative at the h it saved
+    for _ in range(3):  # the recorded call, then the planned ones
+        out = g(w, x)
+        if repr(policy).startswith("offload_to_cpu"):
+            # the copy was taken when sin saved h, before the write: the exact gradient (autograd would refuse)
+            torch.testing.assert_close(torch.autograd.grad(out, w)[0], exact, rtol=1e-12, atol=1e-12)
+            continue
+        if policy == "save-everything":
+            with pytest.raises(RuntimeError, match="modified by an inplace operation|modified in place"):
+                out.backward()  # (nothing recomputed: autograd's own check, or remat's on what it keeps)
+            continue
+        with pytest.raises(RematError, match=r"in place after an op saved it .*x = x \* 3"):
+            out.backward()
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["fast-path", "full-engine"])
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls"])
+def test_a_write_after_the_last_saved_tensor_is_exact_or_raises(debug: bool, policy: str) -> None:
+    """A write after the last saved tensor: the full engine replays it (it runs the whole function) and raises; a
+    planned recompute stops at the last tensor it must make, so the value it hands back is the one sin saved and
+    the gradient is exact, that of the function written out of place (plain autograd refuses it). Never a wrong
+    gradient."""
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(_saved_then_written_last(w, x), w)
+    h = x * w
+    (want,) = torch.autograd.grad((torch.sin(h) * 2).sum() + (h * 3).sum(), w)
+    g = remat(_saved_then_written_last, policy=policy, debug=debug)
+    outcomes = []
+    for _ in range(3):
+        try:
+            (got,) = torch.autograd.grad(g(w, x), w)
+        except RematError as e:
+            assert "in place after an op saved it" in str(e)
+            outcomes.append("raised")
+            continue
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        outcomes.append("exact")
+    assert outcomes[0] == "raised"  # the recorded call ran on the full engine
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["fast-path", "full-engine"])
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls"])
+def test_a_write_to_a_tensor_only_an_unused_node_saved_is_fine(debug: bool, policy: str) -> None:
+    """NOTE [written after saved] checks when the backward pass reads a tensor, as autograd does: a tensor saved only
+    by a node the backward pass never runs may be written afterwards (found by the fuzzer: a false RematError)."""
+
+    def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = x @ w
+        unused = torch.sin(h)  # noqa: F841 (sin saves h; nothing reads its result)
+        h.mul_(3)
+        return torch.tanh(h).sum()
+
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    (want,) = torch.autograd.grad(f(w, x), w)
+    g = remat(f, policy=policy, debug=debug)
+    for _ in range(3):
+        (got,) = torch.autograd.grad(g(w, x), w)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["fast-path", "full-engine"])
+def test_a_result_written_then_dropped_before_the_backward_pass_raises(debug: bool) -> None:
+    """``return y, m.detach()`` where the policy keeps the matmul output m for the recompute: a write through the
+    result changes what the recompute reads. The full engine watched the result through a weak reference, so a
+    write followed by ``del`` of the result went unseen: a wrong gradient without an error (found by review)."""
+
+    def f(w: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m = x @ w
+        t = (m + 1).exp()  # exp saves its output: recomputed from the kept m
+        return torch.tanh(t @ w).sum(), m.detach()
+
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    g = remat(f, policy=policies.dots_saveable, debug=debug)
+    for _ in range(3):
+        out, m = g(w, x)
+        m.mul_(2)
+        del m
+        with pytest.raises(RematError, match="modified in place after the forward pass"):
+            torch.autograd.grad(out, w)
