@@ -233,6 +233,8 @@ class Recorder(TorchDispatchMode):
         self.written_outside: set[int] = set()  # storages of outside tensors the call wrote
         self._pending: dict[int, list[tuple[OpRecord, int, torch.Tensor]]] = {}  # outside reads since the last write
         self.describe_tensor: Callable[[torch.Tensor], str | None] = lambda t: None
+        # NOTE [generators of your own]: id -> (generator, its state before this call's first draw from it)
+        self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         self._paused = False
         # a reentrant region (_reentrant.py): what the policy saves is held at once, and detach is not an op
         self.region = False
@@ -296,6 +298,10 @@ class Recorder(TorchDispatchMode):
         mutable, random = traits(func)
         mutable = ox.mutates(func, args, mutable)
         subst = self._before_mutation(func, args, kwargs, ins) if mutable else None
+        gen = kwargs.get("generator") if random else None
+        if gen is not None and id(gen) not in self.generators:
+            with internal():
+                self.generators[id(gen)] = (gen, gen.get_state())
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor):
             leaves, spec = [out], _ONE_LEAF

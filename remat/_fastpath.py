@@ -188,8 +188,8 @@ def plan_of_call(frame: Any, out: Any) -> Plan | None:
     if sum(1 for t in tensor_leaves(out) if t.requires_grad) > 1:
         return None
     if (frame.routed or frame.levels or frame.nested.children or frame.inner_backward or rec.region
-            or rec.written_outside or rec.offloaded_written):
-        return None
+            or rec.written_outside or rec.offloaded_written or rec.generators):
+        return None  # (a generator of the user's own: only the full engine sees the ops that draw from it)
     state_keys = {storage_key(ti.unwrap_all(t)) for t in frame.state.tensors}
     for r in rec.ops:
         if r.func in LIFTS or r.subst or r.cow:

@@ -298,6 +298,33 @@ def test_rng_state_drawn_between_forward_and_backward_does_not_leak_into_the_rec
     assert_tree_close(g, torch.autograd.grad(noisy(W, x).sum(), (W, x)))
 
 
+@pytest.mark.parametrize("debug", [False, True], ids=["first-calls", "full-engine"])
+@pytest.mark.parametrize("policy", ["save-nothing", policies.dots_saveable])
+def test_a_generator_of_your_own_draws_the_same_numbers_in_the_recompute(policy, debug):
+    """NOTE [generators of your own] in _recompute.py: ``torch.rand(..., generator=G)`` inside the function. The
+    recompute drew from G's state at the backward pass (the caller drew from G in between): another mask, a wrong
+    gradient without an error (as torch.utils.checkpoint gives). G is left as the caller left it."""
+    G = torch.Generator().manual_seed(0)
+
+    def f(W, x):
+        h = torch.sin(x @ W)
+        mask = (torch.rand(h.shape, generator=G, dtype=h.dtype) > 0.5).to(h.dtype)
+        return torch.tanh((h * mask) @ W).sum()
+
+    W, x = leaf(6, 6), leaf(4, 6, seed=1)
+    g = remat(f, policy=policy, debug=debug)
+    for step in range(3):
+        G.manual_seed(step)
+        want = torch.autograd.grad(f(W, x), (W, x))
+        G.manual_seed(step)
+        out = g(W, x)
+        torch.rand(7, generator=G)  # the caller draws from G before the backward pass
+        state = G.get_state()
+        got = torch.autograd.grad(out, (W, x))
+        assert all(torch.equal(a, b) for a, b in zip(got, want))  # (float64, the same kernels: bitwise)
+        assert torch.equal(G.get_state(), state)
+
+
 def test_preserve_rng_state_false():
     """Documented: the recompute draws from the caller's current stream, so random functions get
     other masks (wrong gradients); functions that draw nothing are unaffected, and the caller's
