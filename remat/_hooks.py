@@ -475,12 +475,11 @@ class Frame:
             ti.queue_backward_callback(self._release_later())
         # NOTE [free as used]: each recomputed tensor is let go as soon as the backward pass has
         # read it, as torch.utils.checkpoint does, so the backward's peak falls as it goes
-        out = cached.take(self.fn_name, p.pos)  # (NOTE [written after saved] in _packed.py)
-        if self._skipped.get(s) and storage_key(ti.unwrap_all(out)) in self._skipped[s]:
+        if self._skipped.get(s) and storage_key(ti.unwrap_all(cached[p.pos])) in self._skipped[s]:
             # NOTE [unused outputs]: a node the analysis did not foresee reads it (a double backward reaches
             # the forward's nodes through the first backward's graph): recompute everything, and use that
             cached = self.cache[s] = self._recompute(s, skip_unused=False)
-            out = cached.take(self.fn_name, p.pos)
+        out = cached.take(self.fn_name, p.pos)  # (NOTE [written after saved] in _packed.py)
         if not cached:
             del self.cache[s]
         return out
