@@ -26,6 +26,8 @@ class AmbientState:
     cpu_rng: torch.Tensor | None
     cuda_rng: dict[int, torch.Tensor]
     autocast: dict[str, tuple[bool, torch.dtype]]
+    # NOTE [generators of your own]: id -> (generator, its state before the call's first draw from it)
+    generators: dict[int, tuple[torch.Generator, torch.Tensor]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def capture(cls, tensors: Iterable[torch.Tensor], preserve_rng: bool) -> AmbientState:
@@ -44,6 +46,16 @@ class AmbientState:
         cuda = {d: torch.cuda.get_rng_state(d) for d in sorted(devices)}
         return cls(torch.get_rng_state(), cuda, autocast)
 
+    def rewind(self) -> None:
+        """Set every generator back to the call's start, in place (a forward pass run again)."""
+        if self.cpu_rng is None:
+            return
+        for g, state in self.generators.values():
+            g.set_state(state)
+        torch.set_rng_state(self.cpu_rng)
+        for d, rng in self.cuda_rng.items():
+            torch.cuda.set_rng_state(rng, d)
+
     def restored(self) -> _Restored:
         """Run the body under the captured state; the caller's state is kept outside."""
         return _Restored(self)
@@ -53,13 +65,14 @@ class _Restored:
     """The context manager of :meth:`AmbientState.restored`: a class rather than a generator, as it runs once per
     recompute (torch.random.fork_rng, which it does the work of, costs several times more)."""
 
-    __slots__ = ("state", "autocast", "cpu", "cuda")
+    __slots__ = ("state", "autocast", "cpu", "cuda", "gens")
 
     def __init__(self, state: AmbientState) -> None:
         self.state = state
         self.autocast: list[Any] = []
         self.cpu: torch.Tensor | None = None
         self.cuda: dict[int, torch.Tensor] = {}
+        self.gens: list[tuple[torch.Generator, torch.Tensor]] = []
 
     def __enter__(self) -> None:
         st = self.state
@@ -72,12 +85,14 @@ class _Restored:
         if st.cpu_rng is not None:
             self.cpu = torch.get_rng_state()
             self.cuda = {d: torch.cuda.get_rng_state(d) for d in st.cuda_rng}
-            torch.set_rng_state(st.cpu_rng)
-            for d, rng in st.cuda_rng.items():
-                torch.cuda.set_rng_state(rng, d)
+            self.gens = [(g, g.get_state()) for g, _ in st.generators.values()]
+            # the user's generators first: a default generator passed as generator= ends at the call's start
+            st.rewind()
 
     def __exit__(self, *exc: object) -> None:
         if self.cpu is not None:
+            for g, state in self.gens:
+                g.set_state(state)
             torch.set_rng_state(self.cpu)
             for d, rng in self.cuda.items():
                 torch.cuda.set_rng_state(rng, d)

@@ -233,7 +233,7 @@ class Recorder(TorchDispatchMode):
         self.written_outside: set[int] = set()  # storages of outside tensors the call wrote
         self._pending: dict[int, list[tuple[OpRecord, int, torch.Tensor]]] = {}  # outside reads since the last write
         self.describe_tensor: Callable[[torch.Tensor], str | None] = lambda t: None
-        # NOTE [generators of your own]: id -> (generator, its state before this call's first draw from it)
+        # NOTE [generators of your own] (_ambient.py): the call's AmbientState.generators, set by its engine
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         self._paused = False
         # a reentrant region (_reentrant.py): what the policy saves is held at once, and detach is not an op

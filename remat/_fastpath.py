@@ -381,10 +381,7 @@ class FastFrame:
 
     def rewind(self) -> None:
         """Put the random state back so that the call can run again (NOTE [reentrant region])."""
-        if self.ambient.cpu_rng is not None:
-            torch.set_rng_state(self.ambient.cpu_rng)
-            for d, st in self.ambient.cuda_rng.items():
-                torch.cuda.set_rng_state(st, d)
+        self.ambient.rewind()
 
     def _check_versions(self, after_forward: bool) -> None:
         for i, (a, v0) in enumerate(zip(self.flat, self.versions)):

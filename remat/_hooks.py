@@ -167,6 +167,7 @@ class Frame:
         with internal():
             tensors = [a for a in flat if isinstance(a, torch.Tensor)]
             self.ambient = AmbientState.capture(tensors, preserve_rng)
+            self.recorder.generators = self.ambient.generators  # NOTE [generators of your own]
             self.decs: list[Decomposed | None] = [
                 decompose(a, self.levels, h) if isinstance(a, torch.Tensor) and not self.routed else None
                 for a in flat

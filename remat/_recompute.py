@@ -82,8 +82,6 @@ def run_recompute(frame: Any, s: int, skip_unused: bool, forwarding: list[Any]) 
                               for t, v in zip(frame.state.tensors, state_vals)]
         es.enter_context(frame.state.restored(state_vals))
         capture.target = target
-        if frame.ambient.cpu_rng is not None and frame.recorder.generators:
-            es.enter_context(_generators_restored(frame.recorder.generators))
         es.enter_context(frame.ambient.restored())
         es.enter_context(saved_tensors_hooks(capture.pack, capture.unpack))
         es.enter_context(replayer)
@@ -108,27 +106,6 @@ def run_recompute(frame: Any, s: int, skip_unused: bool, forwarding: list[Any]) 
             "global, under torch.func), pass them as arguments."
         )
     return Made(captured, capture.versions)
-
-
-@contextlib.contextmanager
-def _generators_restored(generators: dict[int, tuple[torch.Generator, torch.Tensor]]) -> Any:
-    """NOTE [generators of your own]: the recompute draws from a generator the function was given (``generator=G``)
-    what its forward pass drew; the generator is left as it was.
-
-    The default generators' state is the call's ambient state (``_ambient.py``), recorded when the call starts;
-    a generator of the user's own is seen only when an op draws from it, so the recorder notes its state before the
-    call's first draw from it, and the recompute sets that state again (entered before the ambient state, so that
-    a default generator passed explicitly ends at the call's start state). Without it the recompute drew other
-    numbers (another dropout mask): a wrong gradient without an error, as ``torch.utils.checkpoint`` gives.
-    """
-    saved = [(g, g.get_state()) for g, _ in generators.values()]
-    try:
-        for g, state in generators.values():
-            g.set_state(state)
-        yield
-    finally:
-        for g, state in saved:
-            g.set_state(state)
 
 
 def unused_ops(frame: Any, s: int) -> set[int]:

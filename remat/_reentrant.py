@@ -110,6 +110,7 @@ class _Call:
         with internal():
             tensors = [flat[i] for i in self.slots] + list(state.tensors)
             self.ambient = AmbientState.capture(tensors, preserve_rng)
+        self.recorder.generators = self.ambient.generators
         self.tensors = tensors
         # under torch.func transforms, a wrapper of theirs read inside, not passed in, would get no gradient
         # (torch.autograd.Function's rule): _Captured refuses it
@@ -202,9 +203,7 @@ def rewind_attempt(recorder: Recorder, ambient: AmbientState, fn_name: str) -> N
             "the inner transform before the in-place update, or remat the parts on either side of it."
         )
     if ambient.cpu_rng is not None:
-        torch.set_rng_state(ambient.cpu_rng)
-        for d, st in ambient.cuda_rng.items():
-            torch.cuda.set_rng_state(st, d)
+        ambient.rewind()
     elif any(r.random for r in recorder.ops):
         raise RematError(
             f"remat: {fn_name} (or a remat'd function it calls) enters torch.func.grad, vjp, jacrev or hessian, so "

@@ -117,7 +117,7 @@ def mlp(W1: torch.Tensor, W2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def test_inductor_float32_gradients_and_what_is_kept() -> None:
     """inductor (C++ kernels on this CPU): gradients equal the compiled function without remat, and the compiled
-    forward keeps what the policy says, as torch's selective checkpointing does for the same ops."""
+    forward keeps what the policy says."""
     g = torch.Generator().manual_seed(0)
     W1, W2 = (torch.randn(32, 32, generator=g, requires_grad=True) for _ in range(2))
     x = torch.randn(16, 32, generator=g)
@@ -135,9 +135,9 @@ def test_inductor_float32_gradients_and_what_is_kept() -> None:
     assert_tree_close(got, ref, **F32_INDUCTOR)
     got, names = run(remat.remat(mlp, policy=policies.save_only_these_names("h")))
     assert_tree_close(got, ref, **F32_INDUCTOR)
-    _, sac = run(torch_wrap(True)(mlp))
     _, nothing = run(remat.remat(mlp, policy="save-nothing"))
-    assert nothing < matmuls == sac < plain
+    # (equal to torch's selective checkpointing of the matmuls: under aot_eager below, one inductor compile less)
+    assert nothing < matmuls < plain
     assert names - nothing == 16 * 32 * 4  # h, and nothing else
 
 

@@ -175,6 +175,32 @@ def test_region_replays_random_numbers() -> None:
     assert_tree_close(got, want)
 
 
+def test_region_replays_a_generator_of_your_own() -> None:
+    """NOTE [generators of your own] in _ambient.py, in a region: the first call runs the function again as a
+    region (G must be set back for that rerun), and the region's backward pass runs it once more after the caller
+    drew from G. Both drew other masks before the generators moved into AmbientState: a wrong gradient, no error."""
+    G = torch.Generator().manual_seed(0)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = torch.sin(x)
+        h = h * (torch.rand(h.shape, generator=G, dtype=h.dtype) > 0.5).to(h.dtype)
+        return (torch.func.grad(lambda v: torch.tanh(v).sum())(h) * h).sum()
+
+    x = _x(64, dtype=torch.float64).requires_grad_()
+    g = remat(f)
+    for step in range(3):  # the first call finds out it needs a region, the next ones start as one
+        G.manual_seed(step)
+        y = f(x)
+        want = y, *torch.autograd.grad(y, x)
+        G.manual_seed(step)
+        out = g(x)
+        torch.rand(7, generator=G)  # the caller draws from G before the backward pass
+        state = G.get_state()
+        got = out, *torch.autograd.grad(out, x)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))  # (float64, the same kernels: bitwise)
+        assert torch.equal(G.get_state(), state)
+
+
 def test_region_holds_only_its_inputs_under_save_nothing() -> None:
     from remat.bench.measure import LiveCensus
 

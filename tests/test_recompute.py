@@ -301,7 +301,7 @@ def test_rng_state_drawn_between_forward_and_backward_does_not_leak_into_the_rec
 @pytest.mark.parametrize("debug", [False, True], ids=["first-calls", "full-engine"])
 @pytest.mark.parametrize("policy", ["save-nothing", policies.dots_saveable])
 def test_a_generator_of_your_own_draws_the_same_numbers_in_the_recompute(policy, debug):
-    """NOTE [generators of your own] in _recompute.py: ``torch.rand(..., generator=G)`` inside the function. The
+    """NOTE [generators of your own] in _ambient.py: ``torch.rand(..., generator=G)`` inside the function. The
     recompute drew from G's state at the backward pass (the caller drew from G in between): another mask, a wrong
     gradient without an error (as torch.utils.checkpoint gives). G is left as the caller left it."""
     G = torch.Generator().manual_seed(0)
