@@ -55,6 +55,18 @@ NOTE [stream-ordered reuse]
     the compute stream, after an event recorded there, and the compute stream
     waits for the copy before reading them or letting them go.
 
+NOTE [written while copied]
+    Autograd refuses a saved tensor written in place after it was saved. The engine
+    holds an offloaded tensor's copy, not the tensor, so it keeps an alias of the
+    tensor (the same version counter and storage, no extra memory) for as long as
+    the bytes may still be read: while kept (NOTE [keep last]) and while a copy to
+    the host is running. A write in that window moves the version, and reading the
+    tensor back raises ``RematError``, even if the tensor itself is gone by then: on
+    CUDA the write may have run before or during the copy, so the host bytes cannot
+    be trusted. Once the copy is known to have read the bytes (its event complete,
+    or the compute stream made to wait for it), the alias is let go; a later write
+    is seen through the tensor while it lives, as before.
+
 NOTE [default engine]
     One engine serves every remat call of a thread (so prefetching can look from
     one call to the next, and the pinned pool is reused across steps). It lives
@@ -312,9 +324,10 @@ class _HostCopy:
         self.pending = 0  # handles not yet read since the last host-to-device copy
         self.round = 0  # number of host-to-device copies started
         self.deferred: tuple[torch.Tensor, torch.device] | None = None  # kept on the device (NOTE [keep last])
-        # while kept: an alias of the saved tensor (same version counter, no extra memory), to see writes
+        # NOTE [written while copied]: until the copy has read the bytes (kept, or a copy still running), an alias
+        # of the saved tensor (same version counter, same storage: no extra memory), to see writes
         self.vsrc: torch.Tensor | None = None
-        self.saved_version: int | None = None  # if the kept bytes were written before their copy: raise
+        self.saved_version: int | None = None  # if the bytes were written before their copy had read them: raise
 
     def __del__(self) -> None:
         if self.buf is not None:
@@ -423,7 +436,7 @@ class OffloadEngine:
         self._h2d: dict[torch.device, Any] = {}
         # per source device: copies to the host still running (event, bytes), and their bytes; one device's
         # copies do not hold back another's forward pass
-        self._inflight: dict[torch.device, collections.deque[tuple[Any, int, Any]]] = collections.defaultdict(
+        self._inflight: dict[torch.device, collections.deque[tuple[Any, int, Any, Any]]] = collections.defaultdict(
             collections.deque)
         self._inflight_bytes: collections.Counter[torch.device] = collections.Counter()
         # the autograd engine runs one thread per device: offload, fetch and the bookkeeping of reads
@@ -518,9 +531,9 @@ class OffloadEngine:
         raw = torch.empty(0, dtype=torch.uint8, device=src.device).set_(storage, lo, (nbytes,), (1,))
         c = _HostCopy(self, self._next_cid, grp, src.device, nbytes)
         self._next_cid += 1
+        c.vsrc, c.saved_version = src, src._version  # NOTE [written while copied]
         if grp is not None and self.keep_last > 0 and src.device.type in self._keep_devices:
             c.dev, c.deferred = raw, (raw, dst)  # NOTE [keep last]: copied when a later call offloads
-            c.vsrc, c.saved_version = src, src._version
             grp.deferred.append(weakref.ref(c))
             self.stats["kept_on_device"] += 1
             self._log("keep", c)
@@ -529,11 +542,13 @@ class OffloadEngine:
         return c
 
     def _copy_raw(self, c: _HostCopy, raw: torch.Tensor, dst: torch.device) -> None:
+        """Start the copy of ``raw`` to ``dst``; :meth:`_settle` once it has read the bytes."""
         if raw.device.type == "cuda" and dst.type == "cpu" and self.pin_memory:
-            self._d2h_async(c, raw)
+            self._d2h_async(c, raw)  # settled when its event is seen complete, or the compute stream waits on it
         else:
             c.host = torch.empty(c.nbytes, dtype=torch.uint8, device=dst)
             c.host.copy_(raw)  # synchronous (CPU, pageable memory, other device pairs)
+            self._settle(c)
         self.stats["copies"] += 1
         self.stats["offloaded_bytes"] += c.nbytes
         self._log("d2h", c)
@@ -543,11 +558,17 @@ class OffloadEngine:
         assert c.deferred is not None
         raw, dst = c.deferred
         c.deferred = None
-        if c.vsrc is not None and c.vsrc._version == c.saved_version:
-            c.saved_version = None  # unchanged since it was saved: the copy holds what was saved
-        c.vsrc = None
         self._copy_raw(c, raw, dst)
         c.dev = None
+
+    @staticmethod
+    def _settle(c: _HostCopy | None) -> None:
+        """NOTE [written while copied]: ``c``'s copy has read its bytes, or work queued from now on on the compute
+        stream runs after it: whether the bytes were written since they were saved is known now, and final."""
+        if c is not None and c.vsrc is not None:
+            if c.vsrc._version == c.saved_version:
+                c.saved_version = None  # unchanged since it was saved: the copy holds what was saved
+            c.vsrc = None
 
     def _flush_older(self) -> None:
         """A call started offloading: start the copies of the calls older than the ``keep_last`` newest."""
@@ -589,8 +610,13 @@ class OffloadEngine:
             done.record(side)
         # NOTE [stream-ordered reuse]: the device bytes are held (not record_stream'ed) until the copy is
         # known done, or until the compute stream has been made to wait for it; only then dropped
-        c.buf, c.d2h_done = buf, done
-        self._inflight[raw.device].append((done, c.nbytes, raw))
+        c.buf = buf
+        self._running(c, raw, done)
+
+    def _running(self, c: _HostCopy, raw: torch.Tensor, done: Any) -> None:
+        """``c``'s copy from ``raw`` was queued; ``done`` completes when it has read the bytes."""
+        c.d2h_done = done
+        self._inflight[raw.device].append((done, c.nbytes, raw, weakref.ref(c)))
         self._inflight_bytes[raw.device] += c.nbytes
 
     def _bound_inflight(self, nbytes: int, device: torch.device) -> None:
@@ -598,7 +624,7 @@ class OffloadEngine:
         compute stream (not the host) wait for the oldest, then drop its bytes (NOTE [stream-ordered reuse])."""
         queue = self._inflight[device]
         while queue:
-            ev, n, _ = queue[0]
+            ev, n, _, cref = queue[0]
             if not ev.query():
                 if self._inflight_bytes[device] + nbytes <= self.max_inflight_bytes:
                     return
@@ -606,6 +632,7 @@ class OffloadEngine:
                 self.stats["stream_waits"] += 1
             queue.popleft()
             self._inflight_bytes[device] -= n
+            self._settle(cref())
 
     def end_of_call(self) -> None:
         """A remat call's forward pass ended: let go of the device bytes of its finished copies now,
@@ -618,7 +645,9 @@ class OffloadEngine:
         """Drop the device bytes of the copies to the host that have finished."""
         queue = self._inflight.get(device)
         while queue and queue[0][0].query():
-            self._inflight_bytes[device] -= queue.popleft()[1]
+            _, n, _, cref = queue.popleft()
+            self._inflight_bytes[device] -= n
+            self._settle(cref())
 
     @staticmethod
     def _stream_wait(device: torch.device, ev: Any) -> None:
@@ -638,14 +667,15 @@ class OffloadEngine:
                 if c.deferred is not None:
                     self._flush(c)  # a kept storage: copy what was saved before the write
         if c.d2h_done is not None:
-            torch.cuda.current_stream(c.src).wait_event(c.d2h_done)
+            self._stream_wait(c.src, c.d2h_done)
+            self._settle(c)  # the write is queued after the copy
 
     # ---- backward --------------------------------------------------------------
     def fetch(self, o: Offloaded) -> torch.Tensor:
         """The tensor back on its source device; the current stream waits for its copy if still running."""
         with self._lock, internal(), torch.no_grad():
             c = o.copy
-            orig = c.vsrc if c.deferred is not None else o.orig()
+            orig = c.vsrc if c.vsrc is not None else o.orig()
             now = orig._version if orig is not None else (-1 if c.saved_version is not None else o.version)
             if now != o.version:
                 raise RematError(

@@ -553,7 +553,7 @@ def test_inflight_budget_is_per_device_and_waits_on_the_stream_not_the_host() ->
     held = [torch.empty(50, dtype=torch.uint8) for _ in range(2)]
     refs = [weakref.ref(h) for h in held]
     for at, raw in zip((1, 2), held):
-        eng._inflight[a].append((_FakeEvent(clock, at), 50, raw))
+        eng._inflight[a].append((_FakeEvent(clock, at), 50, raw, lambda: None))
         eng._inflight_bytes[a] += 50
     del held, raw
     assert all(r() is not None for r in refs)  # the engine holds the bytes of running copies
@@ -663,6 +663,63 @@ def test_kept_storage_written_in_place_raises_like_autograd() -> None:
         loss = g(s).sum()  # this call's offloading starts the (stale) copy of the first call's
         with pytest.raises(RematError, match="modified in place after it was saved"):
             loss.backward()
+
+
+class _LateCopies(OffloadEngine):
+    """What CUDA's asynchronous copies to the host allow, on the CPU: each copy reads its bytes only when the test
+    lets it (``finish``), so a write queued before that lands in the host copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running: list[Any] = []
+
+    def _copy_raw(self, c: Any, raw: torch.Tensor, dst: torch.device) -> None:
+        c.host = host = torch.empty(c.nbytes, dtype=torch.uint8, device=dst)
+        done = [False]
+
+        class Event:
+            def query(self) -> bool:
+                return done[0]
+
+        def finish() -> None:
+            host.copy_(raw)
+            done[0] = True
+
+        self.running.append(finish)
+        self._running(c, raw, Event())
+        self.stats["copies"] += 1
+
+    def finish(self) -> None:
+        while self.running:
+            self.running.pop(0)()
+
+
+@pytest.mark.parametrize("when", ["while-copied", "after-copied", "never"])
+def test_a_tensor_written_while_its_copy_runs_raises_even_once_dropped(when: str) -> None:
+    """NOTE [written while copied] in _offload.py: a saved output written in place after the call, then dropped.
+    Plain autograd raises. On CUDA the copy to the host may read the bytes after the write: remat returned the
+    gradient of the written values, wrong and without an error, before the engine kept an alias while the copy
+    runs. Written once the copy has read them, the host copy is what was saved: exact (the tensor is gone)."""
+    x = torch.randn(64, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    want = torch.autograd.grad((x.exp() * 3).sum(), x)[0]
+    eng = _LateCopies()
+    with use_engine(eng):
+        y = remat(lambda v: v.exp(), policy=policies.offload_to_cpu(min_bytes=0))(x)
+        assert eng.stats["copies"] == 1 and len(eng.running) == 1
+        z = y * 3  # (a product with a number saves nothing: only remat holds y)
+        if when == "after-copied":
+            eng.finish()
+            eng.end_of_call()  # the engine sees the copy done (it polls at each call's end and each offload)
+        if when != "never":
+            with torch.no_grad():
+                y.mul_(0)
+        del y
+        eng.finish()
+        if when == "while-copied":
+            with pytest.raises(RematError, match="modified in place after it was saved"):
+                torch.autograd.grad(z.sum(), x)
+        else:
+            assert torch.equal(torch.autograd.grad(z.sum(), x)[0], want)
 
 
 def test_prefetched_counts_only_copies_started_before_they_were_needed() -> None:
