@@ -68,6 +68,32 @@ NOTE [planned calls]
     the backward pass does not differentiate, and ops the liveness walk found
     dead (it stops after the last tensor it must make, which cuts the trailing
     ones): a plan never hands back a placeholder, whatever the call did.
+
+NOTE [value recompute]
+    A recompute that builds the graph (grad mode on, capture hooks taking what
+    autograd saves) pays for nodes, saved-tensor hooks and a detach per saved
+    tensor only to throw the graph away: a backward pass without
+    ``create_graph`` reads the values alone. The recorded call knows, for every
+    tensor it dropped, which op returned it (which of its tensors, the op's
+    index), how many ops had run when it was saved, and its version then. So a
+    planned call whose backward pass runs without a graph recomputes under
+    ``torch.no_grad()``: its replay mode takes each dropped tensor as that op
+    returns it, and stops before the op after the one that saved the last of
+    them (an in-place op's version moves above the mode, as its op returns). A
+    tensor written between the op that made it and the op that saved it holds
+    the write; one written after it was saved, by an op the recompute replays,
+    raises when read (NOTE [written after saved]: the version noted is the
+    forward pass's). Grad mode can change what a function runs (torch's
+    ``TransformerEncoderLayer`` in eval mode takes a fused op without grad):
+    any op that is not the plan's
+    at its index, or a dropped tensor of another shape or dtype, gives way to
+    the recompute that builds the graph, for that call and the signature's later
+    ones, which checks as before and raises if the function really diverged. A
+    ``detach`` that is not the plan's is let through (torch's binding detaches a
+    factory's output that Python holds, as this mode does). A function whose
+    values depend on grad mode with the same ops is not pure (as a function
+    whose values depend on a global is not); ``remat(f, debug=True)`` runs it
+    on the full engine.
 """
 
 from __future__ import annotations
@@ -85,9 +111,9 @@ from torch.autograd.graph import saved_tensors_hooks
 from . import _torch_internals as ti
 from ._ambient import AmbientState
 from ._context import INSPECTOR, INTERNAL, active_context, internal, naming
-from ._dispatch import LIFTS, OpRecord, arg_tensors, dead_value, ignored, storage_key, tensor_leaves, traits
+from ._dispatch import LIFTS, OpRecord, dead_value, ignored, storage_key, tensor_leaves, traits
 from ._errors import RematError, input_written_before_backward, input_written_in_forward, saved_shape_differs
-from ._packed import KEEP, OFFLOAD, Made
+from ._packed import DROP, KEEP, OFFLOAD, Made
 from ._policies import Offloadable
 from ._reentrant import NeedsRegion
 from ._state import Snapshot
@@ -139,7 +165,7 @@ class Plan:
     the outputs to hold for the recompute.
     """
 
-    __slots__ = ("keep", "offload", "ops", "hold", "dead", "random")
+    __slots__ = ("keep", "offload", "ops", "hold", "dead", "random", "values")
 
     def __init__(self, keep: frozenset[int] | None, offload: dict[int, Offloadable] | None = None,
                  ops: tuple[Any, ...] | None = None, hold: dict[int, _Hold] | None = None,
@@ -154,6 +180,7 @@ class Plan:
         # whether the ops draw random numbers (a planned call without any needs no random state: a call
         # that leaves the plan holds every later save, so its recompute runs only the plan's ops)
         self.random = random
+        self.values: _Values | None = None  # NOTE [value recompute]: where each dropped tensor comes from
 
     @classmethod
     def of_ops(cls, keep: frozenset[int] | None, offload: dict[int, Offloadable], ops: list[OpRecord]) -> Plan:
@@ -173,6 +200,20 @@ class Plan:
             if all(x is not None and (not w or x() is not None) for x, w in zip(rec.stash, weak)):
                 hold[i] = _Hold(rec, all(weak))
         return cls(keep, offload, tuple(r.func for r in ops), hold, dead, any(r.random for r in ops))
+
+
+class _Values:
+    """NOTE [value recompute]: per op index, the dropped save positions its outputs are (which tensor of the op's,
+    which position); per position, how many ops had run when it was saved and its version then."""
+
+    __slots__ = ("at_op", "stop", "versions")
+
+    def __init__(self, sources: dict[int, tuple[int, int, int, int]]) -> None:
+        self.at_op: dict[int, list[tuple[int, int]]] = {}
+        for pos, (i, k, _, _) in sources.items():
+            self.at_op.setdefault(i, []).append((k, pos))
+        self.stop = {pos: src[2] for pos, src in sources.items()}
+        self.versions = {pos: src[3] for pos, src in sources.items()}
 
 
 _ONE_LEAF = optree.tree_structure(0)  # type: ignore[arg-type]
@@ -208,6 +249,9 @@ def plan_of_call(frame: Any, out: Any) -> Plan | None:
     plan = Plan.of_ops(keep, offload, rec.ops)
     if not plan.hold:
         return Plan(keep, offload)  # nothing to hand back in the recompute: no dispatch mode at all
+    dropped = [p.pos for p in frame.plan_packs if p.kind == DROP]
+    if dropped and all(p in frame.plan_sources for p in dropped):
+        plan.values = _Values({p: frame.plan_sources[p] for p in dropped})
     return plan
 
 
@@ -494,6 +538,13 @@ class FastFrame:
             return self._run_recompute(skip_dead=False)
 
     def _run_recompute(self, skip_dead: bool) -> Made:
+        values = self.plan.values
+        if (values is not None and not torch.is_grad_enabled() and not self.forwarding and not self.diverged
+                and self.drops.keys() <= values.stop.keys()):
+            try:
+                return self._value_recompute(values, skip_dead)
+            except _NeedsGraph:
+                self.plan.values = None  # (the signature's later calls recompute as below from the start)
         # (a backward pass inside the forward pass: recompute only as far as the forward pass has got)
         self.placeholders = {}
         capture = _Capture(self.drops, self.n if self.forwarding else self.last_drop + 1, self.fn_name,
@@ -517,6 +568,24 @@ class FastFrame:
                 "time it is called (no data-dependent branches or changing global state)."
             )
         return capture.finish()
+
+    def _value_recompute(self, values: _Values, skip_dead: bool) -> Made:
+        """NOTE [value recompute]: the recompute under ``torch.no_grad()``, the dropped tensors taken as the ops
+        return them. It stops once the op that saved the last of them has run."""
+        self.placeholders = {}
+        mode = _ValueReplay(self, skip_dead, values, values.stop[self.last_drop])
+        with torch.no_grad(), self.state.restored(self.state.tensors), self.ambient.restored(), naming(), mode:
+            try:
+                self.run(self.flat)
+            except _Stop:
+                pass
+        self.placeholders = {}
+        if mode.i < mode.stop:
+            raise _NeedsGraph  # ran out of ops first: the recompute that saves tells how
+        made = mode.made
+        if len(made) != len(self.drops):
+            raise _NeedsGraph
+        return Made(made, {p: values.versions[p] for p in made}, plain=True)
 
     def replayed(self, i: int) -> Any:
         """Op ``i``'s held outputs, for the recompute (NOTE [planned calls])."""
@@ -557,6 +626,7 @@ class FastFrame:
 
 
 _RUN = object()  # FastFrame.replayed: run the op instead
+_DETACH = torch.ops.aten.detach.default
 
 
 def _written_after_saved(fn_name: str, t: torch.Tensor, version: int) -> RematError:
@@ -638,17 +708,20 @@ class _Replay(TorchDispatchMode):
                     f"{self.ops[i]} in the forward pass but {func} now; the function must do the same work every "
                     "time it is called (no data-dependent branches or changing global state)."
                 )
-        if self.placeholders and any(_is_placeholder(self.placeholders, t) for t in arg_tensors(args, kwargs or {})):
-            # an op that must run reads a placeholder (a view of a dead op's output, say): its outputs are
-            # placeholders too; a write or a random draw on one is not followed, the recompute runs again
-            if any(traits(func)):
-                raise _PlanWrong
-            out = func(*args, **kwargs) if kwargs else func(*args)
-            if not isinstance(out, torch.Tensor) and any(
-                    x is not None and not isinstance(x, torch.Tensor) for x in optree.tree_leaves(out, none_is_leaf=True)):
-                raise _PlanWrong  # a number read from a placeholder (.item()): Python code may branch on it
-            return self._taint(out)
+        if self.placeholders and _reads_placeholder(self.placeholders, args, kwargs):
+            return self._run_tainted(func, args, kwargs)
         return func(*args, **kwargs) if kwargs else func(*args)
+
+    def _run_tainted(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """An op that must run reads a placeholder (a view of a dead op's output, say): its outputs are placeholders
+        too; a write or a random draw on one is not followed, the recompute runs again."""
+        if any(traits(func)):
+            raise _PlanWrong
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        if not isinstance(out, torch.Tensor) and any(
+                x is not None and not isinstance(x, torch.Tensor) for x in optree.tree_leaves(out, none_is_leaf=True)):
+            raise _PlanWrong  # a number read from a placeholder (.item()): Python code may branch on it
+        return self._taint(out)
 
     def _taint(self, out: Any) -> Any:
         for t in optree.tree_leaves(out, none_is_leaf=True):
@@ -657,13 +730,98 @@ class _Replay(TorchDispatchMode):
         return out
 
 
-def _is_placeholder(placeholders: dict[int, weakref.ref[torch.Tensor]], t: torch.Tensor) -> bool:
+class _ValueReplay(_Replay):
+    """NOTE [value recompute]: :class:`_Replay` under no_grad, taking each dropped tensor as its op returns it, and
+    stopping before the op after the one that saved the last of them."""
+
+    def __init__(self, frame: FastFrame, skip_dead: bool, values: _Values, stop: int) -> None:
+        super().__init__(frame, skip_dead)
+        self.at_op = values.at_op  # op index -> (which of its tensors, dropped position)
+        self.stop = stop
+        self.made: dict[int, torch.Tensor] = {}
+        self.drops = frame.drops
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        i = self.i
+        if i < self.limit and self.ops[i] is func and not INTERNAL.get():
+            if i >= self.stop:
+                # the op that saved the last dropped tensor has returned, through autograd's layers too (an
+                # in-place op's version moves above this mode, after the op): stop before the next one
+                raise _Stop
+            self.i = i + 1
+            out: Any = _RUN
+            if i in self.held:
+                out = self.frame.replayed(i)
+            if out is _RUN:
+                d = self.dead.get(i)
+                if d is not None:
+                    out = self._taint(d.placeholders())
+                elif self.placeholders and _reads_placeholder(self.placeholders, args, kwargs):
+                    out = self._run_tainted(func, args, kwargs)
+                else:
+                    out = func(*args, **kwargs) if kwargs else func(*args)
+            want = self.at_op.get(i)
+            if want is not None:
+                self._take(out, want)
+            return out
+        if INTERNAL.get() or ignored(func):
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if i >= self.stop:
+            raise _Stop  # (stop <= limit: the ops past the plan come after the last save)
+        if func is _DETACH:
+            # torch's binding detaches a factory's output (rand_like) that Python holds, as _take does: an alias,
+            # not an op of the call
+            return func(*args, **kwargs) if kwargs else func(*args)
+        raise _NeedsGraph  # not the forward pass's op without a graph: maybe with one (a fused path taken)
+
+    def _take(self, out: Any, want: list[tuple[int, int]]) -> None:
+        """The dropped tensors op ``i`` returned: checked as the recompute that saves checks them."""
+        outs = [out] if isinstance(out, torch.Tensor) else [
+            x for x in optree.tree_leaves(out, none_is_leaf=True) if isinstance(x, torch.Tensor)]
+        drops, ph = self.drops, self.placeholders
+        for k, pos in want:
+            t = outs[k]
+            meta = drops.get(pos)
+            if meta is None:
+                continue  # not dropped by this call (held as an input of it)
+            if id(t) in ph and _is_placeholder(ph, t):
+                raise _PlanWrong
+            if t.shape != meta[0] or t.dtype != meta[1]:
+                raise _NeedsGraph
+            self.made[pos] = t
+
+
+def _reads_placeholder(placeholders: dict[int, weakref.ref[torch.Tensor]], args: tuple[Any, ...],
+                       kwargs: dict[str, Any] | None) -> bool:
+    """Whether an op's arguments (a tensor, or a list of them, per argument) include a placeholder. By ``id`` first:
+    it runs on every op of a recompute that skips dead ops, and an ``id`` of a live object names no other."""
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if id(a) in placeholders:
+            if _is_placeholder(placeholders, a):
+                return True
+        elif type(a) is list or type(a) is tuple:
+            if any(id(x) in placeholders and _is_placeholder(placeholders, x) for x in a):
+                return True
+    return False
+
+
+def _is_placeholder(placeholders: dict[int, weakref.ref[torch.Tensor]], t: Any) -> bool:
     ref = placeholders.get(id(t))
-    return ref is not None and ref() is t
+    if ref is None:
+        return False
+    if ref() is t:
+        return True
+    del placeholders[id(t)]  # that placeholder died, and its id is another object's now: look no more
+    return False
 
 
 class _PlanWrong(Exception):
     """A planned recompute met a placeholder where a value is needed: run it again without skipping ops."""
+
+
+class _NeedsGraph(Exception):
+    """A value recompute (NOTE [value recompute]) did not run the forward pass's ops, or did not make the tensors it
+    saved: the recompute that builds the graph and takes what autograd saves runs instead, and tells."""
 
 
 def _release(frame: FastFrame) -> Callable[[], None]:
@@ -732,7 +890,7 @@ class _Capture:
 
     def finish(self) -> Made:
         captured, self.captured = self.captured, {}
-        return Made(captured, self.versions)
+        return Made(captured, self.versions, plain=True)
 
 
 def _node_name(cls: Any) -> str:

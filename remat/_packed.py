@@ -94,18 +94,19 @@ class Made(dict):  # type: ignore[type-arg]
         replayed, the value handed back is the one the op saved, and the gradient is exact.
     """
 
-    __slots__ = ("versions",)
+    __slots__ = ("versions", "plain")
 
-    def __init__(self, captured: dict[int, torch.Tensor], versions: dict[int, int]) -> None:
+    def __init__(self, captured: dict[int, torch.Tensor], versions: dict[int, int], plain: bool = False) -> None:
         super().__init__(captured)
         self.versions = versions
+        self.plain = plain  # made under no torch.func level: no wrapper to look through
 
     def take(self, fn_name: str, pos: int) -> torch.Tensor:
         """Hand saved tensor ``pos`` to the backward pass, once, checked unwritten since it was made."""
         t: torch.Tensor = self.pop(pos)
         v0 = self.versions.get(pos)
         if v0 is not None:
-            now = ti.unwrap_all(t)._version
+            now = t._version if self.plain else ti.unwrap_all(t)._version
             if now != v0:
                 raise saved_written_after_save(fn_name, pos, t, v0, now)
         return t

@@ -834,3 +834,122 @@ def test_forward_under_a_users_dispatch_mode_and_backward_outside(policy: str) -
     for _ in range(3):  # the recorded call, then planned ones
         loss, _ = live_bytes_after(lambda: f(W, X).pow(2).sum())
         assert_tree_close(torch.autograd.grad(loss, W)[0], ref, rtol=1e-10, atol=1e-10)
+
+
+# ---- NOTE [value recompute]: a planned recompute without a graph ---------------------------------------------
+
+
+class GradModes:
+    """Inside the function: whether grad mode was on, per run (the forward pass, then each recompute)."""
+
+    def __init__(self, fn):
+        self.fn, self.modes = fn, []
+
+    def __call__(self, *args):
+        self.modes.append(torch.is_grad_enabled())
+        return self.fn(*args)
+
+
+def block(params, x):
+    from remat.bench.models import transformer_block
+
+    return transformer_block(params, x, 2)
+
+
+def block_inputs(dtype):
+    from remat.bench.models import make_transformer
+
+    params, x, _, _ = make_transformer(blocks=1, batch=2, seq=8, d=16, heads=2, ff=32, dtype=dtype)
+    params = [{k: v.requires_grad_() for k, v in p.items()} for p in params] if isinstance(params, list) else params
+    return params, x.requires_grad_()
+
+
+VALUE_CASES = {  # (function, policy): each drops tensors and holds others for its recompute
+    "block-dots": ("block", policies.dots_saveable),
+    "block-names": ("block", policies.save_only_these_names("attn")),
+    "mlp-dots": ("mlp", policies.dots_saveable),
+    "mlp-names": ("mlp", policies.save_only_these_names("mid")),
+    "mlp-custom": ("mlp", POLICIES["custom"]),
+    "mlp-offload-matmuls": ("mlp", policies.offload_dot_with_no_batch_dims("cpu", "cpu")),
+}
+
+
+@pytest.mark.parametrize("dtype", [f64, f32], ids=["f64", "f32"])
+@pytest.mark.parametrize("case", list(VALUE_CASES))
+def test_a_planned_recompute_runs_without_a_graph_and_is_exact(case, dtype):
+    """A planned call's recompute runs the function under no_grad (seen from inside it) and takes the dropped
+    tensors as its ops return them; gradients bitwise equal to plain autograd's (the recorded call's recompute,
+    which saves, runs with grad mode on)."""
+    which, policy = VALUE_CASES[case]
+    if which == "block":
+        params, x = block_inputs(dtype)
+        fn, args = block, (params[0] if isinstance(params, list) else params, x)
+    else:
+        fn, args = mlp, (leaf(8, 8, dtype=dtype), leaf(8, 8, dtype=dtype, seed=1), leaf(4, 8, dtype=dtype, seed=2))
+    wrt = [t for t in torch.utils._pytree.tree_leaves(args) if t.requires_grad]
+    ref = grads(fn, args, wrt)
+    probe = GradModes(fn)
+    g = remat(probe, policy=policy)
+    for _ in range(3):
+        got = grads(g, args, wrt)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))  # (the same kernels: bitwise)
+    # the recorded call and its recompute, then two planned calls recomputed without a graph
+    assert probe.modes == [True, True, True, False, True, False], probe.modes
+
+
+def test_a_planned_recompute_for_a_double_backward_builds_its_graph():
+    """create_graph=True: the backward pass differentiates what the recompute made, so the recompute builds the
+    graph (grad mode on inside the function); the second backward pass recomputes again, without one."""
+    W1, W2, x = leaf(8, 8), leaf(8, 8, seed=1), leaf(4, 8, seed=2)
+    probe = GradModes(mlp)
+    g = remat(probe, policy=policies.dots_saveable)
+    g(W1, W2, x).sum().backward()
+    gw = grads(g, (W1, W2, x), (W1,), create_graph=True)[0]
+    want = grads(mlp, (W1, W2, x), (W1,), create_graph=True)[0]
+    assert_tree_close(torch.autograd.grad(gw.pow(2).sum(), (W2, x)), torch.autograd.grad(want.pow(2).sum(), (W2, x)))
+    assert probe.modes == [True, True, True, True, False], probe.modes
+
+
+def test_a_function_that_runs_other_ops_without_a_graph_recomputes_with_one():
+    """torch's TransformerEncoderLayer in eval mode takes its fused path when grad mode is off (one op instead of
+    ~40): the recompute without a graph sees another op and gives way to the recompute with one, for this call
+    and the signature's later ones; gradients exact."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dtype=f64).eval()
+    x = leaf(2, 5, 16)
+    ref = grads(layer, (x,), (x, *layer.parameters()))
+    probe = GradModes(layer)
+    g = remat(probe, policy=policies.dots_saveable)
+    for _ in range(3):
+        assert_tree_close(grads(g, (x,), (x, *layer.parameters())), ref)
+    # recorded; planned: tried without a graph, then with one; planned: with one from the start
+    assert probe.modes == [True, True, True, False, True, True, True], probe.modes
+
+
+@pytest.mark.parametrize("name", ["dots", "custom"])
+def test_a_dropped_tensor_written_before_it_was_saved_comes_back_written(name):
+    """A tensor written in place between the op that made it and the op that saved it: the recompute without a
+    graph takes it where the forward pass's ops last returned it and runs on to the op that saved it (an in-place
+    op's version moves after the op returns), so it holds the written value and its version; exact, no false
+    RematError. A write after the save raises, as in plain autograd (NOTE [written after saved])."""
+    def f(W, x, after=False):
+        h = torch.sin(x @ W)
+        h.mul_(1.5)
+        y = torch.sin(h) @ W  # sin saves h
+        if after:
+            h.add_(1)
+        return torch.tanh(y)  # tanh saves its output, dropped: the recompute runs past the write
+
+    W, x = leaf(8, 8), leaf(4, 8, seed=1)
+    ref = grads(f, (W, x), (W, x))
+    probe = GradModes(f)
+    g = remat(probe, policy=POLICIES[name])
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(grads(g, (W, x), (W, x)), ref))
+    assert probe.modes[-2:] == [True, False]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        grads(f, (W, x, True), (W, x))
+    g2 = remat(lambda W, x: f(W, x, True), policy=POLICIES[name])
+    for _ in range(3):
+        with pytest.raises(RematError, match="modified a tensor .* in place after an op saved it"):
+            grads(g2, (W, x), (W, x))
