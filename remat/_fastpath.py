@@ -204,16 +204,17 @@ class Plan:
 
 class _Values:
     """NOTE [value recompute]: per op index, the dropped save positions its outputs are (which tensor of the op's,
-    which position); per position, how many ops had run when it was saved and its version then."""
+    which position); per position, how many ops had run when it was saved, and per such count, the positions."""
 
-    __slots__ = ("at_op", "stop", "versions")
+    __slots__ = ("at_op", "stop", "saved_at")
 
-    def __init__(self, sources: dict[int, tuple[int, int, int, int]]) -> None:
+    def __init__(self, sources: dict[int, tuple[int, int, int]]) -> None:
         self.at_op: dict[int, list[tuple[int, int]]] = {}
-        for pos, (i, k, _, _) in sources.items():
+        self.saved_at: dict[int, list[int]] = {}
+        for pos, (i, k, n) in sources.items():
             self.at_op.setdefault(i, []).append((k, pos))
+            self.saved_at.setdefault(n, []).append(pos)
         self.stop = {pos: src[2] for pos, src in sources.items()}
-        self.versions = {pos: src[3] for pos, src in sources.items()}
 
 
 _ONE_LEAF = optree.tree_structure(0)  # type: ignore[arg-type]
@@ -574,18 +575,27 @@ class FastFrame:
         return them. It stops once the op that saved the last of them has run."""
         self.placeholders = {}
         mode = _ValueReplay(self, skip_dead, values, values.stop[self.last_drop])
-        with torch.no_grad(), self.state.restored(self.state.tensors), self.ambient.restored(), naming(), mode:
-            try:
-                self.run(self.flat)
-            except _Stop:
-                pass
-        self.placeholders = {}
-        if mode.i < mode.stop:
-            raise _NeedsGraph  # ran out of ops first: the recompute that saves tells how
+        try:
+            with torch.no_grad(), self.state.restored(self.state.tensors), self.ambient.restored(), naming(), mode:
+                out = None
+                try:
+                    out = self.run(self.flat)
+                except _Stop:
+                    pass
+                mode.settle(mode.i)  # (the function returned after the op that saved the last: out holds it)
+                del out
+        except (_NeedsGraph, _PlanWrong, RematError):
+            raise
+        except Exception as e:
+            # what the function does only with grad mode on (h.register_hook, retain_grad on an intermediate):
+            # the recompute that builds the graph runs it, and raises if the error is the function's own
+            raise _NeedsGraph from e
+        finally:
+            self.placeholders = {}
         made = mode.made
-        if len(made) != len(self.drops):
-            raise _NeedsGraph
-        return Made(made, {p: values.versions[p] for p in made}, plain=True)
+        if mode.i < mode.stop or len(made) != len(self.drops) or len(mode.versions) != len(made):
+            raise _NeedsGraph  # ran out of ops first, or a tensor died before its save: the recompute that saves
+        return Made(made, mode.versions, plain=True)
 
     def replayed(self, i: int) -> Any:
         """Op ``i``'s held outputs, for the recompute (NOTE [planned calls])."""
@@ -626,7 +636,6 @@ class FastFrame:
 
 
 _RUN = object()  # FastFrame.replayed: run the op instead
-_DETACH = torch.ops.aten.detach.default
 
 
 def _written_after_saved(fn_name: str, t: torch.Tensor, version: int) -> RematError:
@@ -737,17 +746,37 @@ class _ValueReplay(_Replay):
     def __init__(self, frame: FastFrame, skip_dead: bool, values: _Values, stop: int) -> None:
         super().__init__(frame, skip_dead)
         self.at_op = values.at_op  # op index -> (which of its tensors, dropped position)
+        self.saved_at = values.saved_at  # ops run -> the dropped positions saved then
         self.stop = stop
         self.made: dict[int, torch.Tensor] = {}
+        self.versions: dict[int, int] = {}  # position -> version when saved (NOTE [written after saved])
+        self.pending: list[tuple[int, weakref.ref[torch.Tensor]]] = []
         self.drops = frame.drops
+
+    def settle(self, n: int) -> None:
+        """``n`` ops have run, and returned through autograd's layers too (an in-place op's version moves above
+        this mode, after the op): hold what they made, and note the versions of the tensors saved at this point
+        in the forward pass. Held weakly until now: torch's binding detaches a factory's output (``rand_like``)
+        that Python holds when it returns, and the function would get another tensor than the one taken (an
+        extra ``detach``, taken for the function's own if one comes next)."""
+        made = self.made
+        for pos, ref in self.pending:
+            t = ref()
+            if t is None:
+                raise _NeedsGraph  # died before its save (a tensor only an autograd.Function's ctx held)
+            made[pos] = t
+        self.pending = []
+        for pos in self.saved_at.get(n, ()):
+            t = made.get(pos)
+            if t is not None:
+                self.versions[pos] = t._version
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         i = self.i
         if i < self.limit and self.ops[i] is func and not INTERNAL.get():
+            self.settle(i)
             if i >= self.stop:
-                # the op that saved the last dropped tensor has returned, through autograd's layers too (an
-                # in-place op's version moves above this mode, after the op): stop before the next one
-                raise _Stop
+                raise _Stop  # the op that saved the last dropped tensor has run: stop before the next one
             self.i = i + 1
             out: Any = _RUN
             if i in self.held:
@@ -767,16 +796,16 @@ class _ValueReplay(_Replay):
         if INTERNAL.get() or ignored(func):
             return func(*args, **kwargs) if kwargs else func(*args)
         if i >= self.stop:
+            self.settle(i)
             raise _Stop  # (stop <= limit: the ops past the plan come after the last save)
-        if func is _DETACH:
-            # torch's binding detaches a factory's output (rand_like) that Python holds, as _take does: an alias,
-            # not an op of the call
-            return func(*args, **kwargs) if kwargs else func(*args)
         raise _NeedsGraph  # not the forward pass's op without a graph: maybe with one (a fused path taken)
 
     def _take(self, out: Any, want: list[tuple[int, int]]) -> None:
-        """The dropped tensors op ``i`` returned: checked as the recompute that saves checks them."""
-        outs = [out] if isinstance(out, torch.Tensor) else [
+        """The dropped tensors op ``i`` returned: checked as the recompute that saves checks them. One tensor is
+        held weakly until the op has returned (``settle``); several, strongly now: the op's caller may keep only
+        some (``layer_norm`` drops the mean and rstd its node saved), and no factory returns several."""
+        single = isinstance(out, torch.Tensor)
+        outs = [out] if single else [
             x for x in optree.tree_leaves(out, none_is_leaf=True) if isinstance(x, torch.Tensor)]
         drops, ph = self.drops, self.placeholders
         for k, pos in want:
@@ -788,7 +817,10 @@ class _ValueReplay(_Replay):
                 raise _PlanWrong
             if t.shape != meta[0] or t.dtype != meta[1]:
                 raise _NeedsGraph
-            self.made[pos] = t
+            if single:
+                self.pending.append((pos, weakref.ref(t)))
+            else:
+                self.made[pos] = t
 
 
 def _reads_placeholder(placeholders: dict[int, weakref.ref[torch.Tensor]], args: tuple[Any, ...],

@@ -296,8 +296,8 @@ class Frame:
         self.plan_packs = []
         self.plan_inputs: list[bool] = []  # per pack: the saved tensor was an input of the call
         # NOTE [value recompute]: dropped position -> (index of the op that returned it, which of its tensors,
-        # ops run when it was saved, its version then)
-        self.plan_sources: dict[int, tuple[int, int, int, int]] = {}
+        # ops run when it was saved)
+        self.plan_sources: dict[int, tuple[int, int, int]] = {}
 
     def rewind(self) -> None:
         """Undo what a forward pass cut short did, so that the call can run again (NOTE [reentrant region])."""
@@ -431,7 +431,7 @@ class Frame:
             made = self.recorder.made_by.get(v, -1)
             if made >= 0:  # (NOTE [value recompute]: the tensor an op returned, not a copy or a view made here)
                 ops = self.recorder.ops
-                self.plan_sources[pos] = (made, ops[made].out_vids.index(v), len(ops), phys._version)
+                self.plan_sources[pos] = (made, ops[made].out_vids.index(v), len(ops))
         if v is None and rec is not None:
             # not a tensor an op of this call returned but a copy of one (a nested call's stash, routed here
             # detached): the recompute must make the output it copies, found by storage

@@ -953,3 +953,86 @@ def test_a_dropped_tensor_written_before_it_was_saved_comes_back_written(name):
     for _ in range(3):
         with pytest.raises(RematError, match="modified a tensor .* in place after an op saved it"):
             grads(g2, (W, x), (W, x))
+
+
+@pytest.mark.parametrize("factory", ["rand_like", "zeros_like", "randn"])
+def test_a_factory_output_then_a_detach_of_your_own(factory):
+    """Review: torch's binding detaches a factory's output that Python holds as it returns; the recompute without a
+    graph held what it took strongly, so an extra detach came first and was taken for the function's own
+    ``s.detach()`` (the dropped tensor then came from the factory: a wrong gradient without an error). What the
+    ops return is held weakly until the next op."""
+    make = {"rand_like": torch.rand_like, "zeros_like": torch.zeros_like,
+            "randn": lambda y: torch.randn(y.shape, dtype=y.dtype)}[factory]
+
+    def f(W, x):
+        y = x @ W
+        s = torch.sin(y)
+        r = make(y)
+        d = s.detach()
+        return (x * d).sum() + (r * y).sum()  # mul saves d, dropped
+
+    W, x = leaf(8, 8), leaf(4, 8, seed=2)
+    torch.manual_seed(0)
+    ref = torch.autograd.grad(f(W, x), (W, x))
+    probe = GradModes(f)
+    g = remat(probe, policy=policies.dots_saveable)
+    for _ in range(3):
+        torch.manual_seed(0)
+        got = torch.autograd.grad(g(W, x), (W, x))
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert probe.modes[-2:] == [True, False]
+
+
+def test_a_named_parameter_updated_between_steps():
+    """Review: the recompute without a graph compared a dropped tensor's version with the recorded call's; a
+    ``checkpoint_name`` alias of a parameter shares its version counter, which an optimizer step moves, so every
+    later step raised a false RematError. The versions are read in the recompute, where the forward saved them."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.scale = nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            s = checkpoint_name(self.scale, "scale")
+            return torch.tanh(self.lin(x) * torch.sin(s) * s)  # sin and mul save s, dropped by dots_saveable
+
+    def train(use_remat):
+        torch.manual_seed(0)
+        net = Block().double()
+        if use_remat:
+            remat_module(net, policy=policies.dots_saveable)
+        opt = torch.optim.SGD(net.parameters(), lr=1e-2)
+        x = leaf(4, 8, grad=False)
+        out = []
+        for _ in range(3):
+            opt.zero_grad()
+            net(x).pow(2).sum().backward()
+            out.append([p.grad.clone() for p in net.parameters()])
+            opt.step()
+        return out
+
+    for want, got in zip(train(False), train(True)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("what", ["register_hook", "retain_grad"])
+def test_a_function_that_needs_grad_mode_recomputes_with_a_graph(what):
+    """Review: ``h.register_hook`` or ``h.retain_grad()`` on an intermediate raises without grad mode: the
+    recompute without a graph gives way to the one with it (which runs them), for the signature's later calls
+    too; exact."""
+    def f(W, x):
+        h = torch.sin(x @ W)
+        if what == "register_hook":
+            h.register_hook(lambda g: g * 2)
+        else:
+            h.retain_grad()
+        return torch.tanh(h @ W)
+
+    W, x = leaf(8, 8), leaf(4, 8, seed=1)
+    ref = grads(f, (W, x), (W, x))
+    probe = GradModes(f)
+    g = remat(probe, policy=policies.dots_saveable)
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(grads(g, (W, x), (W, x)), ref))
+    assert probe.modes == [True, True, True, False, True, True, True], probe.modes
