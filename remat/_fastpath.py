@@ -74,26 +74,30 @@ NOTE [value recompute]
     autograd saves) pays for nodes, saved-tensor hooks and a detach per saved
     tensor only to throw the graph away: a backward pass without
     ``create_graph`` reads the values alone. The recorded call knows, for every
-    tensor it dropped, which op returned it (which of its tensors, the op's
-    index), how many ops had run when it was saved, and its version then. So a
-    planned call whose backward pass runs without a graph recomputes under
-    ``torch.no_grad()``: its replay mode takes each dropped tensor as that op
-    returns it, and stops before the op after the one that saved the last of
-    them (an in-place op's version moves above the mode, as its op returns). A
+    tensor it dropped, which op returned it (the op's index, which of its
+    tensors) and how many ops had run when it was saved. So a planned call whose
+    backward pass runs without a graph recomputes under ``torch.no_grad()``: its
+    replay mode (``_ValueReplay``) takes each dropped tensor as that op returns
+    it, and stops before the op after the one that saved the last of them. At
+    each op it notes the versions of the tensors the forward pass saved by then
+    (an in-place op's version moves above the mode, after the op returns), so a
     tensor written between the op that made it and the op that saved it holds
-    the write; one written after it was saved, by an op the recompute replays,
-    raises when read (NOTE [written after saved]: the version noted is the
-    forward pass's). Grad mode can change what a function runs (torch's
-    ``TransformerEncoderLayer`` in eval mode takes a fused op without grad):
-    any op that is not the plan's
-    at its index, or a dropped tensor of another shape or dtype, gives way to
-    the recompute that builds the graph, for that call and the signature's later
-    ones, which checks as before and raises if the function really diverged. A
-    ``detach`` that is not the plan's is let through (torch's binding detaches a
-    factory's output that Python holds, as this mode does). A function whose
-    values depend on grad mode with the same ops is not pure (as a function
-    whose values depend on a global is not); ``remat(f, debug=True)`` runs it
-    on the full engine.
+    the write, and one written after it was saved by an op the recompute
+    replays raises when read (NOTE [written after saved]). A single tensor is
+    held weakly until the next op: torch's binding detaches a factory's output
+    (``rand_like``, ``zeros``) that Python holds as it returns, and the function
+    would see another tensor (and an extra ``detach``).
+
+    Grad mode can change what a function runs (torch's
+    ``TransformerEncoderLayer`` in eval mode takes a fused op without grad) or
+    what it may do (``h.register_hook`` on an intermediate): any op that is not
+    the plan's at its index, a dropped tensor of another shape or dtype, one that
+    died before its save, or any error gives way to the recompute that builds
+    the graph, for that call and the signature's later ones, which checks as
+    before and raises if the function really diverged. A function whose values
+    depend on grad mode with the same ops is not pure (as a function whose
+    values depend on a global is not); ``remat(f, debug=True)`` runs it on the
+    full engine.
 """
 
 from __future__ import annotations
