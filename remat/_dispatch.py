@@ -226,6 +226,7 @@ class Recorder(TorchDispatchMode):
         self.stash_of: dict[int, tuple[int, int]] = {}  # vid -> (op index, output position)
         self.made_by: dict[int, int] = {}  # vid -> index of the op that returned that tensor
         self.on_demote: Callable[[int], None] | None = None  # storage key: a name dropped it
+        self.on_write: Callable[[set[int]], None] | None = None  # storage keys an in-place op is about to write
         self.mutated_inplace = False
         self.offloaded_written = False  # an output to offload was written in place (see Frame.forward)
         self.written: set[int] = set()  # storage keys an in-place op wrote (over-approximated: all its args)
@@ -565,6 +566,8 @@ class Recorder(TorchDispatchMode):
             keys = {storage_key(t) for t in written} - {0}
             if torch.Tag.inplace_view not in func.tags:  # squeeze_ & co. change shapes, not data
                 self.written |= keys
+                if self.on_write is not None and keys:
+                    self.on_write(keys)
             for rec in self.ops:
                 if rec.stash is None:
                     continue

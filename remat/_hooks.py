@@ -162,6 +162,8 @@ class Frame:
         wself = weakref.ref(self)
         self.recorder = Recorder(policy, fn_name, lambda t, d: wself()._offload(t, d))  # type: ignore[union-attr]
         self.recorder.on_demote = lambda key: wself()._demote(key)  # type: ignore[union-attr]
+        # NOTE [one copy per storage] in _offload.py: a write ends the sharing of a storage's copy
+        self.recorder.on_write = lambda keys: wself().engine.storage_written(wself(), keys)  # type: ignore[union-attr]
         self.recorder.describe_tensor = state.label_of
         self._kept: dict[int, list[tuple[Packed, int]]] = {}  # storage key -> kept packs made here, vid
         with internal():

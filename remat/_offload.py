@@ -55,6 +55,18 @@ NOTE [stream-ordered reuse]
     the compute stream, after an event recorded there, and the compute stream
     waits for the copy before reading them or letting them go.
 
+NOTE [one copy per storage]
+    Two saved tensors of one storage share its host copy (``q``, ``k``, ``v``
+    split from one product) when the storage has not changed since the copy: the
+    version is the same. Views share their base's version counter, so that is
+    the test, but not every alias does: ``unsafe_split`` and ``unsafe_chunk``
+    (what ``nn.GRU``'s CPU cell splits its gate products with) make tensors of
+    one storage with counters of their own. Written in place one after the other
+    (``a1.sigmoid_()``, then ``a2.sigmoid_()``), each at version 1 when saved,
+    the second shared the copy made before its write: a wrong gradient without
+    an error. So the call's recorder tells the engine of every storage an op is
+    about to write, and a tensor saved after that gets a copy of its own.
+
 NOTE [written while copied]
     Autograd refuses a saved tensor written in place after it was saved. The engine
     holds an offloaded tensor's copy, not the tensor, so it keeps an alias of the
@@ -467,7 +479,7 @@ class OffloadEngine:
 
         The whole storage is copied once per call and shared by its views (``q``, ``k``, ``v`` split
         from one product), unless ``t`` spans less than half of it (a small slice of a large
-        buffer): then only the bytes it spans.
+        buffer): then only the bytes it spans (NOTE [one copy per storage]).
         """
         with self._lock:
             return self._offload(t, dst, group)
@@ -513,9 +525,18 @@ class OffloadEngine:
             self._flush_older()
         return grp
 
+    def storage_written(self, group: Any, keys: set[int]) -> None:
+        """NOTE [one copy per storage]: an op of the call ``group`` is about to write these storages (by data
+        pointer): a tensor saved after it gets a copy of its own."""
+        grp = self._groups.get(group)
+        if grp is not None:
+            with self._lock:
+                for k in keys:
+                    grp.by_storage.pop(k, None)
+
     @staticmethod
     def _shared_copy(grp: _Group | None, storage: Any, version: int) -> _HostCopy | None:
-        """The copy already made of this storage in this call, if unchanged since."""
+        """The copy already made of this storage in this call, if unchanged since (NOTE [one copy per storage])."""
         ent = None if grp is None else grp.by_storage.get(storage.data_ptr())
         if ent is None:
             return None
