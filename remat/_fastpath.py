@@ -809,8 +809,7 @@ class _ValueReplay(_Replay):
         held weakly until the op has returned (``settle``); several, strongly now: the op's caller may keep only
         some (``layer_norm`` drops the mean and rstd its node saved), and no factory returns several."""
         single = isinstance(out, torch.Tensor)
-        outs = [out] if single else [
-            x for x in optree.tree_leaves(out, none_is_leaf=True) if isinstance(x, torch.Tensor)]
+        outs = [out] if single else tensor_leaves(out)
         drops, ph = self.drops, self.placeholders
         for k, pos in want:
             t = outs[k]
