@@ -117,6 +117,7 @@ from ._ambient import AmbientState
 from ._context import INSPECTOR, INTERNAL, active_context, internal, naming
 from ._dispatch import LIFTS, OpRecord, dead_value, ignored, storage_key, tensor_leaves, traits
 from ._errors import RematError, input_written_before_backward, input_written_in_forward, saved_shape_differs
+from ._offload import Offloaded
 from ._packed import DROP, KEEP, OFFLOAD, Made
 from ._policies import Offloadable
 from ._reentrant import NeedsRegion
@@ -333,15 +334,6 @@ class _In:
         self.version = version
 
 
-class _Off:
-    """A tensor the plan offloads at its save position."""
-
-    __slots__ = ("handle",)
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-
-
 class _Kept:
     """A tensor held by reference (module state the plan holds), with its version when saved."""
 
@@ -484,8 +476,7 @@ class FastFrame:
                 for t in outs:
                     if self.engine.applies(t, h.offload):
                         self._offloaded = True
-                        with ti.no_dispatch_modes():  # remat's copy, not an op of the user's modes
-                            vals.append(self.engine.offload(t, h.offload.dst, group=self))
+                        vals.append(self.engine.offload_below_modes(t, h.offload.dst, group=self))
                     else:
                         vals.append(t.detach())
                 self.held[i] = vals
@@ -504,8 +495,7 @@ class FastFrame:
         decision = self.offload.get(pos) if self.offload else None
         if decision is not None and self.engine.applies(t, decision):
             self._offloaded = True
-            with internal(), ti.no_dispatch_modes():
-                return _Off(self.engine.offload(t, decision.dst, group=self))
+            return self.engine.offload_below_modes(t, decision.dst, group=self)  # (unpack tells an Offloaded by type)
         node = t.grad_fn
         self.drops[pos] = (t.shape, t.dtype, None if node is None else type(node))
         self.last_drop = pos
@@ -525,8 +515,8 @@ class FastFrame:
             if t._version != p.version:
                 raise _written_after_saved(self.fn_name, t, p.version)
             return t  # type: ignore[no-any-return]
-        if type(p) is _Off:
-            return self.engine.fetch(p.handle)  # type: ignore[no-any-return]
+        if type(p) is Offloaded:
+            return self.engine.fetch(p)  # type: ignore[no-any-return]
         if p.t._version != p.version:
             raise _written_after_saved(self.fn_name, p.t, p.version)
         return p.t  # type: ignore[no-any-return]

@@ -416,8 +416,7 @@ class Frame:
         if not self.engine.applies(t, decision):
             return t.detach()  # kept; detached, or it would hold its own graph (see holdable)
         self._offloaded = True
-        with ti.no_dispatch_modes():  # remat's copy, not an op of the user's modes or of a tracer
-            return self.engine.offload(t, decision.dst, group=self)
+        return self.engine.offload_below_modes(t, decision.dst, group=self)
 
     def _demote(self, key: int) -> None:
         """A checkpoint_name the policy drops names a value already saved as kept: drop it now."""

@@ -293,9 +293,12 @@ class _PinnedPool:
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """The bytes ``[lo, hi)`` of its storage that a strided tensor reads (lo a multiple of its element size)."""
     es = t.element_size()
-    if t.numel() == 0:
+    n = t.numel()
+    if n == 0:
         return 0, 0
     lo = t.storage_offset()
+    if t.is_contiguous():
+        return lo * es, (lo + n) * es
     hi = lo + 1
     for size, stride in zip(t.shape, t.stride()):
         if stride >= 0:
@@ -458,15 +461,24 @@ class OffloadEngine:
         self._order: list[weakref.ref[_Group]] = []  # groups in the order they first offloaded
         self._next_gid = 0
         self._next_cid = 0
+        self._devices: dict[str, torch.device] = {}
+        self._device_types: dict[str, str] = {}
+        self._last_group: tuple[weakref.ref[Any], _Group] | None = None
         self.stats: collections.Counter[str] = collections.Counter()
 
     # ---- forward ---------------------------------------------------------------
     def applies(self, t: torch.Tensor, decision: Any) -> bool:
         """Whether ``decision`` (an Offloadable) moves ``t``: right source device, plain strided (no conjugate or
         negative bit, not quantized or nested), large enough."""
-        if decision.src is not None and torch.device(decision.src).type != t.device.type:
-            return False
-        if t.layout is not torch.strided or t.is_meta or type(t) not in (torch.Tensor, torch.nn.Parameter):
+        src = decision.src
+        if src is not None:
+            kind = self._device_types.get(src)
+            if kind is None:
+                kind = self._device_types[src] = torch.device(src).type
+            if kind != t.device.type:
+                return False
+        if (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter) or t.layout is not torch.strided \
+                or t.is_meta:
             return False
         if t.is_conj() or t.is_neg() or t.is_quantized or t.is_nested:
             # rebuilt from raw storage, a conjugate or negative view would lose its bit: keep these
@@ -481,48 +493,72 @@ class OffloadEngine:
         from one product), unless ``t`` spans less than half of it (a small slice of a large
         buffer): then only the bytes it spans (NOTE [one copy per storage]).
         """
-        with self._lock:
+        with self._lock, internal():  # (remat's modes let its ops through)
+            return self._offload(t, dst, group)
+
+    def offload_below_modes(self, t: torch.Tensor, dst: str, group: Any = None) -> Offloaded:
+        """:meth:`offload`, its ops run with every dispatch mode popped: remat's own copy, not an op of the
+        user's modes, of a tracer (make_fx inside ``torch.func.linearize``) or of remat's recorder."""
+        with _ti.no_dispatch_modes(), self._lock:
             return self._offload(t, dst, group)
 
     def _offload(self, t: torch.Tensor, dst: str, group: Any) -> Offloaded:
-        if _ti.cuda_graph_capturing():
+        if _ti.cuda_graph_capturing(t):
             raise RematError(
                 "remat: an offload policy ran under CUDA graph capture; its copies to host memory and "
                 "pinned-buffer pool are host-side work a graph cannot replay. Capture with a save or "
                 "recompute policy, or offload outside the captured region."
             )
-        with internal(), torch.no_grad():
-            src = t.detach()
-            storage = src.untyped_storage()
-            grp = self._group(group)
+        # (no torch.no_grad(): nothing below requires grad, a detached source and fresh byte buffers)
+        src = t.detach()
+        storage = src.untyped_storage()
+        grp = None if group is None else self._group(group)
+        total = storage.nbytes()
+        dense = src.is_contiguous()
+        if dense:  # (what _span says of a dense tensor, without its loop)
+            lo = src.storage_offset() * src.element_size()
+            hi = lo + src.numel() * src.element_size()
+        else:
             lo, hi = _span(src)
-            if 2 * (hi - lo) < storage.nbytes():
-                span = self._copy_out(src, storage, torch.device(dst), grp, lo, hi)
-                if grp is not None:
-                    grp.copies.append(weakref.ref(span))
-                self.stats["offloaded"] += 1
-                return Offloaded(self, span, src, t, shift=lo // src.element_size())
-            copy = self._shared_copy(grp, storage, src._version)
-            if copy is None:
-                copy = self._copy_out(src, storage, torch.device(dst), grp)
-                if grp is not None:
-                    grp.copies.append(weakref.ref(copy))
-                    grp.by_storage[storage.data_ptr()] = (weakref.ref(storage), src._version, weakref.ref(copy))
-            else:
-                self.stats["shared"] += 1
+        todev = self._devices.get(dst)
+        if todev is None:
+            todev = self._devices[dst] = torch.device(dst)
+        if 2 * (hi - lo) < total:
+            span = self._copy_out(src, storage, todev, grp, lo, hi)
+            if grp is not None:
+                grp.copies.append(weakref.ref(span))
             self.stats["offloaded"] += 1
-            return Offloaded(self, copy, src, t)
+            return Offloaded(self, span, src, t, shift=lo // src.element_size())
+        key = storage.data_ptr()
+        version = src._version
+        copy = None if grp is None else self._shared_copy(grp, storage, key, version)
+        if copy is None:
+            # src is exactly its storage's bytes, in order: a synchronous copy can take it as it is
+            copy = self._copy_out(src, storage, todev, grp, 0, total, whole=dense and lo == 0 and hi == total)
+            if grp is not None:
+                grp.copies.append(weakref.ref(copy))
+                grp.by_storage[key] = (weakref.ref(storage), version, weakref.ref(copy))
+        else:
+            self.stats["shared"] += 1
+        self.stats["offloaded"] += 1
+        return Offloaded(self, copy, src, t)
 
     def _group(self, key: Any) -> _Group | None:
         if key is None:
             return None
+        last = self._last_group
+        if last is not None and last[0]() is key:  # (the call offloading now, most often)
+            return last[1]
         grp = self._groups.get(key)
-        if grp is None:
+        if grp is not None:
+            self._last_group = (weakref.ref(key), grp)
+        else:
             grp = self._groups[key] = _Group(self._next_gid)
             self._next_gid += 1
             self._order = [r for r in self._order if r() is not None]
             self._order.append(weakref.ref(grp))
             self._flush_older()
+            self._last_group = (weakref.ref(key), grp)
         return grp
 
     def storage_written(self, group: Any, keys: set[int]) -> None:
@@ -535,9 +571,10 @@ class OffloadEngine:
                     grp.by_storage.pop(k, None)
 
     @staticmethod
-    def _shared_copy(grp: _Group | None, storage: Any, version: int) -> _HostCopy | None:
-        """The copy already made of this storage in this call, if unchanged since (NOTE [one copy per storage])."""
-        ent = None if grp is None else grp.by_storage.get(storage.data_ptr())
+    def _shared_copy(grp: _Group, storage: Any, key: int, version: int) -> _HostCopy | None:
+        """The copy already made of this storage (data pointer ``key``) in this call, if unchanged since
+        (NOTE [one copy per storage])."""
+        ent = grp.by_storage.get(key)
         if ent is None:
             return None
         sref, ver, cref = ent
@@ -545,34 +582,54 @@ class OffloadEngine:
         return c if c is not None and sref() is storage and ver == version else None
 
     def _copy_out(self, src: torch.Tensor, storage: Any, dst: torch.device, grp: _Group | None,
-                  lo: int = 0, hi: int | None = None) -> _HostCopy:
-        """Copy bytes ``[lo, hi)`` of ``storage`` (default: all of it)."""
-        hi = storage.nbytes() if hi is None else hi
+                  lo: int, hi: int, whole: bool = False) -> _HostCopy:
+        """Copy bytes ``[lo, hi)`` of ``storage`` (``whole``: they are ``src``'s own, all of them, in order)."""
         nbytes = hi - lo
-        raw = torch.empty(0, dtype=torch.uint8, device=src.device).set_(storage, lo, (nbytes,), (1,))
-        c = _HostCopy(self, self._next_cid, grp, src.device, nbytes)
+        device = src.device
+        c = _HostCopy(self, self._next_cid, grp, device, nbytes)
         self._next_cid += 1
-        c.vsrc, c.saved_version = src, src._version  # NOTE [written while copied]
-        if grp is not None and self.keep_last > 0 and src.device.type in self._keep_devices:
+        if grp is not None and self.keep_last > 0 and device.type in self._keep_devices:
+            raw = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (nbytes,), (1,))
+            c.vsrc, c.saved_version = src, src._version  # NOTE [written while copied]
             c.dev, c.deferred = raw, (raw, dst)  # NOTE [keep last]: copied when a later call offloads
             grp.deferred.append(weakref.ref(c))
             self.stats["kept_on_device"] += 1
             self._log("keep", c)
             return c
-        self._copy_raw(c, raw, dst)
+        if self._asynchronous(device, dst):
+            raw = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (nbytes,), (1,))
+            c.vsrc, c.saved_version = src, src._version  # NOTE [written while copied]: until the copy has run
+            self._copy_raw(c, raw, dst)
+            return c
+        # synchronous: the copy has read the bytes when it returns (NOTE [written while copied] holds nothing).
+        # A whole storage is copied as src itself: the host copy is then of src's dtype, which fetch never
+        # reads (only its storage, from offset 0)
+        raw = src if whole else torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (nbytes,), (1,))
+        c.host = raw.to(dst, copy=True)
+        self._copied(c)
         return c
 
+    def _asynchronous(self, src: torch.device, dst: torch.device) -> bool:
+        """Whether a copy from ``src`` to ``dst`` runs asynchronously, into a pinned buffer (else: synchronously,
+        done when :meth:`_copy_raw` returns)."""
+        return src.type == "cuda" and dst.type == "cpu" and self.pin_memory
+
     def _copy_raw(self, c: _HostCopy, raw: torch.Tensor, dst: torch.device) -> None:
-        """Start the copy of ``raw`` to ``dst``; :meth:`_settle` once it has read the bytes."""
-        if raw.device.type == "cuda" and dst.type == "cpu" and self.pin_memory:
+        """Start the copy of ``raw`` (uint8 bytes; on the synchronous path also a tensor that is exactly its
+        storage) to ``dst``; :meth:`_settle` once it has read the bytes."""
+        if self._asynchronous(raw.device, dst):
             self._d2h_async(c, raw)  # settled when its event is seen complete, or the compute stream waits on it
         else:
-            c.host = torch.empty(c.nbytes, dtype=torch.uint8, device=dst)
-            c.host.copy_(raw)  # synchronous (CPU, pageable memory, other device pairs)
+            c.host = raw.to(dst, copy=True)  # synchronous (CPU, pageable memory, other device pairs)
             self._settle(c)
-        self.stats["copies"] += 1
-        self.stats["offloaded_bytes"] += c.nbytes
-        self._log("d2h", c)
+        self._copied(c)
+
+    def _copied(self, c: _HostCopy) -> None:
+        stats = self.stats
+        stats["copies"] += 1
+        stats["offloaded_bytes"] += c.nbytes
+        if self.trace is not None:
+            self._log("d2h", c)
 
     def _flush(self, c: _HostCopy) -> None:
         """Start the copy of a kept storage (NOTE [keep last]) and let go of the device bytes."""
@@ -694,7 +751,7 @@ class OffloadEngine:
     # ---- backward --------------------------------------------------------------
     def fetch(self, o: Offloaded) -> torch.Tensor:
         """The tensor back on its source device; the current stream waits for its copy if still running."""
-        with self._lock, internal(), torch.no_grad():
+        with self._lock, internal():  # (no torch.no_grad(): fresh tensors over remat's own bytes)
             c = o.copy
             orig = c.vsrc if c.vsrc is not None else o.orig()
             now = orig._version if orig is not None else (-1 if c.saved_version is not None else o.version)

@@ -499,7 +499,7 @@ def test_autocast_casts_of_parameters_are_recomputed_not_offloaded() -> None:
 def test_offload_under_cuda_graph_capture_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     import remat._torch_internals as ti
 
-    monkeypatch.setattr(ti, "cuda_graph_capturing", lambda: True)  # remat's own probe, not torch
+    monkeypatch.setattr(ti, "cuda_graph_capturing", lambda t: True)  # remat's own probe, not torch
     f = remat(lambda x: x.sin().exp().sum(), policy=policies.offload_to_cpu(min_bytes=0))
     with pytest.raises(RematError, match="under CUDA graph capture"):
         f(torch.randn(8, requires_grad=True))
@@ -672,6 +672,9 @@ class _LateCopies(OffloadEngine):
     def __init__(self) -> None:
         super().__init__()
         self.running: list[Any] = []
+
+    def _asynchronous(self, src: torch.device, dst: torch.device) -> bool:
+        return True
 
     def _copy_raw(self, c: Any, raw: torch.Tensor, dst: torch.device) -> None:
         c.host = host = torch.empty(c.nbytes, dtype=torch.uint8, device=dst)
