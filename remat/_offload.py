@@ -298,7 +298,7 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
         return 0, 0
     lo = t.storage_offset()
     if t.is_contiguous():
-        return lo * es, (lo + n) * es
+        return int(lo) * es, int(lo + n) * es
     hi = lo + 1
     for size, stride in zip(t.shape, t.stride()):
         if stride >= 0:
@@ -516,8 +516,8 @@ class OffloadEngine:
         total = storage.nbytes()
         dense = src.is_contiguous()
         if dense:  # (what _span says of a dense tensor, without its loop)
-            lo = src.storage_offset() * src.element_size()
-            hi = lo + src.numel() * src.element_size()
+            lo = int(src.storage_offset()) * src.element_size()
+            hi = lo + int(src.numel()) * src.element_size()
         else:
             lo, hi = _span(src)
         todev = self._devices.get(dst)
