@@ -768,7 +768,8 @@ class _ValueReplay(_Replay):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         i = self.i
         if i < self.limit and self.ops[i] is func and not INTERNAL.get():
-            self.settle(i)
+            if self.pending or i in self.saved_at:  # (most ops neither return nor follow a save)
+                self.settle(i)
             if i >= self.stop:
                 raise _Stop  # the op that saved the last dropped tensor has run: stop before the next one
             self.i = i + 1

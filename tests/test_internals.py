@@ -83,6 +83,29 @@ def test_detach_below_modes_skips_the_modes() -> None:
     assert d.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
 
 
+def test_no_dispatch_modes_pops_every_mode_and_is_free_without_one() -> None:
+    seen: list[Any] = []
+
+    class Seen(ti.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(3)
+    with Seen(), Seen():
+        with ti.no_dispatch_modes():
+            assert torch._C._len_torch_dispatch_stack() == 0
+            x.clone()
+        assert torch._C._len_torch_dispatch_stack() == 2
+        x.sin()
+    assert seen == [torch.ops.aten.sin.default] * 2  # the clone went below both modes
+    # nothing pushed: the shared no-op context (popping an empty stack costs microseconds a tensor)
+    assert ti.no_dispatch_modes() is ti.no_dispatch_modes()
+    with ti.no_dispatch_modes():
+        x.clone()
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
 def test_compile_helpers_work_on_this_torch() -> None:
     """The name annotation reaches the node AOTAutograd traces; compiled callables are recognised."""
     import torch.fx.traceback as fxt

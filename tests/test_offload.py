@@ -496,6 +496,41 @@ def test_autocast_casts_of_parameters_are_recomputed_not_offloaded() -> None:
     assert torch.equal(got, lin.weight.grad)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("engine", ["default", "copies-late"])
+def test_a_users_dispatch_mode_sees_the_functions_ops_not_the_offload_copies(engine: str) -> None:
+    """The engine pops the user's modes only when one is pushed (no_dispatch_modes): with one, remat's copies stay
+    below it, on the fast path's calls and on the first, recorded one, synchronous or not."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[Any] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    def f(v: torch.Tensor) -> torch.Tensor:
+        return (v.sin() @ v.t()).exp().sum()
+
+    g = remat(f, policy=policies.offload_to_cpu(min_bytes=0))
+    x = torch.randn(6, 6, dtype=torch.float64, requires_grad=True)
+    (want,) = torch.autograd.grad(f(x), x)
+    eng = OffloadEngine() if engine == "default" else _LateCopies()
+    for _ in range(3):  # the recorded call, then planned ones
+        with use_engine(eng), Seen() as mode:
+            out = g(x)
+        if isinstance(eng, _LateCopies):
+            eng.finish()
+        (got,) = torch.autograd.grad(out, x)
+        assert torch.equal(got, want)
+        ops = [op for op in mode.ops if op is not torch.ops.aten.detach.default]
+        assert ops == [torch.ops.aten.sin.default, torch.ops.aten.t.default, torch.ops.aten.mm.default,
+                       torch.ops.aten.exp.default, torch.ops.aten.sum.default], ops
+    assert eng.stats["copies"] >= 3 * 2, eng.stats  # sin's and exp's outputs, each call
+
+
 def test_offload_under_cuda_graph_capture_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     import remat._torch_internals as ti
 
