@@ -57,16 +57,23 @@ def checkpoint_name(x: T, name: str) -> T:
     if active_context() is None and INSPECTOR.get() is None and not NAMING.get():
         return x  # outside remat, and not listed by saved_residuals: nothing to tag
 
-    def tag(leaf: Any) -> Any:
-        if not isinstance(leaf, torch.Tensor):
-            return leaf
-        tok = PENDING_NAME.set(name)
-        try:
-            return torch.ops.aten.alias(leaf)
-        finally:
-            PENDING_NAME.reset(tok)
+    if isinstance(x, torch.Tensor):
+        return _tag(name, x)  # type: ignore[return-value]  # (one tensor, the common case: no tree to map)
+    return optree.tree_map(functools.partial(_tag, name), x, none_is_leaf=True)  # type: ignore[arg-type,return-value]
 
-    return optree.tree_map(tag, x, none_is_leaf=True)  # type: ignore[arg-type,return-value]
+
+def _tag(name: str, leaf: Any) -> Any:
+    """The name's ``aten.alias`` of a tensor leaf, seen by remat's dispatch mode with the name pending."""
+    if not isinstance(leaf, torch.Tensor):
+        return leaf
+    tok = PENDING_NAME.set(name)
+    try:
+        return _ALIAS(leaf)
+    finally:
+        PENDING_NAME.reset(tok)
+
+
+_ALIAS = torch.ops.aten.alias.default
 
 
 def _annotated_alias(name: str, leaf: Any) -> Any:

@@ -605,7 +605,7 @@ class OffloadEngine:
         # A whole storage is copied as src itself: the host copy is then of src's dtype, which fetch never
         # reads (only its storage, from offset 0)
         raw = src if whole else torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (nbytes,), (1,))
-        c.host = raw.to(dst, copy=True)
+        c.host = raw.clone() if device == dst else raw.to(dst, copy=True)  # (clone: fewer arguments to parse)
         self._copied(c)
         return c
 
