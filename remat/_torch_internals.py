@@ -254,9 +254,8 @@ class TorchDispatchMode(_TorchDispatchMode):
         return False
 
 
-from torch._ops import _len_torch_dispatch_stack_pre_dispatch as _len_pre_dispatch_stack  # noqa: E402
-
 _NO_MODES = contextlib.nullcontext()
+_PRE_DISPATCH = torch._C.DispatchKey.PreDispatch
 
 
 def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
@@ -264,8 +263,12 @@ def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
     inside torch.func.linearize) must not see them. No public API pops the mode stack.
 
     With no mode on either stack (the common case: an offload from a call on the fast path), nothing
-    to pop: popping and pushing back an empty stack costs about 15 us a tensor."""
-    if torch._C._len_torch_dispatch_stack() == 0 and _len_pre_dispatch_stack() == 0:
+    to pop: popping and pushing back an empty stack costs about 15 us a tensor. torch includes the
+    PreDispatch key in the thread's dispatch set while its pre-dispatch stack holds a mode (torch/_ops.py,
+    _set_mode_pre_dispatch), which is cheaper to ask than the stack's length (a Python count); with the
+    key included and no mode, the modes are popped as before."""
+    if torch._C._len_torch_dispatch_stack() == 0 and not torch._C._dispatch_tls_is_dispatch_key_included(
+            _PRE_DISPATCH):
         return _NO_MODES
     from torch.utils._python_dispatch import _disable_current_modes
 

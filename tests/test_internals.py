@@ -106,6 +106,30 @@ def test_no_dispatch_modes_pops_every_mode_and_is_free_without_one() -> None:
     assert torch._C._len_torch_dispatch_stack() == 0
 
 
+def test_no_dispatch_modes_pops_a_pre_dispatch_mode() -> None:
+    """A mode on torch's pre-dispatch stack (export's tracer) is popped too: the cheap test for one is the
+    PreDispatch key, which torch includes while that stack holds a mode."""
+    from torch._ops import _len_torch_dispatch_stack_pre_dispatch, _pop_mode_from_pre_dispatch, _set_mode_pre_dispatch
+    from torch._subclasses.schema_check_mode import SchemaCheckMode
+
+    key = torch._C.DispatchKey.PreDispatch
+    assert not torch._C._dispatch_tls_is_dispatch_key_included(key)
+    mode = SchemaCheckMode()
+    mode._dispatch_key = key  # (so that torch pushes it back on the pre-dispatch stack, not the other)
+    _set_mode_pre_dispatch(mode)
+    try:
+        assert torch._C._dispatch_tls_is_dispatch_key_included(key)
+        ctx = ti.no_dispatch_modes()
+        assert ctx is not ti.no_dispatch_modes()  # not the shared no-op: this one pops
+        with ctx:
+            assert _len_torch_dispatch_stack_pre_dispatch() == 0
+        assert _len_torch_dispatch_stack_pre_dispatch() == 1
+    finally:
+        _pop_mode_from_pre_dispatch()
+    assert not torch._C._dispatch_tls_is_dispatch_key_included(key)
+    assert ti.no_dispatch_modes() is ti.no_dispatch_modes()
+
+
 def test_compile_helpers_work_on_this_torch() -> None:
     """The name annotation reaches the node AOTAutograd traces; compiled callables are recognised."""
     import torch.fx.traceback as fxt
