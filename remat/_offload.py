@@ -463,7 +463,9 @@ class OffloadEngine:
         self._next_cid = 0
         self._devices: dict[str, torch.device] = {}
         self._device_types: dict[str, str] = {}
-        self._last_group: tuple[weakref.ref[Any], _Group] | None = None
+        # the group looked up last, by weak references: a strong one would keep a finished call's group in _order,
+        # taking one of keep_last's places and the place of the call the backward pass reaches next (NOTE [prefetch])
+        self._last_group: tuple[weakref.ref[Any], weakref.ref[_Group]] | None = None
         self.stats: collections.Counter[str] = collections.Counter()
 
     # ---- forward ---------------------------------------------------------------
@@ -533,8 +535,10 @@ class OffloadEngine:
         version = src._version
         copy = None if grp is None else self._shared_copy(grp, storage, key, version)
         if copy is None:
-            # src is exactly its storage's bytes, in order: a synchronous copy can take it as it is
-            copy = self._copy_out(src, storage, todev, grp, 0, total, whole=dense and lo == 0 and hi == total)
+            # src is exactly its storage's bytes, in order: a synchronous copy can take it as it is. Not a bool:
+            # its copy writes 1 for every nonzero byte, and a view of another dtype may share the copy
+            whole = dense and lo == 0 and hi == total and src.dtype is not torch.bool
+            copy = self._copy_out(src, storage, todev, grp, 0, total, whole=whole)
             if grp is not None:
                 grp.copies.append(weakref.ref(copy))
                 grp.by_storage[key] = (weakref.ref(storage), version, weakref.ref(copy))
@@ -548,17 +552,17 @@ class OffloadEngine:
             return None
         last = self._last_group
         if last is not None and last[0]() is key:  # (the call offloading now, most often)
-            return last[1]
+            return last[1]()  # (alive while its key is: the key's entry holds it)
         grp = self._groups.get(key)
         if grp is not None:
-            self._last_group = (weakref.ref(key), grp)
+            self._last_group = (weakref.ref(key), weakref.ref(grp))
         else:
             grp = self._groups[key] = _Group(self._next_gid)
             self._next_gid += 1
             self._order = [r for r in self._order if r() is not None]
             self._order.append(weakref.ref(grp))
             self._flush_older()
-            self._last_group = (weakref.ref(key), grp)
+            self._last_group = (weakref.ref(key), weakref.ref(grp))
         return grp
 
     def storage_written(self, group: Any, keys: set[int]) -> None:

@@ -6,6 +6,7 @@ import gc
 import pathlib
 import re
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -531,6 +532,34 @@ def test_a_users_dispatch_mode_sees_the_functions_ops_not_the_offload_copies(eng
     assert eng.stats["copies"] >= 3 * 2, eng.stats  # sin's and exp's outputs, each call
 
 
+def _bool_view_then_float(x: torch.Tensor) -> torch.Tensor:
+    a = x * 3.0
+    m = a.view(torch.bool)  # a's bytes as bools: dense, the whole storage
+    b = torch.where(m, x.repeat_interleave(8), 0.0)  # saves m first
+    return b.sum() + a.sin().sum()  # sin saves a: same storage and version, shares m's copy
+
+
+def _uint8_weights_through_a_bool_view(x: torch.Tensor) -> torch.Tensor:
+    w8 = (x.detach().abs() * 50 + 2).to(torch.uint8)  # bytes 2..255
+    y = torch.where(w8.view(torch.bool), x, 0.0)  # saves the bool view first
+    return (y + x * w8).sum()  # mul saves w8: shares the bool view's copy
+
+
+@pytest.mark.parametrize("f", [_bool_view_then_float, _uint8_weights_through_a_bool_view])
+def test_a_bool_view_shares_its_storages_copy_byte_exact(f: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """A synchronous copy of a tensor that is its whole storage copies the tensor itself, but not a bool: its copy
+    writes 1 for every nonzero byte, and the tensor of another dtype saved next shares the copy (found by review:
+    a wrong gradient on every call after the first)."""
+    x = torch.randn(64, dtype=torch.float64, requires_grad=True)
+    (want,) = torch.autograd.grad(f(x), x)
+    g = remat(f, policy=policies.offload_to_cpu(min_bytes=0))
+    with use_engine(OffloadEngine()) as eng:
+        for _ in range(3):  # the recorded call, then the fast path's
+            (got,) = torch.autograd.grad(g(x), x)
+            assert torch.equal(got, want)
+    assert eng.stats["shared"] >= 3, eng.stats  # the two tensors shared one copy
+
+
 def test_offload_under_cuda_graph_capture_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     import remat._torch_internals as ti
 
@@ -632,6 +661,19 @@ def _keeping_engine(keep_last: int = 1) -> OffloadEngine:
     eng = OffloadEngine(trace=True, keep_last=keep_last)
     eng._keep_devices = frozenset({"cpu"})  # what CUDA does (NOTE [keep last]), on the CPU
     return eng
+
+
+def test_a_finished_calls_group_is_let_go() -> None:
+    """The engine's cache of the group looked up last holds it weakly: a finished call's group would otherwise stay
+    among the groups it keeps on the device (keep_last) and prefetches next (found by review)."""
+    eng = _keeping_engine(keep_last=2)
+    f = remat(lambda v: v.sin().exp().sum(), policy=policies.offload_to_cpu(min_bytes=0))
+    x = torch.randn(32, requires_grad=True)
+    with use_engine(eng):
+        for _ in range(3):
+            f(x).backward()
+    gc.collect()
+    assert eng.stats["kept_on_device"] > 0 and [r() for r in eng._order if r() is not None] == []
 
 
 def test_last_call_stays_on_the_device_older_calls_are_copied() -> None:
