@@ -663,6 +663,53 @@ def _keeping_engine(keep_last: int = 1) -> OffloadEngine:
     return eng
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).to(torch.uint8) if t.dtype is torch.bool else t.reshape(-1).contiguous().view(torch.uint8)
+
+
+def test_engine_gives_every_view_of_a_shared_storage_back_byte_exact() -> None:
+    """Fuzz of the engine alone: views of one storage (dtypes of every size, bools among them; whole, 2-d, slices,
+    transposes, steps, odd strides of size-1 dims) offloaded in one call, with and without keeping on the device
+    and prefetching, come back with the bytes and strides they had (found by review: the bool case)."""
+    import random
+
+    rng = random.Random(1)
+    dtypes = [torch.float64, torch.float32, torch.float16, torch.int64, torch.int8, torch.uint8, torch.complex64,
+              torch.bool]
+    for _ in range(400):
+        keep = rng.random() < 0.3
+        eng = OffloadEngine(keep_last=1 if keep else 0, prefetch=rng.random() < 0.5, pin_memory=False)
+        if keep:
+            eng._keep_devices = frozenset({"cpu"})
+        call = type("Call", (), {})()  # what groups one call's copies (remat passes its frame)
+        nbytes = rng.choice([64, 128, 256])
+        base = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+        views = []
+        for _ in range(rng.randint(1, 4)):
+            dt = rng.choice(dtypes)
+            n = nbytes // torch.empty(0, dtype=dt).element_size()
+            v = base.view(dt)
+            kind = rng.choice(["whole", "2d", "slice", "t", "step", "size1"])
+            if kind == "2d":
+                v = v.view(4, n // 4)
+            elif kind == "slice":
+                a = rng.randint(0, n - 1)
+                v = v[a:rng.randint(a + 1, n)]
+            elif kind == "t":
+                v = v.view(4, n // 4).t()
+            elif kind == "step":
+                v = v[::2]
+            elif kind == "size1":
+                v = v.view(1, n).as_strided((1, n), (999, 1))
+            views.append(v)
+        before = base.clone()
+        handles = [(eng.offload(v, "cpu", group=call), torch.empty(0, dtype=v.dtype).set_(
+            before.untyped_storage(), v.storage_offset(), v.shape, v.stride())) for v in views]
+        for h, want in handles:
+            got = eng.fetch(h)
+            assert got.stride() == want.stride() and torch.equal(_bytes(got), _bytes(want)), (views, want.dtype)
+
+
 def test_a_finished_calls_group_is_let_go() -> None:
     """The engine's cache of the group looked up last holds it weakly: a finished call's group would otherwise stay
     among the groups it keeps on the device (keep_last) and prefetches next (found by review)."""
