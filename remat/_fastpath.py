@@ -114,7 +114,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from . import _torch_internals as ti
 from ._ambient import AmbientState
-from ._context import INSPECTOR, INTERNAL, active_context, internal, naming
+from ._context import INSPECTOR, INTERNAL, TAGGER, active_context, internal, naming
 from ._dispatch import LIFTS, OpRecord, dead_value, ignored, storage_key, tensor_leaves, traits
 from ._errors import RematError, input_written_before_backward, input_written_in_forward, saved_shape_differs
 from ._offload import Offloaded
@@ -646,8 +646,19 @@ def _version_of(v: Any) -> int | None:
     return v._version if isinstance(v, torch.Tensor) else None
 
 
+_ALIAS = torch.ops.aten.alias.default
+
+
 class _Tap(TorchDispatchMode):
-    """A planned call's forward pass: count the ops, check each is the plan's, hold the planned outputs."""
+    """A planned call's forward pass: count the ops, check each is the plan's, hold the planned outputs.
+
+    NOTE [tags below the mode]: a ``checkpoint_name`` tag is an ``aten.alias`` (the recorded call learns the name from
+    it), one more op through this mode and the dearest per op of a names policy's forward pass: about 30 us a tag, a
+    mode's trip being most of it. While this mode is the innermost one, ``checkpoint_name`` runs the alias below the
+    Python modes (autograd sees it as usual) and reports it here (``tag``), which counts and checks it as the handler
+    would. With another mode on the stack (the user's, around the call or pushed inside it), the tag goes through the
+    modes as before: they see the alias on every call.
+    """
 
     def __init__(self, frame: FastFrame) -> None:
         super().__init__()
@@ -657,8 +668,31 @@ class _Tap(TorchDispatchMode):
         self.limit = frame.limit
         self.i = 0
 
+    def __enter__(self) -> _Tap:
+        super().__enter__()
+        self._tagging = TAGGER.set(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        TAGGER.reset(self._tagging)
+        super().__exit__(*exc)
+
+    def tag(self, t: torch.Tensor) -> torch.Tensor | None:
+        """A tag's alias, run below the modes and counted as this mode's handler would count it; None if another mode
+        is on the stack (it must see the op) or ``t`` is not a plain tensor."""
+        if torch._C._len_torch_dispatch_stack() != 1:
+            return None
+        out = ti.alias_below_modes(t)
+        if out is not None:
+            self._seen(_ALIAS, out)
+        return out
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **kwargs) if kwargs else func(*args)
+        self._seen(func, out)
+        return out
+
+    def _seen(self, func: Any, out: Any) -> None:
         i = self.i
         if i < self.limit and self.ops[i] is func and not INTERNAL.get():
             self.i = i + 1
@@ -670,7 +704,6 @@ class _Tap(TorchDispatchMode):
             self.i = i + 1
             self.limit = self.frame.limit = min(self.limit, i)
             self.frame.diverged = True
-        return out
 
 
 class _Replay(TorchDispatchMode):

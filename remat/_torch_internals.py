@@ -305,6 +305,16 @@ def detach_below_modes(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
+# The same guard for a checkpoint_name tag on a planned call (NOTE [tags below the mode] in _fastpath.py): the alias
+# runs through autograd as usual (a view, its backward node) but past the Python dispatch modes, whose only one is
+# then remat's op counter, told of it directly. Plain tensors only (None: the caller dispatches it as usual).
+def alias_below_modes(t: torch.Tensor) -> torch.Tensor | None:
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        with torch._C._DisableTorchDispatch():
+            return torch.ops.aten.alias.default(t)  # type: ignore[no-any-return]
+    return None
+
+
 # --- torch.compile (NOTE [compiled remat] in _compile.py) ---------------------------------------------------
 # Under torch.compile, a policy sees the ATen ops of a traced region through torch's selective-checkpoint
 # policy hook, called while AOTAutograd traces the region with fake tensors. A checkpoint_name there is an

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from remat import RematError, checkpoint_name, policies, remat, remat_module
 from remat.bench.measure import live_bytes_after
@@ -472,6 +472,64 @@ def test_planned_calls_hold_what_the_recorded_call_held(name):
         loss.backward()
     _, plain = live_bytes_after(lambda: mlp(W1, W2, x).sum())
     assert held[0] == held[1] == held[2] < plain, (held, plain)
+
+
+class _SeenOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("where", ["around", "inside"])
+def test_a_users_mode_sees_every_calls_tags(where):
+    """NOTE [tags below the mode]: a tag's alias skips the modes only when remat's counter is the one mode; a mode of
+    the user's, around the call or pushed inside the function, sees it on the recorded and the planned calls."""
+    W1, W2, x = leaf(8, 8), leaf(8, 8, seed=1), leaf(4, 8, seed=2)
+    mode = _SeenOps()
+
+    def f(W1, W2, x):
+        if where == "inside":
+            with mode:
+                return mlp(W1, W2, x)
+        return mlp(W1, W2, x)
+
+    ref = grads(mlp, (W1, W2, x), (W1, W2, x))
+    g = remat(f, policy=POLICIES["names"])
+    for _ in range(3):
+        mode.ops.clear()
+        if where == "around":
+            with mode:
+                out = g(W1, W2, x)
+        else:
+            out = g(W1, W2, x)
+        assert mode.ops.count(torch.ops.aten.alias.default) == 1, mode.ops
+        assert_tree_close(torch.autograd.grad(out.sum(), (W1, W2, x)), ref)
+    assert g._plans and all(p is not None for p in g._plans.values())
+
+
+def test_a_tag_the_plan_does_not_have_ends_the_plan_exact():
+    """A tag below the mode is checked against the plan as the mode checks an op: one the recorded call did not have
+    (a data-dependent branch) ends the plan; the gradients stay exact."""
+    extra = {"on": False}
+
+    def f(W1, W2, x):
+        h = torch.tanh(x @ W1)
+        if extra["on"]:
+            h = checkpoint_name(h, "other")
+        h = checkpoint_name(torch.sin(h) @ W2, "mid")
+        return torch.tanh(h @ W1.t()) * 0.5
+
+    W1, W2, x = leaf(8, 8), leaf(8, 8, seed=1), leaf(4, 8, seed=2)
+    g = remat(f, policy=policies.save_only_these_names("mid", "other"))
+    for on in (False, False, True, True):
+        extra["on"] = on
+        ref = grads(f, (W1, W2, x), (W1, W2, x))
+        assert_tree_close(grads(g, (W1, W2, x), (W1, W2, x)), ref)
+    assert all(p is None for p in g._plans.values())  # refused on leaving it
 
 
 def test_planned_call_with_dropout_replays_random_numbers():
