@@ -656,8 +656,10 @@ class _Tap(TorchDispatchMode):
     it), one more op through this mode and the dearest per op of a names policy's forward pass: about 30 us a tag, a
     mode's trip being most of it. While this mode is the innermost one, ``checkpoint_name`` runs the alias below the
     Python modes (autograd sees it as usual) and reports it here (``tag``), which counts and checks it as the handler
-    would. With another mode on the stack (the user's, around the call or pushed inside it), the tag goes through the
-    modes as before: they see the alias on every call.
+    would. The tag goes through the modes as in the recorded call wherever they would see more than its alias, or
+    other modes would see it: with another mode on the stack (the user's, around the call or pushed inside it; or
+    none, in a thread that copied the call's context), under a torch.func level (a wrapper's ops) or a forward-AD
+    level (a tangent's alias). Held under the guard too: the detach that holds a tagged value is no op of the user's.
     """
 
     def __init__(self, frame: FastFrame) -> None:
@@ -678,12 +680,15 @@ class _Tap(TorchDispatchMode):
         super().__exit__(*exc)
 
     def tag(self, t: torch.Tensor) -> torch.Tensor | None:
-        """A tag's alias, run below the modes and counted as this mode's handler would count it; None if another mode
-        is on the stack (it must see the op) or ``t`` is not a plain tensor."""
-        if torch._C._len_torch_dispatch_stack() != 1:
+        """A tag's alias, run below the modes and counted as this mode's handler would count it. None (the alias goes
+        through the modes, as in the recorded call) unless this mode is the one on this thread's stack, ``t`` is a
+        plain tensor, and no torch.func level or forward-AD level is open (their wrappers' and tangents' ops go
+        through the modes too: the count would differ from the recorded call's)."""
+        if (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter) or ti.sole_dispatch_mode() is not self \
+                or ti.peek_interpreter() is not None or ti.forward_ad_active():
             return None
-        out = ti.alias_below_modes(t)
-        if out is not None:
+        with ti.below_python_modes():
+            out: torch.Tensor = _ALIAS(t)
             self._seen(_ALIAS, out)
         return out
 

@@ -532,6 +532,71 @@ def test_a_tag_the_plan_does_not_have_ends_the_plan_exact():
     assert all(p is None for p in g._plans.values())  # refused on leaving it
 
 
+def _tagged_twice(W1, W2, x):
+    a = torch.tanh(x @ W1)
+    h1, h2 = checkpoint_name(a, "mid"), checkpoint_name(a, "mid")  # the second alias's input is held: a detach
+    return (h1.sin() @ W2 * h2).cos()
+
+
+def _tags_under_vmap(W1, W2, x):
+    def row(r):
+        return checkpoint_name(checkpoint_name(torch.tanh(r @ W1), "mid"), "other").sin() @ W2
+
+    return torch.vmap(row)(x).cos()
+
+
+def _tags_under_forward_ad(W1, W2, x):
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        h = checkpoint_name(torch.tanh(fwAD.make_dual(x, torch.ones_like(x)) @ W1), "mid")
+        p, t = fwAD.unpack_dual(h.sin() @ W2)
+    return p * t
+
+
+def _tags_in_a_thread_with_a_mode(W1, W2, x):
+    import contextvars
+    import threading
+
+    a = torch.tanh(x @ W1)
+    ctx, side = contextvars.copy_context(), _SeenOps()
+
+    def work():  # the call's context copied into a thread (as asyncio.to_thread does), a mode of its own there
+        with side:
+            checkpoint_name(a * 2, "other")
+
+    th = threading.Thread(target=ctx.run, args=(work,))
+    th.start()
+    th.join()
+    _THREADS_SAW.append(side.ops.count(torch.ops.aten.alias.default))
+    return (checkpoint_name(a, "mid").sin() @ W2).cos()
+
+
+_THREADS_SAW: list[int] = []
+
+
+@pytest.mark.parametrize("f", [_tagged_twice, _tags_under_vmap, _tags_under_forward_ad, _tags_in_a_thread_with_a_mode],
+                         ids=["twice", "vmap", "forward-ad", "thread"])
+@pytest.mark.parametrize("policy", [policies.save_only_these_names("mid", "other"),
+                                    policies.save_from_both_policies(policies.dots_saveable,
+                                                                     policies.save_only_these_names("mid"))],
+                         ids=["names", "dots+names"])
+def test_tags_below_the_mode_only_where_the_count_is_the_recorded_calls(f, policy):
+    """NOTE [tags below the mode], found by review: a held tag's detach must not reach the counter; under a torch.func
+    or forward-AD level, wrappers and tangents run ops the counter must see; another thread's stack is its own. Each
+    keeps the plan and the gradients (a vmap inside the function raised on the planned call)."""
+    W1, W2, x = leaf(6, 6), leaf(6, 6, seed=1), leaf(3, 6, seed=2)
+    ref = grads(f, (W1, W2, x), (W1, W2, x))
+    _THREADS_SAW.clear()  # (plain f tags nothing)
+    g = remat(f, policy=policy)
+    for _ in range(3):
+        assert_tree_close(grads(g, (W1, W2, x), (W1, W2, x)), ref)
+    if f is _tags_in_a_thread_with_a_mode:  # the thread's mode saw its tag in every forward pass and recompute
+        assert _THREADS_SAW == [1] * 6, _THREADS_SAW
+    if isinstance(policy, policies.save_only_these_names):  # (dots with names under vmap: never planned)
+        assert g._plans and all(p is not None for p in g._plans.values())
+
+
 def test_planned_call_with_dropout_replays_random_numbers():
     def f(W, x):
         h = F.dropout(x @ W, 0.5, training=True)
