@@ -16,10 +16,6 @@ other's.
   carries a name.
 * :data:`NAMING`: ``checkpoint_name`` tags even though no context is active (the
   planned fast path, whose op sequence must match the recorded call's).
-* :data:`TAGGER`: the planned forward pass's op counter, which a ``checkpoint_name``
-  tag reports its alias to instead of dispatching it through the mode (NOTE [tags
-  below the mode] in ``_fastpath.py``); its ``tag(tensor)`` returns the alias, or
-  None when the alias must go through the modes.
 * :data:`INSPECTOR`: the observer of a running ``saved_residuals`` (``_inspect.py``);
   the engine calls its ``on_save(tensor, decision, frame)`` and knows nothing else of it.
 """
@@ -31,13 +27,11 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["INTERNAL", "PENDING_NAME", "NAMING", "TAGGER", "INSPECTOR", "COMPILED_REGIONS", "internal", "naming",
-           "active_context", "activated"]
+__all__ = ["INTERNAL", "PENDING_NAME", "NAMING", "INSPECTOR", "COMPILED_REGIONS", "internal", "naming", "active_context", "activated"]
 
 INTERNAL: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_internal", default=False)
 PENDING_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("remat_name", default=None)
 NAMING: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_naming", default=False)
-TAGGER: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_tagger", default=None)
 INSPECTOR: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_inspector", default=None)
 # How many remat calls Dynamo is tracing into torch's checkpoint region right now (NOTE [compiled remat] in
 # _compile.py): checkpoint_name tags only inside one. A list, not a ContextVar: Dynamo traces a list's

@@ -114,7 +114,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from . import _torch_internals as ti
 from ._ambient import AmbientState
-from ._context import INSPECTOR, INTERNAL, TAGGER, active_context, internal, naming
+from ._context import INSPECTOR, INTERNAL, active_context, internal, naming
 from ._dispatch import LIFTS, OpRecord, dead_value, ignored, storage_key, tensor_leaves, traits
 from ._errors import RematError, input_written_before_backward, input_written_in_forward, saved_shape_differs
 from ._offload import Offloaded
@@ -646,21 +646,8 @@ def _version_of(v: Any) -> int | None:
     return v._version if isinstance(v, torch.Tensor) else None
 
 
-_ALIAS = torch.ops.aten.alias.default
-
-
 class _Tap(TorchDispatchMode):
-    """A planned call's forward pass: count the ops, check each is the plan's, hold the planned outputs.
-
-    NOTE [tags below the mode]: a ``checkpoint_name`` tag is an ``aten.alias`` (the recorded call learns the name from
-    it), one more op through this mode and the dearest per op of a names policy's forward pass: about 30 us a tag, a
-    mode's trip being most of it. While this mode is the innermost one, ``checkpoint_name`` runs the alias below the
-    Python modes (autograd sees it as usual) and reports it here (``tag``), which counts and checks it as the handler
-    would. The tag goes through the modes as in the recorded call wherever they would see more than its alias, or
-    other modes would see it: with another mode on the stack (the user's, around the call or pushed inside it; or
-    none, in a thread that copied the call's context), under a torch.func level (a wrapper's ops) or a forward-AD
-    level (a tangent's alias). Held under the guard too: the detach that holds a tagged value is no op of the user's.
-    """
+    """A planned call's forward pass: count the ops, check each is the plan's, hold the planned outputs."""
 
     def __init__(self, frame: FastFrame) -> None:
         super().__init__()
@@ -670,34 +657,8 @@ class _Tap(TorchDispatchMode):
         self.limit = frame.limit
         self.i = 0
 
-    def __enter__(self) -> _Tap:
-        super().__enter__()
-        self._tagging = TAGGER.set(self)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        TAGGER.reset(self._tagging)
-        super().__exit__(*exc)
-
-    def tag(self, t: torch.Tensor) -> torch.Tensor | None:
-        """A tag's alias, run below the modes and counted as this mode's handler would count it. None (the alias goes
-        through the modes, as in the recorded call) unless this mode is the one on this thread's stack, ``t`` is a
-        plain tensor, and no torch.func level or forward-AD level is open (their wrappers' and tangents' ops go
-        through the modes too: the count would differ from the recorded call's)."""
-        if (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter) or ti.sole_dispatch_mode() is not self \
-                or ti.peek_interpreter() is not None or ti.forward_ad_active():
-            return None
-        with ti.below_python_modes():
-            out: torch.Tensor = _ALIAS(t)
-            self._seen(_ALIAS, out)
-        return out
-
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **kwargs) if kwargs else func(*args)
-        self._seen(func, out)
-        return out
-
-    def _seen(self, func: Any, out: Any) -> None:
         i = self.i
         if i < self.limit and self.ops[i] is func and not INTERNAL.get():
             self.i = i + 1
@@ -709,6 +670,7 @@ class _Tap(TorchDispatchMode):
             self.i = i + 1
             self.limit = self.frame.limit = min(self.limit, i)
             self.frame.diverged = True
+        return out
 
 
 class _Replay(TorchDispatchMode):

@@ -9,7 +9,7 @@ import optree
 import torch
 
 from . import _torch_internals as ti
-from ._context import COMPILED_REGIONS, INSPECTOR, NAMING, PENDING_NAME, TAGGER, active_context
+from ._context import COMPILED_REGIONS, INSPECTOR, NAMING, PENDING_NAME, active_context
 
 __all__ = ["checkpoint_name"]
 
@@ -66,11 +66,6 @@ def _tag(name: str, leaf: Any) -> Any:
     """The name's ``aten.alias`` of a tensor leaf, seen by remat's dispatch mode with the name pending."""
     if not isinstance(leaf, torch.Tensor):
         return leaf
-    tagger = TAGGER.get()
-    if tagger is not None:  # a planned call's forward pass: its counter takes the alias as the op it is
-        out = tagger.tag(leaf)
-        if out is not None:
-            return out
     tok = PENDING_NAME.set(name)
     try:
         return _ALIAS(leaf)

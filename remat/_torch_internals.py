@@ -305,28 +305,6 @@ def detach_below_modes(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
-# The same guard for a checkpoint_name tag on a planned call (NOTE [tags below the mode] in _fastpath.py): the alias
-# runs through autograd as usual (a view, its backward node) but past the Python dispatch modes, and remat's op counter,
-# the one mode on the stack, is told of it directly (and holds it under the guard too: no mode sees its detach).
-def below_python_modes() -> contextlib.AbstractContextManager[Any]:
-    return torch._C._DisableTorchDispatch()  # type: ignore[no-any-return]
-
-
-def sole_dispatch_mode() -> Any:
-    """The one mode on this thread's dispatch stack; None if there are none or several."""
-    if torch._C._len_torch_dispatch_stack() != 1:
-        return None
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    return _get_current_dispatch_mode()
-
-
-def forward_ad_active() -> bool:
-    """Whether a forward-AD level is open (torch.autograd.forward_ad.dual_level): a tangent's ops go through the
-    dispatch modes too. No public API says so."""
-    return bool(torch.autograd.forward_ad._current_level >= 0)
-
-
 # --- torch.compile (NOTE [compiled remat] in _compile.py) ---------------------------------------------------
 # Under torch.compile, a policy sees the ATen ops of a traced region through torch's selective-checkpoint
 # policy hook, called while AOTAutograd traces the region with fake tensors. A checkpoint_name there is an

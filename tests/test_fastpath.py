@@ -486,8 +486,8 @@ class _SeenOps(TorchDispatchMode):
 
 @pytest.mark.parametrize("where", ["around", "inside"])
 def test_a_users_mode_sees_every_calls_tags(where):
-    """NOTE [tags below the mode]: a tag's alias skips the modes only when remat's counter is the one mode; a mode of
-    the user's, around the call or pushed inside the function, sees it on the recorded and the planned calls."""
+    """A mode of the user's, around the call or pushed inside the function, sees a tag's alias on the recorded and
+    the planned calls alike; the plan holds."""
     W1, W2, x = leaf(8, 8), leaf(8, 8, seed=1), leaf(4, 8, seed=2)
     mode = _SeenOps()
 
@@ -512,8 +512,8 @@ def test_a_users_mode_sees_every_calls_tags(where):
 
 
 def test_a_tag_the_plan_does_not_have_ends_the_plan_exact():
-    """A tag below the mode is checked against the plan as the mode checks an op: one the recorded call did not have
-    (a data-dependent branch) ends the plan; the gradients stay exact."""
+    """A tag is checked against the plan as any op is: one the recorded call did not have (a data-dependent branch)
+    ends the plan; the gradients stay exact."""
     extra = {"on": False}
 
     def f(W1, W2, x):
@@ -581,10 +581,11 @@ _THREADS_SAW: list[int] = []
                                     policies.save_from_both_policies(policies.dots_saveable,
                                                                      policies.save_only_these_names("mid"))],
                          ids=["names", "dots+names"])
-def test_tags_below_the_mode_only_where_the_count_is_the_recorded_calls(f, policy):
-    """NOTE [tags below the mode], found by review: a held tag's detach must not reach the counter; under a torch.func
-    or forward-AD level, wrappers and tangents run ops the counter must see; another thread's stack is its own. Each
-    keeps the plan and the gradients (a vmap inside the function raised on the planned call)."""
+def test_tags_in_odd_places_keep_the_plan_and_the_gradients(f, policy):
+    """Tags a planned call must count as the recorded call did (from a review of a change that took tags below the
+    dispatch mode, measured no faster and not kept: docs/benchmarks.md): the same tensor tagged twice (a held tag's
+    detach), tags under a torch.func level or a forward-AD level (wrappers' and tangents' ops), a tag in a thread
+    that copied the call's context under a mode of its own (which sees it)."""
     W1, W2, x = leaf(6, 6), leaf(6, 6, seed=1), leaf(3, 6, seed=2)
     ref = grads(f, (W1, W2, x), (W1, W2, x))
     _THREADS_SAW.clear()  # (plain f tags nothing)

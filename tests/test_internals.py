@@ -130,33 +130,6 @@ def test_no_dispatch_modes_pops_a_pre_dispatch_mode() -> None:
     assert ti.no_dispatch_modes() is ti.no_dispatch_modes()
 
 
-def test_the_tag_helpers_work_on_this_torch() -> None:
-    """What NOTE [tags below the mode] asks of torch: the one mode on the stack, an open forward-AD level, ops run
-    past the Python modes (autograd still records them)."""
-    import torch.autograd.forward_ad as fwAD
-
-    seen: list[Any] = []
-
-    class Seen(ti.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            seen.append(func)
-            return func(*args, **(kwargs or {}))
-
-    assert ti.sole_dispatch_mode() is None
-    x = torch.ones(3, requires_grad=True) * 2
-    with Seen() as outer:
-        assert ti.sole_dispatch_mode() is outer
-        with ti.below_python_modes():
-            y = torch.ops.aten.alias.default(x)
-        with Seen():
-            assert ti.sole_dispatch_mode() is None  # two on the stack
-    assert seen == [] and y.grad_fn is not None and y._base is x
-    assert not ti.forward_ad_active()
-    with fwAD.dual_level():
-        assert ti.forward_ad_active()
-    assert not ti.forward_ad_active()
-
-
 def test_compile_helpers_work_on_this_torch() -> None:
     """The name annotation reaches the node AOTAutograd traces; compiled callables are recognised."""
     import torch.fx.traceback as fxt
