@@ -67,6 +67,18 @@ class Counted:
         return self.fn(*args, **kwargs)
 
 
+class OpLog(TorchDispatchMode):
+    """Every ATen op seen from outside the library, in order (``ops``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[Any] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
 class OpCounter(TorchDispatchMode):
     """Count ATen ops from outside the library (e.g. matmuls run during a backward pass)."""
 

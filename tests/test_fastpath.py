@@ -17,12 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from remat import RematError, checkpoint_name, policies, remat, remat_module
 from remat.bench.measure import live_bytes_after
 
-from .helpers import OpCounter, assert_tree_close
+from .helpers import OpCounter, OpLog, assert_tree_close
 
 f64, f32 = torch.float64, torch.float32
 
@@ -474,22 +474,12 @@ def test_planned_calls_hold_what_the_recorded_call_held(name):
     assert held[0] == held[1] == held[2] < plain, (held, plain)
 
 
-class _SeenOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("where", ["around", "inside"])
 def test_a_users_mode_sees_every_calls_tags(where):
     """A mode of the user's, around the call or pushed inside the function, sees a tag's alias on the recorded and
     the planned calls alike; the plan holds."""
     W1, W2, x = leaf(8, 8), leaf(8, 8, seed=1), leaf(4, 8, seed=2)
-    mode = _SeenOps()
+    mode = OpLog()
 
     def f(W1, W2, x):
         if where == "inside":
@@ -559,7 +549,7 @@ def _tags_in_a_thread_with_a_mode(W1, W2, x):
     import threading
 
     a = torch.tanh(x @ W1)
-    ctx, side = contextvars.copy_context(), _SeenOps()
+    ctx, side = contextvars.copy_context(), OpLog()
 
     def work():  # the call's context copied into a thread (as asyncio.to_thread does), a mode of its own there
         with side:

@@ -20,7 +20,7 @@ from remat.bench.models import make_model
 from remat.offload import OffloadEngine, use_engine
 from remat.policies import Offloadable, Recompute, Saveable
 
-from .helpers import MATMUL_OPS, Counted, OpCounter, assert_tree_close, leaves, requires_grad_tree
+from .helpers import MATMUL_OPS, Counted, OpCounter, OpLog, assert_tree_close, leaves, requires_grad_tree
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 aten = torch.ops.aten
@@ -501,17 +501,6 @@ def test_autocast_casts_of_parameters_are_recomputed_not_offloaded() -> None:
 def test_a_users_dispatch_mode_sees_the_functions_ops_not_the_offload_copies(engine: str) -> None:
     """The engine pops the user's modes only when one is pushed (no_dispatch_modes): with one, remat's copies stay
     below it, on the fast path's calls and on the first, recorded one, synchronous or not."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Seen(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[Any] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.ops.append(func)
-            return func(*args, **(kwargs or {}))
-
     def f(v: torch.Tensor) -> torch.Tensor:
         return (v.sin() @ v.t()).exp().sum()
 
@@ -520,7 +509,7 @@ def test_a_users_dispatch_mode_sees_the_functions_ops_not_the_offload_copies(eng
     (want,) = torch.autograd.grad(f(x), x)
     eng = OffloadEngine() if engine == "default" else _LateCopies()
     for _ in range(3):  # the recorded call, then planned ones
-        with use_engine(eng), Seen() as mode:
+        with use_engine(eng), OpLog() as mode:
             out = g(x)
         if isinstance(eng, _LateCopies):
             eng.finish()
