@@ -461,24 +461,15 @@ class OffloadEngine:
         self._order: list[weakref.ref[_Group]] = []  # groups in the order they first offloaded
         self._next_gid = 0
         self._next_cid = 0
-        self._devices: dict[str, torch.device] = {}
-        self._device_types: dict[str, str] = {}
-        # the group looked up last, by weak references: a strong one would keep a finished call's group in _order,
-        # taking one of keep_last's places and the place of the call the backward pass reaches next (NOTE [prefetch])
-        self._last_group: tuple[weakref.ref[Any], weakref.ref[_Group]] | None = None
+        self._devices: dict[str, torch.device] = {}  # (a policy's device strings, parsed once)
         self.stats: collections.Counter[str] = collections.Counter()
 
     # ---- forward ---------------------------------------------------------------
     def applies(self, t: torch.Tensor, decision: Any) -> bool:
         """Whether ``decision`` (an Offloadable) moves ``t``: right source device, plain strided (no conjugate or
         negative bit, not quantized or nested), large enough."""
-        src = decision.src
-        if src is not None:
-            kind = self._device_types.get(src)
-            if kind is None:
-                kind = self._device_types[src] = torch.device(src).type
-            if kind != t.device.type:
-                return False
+        if decision.src is not None and self._device(decision.src).type != t.device.type:
+            return False
         if (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter) or t.layout is not torch.strided \
                 or t.is_meta:
             return False
@@ -504,6 +495,12 @@ class OffloadEngine:
         with _ti.no_dispatch_modes(), self._lock:
             return self._offload(t, dst, group)
 
+    def _device(self, name: str) -> torch.device:
+        dev = self._devices.get(name)
+        if dev is None:
+            dev = self._devices[name] = torch.device(name)
+        return dev
+
     def _offload(self, t: torch.Tensor, dst: str, group: Any) -> Offloaded:
         if _ti.cuda_graph_capturing(t):
             raise RematError(
@@ -514,17 +511,10 @@ class OffloadEngine:
         # (no torch.no_grad(): nothing below requires grad, a detached source and fresh byte buffers)
         src = t.detach()
         storage = src.untyped_storage()
-        grp = None if group is None else self._group(group)
+        grp = self._group(group)
         total = storage.nbytes()
-        dense = src.is_contiguous()
-        if dense:  # (what _span says of a dense tensor, without its loop)
-            lo = int(src.storage_offset()) * src.element_size()
-            hi = lo + int(src.numel()) * src.element_size()
-        else:
-            lo, hi = _span(src)
-        todev = self._devices.get(dst)
-        if todev is None:
-            todev = self._devices[dst] = torch.device(dst)
+        lo, hi = _span(src)
+        todev = self._device(dst)
         if 2 * (hi - lo) < total:
             span = self._copy_out(src, storage, todev, grp, lo, hi)
             if grp is not None:
@@ -537,7 +527,7 @@ class OffloadEngine:
         if copy is None:
             # src is exactly its storage's bytes, in order: a synchronous copy can take it as it is. Not a bool:
             # its copy writes 1 for every nonzero byte, and a view of another dtype may share the copy
-            whole = dense and lo == 0 and hi == total and src.dtype is not torch.bool
+            whole = lo == 0 and hi == total and src.dtype is not torch.bool and src.is_contiguous()
             copy = self._copy_out(src, storage, todev, grp, 0, total, whole=whole)
             if grp is not None:
                 grp.copies.append(weakref.ref(copy))
@@ -550,19 +540,13 @@ class OffloadEngine:
     def _group(self, key: Any) -> _Group | None:
         if key is None:
             return None
-        last = self._last_group
-        if last is not None and last[0]() is key:  # (the call offloading now, most often)
-            return last[1]()  # (alive while its key is: the key's entry holds it)
         grp = self._groups.get(key)
-        if grp is not None:
-            self._last_group = (weakref.ref(key), weakref.ref(grp))
-        else:
+        if grp is None:
             grp = self._groups[key] = _Group(self._next_gid)
             self._next_gid += 1
             self._order = [r for r in self._order if r() is not None]
             self._order.append(weakref.ref(grp))
             self._flush_older()
-            self._last_group = (weakref.ref(key), weakref.ref(grp))
         return grp
 
     def storage_written(self, group: Any, keys: set[int]) -> None:
@@ -592,25 +576,21 @@ class OffloadEngine:
         device = src.device
         c = _HostCopy(self, self._next_cid, grp, device, nbytes)
         self._next_cid += 1
-        if grp is not None and self.keep_last > 0 and device.type in self._keep_devices:
-            raw = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (nbytes,), (1,))
-            c.vsrc, c.saved_version = src, src._version  # NOTE [written while copied]
+        keep = grp is not None and self.keep_last > 0 and device.type in self._keep_devices
+        if whole and not keep and not self._asynchronous(device, dst):
+            # a synchronous copy has read the bytes when it returns (NOTE [written while copied] holds nothing); it
+            # copies src itself, so the host copy is of src's dtype, which fetch never reads (only the storage)
+            self._copy_raw(c, src, dst)
+            return c
+        raw = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (nbytes,), (1,))
+        c.vsrc, c.saved_version = src, src._version  # NOTE [written while copied]
+        if keep:
             c.dev, c.deferred = raw, (raw, dst)  # NOTE [keep last]: copied when a later call offloads
-            grp.deferred.append(weakref.ref(c))
+            grp.deferred.append(weakref.ref(c))  # type: ignore[union-attr]
             self.stats["kept_on_device"] += 1
             self._log("keep", c)
             return c
-        if self._asynchronous(device, dst):
-            raw = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (nbytes,), (1,))
-            c.vsrc, c.saved_version = src, src._version  # NOTE [written while copied]: until the copy has run
-            self._copy_raw(c, raw, dst)
-            return c
-        # synchronous: the copy has read the bytes when it returns (NOTE [written while copied] holds nothing).
-        # A whole storage is copied as src itself: the host copy is then of src's dtype, which fetch never
-        # reads (only its storage, from offset 0)
-        raw = src if whole else torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (nbytes,), (1,))
-        c.host = raw.clone() if device == dst else raw.to(dst, copy=True)  # (clone: fewer arguments to parse)
-        self._copied(c)
+        self._copy_raw(c, raw, dst)
         return c
 
     def _asynchronous(self, src: torch.device, dst: torch.device) -> bool:
@@ -623,17 +603,12 @@ class OffloadEngine:
         storage) to ``dst``; :meth:`_settle` once it has read the bytes."""
         if self._asynchronous(raw.device, dst):
             self._d2h_async(c, raw)  # settled when its event is seen complete, or the compute stream waits on it
-        else:
-            c.host = raw.to(dst, copy=True)  # synchronous (CPU, pageable memory, other device pairs)
+        else:  # synchronous (CPU, pageable memory, other device pairs); clone: fewer arguments to parse
+            c.host = raw.clone() if raw.device == dst else raw.to(dst, copy=True)
             self._settle(c)
-        self._copied(c)
-
-    def _copied(self, c: _HostCopy) -> None:
-        stats = self.stats
-        stats["copies"] += 1
-        stats["offloaded_bytes"] += c.nbytes
-        if self.trace is not None:
-            self._log("d2h", c)
+        self.stats["copies"] += 1
+        self.stats["offloaded_bytes"] += c.nbytes
+        self._log("d2h", c)
 
     def _flush(self, c: _HostCopy) -> None:
         """Start the copy of a kept storage (NOTE [keep last]) and let go of the device bytes."""

@@ -10,6 +10,8 @@ import torch
 
 import remat._torch_internals as ti
 
+from .helpers import OpLog
+
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "remat"
 PRIVATE = re.compile(r"torch\._C\b|torch\._functorch\b|torch\.utils\._\w+|torch\._dynamo\b|torch\._subclasses\b")
 
@@ -84,21 +86,14 @@ def test_detach_below_modes_skips_the_modes() -> None:
 
 
 def test_no_dispatch_modes_pops_every_mode_and_is_free_without_one() -> None:
-    seen: list[Any] = []
-
-    class Seen(ti.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            seen.append(func)
-            return func(*args, **(kwargs or {}))
-
     x = torch.ones(3)
-    with Seen(), Seen():
+    with OpLog() as outer, OpLog() as inner:
         with ti.no_dispatch_modes():
             assert torch._C._len_torch_dispatch_stack() == 0
             x.clone()
         assert torch._C._len_torch_dispatch_stack() == 2
         x.sin()
-    assert seen == [torch.ops.aten.sin.default] * 2  # the clone went below both modes
+    assert outer.ops == inner.ops == [torch.ops.aten.sin.default]  # the clone went below both modes
     # nothing pushed: the shared no-op context (popping an empty stack costs microseconds a tensor)
     assert ti.no_dispatch_modes() is ti.no_dispatch_modes()
     with ti.no_dispatch_modes():
