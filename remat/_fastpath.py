@@ -170,7 +170,7 @@ class Plan:
     the outputs to hold for the recompute.
     """
 
-    __slots__ = ("keep", "offload", "ops", "hold", "dead", "random", "values")
+    __slots__ = ("keep", "offload", "ops", "calls", "hold", "dead", "random", "values")
 
     def __init__(self, keep: frozenset[int] | None, offload: dict[int, Offloadable] | None = None,
                  ops: tuple[Any, ...] | None = None, hold: dict[int, _Hold] | None = None,
@@ -180,6 +180,7 @@ class Plan:
         self.keep = keep
         self.offload = offload or {}
         self.ops = ops
+        self.calls = tuple(ti.op_call(f) for f in ops) if ops is not None else ()  # what calling each op runs
         self.hold = hold or {}
         self.dead = dead or {}  # op index -> its record (shapes, to make placeholders): NOTE [dead ops]
         # whether the ops draw random numbers (a planned call without any needs no random state: a call
@@ -211,9 +212,12 @@ class _Values:
     """NOTE [value recompute]: per op index, the dropped save positions its outputs are (which tensor of the op's,
     which position); per position, how many ops had run when it was saved, and per such count, the positions."""
 
-    __slots__ = ("at_op", "stop", "saved_at")
+    __slots__ = ("at_op", "stop", "saved_at", "pure")
 
-    def __init__(self, sources: dict[int, tuple[int, int, int]]) -> None:
+    def __init__(self, sources: dict[int, tuple[int, int, int]], pure: bool = False) -> None:
+        # pure: no op of the plan writes a tensor, so no version moves in the recompute: none is noted (NOTE
+        # [value recompute])
+        self.pure = pure
         self.at_op: dict[int, list[tuple[int, int]]] = {}
         self.saved_at: dict[int, list[int]] = {}
         for pos, (i, k, n) in sources.items():
@@ -223,6 +227,11 @@ class _Values:
 
 
 _ONE_LEAF = optree.tree_structure(0)  # type: ignore[arg-type]
+
+
+def _mutates(func: Any) -> bool:
+    """Whether an op of a plan may write a tensor (anything but an ATen op with a schema counts as writing)."""
+    return getattr(func, "_schema", None) is None or traits(func)[0]
 
 
 def plan_of_call(frame: Any, out: Any) -> Plan | None:
@@ -257,7 +266,8 @@ def plan_of_call(frame: Any, out: Any) -> Plan | None:
         return Plan(keep, offload)  # nothing to hand back in the recompute: no dispatch mode at all
     dropped = [p.pos for p in frame.plan_packs if p.kind == DROP]
     if dropped and all(p in frame.plan_sources for p in dropped):
-        plan.values = _Values({p: frame.plan_sources[p] for p in dropped})
+        pure = not any(_mutates(r.func) for r in rec.ops)
+        plan.values = _Values({p: frame.plan_sources[p] for p in dropped}, pure)
     return plan
 
 
@@ -378,6 +388,7 @@ class FastFrame:
         # the dead ops' placeholders in the running recompute: id -> weak reference (an id is reused once one dies)
         self.placeholders: dict[int, weakref.ref[torch.Tensor]] = {}
         self._offloaded = False
+        self._offload_group: Any = None  # this call's group in the offload engine, looked up once
         self._lock = threading.RLock()
 
     # ---- forward ---------------------------------------------------------------
@@ -476,12 +487,18 @@ class FastFrame:
                 for t in outs:
                     if self.engine.applies(t, h.offload):
                         self._offloaded = True
-                        vals.append(self.engine.offload_below_modes(t, h.offload.dst, group=self))
+                        vals.append(self.engine.offload_below_modes(t, h.offload.dst, group=self._group()))
                     else:
                         vals.append(t.detach())
                 self.held[i] = vals
             else:
                 self.held[i] = [t.detach() for t in outs]
+
+    def _group(self) -> Any:
+        grp = self._offload_group
+        if grp is None:
+            grp = self._offload_group = self.engine.group(self)
+        return grp
 
     # ---- hooks -----------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
@@ -495,7 +512,8 @@ class FastFrame:
         decision = self.offload.get(pos) if self.offload else None
         if decision is not None and self.engine.applies(t, decision):
             self._offloaded = True
-            return self.engine.offload_below_modes(t, decision.dst, group=self)  # (unpack tells an Offloaded by type)
+            # (unpack tells an Offloaded by type)
+            return self.engine.offload_below_modes(t, decision.dst, group=self._group())
         node = t.grad_fn
         self.drops[pos] = (t.shape, t.dtype, None if node is None else type(node))
         self.last_drop = pos
@@ -503,6 +521,9 @@ class FastFrame:
 
     def unpack(self, p: Any) -> torch.Tensor:
         if type(p) is int:
+            cache = self.cache
+            if p in cache:  # (each position has one reader, its node: a recomputed one is taken without the lock)
+                return cache.take(self.fn_name, p)  # type: ignore[no-any-return,attr-defined]
             with self._lock:
                 if p not in self.cache:
                     # not recomputed yet in this backward pass, or read once already (a second backward pass)
@@ -587,7 +608,7 @@ class FastFrame:
         finally:
             self.placeholders = {}
         made = mode.made
-        if mode.i < mode.stop or len(made) != len(self.drops) or len(mode.versions) != len(made):
+        if mode.i < mode.stop or len(made) != len(self.drops) or (not values.pure and len(mode.versions) != len(made)):
             raise _NeedsGraph  # ran out of ops first, or a tensor died before its save: the recompute that saves
         return Made(made, mode.versions, plain=True)
 
@@ -653,19 +674,23 @@ class _Tap(TorchDispatchMode):
         super().__init__()
         self.frame = frame
         self.ops: tuple[Any, ...] = frame.plan.ops or ()
+        self.calls = frame.plan.calls
         self.hold = frame.plan.hold
         self.limit = frame.limit
         self.i = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **kwargs) if kwargs else func(*args)
         i = self.i
         if i < self.limit and self.ops[i] is func and not INTERNAL.get():
+            call = self.calls[i]
+            out = call(*args, **kwargs) if kwargs else call(*args)
             self.i = i + 1
             h = self.hold.get(i)
             if h is not None:
                 self.frame._hold(i, h, out)
-        elif not (INTERNAL.get() or ignored(func)):
+            return out
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        if not (INTERNAL.get() or ignored(func)):
             # not the plan's op (a data-dependent branch), or more ops than the plan has: the plan ends here
             self.i = i + 1
             self.limit = self.frame.limit = min(self.limit, i)
@@ -686,6 +711,7 @@ class _Replay(TorchDispatchMode):
         super().__init__()
         self.frame = frame
         self.ops: tuple[Any, ...] = frame.plan.ops or ()
+        self.calls = frame.plan.calls
         self.held = frame.held
         self.dead = frame.plan.dead if skip_dead else {}
         self.placeholders = frame.placeholders
@@ -694,8 +720,10 @@ class _Replay(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         i = self.i
+        call = func
         if i < self.limit and self.ops[i] is func and not INTERNAL.get():
             self.i = i + 1
+            call = self.calls[i]
             if i in self.held:
                 out = self.frame.replayed(i)
                 if out is not _RUN:
@@ -713,7 +741,7 @@ class _Replay(TorchDispatchMode):
                 )
         if self.placeholders and _reads_placeholder(self.placeholders, args, kwargs):
             return self._run_tainted(func, args, kwargs)
-        return func(*args, **kwargs) if kwargs else func(*args)
+        return call(*args, **kwargs) if kwargs else call(*args)
 
     def _run_tainted(self, func: Any, args: Any, kwargs: Any) -> Any:
         """An op that must run reads a placeholder (a view of a dead op's output, say): its outputs are placeholders
@@ -740,7 +768,8 @@ class _ValueReplay(_Replay):
     def __init__(self, frame: FastFrame, skip_dead: bool, values: _Values, stop: int) -> None:
         super().__init__(frame, skip_dead)
         self.at_op = values.at_op  # op index -> (which of its tensors, dropped position)
-        self.saved_at = values.saved_at  # ops run -> the dropped positions saved then
+        # ops run -> the dropped positions saved then, whose versions are noted (none where no op writes)
+        self.saved_at = values.saved_at if not values.pure else {}
         self.stop = stop
         self.made: dict[int, torch.Tensor] = {}
         self.versions: dict[int, int] = {}  # position -> version when saved (NOTE [written after saved])
@@ -776,6 +805,7 @@ class _ValueReplay(_Replay):
             out: Any = _RUN
             if i in self.held:
                 out = self.frame.replayed(i)
+            made = False  # (out is what the op made now: no placeholder)
             if out is _RUN:
                 d = self.dead.get(i)
                 if d is not None:
@@ -783,10 +813,21 @@ class _ValueReplay(_Replay):
                 elif self.placeholders and _reads_placeholder(self.placeholders, args, kwargs):
                     out = self._run_tainted(func, args, kwargs)
                 else:
-                    out = func(*args, **kwargs) if kwargs else func(*args)
+                    call = self.calls[i]
+                    out = call(*args, **kwargs) if kwargs else call(*args)
+                    made = True
             want = self.at_op.get(i)
             if want is not None:
-                self._take(out, want)
+                if made and type(out) is torch.Tensor and len(want) == 1:
+                    # (one tensor made and dropped, the common case: _take's checks inline)
+                    pos = want[0][1]
+                    meta = self.drops.get(pos)
+                    if meta is not None:
+                        if out.shape != meta[0] or out.dtype != meta[1]:
+                            raise _NeedsGraph
+                        self.pending.append((pos, weakref.ref(out)))
+                else:
+                    self._take(out, want)
             return out
         if INTERNAL.get() or ignored(func):
             return func(*args, **kwargs) if kwargs else func(*args)

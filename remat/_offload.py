@@ -491,9 +491,23 @@ class OffloadEngine:
 
     def offload_below_modes(self, t: torch.Tensor, dst: str, group: Any = None) -> Offloaded:
         """:meth:`offload`, its ops run with every dispatch mode popped: remat's own copy, not an op of the
-        user's modes, of a tracer (make_fx inside ``torch.func.linearize``) or of remat's recorder."""
+        user's modes, of a tracer (make_fx inside ``torch.func.linearize``) or of remat's recorder.
+
+        ``group``: the call's key, or the group :meth:`group` gave for it (a call that offloads many tensors
+        looks its group up once)."""
+        if _ti.no_modes_pushed():  # (the common case, from a pack hook on the fast path: nothing to pop)
+            with self._lock:
+                return self._offload(t, dst, group)
         with _ti.no_dispatch_modes(), self._lock:
             return self._offload(t, dst, group)
+
+    def group(self, key: Any) -> _Group:
+        """The group of the remat call ``key`` (made now if it has none), to pass as ``group`` to
+        :meth:`offload_below_modes`."""
+        with self._lock:
+            grp = self._group(key)
+        assert grp is not None
+        return grp
 
     def _device(self, name: str) -> torch.device:
         dev = self._devices.get(name)
@@ -511,7 +525,7 @@ class OffloadEngine:
         # (no torch.no_grad(): nothing below requires grad, a detached source and fresh byte buffers)
         src = t.detach()
         storage = src.untyped_storage()
-        grp = self._group(group)
+        grp = group if type(group) is _Group else self._group(group)
         total = storage.nbytes()
         lo, hi = _span(src)
         todev = self._device(dst)

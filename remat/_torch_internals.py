@@ -254,8 +254,24 @@ class TorchDispatchMode(_TorchDispatchMode):
         return False
 
 
+def op_call(func: Any) -> Any:
+    """What calling the ATen op ``func`` (an ``OpOverload``) runs: its C++ callable, ``func._op``.
+
+    ``OpOverload.__call__`` is a Python frame that only forwards to ``_op``; a dispatch mode's handler
+    calls its op once per op, and that frame is ~0.5 us of a mode's ~6 us per op here (measured on this
+    project's CPU, 8 tiny transformer blocks under an empty mode and ``no_grad``: 882 against 831 us). No
+    public API names the callable; without the attribute, the op itself is called."""
+    return getattr(func, "_op", func)
+
+
 _NO_MODES = contextlib.nullcontext()
 _PRE_DISPATCH = torch._C.DispatchKey.PreDispatch
+
+
+def no_modes_pushed() -> bool:
+    """Whether neither dispatch-mode stack holds a mode (inside a mode's handler, its own mode is popped)."""
+    return torch._C._len_torch_dispatch_stack() == 0 and not torch._C._dispatch_tls_is_dispatch_key_included(
+        _PRE_DISPATCH)
 
 
 def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
@@ -267,8 +283,7 @@ def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
     PreDispatch key in the thread's dispatch set while its pre-dispatch stack holds a mode (torch/_ops.py,
     _set_mode_pre_dispatch), which is cheaper to ask than the stack's length (a Python count); with the
     key included and no mode, the modes are popped as before."""
-    if torch._C._len_torch_dispatch_stack() == 0 and not torch._C._dispatch_tls_is_dispatch_key_included(
-            _PRE_DISPATCH):
+    if no_modes_pushed():
         return _NO_MODES
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -298,8 +313,13 @@ def is_compiling() -> bool:
 # detach takes a trip through that Python mode (~3x its cost; per saved tensor, on the fast path's hot loop).
 # torch.utils._python_dispatch._disable_current_modes pops the stack in Python and costs more than the trip.
 # The C guard skips Python dispatch for the one call; only for plain tensors, whose detach no subclass defines.
+# With no mode pushed (in a mode's handler, where its own is popped, or under none) there is nothing to skip, and
+# the guard would cost more than the detach (1.0 against 0.4 us).
 def detach_below_modes(t: torch.Tensor) -> torch.Tensor:
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        if not torch._C._len_torch_dispatch_stack() and not torch._C._dispatch_tls_is_dispatch_key_included(
+                _PRE_DISPATCH):
+            return t.detach()
         with torch._C._DisableTorchDispatch():
             return t.detach()
     return t.detach()

@@ -1069,6 +1069,28 @@ def test_a_dropped_tensor_written_before_it_was_saved_comes_back_written(name):
             grads(g2, (W, x), (W, x))
 
 
+@pytest.mark.parametrize("write", [False, True])
+def test_a_plan_notes_versions_only_where_an_op_writes(write):
+    """A plan none of whose ops writes a tensor recomputes without noting versions (none can move); one with an
+    in-place op notes them, so a write after a save still raises (the test above). Both exact, bitwise, on the
+    value recompute."""
+    def f(W, x):
+        h = torch.sin(x @ W)
+        if write:
+            h.mul_(1.5)
+        return torch.tanh(torch.sin(h) @ W)
+
+    W, x = leaf(8, 8), leaf(4, 8, seed=1)
+    ref = grads(f, (W, x), (W, x))
+    probe = GradModes(f)
+    g = remat(probe, policy=policies.dots_saveable)
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(grads(g, (W, x), (W, x)), ref))
+    assert probe.modes[-2:] == [True, False]  # the planned call's recompute ran without a graph
+    (plan,) = g._plans.values()
+    assert plan is not None and plan.values is not None and plan.values.pure is not write
+
+
 @pytest.mark.parametrize("factory", ["rand_like", "zeros_like", "randn"])
 def test_a_factory_output_then_a_detach_of_your_own(factory):
     """Review: torch's binding detaches a factory's output that Python holds as it returns; the recompute without a

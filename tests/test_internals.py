@@ -85,6 +85,45 @@ def test_detach_below_modes_skips_the_modes() -> None:
     assert d.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
 
 
+def test_detach_below_modes_without_a_mode_is_a_plain_detach() -> None:
+    """With no mode pushed (inside a mode's handler, or under none) the detach runs as it is, above autograd: an alias
+    that shares the version counter, so a later write shows."""
+    x = torch.ones(3, requires_grad=True) * 2
+    d = ti.detach_below_modes(x)
+    assert not d.requires_grad and d.grad_fn is None and d._version == x._version
+    with torch.no_grad():
+        x.add_(1)
+    assert d._version == x._version and torch.equal(d, x)
+    seen: list[Any] = []
+
+    class InHandler(ti.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            seen.append(ti.no_modes_pushed())
+            return out
+
+    with OpLog() as outer, InHandler():
+        torch.sin(x)
+    assert seen == [False]  # a mode below the handler's own: the guard keeps the detach from it
+    with InHandler():
+        torch.sin(x)
+    assert seen == [False, True]
+    assert outer.ops == [torch.ops.aten.sin.default]
+
+
+def test_op_call_runs_the_op() -> None:
+    """op_call: the callable behind an OpOverload, called by remat's planned modes (NOTE [planned calls])."""
+    x = torch.randn(5)
+    op = torch.ops.aten.sin.default
+    call = ti.op_call(op)
+    assert call is not op and torch.equal(call(x), torch.sin(x))
+    assert torch.equal(ti.op_call(torch.ops.aten.add.Tensor)(x, x, alpha=2), x + 2 * x)
+    with OpLog() as log:
+        call(x)
+    assert log.ops == [op]  # dispatched as the op is, modes included
+    assert ti.op_call(torch.sin) is torch.sin  # no _op: the callable itself
+
+
 def test_no_dispatch_modes_pops_every_mode_and_is_free_without_one() -> None:
     x = torch.ones(3)
     with OpLog() as outer, OpLog() as inner:
