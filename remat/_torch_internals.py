@@ -7,6 +7,7 @@ imports ``torch._C`` or ``torch._functorch``.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -355,10 +356,15 @@ def is_compiled_callable(fn: Any) -> bool:
     """Whether ``fn`` is what ``torch.compile`` returned (a compiled function or an ``OptimizedModule``).
 
     torch has no public predicate; both forms carry the original as ``_torchdynamo_orig_callable`` or
-    ``_orig_mod``, set by torch._dynamo.eval_frame."""
-    from torch._dynamo.eval_frame import OptimizedModule
+    ``_orig_mod``, set by torch._dynamo.eval_frame.
 
-    if isinstance(fn, OptimizedModule):
+    A process that has not imported that module compiled nothing (``torch.compile`` and
+    ``torch.compiler.disable`` import it): importing it only to ask costs about 1.5 s, on the first
+    ``remat(...)`` of every process."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return False
+    if isinstance(fn, eval_frame.OptimizedModule):
         return True
     seen = 0
     while fn is not None and seen < 8:  # through bound methods and partials of a compiled function

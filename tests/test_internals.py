@@ -164,6 +164,28 @@ def test_no_dispatch_modes_pops_a_pre_dispatch_mode() -> None:
     assert ti.no_dispatch_modes() is ti.no_dispatch_modes()
 
 
+def test_a_process_that_compiles_nothing_never_imports_dynamo() -> None:
+    """is_compiled_callable asks torch._dynamo only once something imported it: importing it to ask made the first
+    remat(...) of every process take about 1.5 s. In a fresh process, a remat'd call's forward and backward (full
+    engine, then planned) import none of it, and a function compiled afterwards is still recognised."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, remat\n"
+        "f = remat.remat(lambda x: torch.sin(x @ x).sum(), policy='save-matmuls')\n"
+        "x = torch.randn(3, 3, requires_grad=True)\n"
+        "for _ in range(2):\n"
+        "    f(x).backward()\n"
+        "assert 'torch._dynamo' not in sys.modules, 'imported'\n"
+        "from remat import _torch_internals as ti\n"
+        "assert ti.is_compiled_callable(torch.compile(lambda x: x, backend='eager'))\n"
+        "assert not ti.is_compiled_callable(torch.compiler.disable(lambda x: x))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
 def test_compile_helpers_work_on_this_torch() -> None:
     """The name annotation reaches the node AOTAutograd traces; compiled callables are recognised."""
     import torch.fx.traceback as fxt
