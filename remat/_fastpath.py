@@ -83,7 +83,9 @@ NOTE [value recompute]
     (an in-place op's version moves above the mode, after the op returns), so a
     tensor written between the op that made it and the op that saved it holds
     the write, and one written after it was saved by an op the recompute
-    replays raises when read (NOTE [written after saved]). A single tensor is
+    replays raises when read (NOTE [written after saved]). A plan none of whose
+    ops writes a tensor notes no versions: none can move while it runs, and
+    what it made is held by remat alone until the backward pass reads it. A single tensor is
     held weakly until the next op: torch's binding detaches a factory's output
     (``rand_like``, ``zeros``) that Python holds as it returns, and the function
     would see another tensor (and an extra ``detach``).
