@@ -83,9 +83,7 @@ NOTE [value recompute]
     (an in-place op's version moves above the mode, after the op returns), so a
     tensor written between the op that made it and the op that saved it holds
     the write, and one written after it was saved by an op the recompute
-    replays raises when read (NOTE [written after saved]). A plan none of whose
-    ops writes a tensor notes no versions: none can move while it runs, and
-    what it made is held by remat alone until the backward pass reads it. A single tensor is
+    replays raises when read (NOTE [written after saved]). A single tensor is
     held weakly until the next op: torch's binding detaches a factory's output
     (``rand_like``, ``zeros``) that Python holds as it returns, and the function
     would see another tensor (and an extra ``detach``).
@@ -214,12 +212,9 @@ class _Values:
     """NOTE [value recompute]: per op index, the dropped save positions its outputs are (which tensor of the op's,
     which position); per position, how many ops had run when it was saved, and per such count, the positions."""
 
-    __slots__ = ("at_op", "stop", "saved_at", "pure")
+    __slots__ = ("at_op", "stop", "saved_at")
 
-    def __init__(self, sources: dict[int, tuple[int, int, int]], pure: bool = False) -> None:
-        # pure: no op of the plan writes a tensor, so no version moves in the recompute: none is noted (NOTE
-        # [value recompute])
-        self.pure = pure
+    def __init__(self, sources: dict[int, tuple[int, int, int]]) -> None:
         self.at_op: dict[int, list[tuple[int, int]]] = {}
         self.saved_at: dict[int, list[int]] = {}
         for pos, (i, k, n) in sources.items():
@@ -229,11 +224,6 @@ class _Values:
 
 
 _ONE_LEAF = optree.tree_structure(0)  # type: ignore[arg-type]
-
-
-def _mutates(func: Any) -> bool:
-    """Whether an op of a plan may write a tensor (anything but an ATen op with a schema counts as writing)."""
-    return getattr(func, "_schema", None) is None or traits(func)[0]
 
 
 def plan_of_call(frame: Any, out: Any) -> Plan | None:
@@ -268,8 +258,7 @@ def plan_of_call(frame: Any, out: Any) -> Plan | None:
         return Plan(keep, offload)  # nothing to hand back in the recompute: no dispatch mode at all
     dropped = [p.pos for p in frame.plan_packs if p.kind == DROP]
     if dropped and all(p in frame.plan_sources for p in dropped):
-        pure = not any(_mutates(r.func) for r in rec.ops)
-        plan.values = _Values({p: frame.plan_sources[p] for p in dropped}, pure)
+        plan.values = _Values({p: frame.plan_sources[p] for p in dropped})
     return plan
 
 
@@ -610,7 +599,7 @@ class FastFrame:
         finally:
             self.placeholders = {}
         made = mode.made
-        if mode.i < mode.stop or len(made) != len(self.drops) or (not values.pure and len(mode.versions) != len(made)):
+        if mode.i < mode.stop or len(made) != len(self.drops) or len(mode.versions) != len(made):
             raise _NeedsGraph  # ran out of ops first, or a tensor died before its save: the recompute that saves
         return Made(made, mode.versions, plain=True)
 
@@ -770,8 +759,7 @@ class _ValueReplay(_Replay):
     def __init__(self, frame: FastFrame, skip_dead: bool, values: _Values, stop: int) -> None:
         super().__init__(frame, skip_dead)
         self.at_op = values.at_op  # op index -> (which of its tensors, dropped position)
-        # ops run -> the dropped positions saved then, whose versions are noted (none where no op writes)
-        self.saved_at = values.saved_at if not values.pure else {}
+        self.saved_at = values.saved_at  # ops run -> the dropped positions saved then
         self.stop = stop
         self.made: dict[int, torch.Tensor] = {}
         self.versions: dict[int, int] = {}  # position -> version when saved (NOTE [written after saved])

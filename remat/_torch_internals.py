@@ -318,8 +318,7 @@ def is_compiling() -> bool:
 # the guard would cost more than the detach (1.0 against 0.4 us).
 def detach_below_modes(t: torch.Tensor) -> torch.Tensor:
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
-        if not torch._C._len_torch_dispatch_stack() and not torch._C._dispatch_tls_is_dispatch_key_included(
-                _PRE_DISPATCH):
+        if no_modes_pushed():
             return t.detach()
         with torch._C._DisableTorchDispatch():
             return t.detach()
