@@ -795,7 +795,6 @@ class _ValueReplay(_Replay):
             out: Any = _RUN
             if i in self.held:
                 out = self.frame.replayed(i)
-            made = False  # (out is what the op made now: no placeholder)
             if out is _RUN:
                 d = self.dead.get(i)
                 if d is not None:
@@ -805,19 +804,9 @@ class _ValueReplay(_Replay):
                 else:
                     call = self.calls[i]
                     out = call(*args, **kwargs) if kwargs else call(*args)
-                    made = True
             want = self.at_op.get(i)
             if want is not None:
-                if made and type(out) is torch.Tensor and len(want) == 1:
-                    # (one tensor made and dropped, the common case: _take's checks inline)
-                    pos = want[0][1]
-                    meta = self.drops.get(pos)
-                    if meta is not None:
-                        if out.shape != meta[0] or out.dtype != meta[1]:
-                            raise _NeedsGraph
-                        self.pending.append((pos, weakref.ref(out)))
-                else:
-                    self._take(out, want)
+                self._take(out, want)
             return out
         if INTERNAL.get() or ignored(func):
             return func(*args, **kwargs) if kwargs else func(*args)
