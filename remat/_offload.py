@@ -79,6 +79,24 @@ NOTE [written while copied]
     or the compute stream made to wait for it), the alias is let go; a later write
     is seen through the tensor while it lives, as before.
 
+NOTE [reads of one device copy]
+    In plain autograd two ops that saved one tensor read the same tensor: a
+    backward that writes into what it read (a custom ``Function`` doing
+    ``a.mul_(2)`` on its saved ``a``) moves its version, and the other op's read
+    raises. The engine hands each read a tensor of its own over the shared
+    device bytes, so it watches them instead: every tensor handed out over a
+    device copy is held, with its version, for as long as the copy itself is
+    (until every handle has been read), and a read first checks them. One that
+    moved raises ``RematError``, where handing the next reader the written
+    bytes gave a wrong gradient without an error. Checking the tensors handed
+    out, not a version counter shared through views, holds however the read ran
+    (views made inside a dispatch mode's handler share no counter). Once every
+    handle has been read the bytes and those tensors are held weakly: a later
+    read finds the bytes again only while every tensor handed out over them
+    lives unwritten (a live one written raises; one that died may have been
+    written through a view of it), and otherwise copies the host bytes, which
+    nothing writes, again.
+
 NOTE [default engine]
     One engine serves every remat call of a thread (so prefetching can look from
     one call to the next, and the pinned pool is reused across steps). It lives
@@ -325,7 +343,8 @@ class _HostCopy:
     """One storage's bytes on the host, and its device copy while the backward pass needs it."""
 
     __slots__ = ("engine", "cid", "group", "src", "nbytes", "host", "buf", "d2h_done", "dev", "dev_weak",
-                 "h2d_done", "live", "pending", "round", "deferred", "vsrc", "saved_version", "__weakref__")
+                 "h2d_done", "live", "pending", "round", "deferred", "vsrc", "saved_version", "given",
+                 "__weakref__")
 
     def __init__(self, engine: OffloadEngine, cid: int, group: _Group | None, src: torch.device, nbytes: int) -> None:
         self.engine, self.cid, self.group, self.src, self.nbytes = engine, cid, group, src, nbytes
@@ -334,6 +353,9 @@ class _HostCopy:
         self.d2h_done: Any = None
         self.dev: torch.Tensor | None = None  # device bytes, held strongly until every handle read them
         self.dev_weak: weakref.ref[Any] | None = None  # ...then weakly (the device storage)
+        # NOTE [reads of one device copy]: each tensor handed out over dev (held as dev is, strongly then weakly)
+        # and its version then
+        self.given: list[tuple[Any, int]] = []
         self.h2d_done: Any = None
         self.live = 0  # live handles
         self.pending = 0  # handles not yet read since the last host-to-device copy
@@ -758,9 +780,18 @@ class OffloadEngine:
             grp = c.group
             if grp is not None and (c.dev is None or not grp.reached):
                 self._reach(grp, c)
+            written = self._written(c)
+            if written:
+                raise RematError(
+                    f"remat: a tensor of shape {list(o.shape)} that was offloaded for the backward pass was "
+                    "modified in place in the backward pass, by the backward of an op that read it, and is read "
+                    "again now (by another op that saved it, or a second time). Plain autograd raises here too "
+                    "('modified by an inplace operation'). Clone a saved tensor in your autograd.Function's "
+                    "backward before writing into it."
+                )
             dev = c.dev
             if dev is None:
-                s = c.dev_weak() if c.dev_weak is not None else None
+                s = c.dev_weak() if c.dev_weak is not None and written is False else None
                 if s is not None:
                     dev = torch.empty(0, dtype=torch.uint8, device=c.src).set_(s)
                 else:
@@ -773,12 +804,26 @@ class OffloadEngine:
             # a kept storage is read in place: dev is then a view of it, starting where the copy would
             offset = o.offset + dev.storage_offset() // o.dtype.itemsize
             out = torch.empty(0, dtype=o.dtype, device=c.src).set_(dev.untyped_storage(), offset, o.shape, o.stride)
+            c.given.append((out if c.dev is not None else weakref.ref(out), out._version))
             if o.round != c.round:
                 o.round = c.round
                 self._read(c)
             self.stats["fetched"] += 1
             self._log("use", c)
             return out
+
+    @staticmethod
+    def _written(c: _HostCopy) -> bool | None:
+        """NOTE [reads of one device copy]: whether a tensor handed out over ``c``'s device bytes was written since
+        (``None``: one died, and whether it was is not known)."""
+        for t, v in c.given:
+            if type(t) is weakref.ref:
+                t = t()
+                if t is None:
+                    return None
+            if t._version != v:
+                return True
+        return False
 
     def _read(self, c: _HostCopy) -> None:
         """One more handle of ``c`` has been read (or died unread): past the last, hold the device copy weakly."""
@@ -794,6 +839,7 @@ class OffloadEngine:
                 self._stream_wait(c.src, c.h2d_done)
             c.dev_weak = weakref.ref(c.dev.untyped_storage())
             c.dev = None
+            c.given = [(weakref.ref(t), v) for t, v in c.given]
 
     def _start_h2d(self, c: _HostCopy, ahead: bool = False) -> None:
         assert c.host is not None
@@ -814,6 +860,7 @@ class OffloadEngine:
             c.dev, c.h2d_done = dev, ev
         else:  # synchronous; a fresh copy even on the CPU, so the CPU runs the same life cycle as CUDA
             c.dev = c.host.to(c.src, copy=True)
+        c.given = []
         c.round += 1
         c.pending = c.live
         self.stats["h2d"] += 1

@@ -988,3 +988,112 @@ def test_aliases_with_counters_of_their_own_written_in_turn_get_copies_of_their_
             got = torch.autograd.grad(r(x).sum(), wrt)
             assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert eng.stats["offloaded"] > 0
+
+
+class _SquareWritingItsSaved(torch.autograd.Function):
+    """a * a, whose backward computes 2a in place in the tensor it saved."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a)
+        return a * a
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (a,) = ctx.saved_tensors
+        return g * a.mul_(2)
+
+
+ENGINES: dict[str, Callable[[], OffloadEngine]] = {
+    "default": OffloadEngine,
+    "kept": _keeping_engine,  # the last call's storages read in place (NOTE [keep last])
+    "no-prefetch": lambda: OffloadEngine(prefetch=False),
+    "copies-late": lambda: _LateCopies(),  # (each copy finished before the backward pass: _finished)
+}
+
+
+def _finished(eng: OffloadEngine, loss: torch.Tensor) -> torch.Tensor:
+    if isinstance(eng, _LateCopies):
+        eng.finish()
+    return loss
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("reader", ["cos", "view"])
+def test_a_backward_that_writes_an_offloaded_tensor_read_again_raises(reader: str, engine: str) -> None:
+    """Review (NOTE [reads of one device copy]): a node's backward writes the offloaded tensor it read, which another
+    node saved too (or a view of it). Plain autograd raises, and so does remat, on every call, with every engine (the
+    next reader got the written bytes: a wrong gradient without an error)."""
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        a = (x @ w).sin()
+        other = (a.t() @ x).sum() if reader == "view" else a.cos().sum()
+        return other + _SquareWritingItsSaved.apply(a).sum()
+
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(f(x, w), (x, w))
+    eng = ENGINES[engine]()
+    g = remat(f, policy=policies.offload_to_cpu(min_bytes=0))
+    with use_engine(eng):
+        for _ in range(3):
+            with pytest.raises(RematError, match="modified in place in the backward pass"):
+                torch.autograd.grad(_finished(eng, g(x, w)), (x, w))
+    assert eng.stats["offloaded"] > 0
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_a_backward_that_writes_the_offloaded_tensor_only_it_reads_is_exact(engine: str) -> None:
+    """The write is no error where nothing reads the tensor after it, as in plain autograd. A second backward pass
+    (plain autograd raises) copies the host bytes, which nothing wrote, again: the first pass's gradient; where the
+    storage was kept on the device and read in place (NOTE [keep last]) there is no unwritten copy, and it raises."""
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return _SquareWritingItsSaved.apply((x @ w).sin()).sum()
+
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    loss = f(x, w)
+    ref = torch.autograd.grad(loss, (x, w), retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss, (x, w))
+    eng = ENGINES[engine]()
+    with use_engine(eng):
+        loss = _finished(eng, remat(f, policy=policies.offload_to_cpu(min_bytes=0))(x, w))
+        first = torch.autograd.grad(loss, (x, w), retain_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(first, ref))
+        if engine == "kept":
+            with pytest.raises(RematError, match="modified in place in the backward pass"):
+                torch.autograd.grad(loss, (x, w))
+        else:
+            second = torch.autograd.grad(loss, (x, w))
+            assert all(torch.equal(a, b) for a, b in zip(second, ref))
+            assert eng.stats["h2d"] >= 2 * eng.stats["copies"] > 0
+
+
+def test_reads_of_one_device_copy_are_watched_while_held_then_copied_again() -> None:
+    """The engine alone (NOTE [reads of one device copy]): while the device copy is held, a write into a tensor read
+    from it (through a view of it too) raises at every later read; once every handle has been read, a read while
+    the tensors read live unwritten finds the same bytes, one after a write raises, and one after they died copies
+    the host bytes again."""
+    eng, key = OffloadEngine(), _Key()
+    x = torch.arange(12.0).reshape(3, 4)
+    h1, h2, h3 = (eng.offload(t, "cpu", group=key) for t in (x, x.t(), x.view(4, 3)))  # one copy
+    a, b = eng.fetch(h1), eng.fetch(h2)
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and eng.stats["h2d"] == 1
+    b.t().add_(1)
+    for _ in range(2):
+        with pytest.raises(RematError, match="modified in place in the backward pass"):
+            eng.fetch(h3)
+
+    key = _Key()
+    g1, g2 = (eng.offload(t, "cpu", group=key) for t in (x, x.t()))
+    r1, r2 = eng.fetch(g1), eng.fetch(g2)  # every handle read: the copy is held weakly
+    again = eng.fetch(g1)
+    assert torch.equal(again, x) and again.untyped_storage().data_ptr() == r1.untyped_storage().data_ptr()
+    assert eng.stats["h2d"] == 2
+    r2.mul_(0)
+    with pytest.raises(RematError, match="modified in place in the backward pass"):
+        eng.fetch(g1)
+    del r1, r2, again
+    gc.collect()
+    assert torch.equal(eng.fetch(g2), x.t()) and eng.stats["h2d"] == 3
