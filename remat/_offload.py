@@ -311,12 +311,13 @@ class _PinnedPool:
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """The bytes ``[lo, hi)`` of its storage that a strided tensor reads (lo a multiple of its element size)."""
     es = t.element_size()
-    n = t.numel()
-    if n == 0:
+    if t.is_contiguous():  # (the common case, in few calls: a saved tensor per op goes through here)
+        start = int(t.storage_offset()) * es
+        n = int(t.nbytes)
+        return (start, start + n) if n else (0, 0)
+    if t.numel() == 0:
         return 0, 0
     lo = t.storage_offset()
-    if t.is_contiguous():
-        return int(lo) * es, int(lo + n) * es
     hi = lo + 1
     for size, stride in zip(t.shape, t.stride()):
         if stride >= 0:
@@ -346,25 +347,29 @@ class _HostCopy:
                  "h2d_done", "live", "pending", "round", "deferred", "vsrc", "saved_version", "given",
                  "__weakref__")
 
+    host: torch.Tensor | None
+    buf: torch.Tensor | None  # the pool buffer behind host (pinned path only)
+    d2h_done: Any
+    dev: torch.Tensor | None  # device bytes, held strongly until every handle read them
+    dev_weak: weakref.ref[Any] | None  # ...then weakly (the device storage)
+    h2d_done: Any
+    deferred: tuple[torch.Tensor, torch.device] | None  # kept on the device (NOTE [keep last])
+    # NOTE [written while copied]: until the copy has read the bytes (kept, or a copy still running), an alias of the
+    # saved tensor (same version counter, same storage: no extra memory), to see writes
+    vsrc: torch.Tensor | None
+    saved_version: int | None  # if the bytes were written before their copy had read them: raise
+
     def __init__(self, engine: OffloadEngine, cid: int, group: _Group | None, src: torch.device, nbytes: int) -> None:
         self.engine, self.cid, self.group, self.src, self.nbytes = engine, cid, group, src, nbytes
-        self.host: torch.Tensor | None = None
-        self.buf: torch.Tensor | None = None  # the pool buffer behind host (pinned path only)
-        self.d2h_done: Any = None
-        self.dev: torch.Tensor | None = None  # device bytes, held strongly until every handle read them
-        self.dev_weak: weakref.ref[Any] | None = None  # ...then weakly (the device storage)
+        # (one statement: a copy is made per offloaded storage, on the forward pass's hot path)
+        self.host = self.buf = self.d2h_done = self.dev = self.dev_weak = self.h2d_done = self.deferred = \
+            self.vsrc = self.saved_version = None
         # NOTE [reads of one device copy]: each tensor handed out over dev (held as dev is, strongly then weakly)
         # and its version then
         self.given: list[tuple[Any, int]] = []
-        self.h2d_done: Any = None
         self.live = 0  # live handles
         self.pending = 0  # handles not yet read since the last host-to-device copy
         self.round = 0  # number of host-to-device copies started
-        self.deferred: tuple[torch.Tensor, torch.device] | None = None  # kept on the device (NOTE [keep last])
-        # NOTE [written while copied]: until the copy has read the bytes (kept, or a copy still running), an alias
-        # of the saved tensor (same version counter, same storage: no extra memory), to see writes
-        self.vsrc: torch.Tensor | None = None
-        self.saved_version: int | None = None  # if the bytes were written before their copy had read them: raise
 
     def __del__(self) -> None:
         if self.buf is not None:
@@ -566,8 +571,9 @@ class OffloadEngine:
             whole = lo == 0 and hi == total and src.dtype is not torch.bool and src.is_contiguous()
             copy = self._copy_out(src, storage, todev, grp, 0, total, whole=whole)
             if grp is not None:
-                grp.copies.append(weakref.ref(copy))
-                grp.by_storage[key] = (weakref.ref(storage), version, weakref.ref(copy))
+                cref = weakref.ref(copy)
+                grp.copies.append(cref)
+                grp.by_storage[key] = (weakref.ref(storage), version, cref)
         else:
             self.stats["shared"] += 1
         self.stats["offloaded"] += 1
@@ -616,7 +622,7 @@ class OffloadEngine:
         if whole and not keep and not self._asynchronous(device, dst):
             # a synchronous copy has read the bytes when it returns (NOTE [written while copied] holds nothing); it
             # copies src itself, so the host copy is of src's dtype, which fetch never reads (only the storage)
-            self._copy_raw(c, src, dst)
+            self._copy_raw(c, src, dst, False)
             return c
         raw = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (nbytes,), (1,))
         c.vsrc, c.saved_version = src, src._version  # NOTE [written while copied]
@@ -626,7 +632,7 @@ class OffloadEngine:
             self.stats["kept_on_device"] += 1
             self._log("keep", c)
             return c
-        self._copy_raw(c, raw, dst)
+        self._copy_raw(c, raw, dst, self._asynchronous(device, dst))
         return c
 
     def _asynchronous(self, src: torch.device, dst: torch.device) -> bool:
@@ -634,24 +640,28 @@ class OffloadEngine:
         done when :meth:`_copy_raw` returns)."""
         return src.type == "cuda" and dst.type == "cpu" and self.pin_memory
 
-    def _copy_raw(self, c: _HostCopy, raw: torch.Tensor, dst: torch.device) -> None:
+    def _copy_raw(self, c: _HostCopy, raw: torch.Tensor, dst: torch.device, asynchronous: bool) -> None:
         """Start the copy of ``raw`` (uint8 bytes; on the synchronous path also a tensor that is exactly its
-        storage) to ``dst``; :meth:`_settle` once it has read the bytes."""
-        if self._asynchronous(raw.device, dst):
+        storage) to ``dst`` (``asynchronous``: what :meth:`_asynchronous` says of the pair); :meth:`_settle` once it
+        has read the bytes."""
+        if asynchronous:
             self._d2h_async(c, raw)  # settled when its event is seen complete, or the compute stream waits on it
         else:  # synchronous (CPU, pageable memory, other device pairs); clone: fewer arguments to parse
-            c.host = raw.clone() if raw.device == dst else raw.to(dst, copy=True)
-            self._settle(c)
-        self.stats["copies"] += 1
-        self.stats["offloaded_bytes"] += c.nbytes
-        self._log("d2h", c)
+            c.host = raw.clone() if c.src == dst else raw.to(dst, copy=True)
+            if c.vsrc is not None:
+                self._settle(c)
+        stats = self.stats
+        stats["copies"] += 1
+        stats["offloaded_bytes"] += c.nbytes
+        if self.trace is not None:
+            self._log("d2h", c)
 
     def _flush(self, c: _HostCopy) -> None:
         """Start the copy of a kept storage (NOTE [keep last]) and let go of the device bytes."""
         assert c.deferred is not None
         raw, dst = c.deferred
         c.deferred = None
-        self._copy_raw(c, raw, dst)
+        self._copy_raw(c, raw, dst, self._asynchronous(c.src, dst))
         c.dev = None
 
     @staticmethod

@@ -789,7 +789,7 @@ class _LateCopies(OffloadEngine):
     def _asynchronous(self, src: torch.device, dst: torch.device) -> bool:
         return True
 
-    def _copy_raw(self, c: Any, raw: torch.Tensor, dst: torch.device) -> None:
+    def _copy_raw(self, c: Any, raw: torch.Tensor, dst: torch.device, asynchronous: bool = True) -> None:
         c.host = host = torch.empty(c.nbytes, dtype=torch.uint8, device=dst)
         done = [False]
 
