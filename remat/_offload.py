@@ -84,18 +84,23 @@ NOTE [reads of one device copy]
     backward that writes into what it read (a custom ``Function`` doing
     ``a.mul_(2)`` on its saved ``a``) moves its version, and the other op's read
     raises. The engine hands each read a tensor of its own over the shared
-    device bytes, so it watches them instead: every tensor handed out over a
-    device copy is held, with its version, for as long as the copy itself is
-    (until every handle has been read), and a read first checks them. One that
-    moved raises ``RematError``, where handing the next reader the written
-    bytes gave a wrong gradient without an error. Checking the tensors handed
-    out, not a version counter shared through views, holds however the read ran
-    (views made inside a dispatch mode's handler share no counter). Once every
-    handle has been read the bytes and those tensors are held weakly: a later
-    read finds the bytes again only while every tensor handed out over them
-    lives unwritten (a live one written raises; one that died may have been
-    written through a view of it), and otherwise copies the host bytes, which
-    nothing writes, again.
+    device bytes, so it watches them instead: per handle, the tensor handed out,
+    its version then and the bytes it reads, held for as long as the device copy
+    itself is (until every handle has been read; then weakly). A read first
+    checks those that read any of its bytes: one written raises ``RematError``,
+    where handing the next reader the written bytes gave a wrong gradient
+    without an error. Only a byte in common counts, exactly (``unsafe_split``'s
+    column blocks share a copy and interleave, but not a byte or a version
+    counter: plain autograd lets one be written under the other's reader).
+    Checking the tensors handed out, not a counter shared through views, holds
+    however the read ran (views made inside a dispatch mode's handler share no
+    counter). A handle read again gets the tensor it was given, if it lives
+    unwritten, so a Jacobian row by row over one retained graph holds one per
+    handle. Held weakly, the bytes are read again only while every tensor that
+    reads them lives unwritten; otherwise the host bytes, which nothing writes,
+    are copied again. A kept storage (NOTE [keep last]) read in place has no
+    other copy: the bytes a reader wrote before it was copied out are recorded
+    (``stale``) and raise at every later read of them.
 
 NOTE [default engine]
     One engine serves every remat call of a thread (so prefetching can look from
@@ -118,6 +123,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import math
 import os
 import threading
 import weakref
@@ -308,6 +314,39 @@ class _PinnedPool:
             return n
 
 
+def _span_of(o: Offloaded) -> tuple[int, int]:
+    """The bytes ``[lo, hi)`` of its copy that a handle reads."""
+    es = o.dtype.itemsize
+    lo = hi = o.offset
+    for size, stride in zip(o.shape, o.stride):
+        if size == 0:
+            return 0, 0
+        if stride >= 0:
+            hi += (size - 1) * stride
+        else:
+            lo += (size - 1) * stride
+    return int(lo) * es, int(hi + 1) * es
+
+
+def _overlap(t: torch.Tensor, lo: int, o: Offloaded, max_elements: int = 1 << 24) -> bool:
+    """Whether the tensor ``t``, handed out over a copy for bytes starting at ``lo`` of it, and the handle ``o`` read
+    a byte of the copy in common, exactly, by their elements' addresses (``unsafe_split``'s column blocks
+    interleave without sharing one). Asked only where ``t`` was written, so its cost matters little; past
+    ``max_elements``: True (an error rather than a guess)."""
+    if t.numel() > max_elements or math.prod(o.shape) > max_elements:
+        return True
+
+    def addresses(shape: Any, stride: Any, offset: int, es: int) -> torch.Tensor:
+        addr = torch.full((), offset * es, dtype=torch.int64)
+        for size, st in zip(shape, stride):
+            addr = addr.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * (st * es)
+        return (addr.reshape(-1, 1) + torch.arange(es, dtype=torch.int64)).reshape(-1)
+
+    # t's addresses are in its storage, o's in the copy: t's first byte is the copy's byte lo
+    mine = addresses(t.shape, t.stride(), int(t.storage_offset()), t.element_size()) - (_span(t)[0] - lo)
+    return bool(torch.isin(addresses(o.shape, o.stride, int(o.offset), o.dtype.itemsize), mine).any())
+
+
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """The bytes ``[lo, hi)`` of its storage that a strided tensor reads (lo a multiple of its element size)."""
     es = t.element_size()
@@ -345,7 +384,7 @@ class _HostCopy:
 
     __slots__ = ("engine", "cid", "group", "src", "nbytes", "host", "buf", "d2h_done", "dev", "dev_weak",
                  "h2d_done", "live", "pending", "round", "deferred", "vsrc", "saved_version", "given",
-                 "__weakref__")
+                 "stale", "__weakref__")
 
     host: torch.Tensor | None
     buf: torch.Tensor | None  # the pool buffer behind host (pinned path only)
@@ -364,9 +403,11 @@ class _HostCopy:
         # (one statement: a copy is made per offloaded storage, on the forward pass's hot path)
         self.host = self.buf = self.d2h_done = self.dev = self.dev_weak = self.h2d_done = self.deferred = \
             self.vsrc = self.saved_version = None
-        # NOTE [reads of one device copy]: each tensor handed out over dev (held as dev is, strongly then weakly)
-        # and its version then
-        self.given: list[tuple[Any, int]] = []
+        # NOTE [reads of one device copy]: per handle (by id), the tensor handed out over dev (held as dev is,
+        # strongly then weakly), its version then and the bytes it reads; and the bytes a reader wrote before the
+        # copy to the host read them (a kept storage's)
+        self.given: dict[int, tuple[Any, int, int, int]] = {}
+        self.stale: list[tuple[int, int]] = []
         self.live = 0  # live handles
         self.pending = 0  # handles not yet read since the last host-to-device copy
         self.round = 0  # number of host-to-device copies started
@@ -393,7 +434,8 @@ class Offloaded:
         True
     """
 
-    __slots__ = ("engine", "copy", "dtype", "shape", "stride", "offset", "version", "orig", "round", "__weakref__")
+    __slots__ = ("engine", "copy", "dtype", "shape", "stride", "offset", "version", "orig", "round", "span",
+                 "__weakref__")
 
     def __init__(self, engine: OffloadEngine, copy: _HostCopy, t: torch.Tensor, orig: torch.Tensor,
                  shift: int = 0) -> None:
@@ -403,6 +445,7 @@ class Offloaded:
         self.version = t._version
         self.orig = weakref.ref(orig)  # to catch in-place writes after saving, as autograd does
         self.round = 0
+        self.span: tuple[int, int] | None = None  # the bytes of the copy it reads, once it has been read
         copy.live += 1
 
     def __del__(self) -> None:
@@ -661,8 +704,11 @@ class OffloadEngine:
         assert c.deferred is not None
         raw, dst = c.deferred
         c.deferred = None
+        # NOTE [reads of one device copy]: bytes a reader wrote are copied as they are now, for good
+        c.stale.extend((lo, hi) for t, v, lo, hi in c.given.values() if t._version != v)
         self._copy_raw(c, raw, dst, self._asynchronous(c.src, dst))
         c.dev = None
+        c.given = {k: (weakref.ref(t), v, lo, hi) for k, (t, v, lo, hi) in c.given.items()}
 
     @staticmethod
     def _settle(c: _HostCopy | None) -> None:
@@ -790,7 +836,10 @@ class OffloadEngine:
             grp = c.group
             if grp is not None and (c.dev is None or not grp.reached):
                 self._reach(grp, c)
-            written = self._written(c)
+            span = o.span
+            if span is None:
+                span = o.span = _span_of(o)
+            written = self._written(c, o, span)
             if written:
                 raise RematError(
                     f"remat: a tensor of shape {list(o.shape)} that was offloaded for the backward pass was "
@@ -811,10 +860,15 @@ class OffloadEngine:
             if c.h2d_done is not None:
                 torch.cuda.current_stream(c.src).wait_event(c.h2d_done)
                 self._poll(c.src)
-            # a kept storage is read in place: dev is then a view of it, starting where the copy would
-            offset = o.offset + dev.storage_offset() // o.dtype.itemsize
-            out = torch.empty(0, dtype=o.dtype, device=c.src).set_(dev.untyped_storage(), offset, o.shape, o.stride)
-            c.given.append((out if c.dev is not None else weakref.ref(out), out._version))
+            prev = c.given.get(id(o))
+            out = None if prev is None else prev[0]() if type(prev[0]) is weakref.ref else prev[0]
+            if out is None or out.untyped_storage().data_ptr() != dev.untyped_storage().data_ptr():
+                # a kept storage is read in place: dev is then a view of it, starting where the copy would
+                offset = o.offset + dev.storage_offset() // o.dtype.itemsize
+                out = torch.empty(0, dtype=o.dtype, device=c.src).set_(dev.untyped_storage(), offset, o.shape,
+                                                                     o.stride)
+                c.given[id(o)] = (out if c.dev is not None else weakref.ref(out), out._version, *span)
+            # (else: what this handle was given before, unwritten, over the same bytes: read again, not one more)
             if o.round != c.round:
                 o.round = c.round
                 self._read(c)
@@ -823,17 +877,24 @@ class OffloadEngine:
             return out
 
     @staticmethod
-    def _written(c: _HostCopy) -> bool | None:
-        """NOTE [reads of one device copy]: whether a tensor handed out over ``c``'s device bytes was written since
-        (``None``: one died, and whether it was is not known)."""
-        for t, v in c.given:
+    def _written(c: _HostCopy, o: Offloaded, span: tuple[int, int]) -> bool | None:
+        """NOTE [reads of one device copy]: whether bytes ``o`` reads (within ``span``) were written through a tensor
+        handed out (``None``: one that may read them died, and whether it was is not known)."""
+        lo, hi = span
+        unknown = False
+        for t, v, a, b in c.given.values():
+            if a >= hi or b <= lo:
+                continue  # other bytes
             if type(t) is weakref.ref:
                 t = t()
                 if t is None:
-                    return None
-            if t._version != v:
+                    unknown = True
+                    continue
+            if t._version != v and _overlap(t, a, o):
                 return True
-        return False
+        if any(a < hi and b > lo for a, b in c.stale):
+            return True
+        return None if unknown else False
 
     def _read(self, c: _HostCopy) -> None:
         """One more handle of ``c`` has been read (or died unread): past the last, hold the device copy weakly."""
@@ -849,7 +910,7 @@ class OffloadEngine:
                 self._stream_wait(c.src, c.h2d_done)
             c.dev_weak = weakref.ref(c.dev.untyped_storage())
             c.dev = None
-            c.given = [(weakref.ref(t), v) for t, v in c.given]
+            c.given = {k: (weakref.ref(t), v, lo, hi) for k, (t, v, lo, hi) in c.given.items()}
 
     def _start_h2d(self, c: _HostCopy, ahead: bool = False) -> None:
         assert c.host is not None
@@ -870,7 +931,7 @@ class OffloadEngine:
             c.dev, c.h2d_done = dev, ev
         else:  # synchronous; a fresh copy even on the CPU, so the CPU runs the same life cycle as CUDA
             c.dev = c.host.to(c.src, copy=True)
-        c.given = []
+        c.given = {}
         c.round += 1
         c.pending = c.live
         self.stats["h2d"] += 1

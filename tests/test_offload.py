@@ -1097,3 +1097,97 @@ def test_reads_of_one_device_copy_are_watched_while_held_then_copied_again() -> 
     del r1, r2, again
     gc.collect()
     assert torch.equal(eng.fetch(g2), x.t()) and eng.stats["h2d"] == 3
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("later", ["call", "call-in-backward"])
+def test_a_kept_storage_written_by_a_reader_then_copied_raises_at_the_next_read(later: str, prefetch: bool) -> None:
+    """Review: a backward writes the kept tensor it read (NOTE [keep last]: read in place), then a later remat call
+    offloads, which copies the kept storage, written, to the host (before a second backward pass, or in the same
+    backward pass from a node that runs a remat call). The next read of those bytes raises, as plain autograd
+    does (prefetching started their copy back before the check had looked: a wrong gradient without an error)."""
+    pol = policies.offload_to_cpu(min_bytes=0)
+    inner = remat(lambda t: t.exp().sin(), policy=pol)
+
+    class RunsRematInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            with torch.enable_grad():
+                z = torch.zeros_like(g, requires_grad=True)
+                (extra,) = torch.autograd.grad(inner(z).sum(), z)
+            return g + 0 * extra
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        a = (x @ w).sin()
+        if later == "call":
+            return _SquareWritingItsSaved.apply(a).sum()
+        c = RunsRematInBackward.apply(a.cos())  # made before the writer: its backward runs after the writer's
+        return c.sum() + _SquareWritingItsSaved.apply(a).sum()
+
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    loss = f(x, w)
+    if later == "call":
+        torch.autograd.grad(loss, (x, w), retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss, (x, w))
+    g = remat(f, policy=pol)
+    for _ in range(3):
+        eng = _keeping_engine()
+        eng.prefetch = prefetch
+        with use_engine(eng):
+            loss = g(x, w)
+            if later == "call":
+                torch.autograd.grad(loss, (x, w), retain_graph=True)
+                g(x, w)  # offloads: the first call's kept storage goes to the host, as written
+            with pytest.raises(RematError, match="modified in place in the backward pass"):
+                torch.autograd.grad(loss, (x, w))
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_a_reader_that_writes_other_bytes_of_a_shared_copy_is_exact(engine: str) -> None:
+    """Review: ``unsafe_split``'s blocks share one copy but not a version counter, and interleave (column blocks)
+    without sharing a byte: a backward that writes one block is no error for the other's reader (plain autograd
+    gives the gradient; the check over the copy's whole bytes raised)."""
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        q, k = torch.unsafe_split((x @ w).sin(), 4, dim=1)
+        return q.cos().sum() + _SquareWritingItsSaved.apply(k).sum()
+
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    ref = torch.autograd.grad(f(x, w), (x, w))
+    g = remat(f, policy=policies.offload_to_cpu(min_bytes=0))
+    eng = ENGINES[engine]()
+    with use_engine(eng):
+        for _ in range(3):
+            got = torch.autograd.grad(_finished(eng, g(x, w)), (x, w))
+            assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert eng.stats["shared"] > 0
+
+
+def test_reads_of_a_kept_storage_are_held_once_per_handle_and_let_go_once_copied() -> None:
+    """Review: many backward passes over one retained graph (a Jacobian row by row) held one more tensor per read
+    of a kept storage, each read checking them all; and a kept storage copied out stayed alive through the tensors
+    read from it. Now: one per handle, and copied out, held weakly."""
+    f = remat(lambda v: v.sin().exp().sum(), policy=policies.offload_to_cpu(min_bytes=0))
+    x = torch.randn(1 << 12, dtype=torch.float64, requires_grad=True)
+    eng = _keeping_engine()
+    with use_engine(eng):
+        loss = f(x)
+        kept = [c for c in gc.get_objects() if type(c).__name__ == "_HostCopy" and c.engine is eng]
+        assert kept and all(c.deferred is not None for c in kept)
+        for _ in range(20):
+            (gx,) = torch.autograd.grad(loss, x, retain_graph=True)
+        assert torch.equal(gx, x.detach().cos() * x.detach().sin().exp())
+        assert max(len(c.given) for c in kept) <= max(c.live for c in kept)
+        storages = [weakref.ref(c.dev.untyped_storage()) for c in kept]
+        f(x)  # a later call offloads: the kept storages are copied out
+        del kept
+        gc.collect()
+        assert all(r() is None for r in storages)
+        (again,) = torch.autograd.grad(loss, x)
+    assert torch.equal(again, gx)
