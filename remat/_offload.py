@@ -123,7 +123,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
-import math
 import os
 import threading
 import weakref
@@ -314,37 +313,25 @@ class _PinnedPool:
             return n
 
 
-def _span_of(o: Offloaded) -> tuple[int, int]:
-    """The bytes ``[lo, hi)`` of its copy that a handle reads."""
-    es = o.dtype.itemsize
-    lo = hi = o.offset
-    for size, stride in zip(o.shape, o.stride):
-        if size == 0:
-            return 0, 0
-        if stride >= 0:
-            hi += (size - 1) * stride
-        else:
-            lo += (size - 1) * stride
-    return int(lo) * es, int(hi + 1) * es
-
-
-def _overlap(t: torch.Tensor, lo: int, o: Offloaded, max_elements: int = 1 << 24) -> bool:
-    """Whether the tensor ``t``, handed out over a copy for bytes starting at ``lo`` of it, and the handle ``o`` read
-    a byte of the copy in common, exactly, by their elements' addresses (``unsafe_split``'s column blocks
-    interleave without sharing one). Asked only where ``t`` was written, so its cost matters little; past
-    ``max_elements``: True (an error rather than a guess)."""
-    if t.numel() > max_elements or math.prod(o.shape) > max_elements:
+def _overlap(t: torch.Tensor, u: torch.Tensor, max_elements: int = 1 << 24) -> bool:
+    """Whether two tensors over one storage read a byte in common, exactly, by their elements' addresses
+    (``unsafe_split``'s column blocks interleave without sharing one). Asked only where ``t`` was written, so its
+    cost matters little; past ``max_elements``: True (an error rather than a guess)."""
+    (a, b), (lo, hi) = _span(t), _span(u)
+    if a >= hi or lo >= b:
+        return False
+    if t.numel() > max_elements or u.numel() > max_elements:
         return True
 
-    def addresses(shape: Any, stride: Any, offset: int, es: int) -> torch.Tensor:
-        addr = torch.full((), offset * es, dtype=torch.int64)
-        for size, st in zip(shape, stride):
+    def addresses(x: torch.Tensor) -> torch.Tensor:
+        es = x.element_size()
+        addr = torch.full((), int(x.storage_offset()) * es, dtype=torch.int64)
+        for size, st in zip(x.shape, x.stride()):
             addr = addr.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * (st * es)
         return (addr.reshape(-1, 1) + torch.arange(es, dtype=torch.int64)).reshape(-1)
 
-    # t's addresses are in its storage, o's in the copy: t's first byte is the copy's byte lo
-    mine = addresses(t.shape, t.stride(), int(t.storage_offset()), t.element_size()) - (_span(t)[0] - lo)
-    return bool(torch.isin(addresses(o.shape, o.stride, int(o.offset), o.dtype.itemsize), mine).any())
+    with internal():  # (remat's modes let its ops through)
+        return bool(torch.isin(addresses(u), addresses(t)).any())
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -404,9 +391,9 @@ class _HostCopy:
         self.host = self.buf = self.d2h_done = self.dev = self.dev_weak = self.h2d_done = self.deferred = \
             self.vsrc = self.saved_version = None
         # NOTE [reads of one device copy]: per handle (by id), the tensor handed out over dev (held as dev is,
-        # strongly then weakly), its version then and the bytes it reads; and the bytes a reader wrote before the
-        # copy to the host read them (a kept storage's)
-        self.given: dict[int, tuple[Any, int, int, int]] = {}
+        # strongly then weakly) and its version then; and the bytes of the copy a reader wrote before the copy to
+        # the host read them (a kept storage's)
+        self.given: dict[int, tuple[Any, int]] = {}
         self.stale: list[tuple[int, int]] = []
         self.live = 0  # live handles
         self.pending = 0  # handles not yet read since the last host-to-device copy
@@ -434,8 +421,7 @@ class Offloaded:
         True
     """
 
-    __slots__ = ("engine", "copy", "dtype", "shape", "stride", "offset", "version", "orig", "round", "span",
-                 "__weakref__")
+    __slots__ = ("engine", "copy", "dtype", "shape", "stride", "offset", "version", "orig", "round", "__weakref__")
 
     def __init__(self, engine: OffloadEngine, copy: _HostCopy, t: torch.Tensor, orig: torch.Tensor,
                  shift: int = 0) -> None:
@@ -445,7 +431,6 @@ class Offloaded:
         self.version = t._version
         self.orig = weakref.ref(orig)  # to catch in-place writes after saving, as autograd does
         self.round = 0
-        self.span: tuple[int, int] | None = None  # the bytes of the copy it reads, once it has been read
         copy.live += 1
 
     def __del__(self) -> None:
@@ -705,10 +690,11 @@ class OffloadEngine:
         raw, dst = c.deferred
         c.deferred = None
         # NOTE [reads of one device copy]: bytes a reader wrote are copied as they are now, for good
-        c.stale.extend((lo, hi) for t, v, lo, hi in c.given.values() if t._version != v)
+        base = int(raw.storage_offset())
+        c.stale.extend((lo - base, hi - base) for lo, hi in (_span(t) for t, v in c.given.values() if t._version != v))
         self._copy_raw(c, raw, dst, self._asynchronous(c.src, dst))
         c.dev = None
-        c.given = {k: (weakref.ref(t), v, lo, hi) for k, (t, v, lo, hi) in c.given.items()}
+        c.given = {k: (weakref.ref(t), v) for k, (t, v) in c.given.items()}
 
     @staticmethod
     def _settle(c: _HostCopy | None) -> None:
@@ -836,10 +822,18 @@ class OffloadEngine:
             grp = c.group
             if grp is not None and (c.dev is None or not grp.reached):
                 self._reach(grp, c)
-            span = o.span
-            if span is None:
-                span = o.span = _span_of(o)
-            written = self._written(c, o, span)
+            dev = c.dev
+            again = False  # dev: the bytes held weakly, found again
+            if dev is None:
+                s = c.dev_weak() if c.dev_weak is not None else None
+                if s is not None:
+                    dev, again = torch.empty(0, dtype=torch.uint8, device=c.src).set_(s), True
+                else:
+                    self._start_h2d(c)
+                    dev = c.dev
+            assert dev is not None
+            out = self._view(c, o, dev)
+            written = self._written(c, out, dev)
             if written:
                 raise RematError(
                     f"remat: a tensor of shape {list(o.shape)} that was offloaded for the backward pass was "
@@ -848,27 +842,13 @@ class OffloadEngine:
                     "('modified by an inplace operation'). Clone a saved tensor in your autograd.Function's "
                     "backward before writing into it."
                 )
-            dev = c.dev
-            if dev is None:
-                s = c.dev_weak() if c.dev_weak is not None and written is False else None
-                if s is not None:
-                    dev = torch.empty(0, dtype=torch.uint8, device=c.src).set_(s)
-                else:
-                    self._start_h2d(c)
-                    dev = c.dev
-            assert dev is not None
+            if written is None and again:  # a reader of these bytes died, maybe after writing: copy them again
+                self._start_h2d(c)
+                assert c.dev is not None
+                out = self._view(c, o, c.dev)
             if c.h2d_done is not None:
                 torch.cuda.current_stream(c.src).wait_event(c.h2d_done)
                 self._poll(c.src)
-            prev = c.given.get(id(o))
-            out = None if prev is None else prev[0]() if type(prev[0]) is weakref.ref else prev[0]
-            if out is None or out.untyped_storage().data_ptr() != dev.untyped_storage().data_ptr():
-                # a kept storage is read in place: dev is then a view of it, starting where the copy would
-                offset = o.offset + dev.storage_offset() // o.dtype.itemsize
-                out = torch.empty(0, dtype=o.dtype, device=c.src).set_(dev.untyped_storage(), offset, o.shape,
-                                                                     o.stride)
-                c.given[id(o)] = (out if c.dev is not None else weakref.ref(out), out._version, *span)
-            # (else: what this handle was given before, unwritten, over the same bytes: read again, not one more)
             if o.round != c.round:
                 o.round = c.round
                 self._read(c)
@@ -877,23 +857,39 @@ class OffloadEngine:
             return out
 
     @staticmethod
-    def _written(c: _HostCopy, o: Offloaded, span: tuple[int, int]) -> bool | None:
-        """NOTE [reads of one device copy]: whether bytes ``o`` reads (within ``span``) were written through a tensor
-        handed out (``None``: one that may read them died, and whether it was is not known)."""
-        lo, hi = span
+    def _view(c: _HostCopy, o: Offloaded, dev: torch.Tensor) -> torch.Tensor:
+        """``o``'s tensor over the device bytes ``dev``: what it was given before if that lives over them (its
+        version is checked with the others'), else a new one, noted (NOTE [reads of one device copy])."""
+        prev = c.given.get(id(o))
+        if prev is not None:
+            out = prev[0]() if type(prev[0]) is weakref.ref else prev[0]
+            if out is not None and out.untyped_storage().data_ptr() == dev.untyped_storage().data_ptr():
+                return out  # type: ignore[no-any-return]
+        # a kept storage is read in place: dev is then a view of it, starting where the copy would
+        offset = o.offset + dev.storage_offset() // o.dtype.itemsize
+        out = torch.empty(0, dtype=o.dtype, device=c.src).set_(dev.untyped_storage(), offset, o.shape, o.stride)
+        c.given[id(o)] = (out if c.dev is not None else weakref.ref(out), out._version)
+        return out
+
+    @staticmethod
+    def _written(c: _HostCopy, out: torch.Tensor, dev: torch.Tensor) -> bool | None:
+        """NOTE [reads of one device copy]: whether bytes ``out`` reads were written through a tensor handed out over
+        the same bytes (``None``: one died, and whether it wrote them is not known). ``dev``: the copy's bytes
+        ``out`` is over."""
         unknown = False
-        for t, v, a, b in c.given.values():
-            if a >= hi or b <= lo:
-                continue  # other bytes
+        for t, v in c.given.values():
             if type(t) is weakref.ref:
                 t = t()
                 if t is None:
                     unknown = True
                     continue
-            if t._version != v and _overlap(t, a, o):
+            if t._version != v and _overlap(t, out):
                 return True
-        if any(a < hi and b > lo for a, b in c.stale):
-            return True
+        if c.stale:
+            base = int(dev.storage_offset())  # (the stale bytes are counted from the copy's first)
+            lo, hi = _span(out)
+            if any(a < hi - base and b > lo - base for a, b in c.stale):
+                return True
         return None if unknown else False
 
     def _read(self, c: _HostCopy) -> None:
@@ -910,7 +906,7 @@ class OffloadEngine:
                 self._stream_wait(c.src, c.h2d_done)
             c.dev_weak = weakref.ref(c.dev.untyped_storage())
             c.dev = None
-            c.given = {k: (weakref.ref(t), v, lo, hi) for k, (t, v, lo, hi) in c.given.items()}
+            c.given = {k: (weakref.ref(t), v) for k, (t, v) in c.given.items()}
 
     def _start_h2d(self, c: _HostCopy, ahead: bool = False) -> None:
         assert c.host is not None
