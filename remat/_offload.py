@@ -313,25 +313,59 @@ class _PinnedPool:
             return n
 
 
-def _overlap(t: torch.Tensor, u: torch.Tensor, max_elements: int = 1 << 24) -> bool:
-    """Whether two tensors over one storage read a byte in common, exactly, by their elements' addresses
-    (``unsafe_split``'s column blocks interleave without sharing one). Asked only where ``t`` was written, so its
-    cost matters little; past ``max_elements``: True (an error rather than a guess)."""
-    (a, b), (lo, hi) = _span(t), _span(u)
-    if a >= hi or lo >= b:
+# A tensor's bytes in its storage: (first byte, shape, strides in bytes, element size)
+_Geometry = tuple[int, tuple[int, ...], tuple[int, ...], int]
+
+
+def _geometry(t: torch.Tensor, base: int = 0) -> _Geometry:
+    """``t``'s :data:`_Geometry`, its bytes counted from byte ``base`` of its storage."""
+    es = t.element_size()
+    return int(t.storage_offset()) * es - base, tuple(t.shape), tuple(int(st) * es for st in t.stride()), es
+
+
+def _live(t: Any) -> torch.Tensor | None:
+    """A tensor of a table of reads (NOTE [reads of one device copy]), held strongly or weakly."""
+    return t() if type(t) is weakref.ref else t  # type: ignore[no-any-return]
+
+
+def _hold_weakly(reads: dict[int, tuple[Any, int]]) -> None:
+    """NOTE [reads of one device copy]: from now on, hold the tensors of this table of reads weakly (in place: a
+    kept storage's table is shared by its copies, which are copied out together)."""
+    for k, (t, v) in reads.items():
+        if type(t) is not weakref.ref:
+            reads[k] = (weakref.ref(t), v)
+
+
+def _overlap(g: _Geometry, h: _Geometry, max_addresses: int = 1 << 24) -> bool:
+    """Whether two tensors' bytes (:data:`_Geometry`, in one storage) have one in common, exactly, by their
+    elements' addresses (``unsafe_split``'s column blocks interleave without sharing one). Asked only where one of
+    them was written, so its cost matters little; past ``max_addresses`` bytes each: True (an error rather than a
+    guess)."""
+    def extent(x: _Geometry) -> tuple[int, int, int]:
+        lo = hi = x[0]
+        n = 1
+        for size, st in zip(x[1], x[2]):
+            n *= size
+            if st >= 0:
+                hi += (size - 1) * st
+            else:
+                lo += (size - 1) * st
+        return lo, hi + x[3], n * x[3]
+
+    (a, b, n), (lo, hi, m) = extent(g), extent(h)
+    if n == 0 or m == 0 or a >= hi or lo >= b:
         return False
-    if t.numel() > max_elements or u.numel() > max_elements:
+    if n > max_addresses or m > max_addresses:
         return True
 
-    def addresses(x: torch.Tensor) -> torch.Tensor:
-        es = x.element_size()
-        addr = torch.full((), int(x.storage_offset()) * es, dtype=torch.int64)
-        for size, st in zip(x.shape, x.stride()):
-            addr = addr.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * (st * es)
-        return (addr.reshape(-1, 1) + torch.arange(es, dtype=torch.int64)).reshape(-1)
+    def addresses(x: _Geometry) -> torch.Tensor:
+        addr = torch.full((), x[0], dtype=torch.int64)
+        for size, st in zip(x[1], x[2]):
+            addr = addr.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * st
+        return (addr.reshape(-1, 1) + torch.arange(x[3], dtype=torch.int64)).reshape(-1)
 
     with internal():  # (remat's modes let its ops through)
-        return bool(torch.isin(addresses(u), addresses(t)).any())
+        return bool(torch.isin(addresses(h), addresses(g)).any())
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -356,13 +390,16 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 class _Group:
     """The offloaded storages of one remat call."""
 
-    __slots__ = ("gid", "copies", "by_storage", "reached", "deferred", "__weakref__")
+    __slots__ = ("gid", "copies", "by_storage", "reached", "deferred", "kept_reads", "__weakref__")
 
     def __init__(self, gid: int) -> None:
         self.gid = gid
         self.copies: list[weakref.ref[_HostCopy]] = []
         self.deferred: list[weakref.ref[_HostCopy]] = []  # copies not started yet (NOTE [keep last])
         self.by_storage: dict[int, tuple[Any, int, weakref.ref[_HostCopy]]] = {}
+        # per storage kept on the device (by data pointer), the reads of all its kept copies (a whole copy and the
+        # span of a small slice read the same bytes: NOTE [reads of one device copy])
+        self.kept_reads: dict[int, dict[int, tuple[Any, int]]] = {}
         self.reached = False
 
 
@@ -394,7 +431,7 @@ class _HostCopy:
         # strongly then weakly) and its version then; and the bytes of the copy a reader wrote before the copy to
         # the host read them (a kept storage's)
         self.given: dict[int, tuple[Any, int]] = {}
-        self.stale: list[tuple[int, int]] = []
+        self.stale: list[_Geometry] = []
         self.live = 0  # live handles
         self.pending = 0  # handles not yet read since the last host-to-device copy
         self.round = 0  # number of host-to-device copies started
@@ -656,6 +693,7 @@ class OffloadEngine:
         c.vsrc, c.saved_version = src, src._version  # NOTE [written while copied]
         if keep:
             c.dev, c.deferred = raw, (raw, dst)  # NOTE [keep last]: copied when a later call offloads
+            c.given = grp.kept_reads.setdefault(int(storage.data_ptr()), {})  # type: ignore[union-attr]
             grp.deferred.append(weakref.ref(c))  # type: ignore[union-attr]
             self.stats["kept_on_device"] += 1
             self._log("keep", c)
@@ -689,12 +727,16 @@ class OffloadEngine:
         assert c.deferred is not None
         raw, dst = c.deferred
         c.deferred = None
-        # NOTE [reads of one device copy]: bytes a reader wrote are copied as they are now, for good
+        # NOTE [reads of one device copy]: bytes a reader wrote are copied as they are now, for good (counted from
+        # the copy's first byte); the reads are held weakly from now on, in a table of this copy's own
         base = int(raw.storage_offset())
-        c.stale.extend((lo - base, hi - base) for lo, hi in (_span(t) for t, v in c.given.values() if t._version != v))
+        for t, v in c.given.values():
+            x = _live(t)
+            if x is not None and x._version != v:
+                c.stale.append(_geometry(x, base))
         self._copy_raw(c, raw, dst, self._asynchronous(c.src, dst))
         c.dev = None
-        c.given = {k: (weakref.ref(t), v) for k, (t, v) in c.given.items()}
+        _hold_weakly(c.given)
 
     @staticmethod
     def _settle(c: _HostCopy | None) -> None:
@@ -862,7 +904,7 @@ class OffloadEngine:
         version is checked with the others'), else a new one, noted (NOTE [reads of one device copy])."""
         prev = c.given.get(id(o))
         if prev is not None:
-            out = prev[0]() if type(prev[0]) is weakref.ref else prev[0]
+            out = _live(prev[0])
             if out is not None and out.untyped_storage().data_ptr() == dev.untyped_storage().data_ptr():
                 return out  # type: ignore[no-any-return]
         # a kept storage is read in place: dev is then a view of it, starting where the copy would
@@ -878,17 +920,14 @@ class OffloadEngine:
         ``out`` is over."""
         unknown = False
         for t, v in c.given.values():
-            if type(t) is weakref.ref:
-                t = t()
-                if t is None:
-                    unknown = True
-                    continue
-            if t._version != v and _overlap(t, out):
+            x = _live(t)
+            if x is None:
+                unknown = True
+            elif x._version != v and _overlap(_geometry(x), _geometry(out)):
                 return True
         if c.stale:
-            base = int(dev.storage_offset())  # (the stale bytes are counted from the copy's first)
-            lo, hi = _span(out)
-            if any(a < hi - base and b > lo - base for a, b in c.stale):
+            mine = _geometry(out, int(dev.storage_offset()))  # (stale bytes are counted from the copy's first)
+            if any(_overlap(g, mine) for g in c.stale):
                 return True
         return None if unknown else False
 
@@ -906,7 +945,7 @@ class OffloadEngine:
                 self._stream_wait(c.src, c.h2d_done)
             c.dev_weak = weakref.ref(c.dev.untyped_storage())
             c.dev = None
-            c.given = {k: (weakref.ref(t), v) for k, (t, v) in c.given.items()}
+            _hold_weakly(c.given)
 
     def _start_h2d(self, c: _HostCopy, ahead: bool = False) -> None:
         assert c.host is not None
