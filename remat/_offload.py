@@ -83,24 +83,31 @@ NOTE [reads of one device copy]
     In plain autograd two ops that saved one tensor read the same tensor: a
     backward that writes into what it read (a custom ``Function`` doing
     ``a.mul_(2)`` on its saved ``a``) moves its version, and the other op's read
-    raises. The engine hands each read a tensor of its own over the shared
-    device bytes, so it watches them instead: per handle, the tensor handed out,
-    its version then and the bytes it reads, held for as long as the device copy
-    itself is (until every handle has been read; then weakly). A read first
-    checks those that read any of its bytes: one written raises ``RematError``,
-    where handing the next reader the written bytes gave a wrong gradient
-    without an error. Only a byte in common counts, exactly (``unsafe_split``'s
-    column blocks share a copy and interleave, but not a byte or a version
-    counter: plain autograd lets one be written under the other's reader).
-    Checking the tensors handed out, not a counter shared through views, holds
-    however the read ran (views made inside a dispatch mode's handler share no
-    counter). A handle read again gets the tensor it was given, if it lives
-    unwritten, so a Jacobian row by row over one retained graph holds one per
-    handle. Held weakly, the bytes are read again only while every tensor that
-    reads them lives unwritten; otherwise the host bytes, which nothing writes,
-    are copied again. A kept storage (NOTE [keep last]) read in place has no
-    other copy: the bytes a reader wrote before it was copied out are recorded
-    (``stale``) and raise at every later read of them.
+    raises. The engine hands each read a tensor of its own over a device copy,
+    so it watches them instead: per handle, the tensor handed out and its
+    version then, held for as long as the device copy itself is (until every
+    handle has been read; then weakly). A read first checks the tensors handed
+    out over every copy of the same saved storage in the call (a whole copy,
+    the span of a small slice, kept ones reading the storage in place), and the
+    bytes their readers wrote that were put on record when a copy's tensors
+    were let go, copied out, replaced or died with it
+    (``_StorageReads.written``): a byte in common with one written raises
+    ``RematError``, where handing the reader the written bytes gave a wrong
+    gradient without an error. Bytes count exactly, by address
+    (``unsafe_split``'s column blocks share a copy and interleave without
+    sharing a byte). Whether two tensors share a version counter cannot be
+    asked, so a write through an ``unsafe_split`` alias (which torch leaves
+    unchecked: those aliases must not be written in place) raises for a reader
+    of the same bytes where plain autograd reads them. Checking the tensors
+    handed out, not a counter shared through views, holds however the read ran
+    (views made inside a dispatch mode's handler share no counter). A handle
+    read again gets the tensor it was given, if it lives over the same bytes,
+    so a Jacobian row by row over one retained graph holds one per handle.
+    Held weakly, the bytes are read again only while every tensor handed out
+    over them lives; otherwise the host bytes, which nothing writes, are copied
+    again. A write the engine cannot see (by a tensor that died after every
+    handle of its copy was read; into a copy other than the reader's, once its
+    tensor died) leaves the reader the saved values, where plain autograd raises.
 
 NOTE [default engine]
     One engine serves every remat call of a thread (so prefetching can look from
@@ -323,17 +330,33 @@ def _geometry(t: torch.Tensor, base: int = 0) -> _Geometry:
     return int(t.storage_offset()) * es - base, tuple(t.shape), tuple(int(st) * es for st in t.stride()), es
 
 
-def _live(t: Any) -> torch.Tensor | None:
-    """A tensor of a table of reads (NOTE [reads of one device copy]), held strongly or weakly."""
-    return t() if type(t) is weakref.ref else t  # type: ignore[no-any-return]
+class _StorageReads:
+    """NOTE [reads of one device copy]: the copies of one saved storage in one call (a whole copy, the span of a
+    small slice, a copy made after a write), and the bytes of it their readers wrote, counted in its own bytes."""
+
+    __slots__ = ("origin", "copies", "written")
+
+    def __init__(self, origin: Any) -> None:
+        self.origin = origin  # (the weak reference whose id keys it: held, so that the id is not reused)
+        self.copies: list[weakref.ref[_HostCopy]] = []
+        self.written: list[_Geometry] = []
 
 
-def _hold_weakly(reads: dict[int, tuple[Any, int]]) -> None:
-    """NOTE [reads of one device copy]: from now on, hold the tensors of this table of reads weakly (in place: a
-    kept storage's table is shared by its copies, which are copied out together)."""
-    for k, (t, v) in reads.items():
-        if type(t) is not weakref.ref:
-            reads[k] = (weakref.ref(t), v)
+def _note_written(c: _HostCopy, weakly: bool = False) -> None:
+    """NOTE [reads of one device copy]: keep, with its storage's reads, the bytes that tensors ``c`` handed out
+    wrote (they may die, or ``c`` may, before a later read of those bytes); ``weakly``: hold them weakly from now
+    on."""
+    given = c.given
+    for k, (t, v, base) in given.items():
+        x = t() if type(t) is weakref.ref else t
+        if x is not None and x._version != v:
+            if c.reads is None:  # (a storage with one copy in the call: a record of its own)
+                c.reads = _StorageReads(c.origin)
+                c.reads.copies.append(weakref.ref(c))
+            c.reads.written.append(_geometry(x, base))
+            given[k] = (t, x._version, base)
+        if weakly and x is t:
+            given[k] = (weakref.ref(x), given[k][1], base)
 
 
 def _overlap(g: _Geometry, h: _Geometry, max_addresses: int = 1 << 24) -> bool:
@@ -390,16 +413,17 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 class _Group:
     """The offloaded storages of one remat call."""
 
-    __slots__ = ("gid", "copies", "by_storage", "reached", "deferred", "kept_reads", "__weakref__")
+    __slots__ = ("gid", "copies", "by_storage", "reached", "deferred", "origins", "reads", "__weakref__")
 
     def __init__(self, gid: int) -> None:
         self.gid = gid
         self.copies: list[weakref.ref[_HostCopy]] = []
         self.deferred: list[weakref.ref[_HostCopy]] = []  # copies not started yet (NOTE [keep last])
         self.by_storage: dict[int, tuple[Any, int, weakref.ref[_HostCopy]]] = {}
-        # per storage kept on the device (by data pointer), the reads of all its kept copies (a whole copy and the
-        # span of a small slice read the same bytes: NOTE [reads of one device copy])
-        self.kept_reads: dict[int, dict[int, tuple[Any, int]]] = {}
+        # per saved storage (by the id of the weak reference its copies hold), how many copies it has, and, for
+        # one with more than one, the reads of all of them (NOTE [reads of one device copy])
+        self.origins: dict[int, int] = {}
+        self.reads: dict[int, _StorageReads] = {}
         self.reached = False
 
 
@@ -408,7 +432,7 @@ class _HostCopy:
 
     __slots__ = ("engine", "cid", "group", "src", "nbytes", "host", "buf", "d2h_done", "dev", "dev_weak",
                  "h2d_done", "live", "pending", "round", "deferred", "vsrc", "saved_version", "given",
-                 "stale", "__weakref__")
+                 "origin", "origin_lo", "reads", "__weakref__")
 
     host: torch.Tensor | None
     buf: torch.Tensor | None  # the pool buffer behind host (pinned path only)
@@ -428,10 +452,13 @@ class _HostCopy:
         self.host = self.buf = self.d2h_done = self.dev = self.dev_weak = self.h2d_done = self.deferred = \
             self.vsrc = self.saved_version = None
         # NOTE [reads of one device copy]: per handle (by id), the tensor handed out over dev (held as dev is,
-        # strongly then weakly) and its version then; and the bytes of the copy a reader wrote before the copy to
-        # the host read them (a kept storage's)
-        self.given: dict[int, tuple[Any, int]] = {}
-        self.stale: list[_Geometry] = []
+        # strongly then weakly), its version then, and the byte of its storage where the saved storage's first
+        # would be; the saved storage (a weak reference: a token for it) and its byte where this copy starts; the
+        # reads of all the storage's copies in this call, once this one has been read
+        self.given: dict[int, tuple[Any, int, int]] = {}
+        self.origin: Any = None
+        self.origin_lo = 0
+        self.reads: _StorageReads | None = None
         self.live = 0  # live handles
         self.pending = 0  # handles not yet read since the last host-to-device copy
         self.round = 0  # number of host-to-device copies started
@@ -439,6 +466,8 @@ class _HostCopy:
     def __del__(self) -> None:
         if self.buf is not None:
             self.engine._pool.release(self.buf, self.h2d_done or self.d2h_done)
+        if self.given and self.group is not None and self.group.origins.get(id(self.origin), 1) > 1:
+            _note_written(self)  # its handles died after their reads: what these wrote stays known to the others
 
 
 class Offloaded:
@@ -682,6 +711,10 @@ class OffloadEngine:
         nbytes = hi - lo
         device = src.device
         c = _HostCopy(self, self._next_cid, grp, device, nbytes)
+        c.origin = origin = weakref.ref(storage)
+        c.origin_lo = lo
+        if grp is not None:
+            grp.origins[id(origin)] = grp.origins.get(id(origin), 0) + 1
         self._next_cid += 1
         keep = grp is not None and self.keep_last > 0 and device.type in self._keep_devices
         if whole and not keep and not self._asynchronous(device, dst):
@@ -693,7 +726,6 @@ class OffloadEngine:
         c.vsrc, c.saved_version = src, src._version  # NOTE [written while copied]
         if keep:
             c.dev, c.deferred = raw, (raw, dst)  # NOTE [keep last]: copied when a later call offloads
-            c.given = grp.kept_reads.setdefault(int(storage.data_ptr()), {})  # type: ignore[union-attr]
             grp.deferred.append(weakref.ref(c))  # type: ignore[union-attr]
             self.stats["kept_on_device"] += 1
             self._log("keep", c)
@@ -727,16 +759,9 @@ class OffloadEngine:
         assert c.deferred is not None
         raw, dst = c.deferred
         c.deferred = None
-        # NOTE [reads of one device copy]: bytes a reader wrote are copied as they are now, for good (counted from
-        # the copy's first byte); the reads are held weakly from now on, in a table of this copy's own
-        base = int(raw.storage_offset())
-        for t, v in c.given.values():
-            x = _live(t)
-            if x is not None and x._version != v:
-                c.stale.append(_geometry(x, base))
+        _note_written(c, weakly=True)  # NOTE [reads of one device copy]: what a reader wrote is copied as it is
         self._copy_raw(c, raw, dst, self._asynchronous(c.src, dst))
         c.dev = None
-        _hold_weakly(c.given)
 
     @staticmethod
     def _settle(c: _HostCopy | None) -> None:
@@ -904,30 +929,48 @@ class OffloadEngine:
         version is checked with the others'), else a new one, noted (NOTE [reads of one device copy])."""
         prev = c.given.get(id(o))
         if prev is not None:
-            out = _live(prev[0])
+            t = prev[0]
+            out = t() if type(t) is weakref.ref else t
             if out is not None and out.untyped_storage().data_ptr() == dev.untyped_storage().data_ptr():
                 return out  # type: ignore[no-any-return]
         # a kept storage is read in place: dev is then a view of it, starting where the copy would
         offset = o.offset + dev.storage_offset() // o.dtype.itemsize
         out = torch.empty(0, dtype=o.dtype, device=c.src).set_(dev.untyped_storage(), offset, o.shape, o.stride)
-        c.given[id(o)] = (out if c.dev is not None else weakref.ref(out), out._version)
+        c.given[id(o)] = (out if c.dev is not None else weakref.ref(out), out._version,
+                          int(dev.storage_offset()) - c.origin_lo)
         return out
 
     @staticmethod
     def _written(c: _HostCopy, out: torch.Tensor, dev: torch.Tensor) -> bool | None:
-        """NOTE [reads of one device copy]: whether bytes ``out`` reads were written through a tensor handed out over
-        the same bytes (``None``: one died, and whether it wrote them is not known). ``dev``: the copy's bytes
-        ``out`` is over."""
+        """NOTE [reads of one device copy]: whether bytes ``out`` (over ``dev``, ``c``'s device bytes) reads were
+        written through a tensor handed out over a copy of the same saved storage in this call (``None``: one of
+        ``c``'s died, and whether it wrote them is not known)."""
+        reads = c.reads
+        grp = c.group
+        if reads is None and grp is not None and grp.origins.get(id(c.origin), 1) > 1:
+            # (the first read of a copy whose storage has others in the call: it joins the storage's reads)
+            reads = grp.reads.get(id(c.origin))
+            if reads is None:
+                reads = grp.reads[id(c.origin)] = _StorageReads(c.origin)
+            reads.copies.append(weakref.ref(c))
+            c.reads = reads
+        copies = (c,) if reads is None else [r() for r in reads.copies]
+        mine = None  # out's bytes, worked out only where something was written
         unknown = False
-        for t, v in c.given.values():
-            x = _live(t)
-            if x is None:
-                unknown = True
-            elif x._version != v and _overlap(_geometry(x), _geometry(out)):
-                return True
-        if c.stale:
-            mine = _geometry(out, int(dev.storage_offset()))  # (stale bytes are counted from the copy's first)
-            if any(_overlap(g, mine) for g in c.stale):
+        for other in copies:
+            if other is None:
+                continue
+            for t, v, base in other.given.values():
+                x = t() if type(t) is weakref.ref else t
+                if x is None:
+                    unknown = unknown or other is c
+                elif x._version != v:
+                    mine = mine or _geometry(out, int(dev.storage_offset()) - c.origin_lo)
+                    if _overlap(_geometry(x, base), mine):
+                        return True
+        if reads is not None and reads.written:
+            mine = mine or _geometry(out, int(dev.storage_offset()) - c.origin_lo)
+            if any(_overlap(g, mine) for g in reads.written):
                 return True
         return None if unknown else False
 
@@ -945,7 +988,7 @@ class OffloadEngine:
                 self._stream_wait(c.src, c.h2d_done)
             c.dev_weak = weakref.ref(c.dev.untyped_storage())
             c.dev = None
-            _hold_weakly(c.given)
+            _note_written(c, weakly=True)
 
     def _start_h2d(self, c: _HostCopy, ahead: bool = False) -> None:
         assert c.host is not None
@@ -966,6 +1009,7 @@ class OffloadEngine:
             c.dev, c.h2d_done = dev, ev
         else:  # synchronous; a fresh copy even on the CPU, so the CPU runs the same life cycle as CUDA
             c.dev = c.host.to(c.src, copy=True)
+        _note_written(c)  # (what the last round's reads wrote stays known; the new round's read other bytes)
         c.given = {}
         c.round += 1
         c.pending = c.live

@@ -1191,3 +1191,96 @@ def test_reads_of_a_kept_storage_are_held_once_per_handle_and_let_go_once_copied
         assert all(r() is None for r in storages)
         (again,) = torch.autograd.grad(loss, x)
     assert torch.equal(again, gx)
+
+
+def test_a_write_through_a_whole_kept_copy_raises_at_the_read_of_a_slices_span() -> None:
+    """Second review: a reader of ``a`` (a whole copy) writes it; ``a[0:1]``, under half the storage, has a span copy
+    of its own. Kept on the device both read the storage in place, so the slice's reader got the written bytes: a
+    wrong gradient without an error (plain autograd raises). The check covers every copy of one saved storage."""
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        a = (x @ w).sin()
+        r = a[0:1].cos()  # saves a[0:1], read after the writer
+        return r.sum() + _SquareWritingItsSaved.apply(a).sum()
+
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(f(x, w), (x, w))
+    g = remat(f, policy=policies.offload_to_cpu(min_bytes=0))
+    eng = _keeping_engine()
+    with use_engine(eng):
+        for _ in range(3):
+            with pytest.raises(RematError, match="modified in place in the backward pass"):
+                torch.autograd.grad(g(x, w), (x, w))
+    assert eng.stats["kept_on_device"] >= 2
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_bytes_written_before_a_kept_copy_went_out_are_checked_by_address(prefetch: bool) -> None:
+    """Second review: the bytes a reader wrote before a kept storage was copied out were checked as a range; the
+    other ``unsafe_split`` block, interleaved with it but sharing no byte, raised where plain autograd gives a
+    gradient. A remat call in a later node's backward copies the kept storage out between the two reads."""
+    pol = policies.offload_to_cpu(min_bytes=0)
+    inner = remat(lambda t: t.exp().sin(), policy=pol)
+
+    class RunsRematInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            with torch.enable_grad():
+                z = torch.zeros_like(g, requires_grad=True)
+                (extra,) = torch.autograd.grad(inner(z).sum(), z)
+            return g + 0 * extra
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        q, k = torch.unsafe_split((x @ w).sin(), 4, dim=1)
+        c = RunsRematInBackward.apply(q.cos())  # cos saves q, read last; the remat call copies the storage out
+        return c.sum() + _SquareWritingItsSaved.apply(k).sum()  # the writer runs first
+
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    ref = torch.autograd.grad(f(x, w), (x, w))
+    g = remat(f, policy=pol)
+    for _ in range(3):
+        eng = _keeping_engine()
+        eng.prefetch = prefetch
+        with use_engine(eng):
+            got = torch.autograd.grad(g(x, w), (x, w))
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+        assert eng.stats["kept_on_device"] > 0 and eng.stats["copies"] > 0
+
+
+def test_a_kept_storage_is_freed_once_its_readers_ran() -> None:
+    """Review of the check: a table of reads shared by a kept storage's copies held the tensors read from it until
+    the whole call's backward ended. Measured by a weak reference to the storage, in the backward of a node that
+    runs after the storage's readers and before the call's other ones."""
+    alive: list[bool] = []
+    stores: list[weakref.ref[Any]] = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            gc.collect()
+            alive.append(stores[-1]() is not None)
+            return g
+
+    def f(v: torch.Tensor) -> torch.Tensor:
+        p = Probe.apply((v * 1).exp().sin())
+        a2 = p.exp()  # exp saves a2, sin too: both read before the probe's backward
+        stores.append(weakref.ref(a2.untyped_storage()))
+        return a2.sin().sum()
+
+    x = torch.randn(1 << 12, dtype=torch.float64, requires_grad=True)
+    g = remat(f, policy=policies.offload_to_cpu(min_bytes=0))
+    eng = _keeping_engine()
+    with use_engine(eng):
+        for _ in range(3):
+            g(x).backward()
+    assert alive == [False] * 3 and eng.stats["kept_on_device"] > 0
