@@ -1284,3 +1284,30 @@ def test_a_kept_storage_is_freed_once_its_readers_ran() -> None:
         for _ in range(3):
             g(x).backward()
     assert alive == [False] * 3 and eng.stats["kept_on_device"] > 0
+
+
+def test_overlap_by_address_agrees_with_the_bytes_two_views_read() -> None:
+    """NOTE [reads of one device copy]: whether two views of one storage share a byte, as the engine works it out
+    (``_overlap`` of their geometries, counted from an arbitrary first byte), against the sets of bytes they read."""
+    from remat._offload import _geometry, _overlap
+
+    def byte_set(t: torch.Tensor) -> set[int]:
+        es = t.element_size()
+        idx = torch.as_strided(torch.arange(t.untyped_storage().nbytes()), t.shape, t.stride(), t.storage_offset())
+        return {i * es + k for i in idx.reshape(-1).tolist() for k in range(es)}
+
+    views: list[Callable[[torch.Tensor], torch.Tensor]] = [
+        lambda b: b, lambda b: b.t(), lambda b: b[:, 1::2], lambda b: b[:, ::2], lambda b: b[1:3],
+        lambda b: b[2:3, 1:5], lambda b: b.view(torch.int32)[:, 1::2], lambda b: b.view(torch.uint8)[1, 3:9],
+        lambda b: b.view(torch.int16)[:, ::4], lambda b: b[0].expand(3, 8), lambda b: b.diagonal(),
+        lambda b: b[:, 3], lambda b: b.view(-1)[5:20].view(3, 5), lambda b: b[:0]]
+    base = torch.randn(4, 8, dtype=torch.float64)
+    checked = 0
+    for va in views:
+        for vb in views:
+            a, b = va(base), vb(base)
+            truth = bool(byte_set(a) & byte_set(b))
+            for shift in (0, 40):  # counted from another first byte: only the difference matters
+                assert _overlap(_geometry(a, shift), _geometry(b, shift)) == truth
+                checked += 1
+    assert checked == 2 * len(views) ** 2
