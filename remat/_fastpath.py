@@ -806,7 +806,10 @@ class _ValueReplay(_Replay):
                     out = call(*args, **kwargs) if kwargs else call(*args)
             want = self.at_op.get(i)
             if want is not None:
-                self._take(out, want)
+                if len(want) == 1 and type(out) is torch.Tensor and want[0][0] == 0:
+                    self._take_one(out, want[0][1])  # (one tensor, the common case)
+                else:
+                    self._take(out, want)
             return out
         if INTERNAL.get() or ignored(func):
             return func(*args, **kwargs) if kwargs else func(*args)
@@ -814,6 +817,18 @@ class _ValueReplay(_Replay):
             self.settle(i)
             raise _Stop  # (stop <= limit: the ops past the plan come after the last save)
         raise _NeedsGraph  # not the forward pass's op without a graph: maybe with one (a fused path taken)
+
+    def _take_one(self, t: torch.Tensor, pos: int) -> None:
+        """:meth:`_take` of an op that returned one tensor, the dropped tensor at save position ``pos``."""
+        meta = self.drops.get(pos)
+        if meta is None:
+            return  # not dropped by this call (held as an input of it)
+        ph = self.placeholders
+        if ph and id(t) in ph and _is_placeholder(ph, t):
+            raise _PlanWrong
+        if t.shape != meta[0] or t.dtype != meta[1]:
+            raise _NeedsGraph
+        self.pending.append((pos, weakref.ref(t)))
 
     def _take(self, out: Any, want: list[tuple[int, int]]) -> None:
         """The dropped tensors op ``i`` returned: checked as the recompute that saves checks them. One tensor is

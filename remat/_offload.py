@@ -67,6 +67,16 @@ NOTE [one copy per storage]
     an error. So the call's recorder tells the engine of every storage an op is
     about to write, and a tensor saved after that gets a copy of its own.
 
+    A small slice (under half its storage) gets a copy of the bytes it spans, unless
+    the storage already has a whole copy in the call, which it shares. Shared, the
+    slice comes back as a view of the same device bytes as the whole tensor, as in
+    plain autograd, where a node that saved ``a`` and ``a[0:1]`` and writes ``a`` in
+    its backward reads the written bytes through the slice; from a copy of its own
+    it read the saved ones, a wrong gradient without an error. So when a whole copy
+    is made after a slice's span copy (saved in the other order), the slice's handle
+    moves to the whole copy too, if the storage is unchanged since and the span was
+    never read.
+
 NOTE [written while copied]
     Autograd refuses a saved tensor written in place after it was saved. The engine
     holds an offloaded tensor's copy, not the tensor, so it keeps an alias of the
@@ -132,6 +142,7 @@ import contextlib
 import contextvars
 import os
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -413,18 +424,25 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 class _Group:
     """The offloaded storages of one remat call."""
 
-    __slots__ = ("gid", "copies", "by_storage", "reached", "deferred", "origins", "reads", "__weakref__")
+    __slots__ = ("gid", "copies", "by_storage", "spans", "reached", "deferred", "origins", "reads", "__weakref__")
 
     def __init__(self, gid: int) -> None:
         self.gid = gid
         self.copies: list[weakref.ref[_HostCopy]] = []
         self.deferred: list[weakref.ref[_HostCopy]] = []  # copies not started yet (NOTE [keep last])
         self.by_storage: dict[int, tuple[Any, int, weakref.ref[_HostCopy]]] = {}
+        # per storage (data pointer), the span copies of small slices made before any whole copy: each with the
+        # storage's version then and its handle, to move to a whole copy made later (NOTE [one copy per storage])
+        self.spans: dict[int, list[tuple[int, weakref.ref[_HostCopy], weakref.ref[Offloaded]]]] = {}
         # per saved storage (by the id of the weak reference its copies hold), how many copies it has, and, for
         # one with more than one, the reads of all of them (NOTE [reads of one device copy])
         self.origins: dict[int, int] = {}
         self.reads: dict[int, _StorageReads] = {}
         self.reached = False
+
+
+# a copy no handle has read: one read-only empty table for all (a dict per copy costs on the forward pass's hot path)
+_NOTHING_GIVEN: Any = types.MappingProxyType({})
 
 
 class _HostCopy:
@@ -446,22 +464,20 @@ class _HostCopy:
     vsrc: torch.Tensor | None
     saved_version: int | None  # if the bytes were written before their copy had read them: raise
 
-    def __init__(self, engine: OffloadEngine, cid: int, group: _Group | None, src: torch.device, nbytes: int) -> None:
-        self.engine, self.cid, self.group, self.src, self.nbytes = engine, cid, group, src, nbytes
-        # (one statement: a copy is made per offloaded storage, on the forward pass's hot path)
+    def __init__(self, engine: OffloadEngine, cid: int, group: _Group | None, src: torch.device, nbytes: int,
+                 origin: Any = None, origin_lo: int = 0) -> None:
+        # (few statements: a copy is made per offloaded storage, on the forward pass's hot path)
+        self.engine, self.cid, self.group, self.src, self.nbytes, self.origin, self.origin_lo = \
+            engine, cid, group, src, nbytes, origin, origin_lo
         self.host = self.buf = self.d2h_done = self.dev = self.dev_weak = self.h2d_done = self.deferred = \
-            self.vsrc = self.saved_version = None
+            self.vsrc = self.saved_version = self.reads = None
         # NOTE [reads of one device copy]: per handle (by id), the tensor handed out over dev (held as dev is,
         # strongly then weakly), its version then, and the byte of its storage where the saved storage's first
-        # would be; the saved storage (a weak reference: a token for it) and its byte where this copy starts; the
-        # reads of all the storage's copies in this call, once this one has been read
-        self.given: dict[int, tuple[Any, int, int]] = {}
-        self.origin: Any = None
-        self.origin_lo = 0
-        self.reads: _StorageReads | None = None
-        self.live = 0  # live handles
-        self.pending = 0  # handles not yet read since the last host-to-device copy
-        self.round = 0  # number of host-to-device copies started
+        # would be; origin: the saved storage (a weak reference: a token for it), origin_lo: its byte where this
+        # copy starts; reads: the reads of all the storage's copies in this call, once this one has been read
+        self.given: dict[int, tuple[Any, int, int]] = _NOTHING_GIVEN  # (one dict for all until a handle is read)
+        # live handles; handles not yet read since the last host-to-device copy; host-to-device copies started
+        self.live = self.pending = self.round = 0
 
     def __del__(self) -> None:
         if self.buf is not None:
@@ -583,13 +599,15 @@ class OffloadEngine:
         self._next_gid = 0
         self._next_cid = 0
         self._devices: dict[str, torch.device] = {}  # (a policy's device strings, parsed once)
+        # (a device's type, looked up: torch.device.type makes a new string, ~0.4 us, on the hot path of both passes)
+        self._types: dict[torch.device, str] = {}
         self.stats: collections.Counter[str] = collections.Counter()
 
     # ---- forward ---------------------------------------------------------------
     def applies(self, t: torch.Tensor, decision: Any) -> bool:
         """Whether ``decision`` (an Offloadable) moves ``t``: right source device, plain strided (no conjugate or
         negative bit, not quantized or nested), large enough."""
-        if decision.src is not None and self._device(decision.src).type != t.device.type:
+        if decision.src is not None and self._type(self._device(decision.src)) != self._type(t.device):
             return False
         if (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter) or t.layout is not torch.strided \
                 or t.is_meta:
@@ -630,6 +648,12 @@ class OffloadEngine:
         assert grp is not None
         return grp
 
+    def _type(self, dev: torch.device) -> str:
+        t = self._types.get(dev)
+        if t is None:
+            t = self._types[dev] = dev.type
+        return t
+
     def _device(self, name: str) -> torch.device:
         dev = self._devices.get(name)
         if dev is None:
@@ -637,6 +661,8 @@ class OffloadEngine:
         return dev
 
     def _offload(self, t: torch.Tensor, dst: str, group: Any) -> Offloaded:
+        # (on the forward pass's hot path, a saved tensor per op: the common cases inline, measured per tensor in
+        # docs/benchmarks.md)
         if _ti.cuda_graph_capturing(t):
             raise RematError(
                 "remat: an offload policy ran under CUDA graph capture; its copies to host memory and "
@@ -648,30 +674,57 @@ class OffloadEngine:
         storage = src.untyped_storage()
         grp = group if type(group) is _Group else self._group(group)
         total = storage.nbytes()
-        lo, hi = _span(src)
-        todev = self._device(dst)
-        if 2 * (hi - lo) < total:
-            span = self._copy_out(src, storage, todev, grp, lo, hi)
-            if grp is not None:
-                grp.copies.append(weakref.ref(span))
-            self.stats["offloaded"] += 1
-            return Offloaded(self, span, src, t, shift=lo // src.element_size())
+        contiguous = src.is_contiguous()
+        if contiguous:  # (_span's common case)
+            n = src.nbytes
+            lo = src.storage_offset() * src.element_size() if n else 0
+            hi = lo + n
+        else:
+            lo, hi = _span(src)
+        todev = self._devices.get(dst) or self._device(dst)
         key = storage.data_ptr()
         version = src._version
-        copy = None if grp is None else self._shared_copy(grp, storage, key, version)
-        if copy is None:
+        copy = None
+        if grp is not None and key in grp.by_storage:
+            copy = self._shared_copy(grp, storage, key, version)
+        if copy is not None:
+            self.stats["shared"] += 1
+        elif 2 * (hi - lo) < total:
+            span = self._copy_out(src, storage, todev, grp, lo, hi)
+            self.stats["offloaded"] += 1
+            o = Offloaded(self, span, src, t, shift=lo // src.element_size())
+            if grp is not None:
+                sref = weakref.ref(span)
+                grp.copies.append(sref)
+                grp.spans.setdefault(key, []).append((version, sref, weakref.ref(o)))
+            return o
+        else:
             # src is exactly its storage's bytes, in order: a synchronous copy can take it as it is. Not a bool:
             # its copy writes 1 for every nonzero byte, and a view of another dtype may share the copy
-            whole = lo == 0 and hi == total and src.dtype is not torch.bool and src.is_contiguous()
+            whole = contiguous and lo == 0 and hi == total and src.dtype is not torch.bool
             copy = self._copy_out(src, storage, todev, grp, 0, total, whole=whole)
             if grp is not None:
                 cref = weakref.ref(copy)
                 grp.copies.append(cref)
-                grp.by_storage[key] = (weakref.ref(storage), version, cref)
-        else:
-            self.stats["shared"] += 1
+                grp.by_storage[key] = (copy.origin, version, cref)
+                if grp.spans:
+                    self._take_spans(grp, key, copy, version)
         self.stats["offloaded"] += 1
         return Offloaded(self, copy, src, t)
+
+    @staticmethod
+    def _take_spans(grp: _Group, key: int, whole: _HostCopy, version: int) -> None:
+        """NOTE [one copy per storage]: the handles of slices of this storage, copied as spans before its whole copy
+        ``whole`` was made, read the whole copy instead, if the storage is unchanged since and no span was read."""
+        for ver, sref, oref in grp.spans.pop(key, ()):
+            span, o = sref(), oref()
+            if (span is None or o is None or o.copy is not span or ver != version or span.origin is not whole.origin
+                    or span.round or span.given):
+                continue
+            o.offset += span.origin_lo // o.dtype.itemsize
+            o.copy = whole
+            span.live -= 1
+            whole.live += 1
 
     def _group(self, key: Any) -> _Group | None:
         if key is None:
@@ -693,6 +746,7 @@ class OffloadEngine:
             with self._lock:
                 for k in keys:
                     grp.by_storage.pop(k, None)
+                    grp.spans.pop(k, None)
 
     @staticmethod
     def _shared_copy(grp: _Group, storage: Any, key: int, version: int) -> _HostCopy | None:
@@ -710,13 +764,15 @@ class OffloadEngine:
         """Copy bytes ``[lo, hi)`` of ``storage`` (``whole``: they are ``src``'s own, all of them, in order)."""
         nbytes = hi - lo
         device = src.device
-        c = _HostCopy(self, self._next_cid, grp, device, nbytes)
-        c.origin = origin = weakref.ref(storage)
-        c.origin_lo = lo
-        if grp is not None:
-            grp.origins[id(origin)] = grp.origins.get(id(origin), 0) + 1
+        origin = weakref.ref(storage)
+        c = _HostCopy(self, self._next_cid, grp, device, nbytes, origin, lo)
         self._next_cid += 1
-        keep = grp is not None and self.keep_last > 0 and device.type in self._keep_devices
+        if grp is None:
+            keep = False
+        else:
+            # (weakref.ref gives the storage's one weak reference while it lives: a token shared by its copies)
+            grp.origins[id(origin)] = grp.origins.get(id(origin), 0) + 1
+            keep = self.keep_last > 0 and self._type(device) in self._keep_devices
         if whole and not keep and not self._asynchronous(device, dst):
             # a synchronous copy has read the bytes when it returns (NOTE [written while copied] holds nothing); it
             # copies src itself, so the host copy is of src's dtype, which fetch never reads (only the storage)
@@ -736,7 +792,7 @@ class OffloadEngine:
     def _asynchronous(self, src: torch.device, dst: torch.device) -> bool:
         """Whether a copy from ``src`` to ``dst`` runs asynchronously, into a pinned buffer (else: synchronously,
         done when :meth:`_copy_raw` returns)."""
-        return src.type == "cuda" and dst.type == "cpu" and self.pin_memory
+        return self.pin_memory and self._type(src) == "cuda" and self._type(dst) == "cpu"
 
     def _copy_raw(self, c: _HostCopy, raw: torch.Tensor, dst: torch.device, asynchronous: bool) -> None:
         """Start the copy of ``raw`` (uint8 bytes; on the synchronous path also a tensor that is exactly its
@@ -920,7 +976,8 @@ class OffloadEngine:
                 o.round = c.round
                 self._read(c)
             self.stats["fetched"] += 1
-            self._log("use", c)
+            if self.trace is not None:
+                self._log("use", c)
             return out
 
     @staticmethod
@@ -933,6 +990,14 @@ class OffloadEngine:
             out = t() if type(t) is weakref.ref else t
             if out is not None and out.untyped_storage().data_ptr() == dev.untyped_storage().data_ptr():
                 return out  # type: ignore[no-any-return]
+        if c.given is _NOTHING_GIVEN:
+            c.given = {}
+            if dev is c.dev and dev.dtype == o.dtype and o.offset == 0 and dev.storage_offset() == 0 \
+                    and dev.shape == o.shape and dev.stride() == o.stride:
+                # the first reader of a copy of the whole tensor (the synchronous path copies it as a tensor of its
+                # own dtype and layout): the copy itself, a tensor of its own, not yet handed to anyone
+                c.given[id(o)] = (dev, dev._version, -c.origin_lo)
+                return dev
         # a kept storage is read in place: dev is then a view of it, starting where the copy would
         offset = o.offset + dev.storage_offset() // o.dtype.itemsize
         out = torch.empty(0, dtype=o.dtype, device=c.src).set_(dev.untyped_storage(), offset, o.shape, o.stride)
@@ -992,7 +1057,7 @@ class OffloadEngine:
 
     def _start_h2d(self, c: _HostCopy, ahead: bool = False) -> None:
         assert c.host is not None
-        if c.src.type == "cuda" and c.host.device.type == "cpu" and c.d2h_done is not None:
+        if c.d2h_done is not None and self._type(c.src) == "cuda" and self._type(c.host.device) == "cpu":
             # NOTE [stream-ordered reuse]: the device bytes belong to the compute stream (which reads them,
             # and frees them in its own order); the copy stream writes them after that stream's earlier work
             cur = torch.cuda.current_stream(c.src)
@@ -1010,7 +1075,7 @@ class OffloadEngine:
         else:  # synchronous; a fresh copy even on the CPU, so the CPU runs the same life cycle as CUDA
             c.dev = c.host.to(c.src, copy=True)
         _note_written(c)  # (what the last round's reads wrote stays known; the new round's read other bytes)
-        c.given = {}
+        c.given = _NOTHING_GIVEN
         c.round += 1
         c.pending = c.live
         self.stats["h2d"] += 1

@@ -1215,6 +1215,48 @@ def test_a_write_through_a_whole_kept_copy_raises_at_the_read_of_a_slices_span()
     assert eng.stats["kept_on_device"] >= 2
 
 
+class _SavesItAndASlice(torch.autograd.Function):
+    """Saves ``a`` and ``a[0:1]`` (in that order, or the slice first); its backward writes ``a``, then reads the
+    slice, which in plain autograd is a view of ``a`` and sees the write (both were read before it: no error)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, slice_first: bool) -> torch.Tensor:
+        ctx.slice_first = slice_first
+        if slice_first:
+            ctx.save_for_backward(a[0:1], a)
+        else:
+            ctx.save_for_backward(a, a[0:1])
+        return a * a
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        a, a0 = reversed(ctx.saved_tensors) if ctx.slice_first else ctx.saved_tensors
+        a.mul_(2)
+        return g * a + a0.sum(), None
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("slice_first", [False, True])
+def test_a_slice_saved_with_its_tensor_by_one_node_sees_that_nodes_write(slice_first: bool, engine: str) -> None:
+    """Review: a node saves ``a`` and a small slice of it (under half the storage: a span copy of its own), and its
+    backward writes ``a`` before it reads the slice. In plain autograd the slice is a view of ``a`` and reads the
+    written bytes; remat handed back the slice from its own copy, which did not see the write: a wrong gradient
+    without an error. The bytes of one saved storage in one call come back as one device copy."""
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return _SavesItAndASlice.apply((x @ w).sin(), slice_first).sum()
+
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    ref = torch.autograd.grad(f(x, w), (x, w))
+    eng = ENGINES[engine]()
+    g = remat(f, policy=policies.offload_to_cpu(min_bytes=0))
+    with use_engine(eng):
+        for _ in range(3):
+            got = torch.autograd.grad(_finished(eng, g(x, w)), (x, w))
+            assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert eng.stats["offloaded"] >= 3 * 2
+
+
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_bytes_written_before_a_kept_copy_went_out_are_checked_by_address(prefetch: bool) -> None:
     """Second review: the bytes a reader wrote before a kept storage was copied out were checked as a range; the
