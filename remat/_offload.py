@@ -463,6 +463,7 @@ class _HostCopy:
     # saved tensor (same version counter, same storage: no extra memory), to see writes
     vsrc: torch.Tensor | None
     saved_version: int | None  # if the bytes were written before their copy had read them: raise
+    reads: _StorageReads | None
 
     def __init__(self, engine: OffloadEngine, cid: int, group: _Group | None, src: torch.device, nbytes: int,
                  origin: Any = None, origin_lo: int = 0) -> None:
@@ -676,8 +677,8 @@ class OffloadEngine:
         total = storage.nbytes()
         contiguous = src.is_contiguous()
         if contiguous:  # (_span's common case)
-            n = src.nbytes
-            lo = src.storage_offset() * src.element_size() if n else 0
+            n = int(src.nbytes)
+            lo = int(src.storage_offset()) * src.element_size() if n else 0
             hi = lo + n
         else:
             lo, hi = _span(src)
