@@ -75,7 +75,10 @@ NOTE [one copy per storage]
     it read the saved ones, a wrong gradient without an error. So when a whole copy
     is made after a slice's span copy (saved in the other order), the slice's handle
     moves to the whole copy too, if the storage is unchanged since and the span was
-    never read.
+    never read. Only a slice that shares its version counter with the tensor copied
+    whole (a view of it, or of the base it is a view of) shares or moves: the
+    copy's write checks watch that counter, and an ``unsafe_split`` piece, with a
+    counter of its own, would be written unseen.
 
 NOTE [written while copied]
     Autograd refuses a saved tensor written in place after it was saved. The engine
@@ -430,10 +433,12 @@ class _Group:
         self.gid = gid
         self.copies: list[weakref.ref[_HostCopy]] = []
         self.deferred: list[weakref.ref[_HostCopy]] = []  # copies not started yet (NOTE [keep last])
-        self.by_storage: dict[int, tuple[Any, int, weakref.ref[_HostCopy]]] = {}
+        # per storage (data pointer), its whole copy in this call: the storage, its version then, the copy, and the
+        # tensor whose version counter the copied tensor shares (it, or the base it is a view of)
+        self.by_storage: dict[int, tuple[Any, int, weakref.ref[_HostCopy], weakref.ref[torch.Tensor]]] = {}
         # per storage (data pointer), the span copies of small slices made before any whole copy: each with the
         # storage's version then and its handle, to move to a whole copy made later (NOTE [one copy per storage])
-        self.spans: dict[int, list[tuple[int, weakref.ref[_HostCopy], weakref.ref[Offloaded]]]] = {}
+        self.spans: dict[int, list[tuple[int, weakref.ref[_HostCopy], weakref.ref[Offloaded], Any]]] = {}
         # per saved storage (by the id of the weak reference its copies hold), how many copies it has, and, for
         # one with more than one, the reads of all of them (NOTE [reads of one device copy])
         self.origins: dict[int, int] = {}
@@ -686,18 +691,23 @@ class OffloadEngine:
         key = storage.data_ptr()
         version = src._version
         copy = None
+        small = 2 * (hi - lo) < total
+        # the tensor whose version counter t shares, as a view (a slice shares a copy only with tensors of the same
+        # counter: an unsafe_split piece, with one of its own, is written unseen by the other's check)
+        base = t._base
+        root = t if base is None else base
         if grp is not None and key in grp.by_storage:
-            copy = self._shared_copy(grp, storage, key, version)
+            copy = self._shared_copy(grp, storage, key, version, root if small else None)
         if copy is not None:
             self.stats["shared"] += 1
-        elif 2 * (hi - lo) < total:
+        elif small:
             span = self._copy_out(src, storage, todev, grp, lo, hi)
             self.stats["offloaded"] += 1
             o = Offloaded(self, span, src, t, shift=lo // src.element_size())
             if grp is not None:
                 sref = weakref.ref(span)
                 grp.copies.append(sref)
-                grp.spans.setdefault(key, []).append((version, sref, weakref.ref(o)))
+                grp.spans.setdefault(key, []).append((version, sref, weakref.ref(o), weakref.ref(root)))
             return o
         else:
             # src is exactly its storage's bytes, in order: a synchronous copy can take it as it is. Not a bool:
@@ -707,20 +717,21 @@ class OffloadEngine:
             if grp is not None:
                 cref = weakref.ref(copy)
                 grp.copies.append(cref)
-                grp.by_storage[key] = (copy.origin, version, cref)
+                grp.by_storage[key] = (copy.origin, version, cref, weakref.ref(root))
                 if grp.spans:
-                    self._take_spans(grp, key, copy, version)
+                    self._take_spans(grp, key, copy, version, root)
         self.stats["offloaded"] += 1
         return Offloaded(self, copy, src, t)
 
     @staticmethod
-    def _take_spans(grp: _Group, key: int, whole: _HostCopy, version: int) -> None:
+    def _take_spans(grp: _Group, key: int, whole: _HostCopy, version: int, root: torch.Tensor) -> None:
         """NOTE [one copy per storage]: the handles of slices of this storage, copied as spans before its whole copy
-        ``whole`` was made, read the whole copy instead, if the storage is unchanged since and no span was read."""
-        for ver, sref, oref in grp.spans.pop(key, ()):
+        ``whole`` was made, read the whole copy instead, if the storage is unchanged since, the slice shares the
+        version counter of the tensor copied whole (``root``: a view of it, or it), and no span was read."""
+        for ver, sref, oref, rref in grp.spans.pop(key, ()):
             span, o = sref(), oref()
-            if (span is None or o is None or o.copy is not span or ver != version or span.origin is not whole.origin
-                    or span.round or span.given):
+            if (span is None or o is None or o.copy is not span or ver != version or rref() is not root
+                    or span.origin is not whole.origin or span.round or span.given):
                 continue
             o.offset += span.origin_lo // o.dtype.itemsize
             o.copy = whole
@@ -750,15 +761,17 @@ class OffloadEngine:
                     grp.spans.pop(k, None)
 
     @staticmethod
-    def _shared_copy(grp: _Group, storage: Any, key: int, version: int) -> _HostCopy | None:
+    def _shared_copy(grp: _Group, storage: Any, key: int, version: int, root: Any = None) -> _HostCopy | None:
         """The copy already made of this storage (data pointer ``key``) in this call, if unchanged since
-        (NOTE [one copy per storage])."""
+        (NOTE [one copy per storage]); ``root``: for a small slice, only if made of it or a view of it."""
         ent = grp.by_storage.get(key)
         if ent is None:
             return None
-        sref, ver, cref = ent
+        sref, ver, cref, rref = ent
         c = cref()
-        return c if c is not None and sref() is storage and ver == version else None
+        if c is None or sref() is not storage or ver != version or (root is not None and rref() is not root):
+            return None
+        return c
 
     def _copy_out(self, src: torch.Tensor, storage: Any, dst: torch.device, grp: _Group | None,
                   lo: int, hi: int, whole: bool = False) -> _HostCopy:

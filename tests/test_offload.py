@@ -1257,6 +1257,38 @@ def test_a_slice_saved_with_its_tensor_by_one_node_sees_that_nodes_write(slice_f
     assert eng.stats["offloaded"] >= 3 * 2
 
 
+@pytest.mark.parametrize("piece_first", [True, False])
+def test_an_unsafe_split_piece_keeps_a_copy_of_its_own(piece_first: bool) -> None:
+    """Review of the fix above: a small ``unsafe_split`` piece (a version counter of its own) moved onto, or shared,
+    the whole copy of its storage, whose write check watches the whole tensor's counter; kept on the device, a write
+    into the piece after the call was read unseen: a wrong gradient without an error (plain autograd raises). Only a
+    view of the tensor copied whole shares its copy."""
+    def f(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = (x @ w).sin()
+        p0 = torch.unsafe_split(a, 1, dim=0)[0]  # a quarter of a's storage: a span of its own
+        if piece_first:
+            return p0.sin().sum() + a.cos().sum(), p0
+        return a.cos().sum() + p0.sin().sum(), p0
+
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    loss, p0 = f(x, w)
+    with torch.no_grad():
+        p0.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss, (x, w))
+    g = remat(f, policy=policies.offload_to_cpu(min_bytes=0))
+    eng = _keeping_engine()
+    with use_engine(eng):
+        for _ in range(3):
+            loss, p0 = g(x, w)
+            with torch.no_grad():
+                p0.mul_(2)
+            del p0
+            with pytest.raises(RematError, match="modified in place after it was saved"):
+                torch.autograd.grad(loss, (x, w))
+
+
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_bytes_written_before_a_kept_copy_went_out_are_checked_by_address(prefetch: bool) -> None:
     """Second review: the bytes a reader wrote before a kept storage was copied out were checked as a range; the
