@@ -143,6 +143,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import itertools
 import os
 import threading
 import types
@@ -477,7 +478,7 @@ class _HostCopy:
             engine, cid, group, src, nbytes, origin, origin_lo
         self.host = self.buf = self.d2h_done = self.dev = self.dev_weak = self.h2d_done = self.deferred = \
             self.vsrc = self.saved_version = self.reads = None
-        # NOTE [reads of one device copy]: per handle (by id), the tensor handed out over dev (held as dev is,
+        # NOTE [reads of one device copy]: per handle (by its key), the tensor handed out over dev (held as dev is,
         # strongly then weakly), its version then, and the byte of its storage where the saved storage's first
         # would be; origin: the saved storage (a weak reference: a token for it), origin_lo: its byte where this
         # copy starts; reads: the reads of all the storage's copies in this call, once this one has been read
@@ -509,11 +510,14 @@ class Offloaded:
         True
     """
 
-    __slots__ = ("engine", "copy", "dtype", "shape", "stride", "offset", "version", "orig", "round", "__weakref__")
+    __slots__ = ("engine", "copy", "dtype", "shape", "stride", "offset", "version", "orig", "round", "key",
+                 "__weakref__")
 
     def __init__(self, engine: OffloadEngine, copy: _HostCopy, t: torch.Tensor, orig: torch.Tensor,
                  shift: int = 0) -> None:
-        self.engine, self.copy = engine, copy
+        # key: names the handle in its copy's table of reads for as long as the engine lives (an id is reused once
+        # the handle dies, and a later handle of the same copy must not be given the dead one's tensor)
+        self.engine, self.copy, self.key = engine, copy, next(engine._handle_keys)
         # shift: elements of the storage before the copied bytes (a copy of the span of a small view)
         self.dtype, self.shape, self.stride, self.offset = t.dtype, t.shape, t.stride(), t.storage_offset() - shift
         self.version = t._version
@@ -604,6 +608,7 @@ class OffloadEngine:
         self._order: list[weakref.ref[_Group]] = []  # groups in the order they first offloaded
         self._next_gid = 0
         self._next_cid = 0
+        self._handle_keys = itertools.count()  # (Offloaded.key)
         self._devices: dict[str, torch.device] = {}  # (a policy's device strings, parsed once)
         # (a device's type, looked up: torch.device.type makes a new string, ~0.4 us, on the hot path of both passes)
         self._types: dict[torch.device, str] = {}
@@ -998,7 +1003,7 @@ class OffloadEngine:
     def _view(c: _HostCopy, o: Offloaded, dev: torch.Tensor) -> torch.Tensor:
         """``o``'s tensor over the device bytes ``dev``: what it was given before if that lives over them (its
         version is checked with the others'), else a new one, noted (NOTE [reads of one device copy])."""
-        prev = c.given.get(id(o))
+        prev = c.given.get(o.key)
         if prev is not None:
             t = prev[0]
             out = t() if type(t) is weakref.ref else t
@@ -1010,12 +1015,12 @@ class OffloadEngine:
                     and dev.shape == o.shape and dev.stride() == o.stride:
                 # the first reader of a copy of the whole tensor (the synchronous path copies it as a tensor of its
                 # own dtype and layout): the copy itself, a tensor of its own, not yet handed to anyone
-                c.given[id(o)] = (dev, dev._version, -c.origin_lo)
+                c.given[o.key] = (dev, dev._version, -c.origin_lo)
                 return dev
         # a kept storage is read in place: dev is then a view of it, starting where the copy would
         offset = o.offset + dev.storage_offset() // o.dtype.itemsize
         out = torch.empty(0, dtype=o.dtype, device=c.src).set_(dev.untyped_storage(), offset, o.shape, o.stride)
-        c.given[id(o)] = (out if c.dev is not None else weakref.ref(out), out._version,
+        c.given[o.key] = (out if c.dev is not None else weakref.ref(out), out._version,
                           int(dev.storage_offset()) - c.origin_lo)
         return out
 

@@ -1289,6 +1289,31 @@ def test_an_unsafe_split_piece_keeps_a_copy_of_its_own(piece_first: bool) -> Non
                 torch.autograd.grad(loss, (x, w))
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_handle_made_where_a_read_one_died_gets_its_own_tensor(rows: int) -> None:
+    """Review: the engine named the tensors it handed out per copy by the handle's ``id``; a handle read and
+    dropped, then another view of the same copy saved (CPython gives it the dead handle's address), was handed the
+    dead handle's tensor: other bytes, no error (views over half the storage before this session's fix of slices,
+    small slices too since it). Each handle has a key of its own."""
+    eng, key = OffloadEngine(), _Key()
+    a = torch.arange(32.0, dtype=torch.float64).reshape(4, 8)
+    whole = eng.offload(a, "cpu", group=key)
+    reused = 0
+    for start in range(3):
+        h = eng.offload(a[start:start + rows], "cpu", group=key)
+        first = eng.fetch(h)
+        assert torch.equal(first, a[start:start + rows])
+        dead = id(h)
+        del h
+        h = eng.offload(a[start + 1:start + 1 + rows], "cpu", group=key)
+        reused += id(h) == dead
+        assert h.copy is whole.copy  # (one device copy: the case the table serves)
+        got = eng.fetch(h)
+        assert got is not first and torch.equal(got, a[start + 1:start + 1 + rows])
+        del h, first, got
+    assert reused  # (the case this test is about happened)
+
+
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_bytes_written_before_a_kept_copy_went_out_are_checked_by_address(prefetch: bool) -> None:
     """Second review: the bytes a reader wrote before a kept storage was copied out were checked as a range; the
