@@ -20,7 +20,9 @@ NOTE [fast path]
     input] and its own intermediates (no global or closed-over tensor the walk
     missed, no tensor built from Python data), wrote none of them in place, made
     no nested remat call and ran no backward pass of its own, under no
-    ``torch.func`` level. The plan also lists the save positions the full engine
+    ``torch.func`` level, and wrote no storage it had offloaded a tensor of (the
+    full engine gives a tensor of it saved after the write a copy of its own,
+    which a planned call, seeing no write, cannot: NOTE [one copy per storage]). The plan also lists the save positions the full engine
     held by reference (the module's parameters) so that the fast path holds them
     too, rather than dropping them and reading them back.
 
@@ -236,8 +238,11 @@ def plan_of_call(frame: Any, out: Any) -> Plan | None:
     if sum(1 for t in tensor_leaves(out) if t.requires_grad) > 1:
         return None
     if (frame.routed or frame.levels or frame.nested.children or frame.inner_backward or rec.region
-            or rec.written_outside or rec.offloaded_written or rec.generators):
-        return None  # (a generator of the user's own: only the full engine sees the ops that draw from it)
+            or rec.written_outside or rec.offloaded_written or rec.generators or frame.wrote_offloaded):
+        # (a generator of the user's own: only the full engine sees the ops that draw from it; a write into a
+        # storage with a copy in the call, through a tensor with a version counter of its own (unsafe_split): only
+        # the full engine sees it and gives a tensor saved after it a copy of its own, NOTE [one copy per storage])
+        return None
     state_keys = {storage_key(ti.unwrap_all(t)) for t in frame.state.tensors}
     for r in rec.ops:
         if r.func in LIFTS or r.subst or r.cow:

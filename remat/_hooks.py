@@ -163,7 +163,10 @@ class Frame:
         self.recorder = Recorder(policy, fn_name, lambda t, d: wself()._offload(t, d))  # type: ignore[union-attr]
         self.recorder.on_demote = lambda key: wself()._demote(key)  # type: ignore[union-attr]
         # NOTE [one copy per storage] in _offload.py: a write ends the sharing of a storage's copy
-        self.recorder.on_write = lambda keys: wself().engine.storage_written(wself(), keys)  # type: ignore[union-attr]
+        self.recorder.on_write = lambda keys: wself()._storage_written(keys)  # type: ignore[union-attr]
+        # a write into a storage with a copy in this call (the fast path, which sees no write, would share the copy
+        # with a tensor saved after it: NOTE [fast path] in _fastpath.py)
+        self.wrote_offloaded = False
         self.recorder.describe_tensor = state.label_of
         self._kept: dict[int, list[tuple[Packed, int]]] = {}  # storage key -> kept packs made here, vid
         with internal():
@@ -417,6 +420,10 @@ class Frame:
             return t.detach()  # kept; detached, or it would hold its own graph (see holdable)
         self._offloaded = True
         return self.engine.offload_below_modes(t, decision.dst, group=self)
+
+    def _storage_written(self, keys: set[int]) -> None:
+        if self.engine.storage_written(self, keys):
+            self.wrote_offloaded = True
 
     def _demote(self, key: int) -> None:
         """A checkpoint_name the policy drops names a value already saved as kept: drop it now."""

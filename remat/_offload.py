@@ -755,15 +755,17 @@ class OffloadEngine:
             self._flush_older()
         return grp
 
-    def storage_written(self, group: Any, keys: set[int]) -> None:
+    def storage_written(self, group: Any, keys: set[int]) -> bool:
         """NOTE [one copy per storage]: an op of the call ``group`` is about to write these storages (by data
-        pointer): a tensor saved after it gets a copy of its own."""
+        pointer): a tensor saved after it gets a copy of its own. Returns whether one of them had a copy to share."""
         grp = self._groups.get(group)
+        shared = False
         if grp is not None:
             with self._lock:
                 for k in keys:
-                    grp.by_storage.pop(k, None)
-                    grp.spans.pop(k, None)
+                    shared = grp.by_storage.pop(k, None) is not None or shared
+                    shared = grp.spans.pop(k, None) is not None or shared
+        return shared
 
     @staticmethod
     def _shared_copy(grp: _Group, storage: Any, key: int, version: int, root: Any = None) -> _HostCopy | None:

@@ -1187,3 +1187,35 @@ def test_a_function_that_needs_grad_mode_recomputes_with_a_graph(what):
     for _ in range(3):
         assert all(torch.equal(a, b) for a, b in zip(grads(g, (W, x), (W, x)), ref))
     assert probe.modes == [True, True, True, False, True, True, True], probe.modes
+
+
+@pytest.mark.parametrize("policy", ["matmuls", "everything"])
+def test_a_gru_cell_with_its_products_offloaded_is_exact_on_every_call(policy):
+    """Review: ``nn.GRUCell`` on the CPU splits its gate products with ``unsafe_chunk`` (pieces with version counters
+    of their own) and writes them in place. The full engine sees the writes and gives a tensor saved after one a
+    copy of its own (NOTE [one copy per storage]); the planned calls, which see no write, shared the copy made
+    before it: a wrong gradient without an error from the second call on. A call that writes a storage with a
+    copy in it leaves no plan."""
+    from remat.offload import OffloadEngine, use_engine
+    from remat.policies import Offloadable
+
+    mm = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+    def only_mm(op, *a, **k):
+        return Offloadable(None, "cpu", 0) if op in mm else False
+
+    pol = only_mm if policy == "matmuls" else policies.offload_to_cpu(min_bytes=0)
+    cell = nn.GRUCell(8, 8).double()
+    x, h = leaf(2, 8, seed=1), leaf(2, 8, seed=2)
+
+    def f(x, h):
+        return cell(x, h).sum()
+
+    ref = torch.autograd.grad(f(x, h), (x, h, *cell.parameters()))
+    g = remat(f, policy=pol)
+    eng = OffloadEngine()
+    with use_engine(eng):
+        for _ in range(3):
+            got = torch.autograd.grad(g(x, h), (x, h, *cell.parameters()))
+            assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert eng.stats["offloaded"] >= 3
