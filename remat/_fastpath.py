@@ -413,17 +413,22 @@ class FastFrame:
             self.refuse()
         for i, vals in list(self.held.items()):
             now = [_version_of(v) for v in self.origins.get(i, vals)]
-            if i in self.origins:
-                if self.plan.hold[i].offload is not None:
-                    # offloaded: a strong alias would hold the device bytes the offload let go of (the call would
-                    # keep what it offloaded): watched while the outputs live (a result of the call, a view's base)
-                    self.origins[i] = [weakref.ref(t) for t in self.origins[i]]
-                else:
-                    # an alias made now, above autograd, shares the output's version counter (the detached value
-                    # held since the op ran does not): a write through any view of the output, a result of the
-                    # call included (return y, h.detach()), moves it; and it holds no graph
-                    self.origins[i] = [ti.detach_below_modes(t) for t in self.origins[i]]
-            if any(a is not None and a != b for a, b in zip(now, self.versions_at_hold.get(i, ()))):
+            written = any(a is not None and a != b for a, b in zip(now, self.versions_at_hold.get(i, ())))
+            outs = self.origins.get(i)
+            if outs is not None:
+                # an alias made now, above autograd, shares the output's version counter (the detached value held
+                # since the op ran does not): a write through any view of the output, a result of the call included
+                # (return y, h.detach()), moves it; and it holds no graph. But an offloaded output's alias would
+                # hold the device bytes the offload let go of: watched through a weak reference while the output
+                # lives, and by the engine, through such an alias, while its copy has not read the bytes (kept on
+                # the device, or copying: NOTE [written while copied] in _offload.py)
+                self.origins[i] = [weakref.ref(t) if type(v) is Offloaded else ti.detach_below_modes(t)
+                                   for v, t in zip(vals, outs)]
+                if not written:
+                    for v, t in zip(vals, outs):
+                        if type(v) is Offloaded:
+                            self.engine.watch(v, t)
+            if written:
                 del self.held[i]  # written in place after the op ran: the recompute runs the op again
                 continue
             self.held_versions[i] = now

@@ -933,10 +933,28 @@ class OffloadEngine:
         """Work queued next on ``device``'s current stream runs after ``ev`` (the host does not wait)."""
         torch.cuda.current_stream(device).wait_event(ev)
 
+    def watch(self, o: Offloaded, t: torch.Tensor) -> None:
+        """NOTE [written while copied]: if ``o``'s copy has not read its bytes yet (kept, or still copying), it
+        watches ``t``'s version counter from now on, through an alias made here, by autograd (``o`` was made in a
+        dispatch mode's handler, below autograd, where an alias has a counter of its own that a write through the
+        caller's tensors does not move: ``t`` is the same tensor, seen from above)."""
+        with self._lock:
+            c = o.copy
+            if c.vsrc is None:
+                return  # the copy has the bytes: what o's reader reads is what was saved
+            alias = t.detach()
+            c.vsrc, c.saved_version = alias, alias._version
+            o.version = alias._version
+
     def shares_storage(self, o: Offloaded, storage_keys: set[int]) -> bool:
-        """Whether the tensor ``o`` was copied from lives in one of these storages (by data pointer)."""
-        orig = o.orig()
-        return orig is not None and int(orig.untyped_storage().data_ptr()) in storage_keys
+        """Whether the tensor ``o`` was copied from lives in one of these storages (by data pointer). While the
+        copy has not read the bytes (kept, or copying), its alias of them answers (NOTE [written while copied]): the
+        tensor itself may be gone (a product only written through ``unsafe_chunk`` pieces, as ``nn.GRUCell`` does
+        on the CPU), and a write must still wait for the copy, or be copied after it."""
+        src = o.copy.vsrc
+        if src is None:
+            src = o.orig()
+        return src is not None and int(src.untyped_storage().data_ptr()) in storage_keys
 
     def before_write(self, o: Offloaded) -> None:
         """An op is about to write into ``o``'s source tensor: it must wait until the copy has read it."""

@@ -1189,14 +1189,25 @@ def test_a_function_that_needs_grad_mode_recomputes_with_a_graph(what):
     assert probe.modes == [True, True, True, False, True, True, True], probe.modes
 
 
+def _offload_engine(kind):
+    from remat.offload import OffloadEngine
+
+    eng = OffloadEngine(prefetch=kind != "no-prefetch")
+    if kind == "kept":
+        eng._keep_devices = frozenset({"cpu"})  # what CUDA does by default (NOTE [keep last]), on the CPU
+    return eng
+
+
+@pytest.mark.parametrize("engine", ["default", "no-prefetch", "kept"])
 @pytest.mark.parametrize("policy", ["matmuls", "everything"])
-def test_a_gru_cell_with_its_products_offloaded_is_exact_on_every_call(policy):
+def test_a_gru_cell_with_its_products_offloaded_is_exact_on_every_call(policy, engine):
     """Review: ``nn.GRUCell`` on the CPU splits its gate products with ``unsafe_chunk`` (pieces with version counters
     of their own) and writes them in place. The full engine sees the writes and gives a tensor saved after one a
     copy of its own (NOTE [one copy per storage]); the planned calls, which see no write, shared the copy made
     before it: a wrong gradient without an error from the second call on. A call that writes a storage with a
-    copy in it leaves no plan."""
-    from remat.offload import OffloadEngine, use_engine
+    copy in it leaves no plan. Kept on the device (NOTE [keep last]), the product was written before its copy
+    went out, on every call: the engine looked for the product, gone, and not for the storage it keeps."""
+    from remat.offload import use_engine
     from remat.policies import Offloadable
 
     mm = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
@@ -1213,7 +1224,7 @@ def test_a_gru_cell_with_its_products_offloaded_is_exact_on_every_call(policy):
 
     ref = torch.autograd.grad(f(x, h), (x, h, *cell.parameters()))
     g = remat(f, policy=pol)
-    eng = OffloadEngine()
+    eng = _offload_engine(engine)
     with use_engine(eng):
         for _ in range(3):
             got = torch.autograd.grad(g(x, h), (x, h, *cell.parameters()))
@@ -1248,3 +1259,43 @@ def test_planned_calls_let_go_of_the_outputs_they_offloaded():
     _, plain = live_bytes_after(lambda: f(W, x))
     assert plain >= 2 * product and held[0] <= plain - 2 * product, (plain, held)
     assert held == [held[0]] * 3, held
+
+
+@pytest.mark.parametrize("engine", ["default", "no-prefetch", "kept"])
+def test_a_detached_result_written_after_a_planned_call_raises(engine):
+    """Second review: a planned call watched the output it offloaded through a weak reference, dead once the call
+    returns only ``a.detach()``; kept on the device, the storage was read in place, written by the caller: a wrong
+    gradient without an error (plain autograd raises). The engine watches the output's own version counter while
+    its copy has not read the bytes; once it has, the copy holds the values saved."""
+    from remat.offload import use_engine
+    from remat.policies import Offloadable
+
+    def only_mm(op, *a, **k):
+        return Offloadable(None, "cpu", 0) if op is torch.ops.aten.mm.default else False
+
+    def f(W, x):
+        a = x @ W
+        return a.sin().cos().sum(), a.detach()
+
+    W, x = leaf(8, 8), leaf(4, 8, seed=1)
+    clean = torch.autograd.grad(f(W, x)[0], (W, x))
+    loss, r = f(W, x)
+    with torch.no_grad():
+        r.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss, (W, x))
+    g = remat(f, policy=only_mm)
+    eng = _offload_engine(engine)
+    with use_engine(eng):
+        loss, _ = g(W, x)  # (the first call, unwritten, leaves the plan)
+        assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(loss, (W, x)), clean))
+        for _ in range(3):
+            loss, r = g(W, x)
+            with torch.no_grad():
+                r.mul_(2)
+            del r
+            if engine == "kept":
+                with pytest.raises(RematError, match="modified in place after it was saved"):
+                    torch.autograd.grad(loss, (W, x))
+            else:  # (copied before the write: the gradient of the values saved, where plain autograd raises)
+                assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(loss, (W, x)), clean))
