@@ -933,18 +933,18 @@ class OffloadEngine:
         """Work queued next on ``device``'s current stream runs after ``ev`` (the host does not wait)."""
         torch.cuda.current_stream(device).wait_event(ev)
 
-    def watch(self, o: Offloaded, t: torch.Tensor) -> None:
+    def watch(self, o: Offloaded, t: torch.Tensor, version: int) -> None:
         """NOTE [written while copied]: if ``o``'s copy has not read its bytes yet (kept, or still copying), it
         watches ``t``'s version counter from now on, through an alias made here, by autograd (``o`` was made in a
         dispatch mode's handler, below autograd, where an alias has a counter of its own that a write through the
-        caller's tensors does not move: ``t`` is the same tensor, seen from above)."""
+        caller's tensors does not move: ``t`` is the same tensor, seen from above). ``version``: ``t``'s when ``o``
+        was made (a write since then raises at the copy's reads)."""
         with self._lock:
             c = o.copy
             if c.vsrc is None:
                 return  # the copy has the bytes: what o's reader reads is what was saved
-            alias = t.detach()
-            c.vsrc, c.saved_version = alias, alias._version
-            o.version = alias._version
+            c.vsrc, c.saved_version = t.detach(), version
+            o.version = version
 
     def shares_storage(self, o: Offloaded, storage_keys: set[int]) -> bool:
         """Whether the tensor ``o`` was copied from lives in one of these storages (by data pointer). While the
