@@ -988,9 +988,13 @@ class OffloadEngine:
             again = False  # dev: the bytes held weakly, found again
             if dev is None:
                 s = c.dev_weak() if c.dev_weak is not None else None
-                if s is not None:
+                prev = c.given.get(o.key)
+                if s is not None and (prev is None or type(prev[0]) is not weakref.ref or prev[0]() is not None):
                     dev, again = torch.empty(0, dtype=torch.uint8, device=c.src).set_(s), True
                 else:
+                    # (no bytes found again, or this handle's earlier reader died, which the table of reads would
+                    # forget once this read replaced it: its bytes may have been taken over and written, as
+                    # AccumulateGrad does with a gradient it keeps; copied again, as for any reader that died)
                     self._start_h2d(c)
                     dev = c.dev
             assert dev is not None

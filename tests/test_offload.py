@@ -1410,3 +1410,43 @@ def test_overlap_by_address_agrees_with_the_bytes_two_views_read() -> None:
                 assert _overlap(_geometry(a, shift), _geometry(b, shift)) == truth
                 checked += 1
     assert checked == 2 * len(views) ** 2
+
+
+class _GradIsSaved(torch.autograd.Function):
+    """Its backward returns the tensor it saved as the gradient of ``a``: ``AccumulateGrad`` keeps it as ``a.grad``
+    and adds the later passes' gradients into it, in place."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h)
+        return a * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (h,) = ctx.saved_tensors
+        return h, None
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_a_fetched_tensor_kept_as_a_gradient_is_not_read_again(engine: str) -> None:
+    """Final review: the first backward pass's ``a.grad`` is the tensor fetched for the node (its device bytes); the
+    next pass found those bytes again and read the gradient accumulated into them (4.0 where plain autograd gives
+    3.0: a wrong gradient without an error). The handle's earlier reader died, and the new read had replaced it in
+    the table of reads before the check: a handle whose earlier reader died is copied again."""
+    def f(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return _GradIsSaved.apply(a, x.exp()).sum()
+
+    grads = {}
+    for name, fn in (("plain", f), ("remat", remat(f, policy=policies.offload_to_cpu(min_bytes=0)))):
+        for _ in range(2):  # (the second: a planned call)
+            a = torch.zeros(4, dtype=torch.float64, requires_grad=True)
+            x = torch.zeros(4, dtype=torch.float64)
+            eng = ENGINES[engine]()
+            with use_engine(eng):
+                o = fn(a, x)
+                _finished(eng, o)
+                for _ in range(3):
+                    o.backward(retain_graph=True)
+            grads.setdefault(name, []).append(a.grad)
+    assert all(torch.equal(g, grads["plain"][0]) for g in grads["remat"]), grads
+    assert torch.equal(grads["plain"][0], torch.full((4,), 3.0, dtype=torch.float64))
