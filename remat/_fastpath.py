@@ -22,9 +22,10 @@ NOTE [fast path]
     no nested remat call and ran no backward pass of its own, under no
     ``torch.func`` level, and wrote no storage it had offloaded a tensor of (the
     full engine gives a tensor of it saved after the write a copy of its own,
-    which a planned call, seeing no write, cannot: NOTE [one copy per storage]). The plan also lists the save positions the full engine
-    held by reference (the module's parameters) so that the fast path holds them
-    too, rather than dropping them and reading them back.
+    which a planned call, seeing no write, cannot: NOTE [one copy per storage]).
+    The plan also lists the save positions the full engine held by reference
+    (the module's parameters) so that the fast path holds them too, rather than
+    dropping them and reading them back.
 
     A later call of a known signature runs fast and still checks, from outside
     the ops: the recompute must save as many tensors, of the same shapes, dtypes
