@@ -985,22 +985,20 @@ class OffloadEngine:
             if grp is not None and (c.dev is None or not grp.reached):
                 self._reach(grp, c)
             dev = c.dev
-            again = False  # dev: the bytes held weakly, found again
             if dev is None:
                 s = c.dev_weak() if c.dev_weak is not None else None
-                prev = c.given.get(o.key)
-                if s is not None and (prev is None or type(prev[0]) is not weakref.ref or prev[0]() is not None):
-                    dev, again = torch.empty(0, dtype=torch.uint8, device=c.src).set_(s), True
+                # the bytes held weakly are found again only if every tensor read over them lives (held through
+                # this read): one that died may have written them unseen (a gradient AccumulateGrad kept and added
+                # into); else the host bytes, which nothing writes, are copied again
+                readers = [t() if type(t) is weakref.ref else t for t, _, _ in c.given.values()]
+                if s is not None and all(r is not None for r in readers):
+                    dev = torch.empty(0, dtype=torch.uint8, device=c.src).set_(s)
                 else:
-                    # (no bytes found again, or this handle's earlier reader died, which the table of reads would
-                    # forget once this read replaced it: its bytes may have been taken over and written, as
-                    # AccumulateGrad does with a gradient it keeps; copied again, as for any reader that died)
                     self._start_h2d(c)
                     dev = c.dev
             assert dev is not None
             out = self._view(c, o, dev)
-            written = self._written(c, out, dev)
-            if written:
+            if self._written(c, out, dev):
                 raise RematError(
                     f"remat: a tensor of shape {list(o.shape)} that was offloaded for the backward pass was "
                     "modified in place in the backward pass, by the backward of an op that read it, and is read "
@@ -1008,10 +1006,6 @@ class OffloadEngine:
                     "('modified by an inplace operation'). Clone a saved tensor in your autograd.Function's "
                     "backward before writing into it."
                 )
-            if written is None and again:  # a reader of these bytes died, maybe after writing: copy them again
-                self._start_h2d(c)
-                assert c.dev is not None
-                out = self._view(c, o, c.dev)
             if c.h2d_done is not None:
                 torch.cuda.current_stream(c.src).wait_event(c.h2d_done)
                 self._poll(c.src)
@@ -1049,10 +1043,10 @@ class OffloadEngine:
         return out
 
     @staticmethod
-    def _written(c: _HostCopy, out: torch.Tensor, dev: torch.Tensor) -> bool | None:
+    def _written(c: _HostCopy, out: torch.Tensor, dev: torch.Tensor) -> bool:
         """NOTE [reads of one device copy]: whether bytes ``out`` (over ``dev``, ``c``'s device bytes) reads were
-        written through a tensor handed out over a copy of the same saved storage in this call (``None``: one of
-        ``c``'s died, and whether it wrote them is not known)."""
+        written through a tensor handed out over a copy of the same saved storage in this call (a tensor of
+        ``c``'s that died was put on record by the copy's last read, or its bytes were copied again: fetch)."""
         reads = c.reads
         grp = c.group
         if reads is None and grp is not None and grp.origins.get(id(c.origin), 1) > 1:
@@ -1064,15 +1058,12 @@ class OffloadEngine:
             c.reads = reads
         copies = (c,) if reads is None else [r() for r in reads.copies]
         mine = None  # out's bytes, worked out only where something was written
-        unknown = False
         for other in copies:
             if other is None:
                 continue
             for t, v, base in other.given.values():
                 x = t() if type(t) is weakref.ref else t
-                if x is None:
-                    unknown = unknown or other is c
-                elif x._version != v:
+                if x is not None and x._version != v:
                     mine = mine or _geometry(out, int(dev.storage_offset()) - c.origin_lo)
                     if _overlap(_geometry(x, base), mine):
                         return True
@@ -1080,7 +1071,7 @@ class OffloadEngine:
             mine = mine or _geometry(out, int(dev.storage_offset()) - c.origin_lo)
             if any(_overlap(g, mine) for g in reads.written):
                 return True
-        return None if unknown else False
+        return False
 
     def _read(self, c: _HostCopy) -> None:
         """One more handle of ``c`` has been read (or died unread): past the last, hold the device copy weakly."""
