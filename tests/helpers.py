@@ -10,6 +10,8 @@ import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from remat.offload import OffloadEngine
+
 MATMUL_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
@@ -19,6 +21,14 @@ MATMUL_OPS = {
     torch.ops.aten.mv.default,
     torch.ops.aten.dot.default,
 }
+
+
+def keeping_engine(keep_last: int = 1, **kw: Any) -> OffloadEngine:
+    """An offload engine that keeps the newest calls' storages on the device on the CPU, as it does on CUDA by
+    default (NOTE [keep last] in remat/_offload.py): the path a GPU takes, run where the tests run."""
+    eng = OffloadEngine(keep_last=keep_last, **kw)
+    eng._keep_devices = frozenset({"cpu"})
+    return eng
 
 
 def tree_allclose(a: Any, b: Any, exact_float32: bool = True, rtol: float = 1e-12, atol: float = 1e-12) -> bool:

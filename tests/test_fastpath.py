@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from remat import RematError, checkpoint_name, policies, remat, remat_module
 from remat.bench.measure import live_bytes_after
 
-from .helpers import OpCounter, OpLog, assert_tree_close
+from .helpers import OpCounter, OpLog, assert_tree_close, keeping_engine
 
 f64, f32 = torch.float64, torch.float32
 
@@ -1192,10 +1192,7 @@ def test_a_function_that_needs_grad_mode_recomputes_with_a_graph(what):
 def _offload_engine(kind):
     from remat.offload import OffloadEngine
 
-    eng = OffloadEngine(prefetch=kind != "no-prefetch")
-    if kind == "kept":
-        eng._keep_devices = frozenset({"cpu"})  # what CUDA does by default (NOTE [keep last]), on the CPU
-    return eng
+    return keeping_engine() if kind == "kept" else OffloadEngine(prefetch=kind != "no-prefetch")
 
 
 @pytest.mark.parametrize("engine", ["default", "no-prefetch", "kept"])

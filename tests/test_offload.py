@@ -20,7 +20,16 @@ from remat.bench.models import make_model
 from remat.offload import OffloadEngine, use_engine
 from remat.policies import Offloadable, Recompute, Saveable
 
-from .helpers import MATMUL_OPS, Counted, OpCounter, OpLog, assert_tree_close, leaves, requires_grad_tree
+from .helpers import (
+    MATMUL_OPS,
+    Counted,
+    OpCounter,
+    OpLog,
+    assert_tree_close,
+    keeping_engine,
+    leaves,
+    requires_grad_tree,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 aten = torch.ops.aten
@@ -647,9 +656,7 @@ def test_one_engine_serves_backward_passes_on_two_threads() -> None:
 
 
 def _keeping_engine(keep_last: int = 1) -> OffloadEngine:
-    eng = OffloadEngine(trace=True, keep_last=keep_last)
-    eng._keep_devices = frozenset({"cpu"})  # what CUDA does (NOTE [keep last]), on the CPU
-    return eng
+    return keeping_engine(keep_last, trace=True)  # what CUDA does (NOTE [keep last]), on the CPU
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -1099,6 +1106,25 @@ def test_reads_of_one_device_copy_are_watched_while_held_then_copied_again() -> 
     assert torch.equal(eng.fetch(g2), x.t()) and eng.stats["h2d"] == 3
 
 
+_INNER = remat(lambda t: t.exp().sin(), policy=policies.offload_to_cpu(min_bytes=0))
+
+
+class _RunsRematInBackward(torch.autograd.Function):
+    """Its backward runs a remat call that offloads, which copies the kept storages of older calls to the host
+    (NOTE [keep last]) in the middle of the backward pass."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            z = torch.zeros_like(g, requires_grad=True)
+            (extra,) = torch.autograd.grad(_INNER(z).sum(), z)
+        return g + 0 * extra
+
+
 @pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("later", ["call", "call-in-backward"])
 def test_a_kept_storage_written_by_a_reader_then_copied_raises_at_the_next_read(later: str, prefetch: bool) -> None:
@@ -1107,25 +1133,12 @@ def test_a_kept_storage_written_by_a_reader_then_copied_raises_at_the_next_read(
     backward pass from a node that runs a remat call). The next read of those bytes raises, as plain autograd
     does (prefetching started their copy back before the check had looked: a wrong gradient without an error)."""
     pol = policies.offload_to_cpu(min_bytes=0)
-    inner = remat(lambda t: t.exp().sin(), policy=pol)
-
-    class RunsRematInBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
-            return t.clone()
-
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            with torch.enable_grad():
-                z = torch.zeros_like(g, requires_grad=True)
-                (extra,) = torch.autograd.grad(inner(z).sum(), z)
-            return g + 0 * extra
 
     def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         a = (x @ w).sin()
         if later == "call":
             return _SquareWritingItsSaved.apply(a).sum()
-        c = RunsRematInBackward.apply(a.cos())  # made before the writer: its backward runs after the writer's
+        c = _RunsRematInBackward.apply(a.cos())  # made before the writer: its backward runs after the writer's
         return c.sum() + _SquareWritingItsSaved.apply(a).sum()
 
     x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
@@ -1320,23 +1333,10 @@ def test_bytes_written_before_a_kept_copy_went_out_are_checked_by_address(prefet
     other ``unsafe_split`` block, interleaved with it but sharing no byte, raised where plain autograd gives a
     gradient. A remat call in a later node's backward copies the kept storage out between the two reads."""
     pol = policies.offload_to_cpu(min_bytes=0)
-    inner = remat(lambda t: t.exp().sin(), policy=pol)
-
-    class RunsRematInBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
-            return t.clone()
-
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            with torch.enable_grad():
-                z = torch.zeros_like(g, requires_grad=True)
-                (extra,) = torch.autograd.grad(inner(z).sum(), z)
-            return g + 0 * extra
 
     def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         q, k = torch.unsafe_split((x @ w).sin(), 4, dim=1)
-        c = RunsRematInBackward.apply(q.cos())  # cos saves q, read last; the remat call copies the storage out
+        c = _RunsRematInBackward.apply(q.cos())  # cos saves q, read last; the remat call copies the storage out
         return c.sum() + _SquareWritingItsSaved.apply(k).sum()  # the writer runs first
 
     x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
