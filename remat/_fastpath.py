@@ -425,11 +425,10 @@ class FastFrame:
                 # the device, or copying: NOTE [written while copied] in _offload.py)
                 self.origins[i] = [weakref.ref(t) if type(v) is Offloaded else ti.detach_below_modes(t)
                                    for v, t in zip(vals, outs)]
-                at_hold = self.versions_at_hold.get(i) or [None] * len(outs)
-                for v, t, v0 in zip(vals, outs, at_hold):
+                for v, t, v0 in zip(vals, outs, self.versions_at_hold[i]):  # (noted with the origins: _hold)
                     if type(v) is Offloaded:
                         # (written since the op ran, too: the tensors saved of it before the write share the copy)
-                        self.engine.watch(v, t, t._version if v0 is None else v0)
+                        self.engine.watch(v, t, v0)  # type: ignore[arg-type]
             if written:
                 del self.held[i]  # written in place after the op ran: the recompute runs the op again
                 continue
