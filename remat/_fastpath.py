@@ -834,38 +834,36 @@ class _ValueReplay(_Replay):
             raise _Stop  # (stop <= limit: the ops past the plan come after the last save)
         raise _NeedsGraph  # not the forward pass's op without a graph: maybe with one (a fused path taken)
 
-    def _take_one(self, t: torch.Tensor, pos: int) -> None:
-        """:meth:`_take` of an op that returned one tensor, the dropped tensor at save position ``pos``."""
+    def _dropped(self, t: torch.Tensor, pos: int) -> bool:
+        """Whether ``t`` is the tensor this call dropped at save position ``pos`` (False: held as an input of the
+        call), checked as the recompute that saves checks it."""
         meta = self.drops.get(pos)
         if meta is None:
-            return  # not dropped by this call (held as an input of it)
+            return False
         ph = self.placeholders
         if ph and id(t) in ph and _is_placeholder(ph, t):
             raise _PlanWrong
         if t.shape != meta[0] or t.dtype != meta[1]:
             raise _NeedsGraph
-        self.pending.append((pos, weakref.ref(t)))
+        return True
+
+    def _take_one(self, t: torch.Tensor, pos: int) -> None:
+        """An op returned one tensor, dropped at ``pos``: held weakly until the op has returned (``settle``)."""
+        if self._dropped(t, pos):
+            self.pending.append((pos, weakref.ref(t)))
 
     def _take(self, out: Any, want: list[tuple[int, int]]) -> None:
-        """The dropped tensors op ``i`` returned: checked as the recompute that saves checks them. One tensor is
-        held weakly until the op has returned (``settle``); several, strongly now: the op's caller may keep only
-        some (``layer_norm`` drops the mean and rstd its node saved), and no factory returns several."""
-        single = isinstance(out, torch.Tensor)
-        outs = [out] if single else tensor_leaves(out)
-        drops, ph = self.drops, self.placeholders
+        """The dropped tensors op ``i`` returned. One tensor is held weakly until the op has returned (``settle``);
+        several, strongly now: the op's caller may keep only some (``layer_norm`` drops the mean and rstd its node
+        saved), and no factory returns several."""
+        if isinstance(out, torch.Tensor):
+            for _, pos in want:
+                self._take_one(out, pos)
+            return
+        outs = tensor_leaves(out)
         for k, pos in want:
-            t = outs[k]
-            meta = drops.get(pos)
-            if meta is None:
-                continue  # not dropped by this call (held as an input of it)
-            if id(t) in ph and _is_placeholder(ph, t):
-                raise _PlanWrong
-            if t.shape != meta[0] or t.dtype != meta[1]:
-                raise _NeedsGraph
-            if single:
-                self.pending.append((pos, weakref.ref(t)))
-            else:
-                self.made[pos] = t
+            if self._dropped(outs[k], pos):
+                self.made[pos] = outs[k]
 
 
 def _reads_placeholder(placeholders: dict[int, weakref.ref[torch.Tensor]], args: tuple[Any, ...],
