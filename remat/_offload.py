@@ -672,8 +672,6 @@ class OffloadEngine:
         return dev
 
     def _offload(self, t: torch.Tensor, dst: str, group: Any) -> Offloaded:
-        # (on the forward pass's hot path, a saved tensor per op: the common cases inline, measured per tensor in
-        # docs/benchmarks.md)
         if _ti.cuda_graph_capturing(t):
             raise RematError(
                 "remat: an offload policy ran under CUDA graph capture; its copies to host memory and "
@@ -685,14 +683,8 @@ class OffloadEngine:
         storage = src.untyped_storage()
         grp = group if type(group) is _Group else self._group(group)
         total = storage.nbytes()
-        contiguous = src.is_contiguous()
-        if contiguous:  # (_span's common case)
-            n = int(src.nbytes)
-            lo = int(src.storage_offset()) * src.element_size() if n else 0
-            hi = lo + n
-        else:
-            lo, hi = _span(src)
-        todev = self._devices.get(dst) or self._device(dst)
+        lo, hi = _span(src)
+        todev = self._device(dst)
         key = storage.data_ptr()
         version = src._version
         copy = None
@@ -717,7 +709,7 @@ class OffloadEngine:
         else:
             # src is exactly its storage's bytes, in order: a synchronous copy can take it as it is. Not a bool:
             # its copy writes 1 for every nonzero byte, and a view of another dtype may share the copy
-            whole = contiguous and lo == 0 and hi == total and src.dtype is not torch.bool
+            whole = lo == 0 and hi == total and src.dtype is not torch.bool and src.is_contiguous()
             copy = self._copy_out(src, storage, todev, grp, 0, total, whole=whole)
             if grp is not None:
                 cref = weakref.ref(copy)
