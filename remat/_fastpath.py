@@ -113,7 +113,6 @@ from typing import Any
 
 import optree
 import torch
-from torch.autograd.graph import saved_tensors_hooks
 
 from . import _torch_internals as ti
 from ._ambient import AmbientState
@@ -125,7 +124,7 @@ from ._packed import DROP, KEEP, OFFLOAD, Made
 from ._policies import Offloadable
 from ._reentrant import NeedsRegion
 from ._state import Snapshot
-from ._torch_internals import TorchDispatchMode
+from ._torch_internals import TorchDispatchMode, saved_tensors_hooks
 
 __all__ = ["Plan", "plan_of_call", "FastFrame", "signature", "fast_path_applies", "plans_for", "MAX_PLANS"]
 

@@ -113,7 +113,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.autograd.graph import saved_tensors_hooks
 
 from . import _torch_internals as ti
 from ._ambient import AmbientState
@@ -134,6 +133,7 @@ from ._policies import Offloadable, Recompute
 from ._recompute import holdable, run_recompute
 from ._reentrant import NeedsRegion, forward_pass, rewind_attempt
 from ._state import Snapshot
+from ._torch_internals import saved_tensors_hooks
 
 __all__ = ["Frame"]
 

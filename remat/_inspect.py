@@ -36,13 +36,12 @@ from typing import Any
 
 import optree
 import torch
-from torch.autograd.graph import saved_tensors_hooks
 
 from . import _torch_internals as ti
 from ._context import INSPECTOR, INTERNAL, PENDING_NAME, internal
 from ._dispatch import iter_stashed, storage_key, tensor_leaves
 from ._recompute import holdable
-from ._torch_internals import TorchDispatchMode
+from ._torch_internals import TorchDispatchMode, saved_tensors_hooks
 from ._transform import remat
 from .bench.measure import Config, format_table, measure
 

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.autograd.graph import saved_tensors_hooks
 
 from . import _torch_internals as ti
 from ._context import activated, internal
@@ -25,6 +24,7 @@ from ._dispatch import OpTap, Replayer, storage_key
 from ._errors import RematError, input_written_before_backward, saved_shape_differs
 from ._functorch import check_lower_levels, replay
 from ._packed import Made, Nested, ParentHandle, made_anew
+from ._torch_internals import saved_tensors_hooks
 
 __all__ = ["run_recompute", "unused_ops", "Capture", "StopRecompute", "NOT_HELD", "holdable", "call_nested_replay"]
 

@@ -426,3 +426,31 @@ def test_compiled_policy_translates_decisions() -> None:
 def test_checkpoint_name_outside_compile_and_remat_is_the_value() -> None:
     x = torch.randn(3)
     assert checkpoint_name(x, "a") is x
+
+
+# ---- torch.compile(g) called inside an eager remat'd function ------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", [*POLICIES, "offload"])
+def test_a_compiled_function_inside_remat_leaves_remat_s_own_code_uncompiled(policy: str) -> None:
+    """Dynamo compiled remat's handlers and the engine code its hooks call (40 frames, some ``lru_cache``-wrapped,
+    which Dynamo warns may be silently wrong) when a compiled function ran inside a remat'd function: a mode's
+    handler runs with its mode popped, and a hook with no mode at all. Dynamo's own frame count shows none now."""
+    from torch._dynamo.utils import counters
+
+    counting = Counting("eager")
+    g = torch.compile(lambda h: torch.sin(h) @ h.T @ h * 2 + 1, backend=counting)
+
+    def f(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return (g(x @ W) @ W).tanh()
+
+    pol = policies.offload_to_cpu(min_bytes=0) if policy == "offload" else POLICIES[policy]
+    rf = remat.remat(f, policy=pol)
+    torch.manual_seed(0)
+    W = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    counters.clear()
+    got = [torch.autograd.grad(rf(W, x + i).sum(), W) for i in range(3)]  # the full engine, then planned calls
+    assert dict(counters["frames"]) == {} and counting.graphs == 0
+    want = [torch.autograd.grad(f(W, x + i).sum(), W) for i in range(3)]
+    assert_tree_close(got, want, **F64)
