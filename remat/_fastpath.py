@@ -68,9 +68,14 @@ NOTE [planned calls]
     costs one call's extra memory, not every other call's). The recompute
     raises ``RematError`` if its ops differ from the forward's at a planned index.
     Unlike the full engine, a planned call recomputes ops that only feed outputs
-    the backward pass does not differentiate, and ops the liveness walk found
-    dead (it stops after the last tensor it must make, which cuts the trailing
-    ones): a plan never hands back a placeholder, whatever the call did.
+    the backward pass does not differentiate. Ops the liveness walk found dead
+    hand back placeholders, as on the full engine (NOTE [dead ops]), checked:
+    every later op looks for one among its arguments (``_Replay``). A dead op
+    whose every output the call kept for the backward pass (under
+    ``dots_saveable``, an attention block's ``q = a @ W``, which the next matmul
+    saves while its own output is held) is held instead, an alias of what is
+    kept anyway, and handed back: no placeholder, and no check on the ops after
+    it (2.6 us an op of the tiny blocks' recompute, where each block had one).
 
 NOTE [value recompute]
     A recompute that builds the graph (grad mode on, capture hooks taking what
@@ -191,16 +196,23 @@ class Plan:
         self.values: _Values | None = None  # NOTE [value recompute]: where each dropped tensor comes from
 
     @classmethod
-    def of_ops(cls, keep: frozenset[int] | None, offload: dict[int, Offloadable], ops: list[OpRecord]) -> Plan:
+    def of_ops(cls, keep: frozenset[int] | None, offload: dict[int, Offloadable], ops: list[OpRecord],
+               kept: frozenset[tuple[int, int]] = frozenset()) -> Plan:
         """The plan of a recorded call: the ops whose every output the recorder still held when its forward
-        pass ended (strongly, offloaded, or weakly and alive) are held again; every other op runs in the recompute."""
+        pass ended (strongly, offloaded, or weakly and alive) are held again; every other op runs in the recompute.
+        ``kept``: the (op index, which of its tensors) of the op outputs the call kept for the backward pass."""
         hold, dead = {}, {}
         for i, rec in enumerate(ops):
             if rec.random or rec.out_spec is None:
                 continue
             if (rec.stash is None and not rec.live and rec.skippable) or (
                     rec.stash and all(x is None for x in rec.stash)):
-                dead[i] = _Dead(rec)  # nothing the recompute needs reads it: a placeholder (NOTE [dead ops])
+                if rec.out_vids and not rec.cow and all((i, k) in kept for k in range(len(rec.out_vids))):
+                    # NOTE [dead ops]: kept for the backward pass anyway, its outputs are held (an alias of each) and
+                    # handed back: no placeholder, so no op after it checks its arguments for one
+                    hold[i] = _Hold(rec, False)
+                else:
+                    dead[i] = _Dead(rec)  # nothing the recompute needs reads it: a placeholder (NOTE [dead ops])
                 continue
             if rec.stash is None or rec.cow or not rec.stash:
                 continue
@@ -258,7 +270,7 @@ def plan_of_call(frame: Any, out: Any) -> Plan | None:
     if all(id(p.payload) in state_ids for p in kept):
         keep = None  # module state only: held by identity (NOTE [fast path])
     offload = {p.pos: p.record.decision for p in frame.plan_packs if p.kind == OFFLOAD}
-    plan = Plan.of_ops(keep, offload, rec.ops)
+    plan = Plan.of_ops(keep, offload, rec.ops, frozenset(frame.plan_kept))
     if not plan.hold:
         return Plan(keep, offload)  # nothing to hand back in the recompute: no dispatch mode at all
     dropped = [p.pos for p in frame.plan_packs if p.kind == DROP]

@@ -303,6 +303,7 @@ class Frame:
         # NOTE [value recompute]: dropped position -> (index of the op that returned it, which of its tensors,
         # ops run when it was saved)
         self.plan_sources: dict[int, tuple[int, int, int]] = {}
+        self.plan_kept: set[tuple[int, int]] = set()  # (op index, which of its tensors) of the op outputs kept
 
     def rewind(self) -> None:
         """Undo what a forward pass cut short did, so that the call can run again (NOTE [reentrant region])."""
@@ -366,6 +367,8 @@ class Frame:
                 p = Packed(self, KEEP, s, pos, holdable(t), phys._version, meta, rec)
                 if rec is not None:
                     self._kept.setdefault(storage_key(phys), []).append((p, self.recorder.vid(phys)))
+                    if self.plan_packs is not None:
+                        self._plan_source(phys, self.plan_kept)
                 if rec is not None and rec.stash is not None and any(lv.kind == "grad" for lv in self.levels[:s]):
                     self._mixed.append((p, self.recorder.vid(phys)))  # NOTE [kept under higher-order grad]
             if p.kind == DROP and any(lv.kind == "jvp" for lv in self.levels[: max(s, 0)]):
@@ -432,14 +435,25 @@ class Frame:
             self.drops.setdefault(p.height, {})[p.pos] = p.meta
             self.needed_vids.add(vid)
 
+    def _plan_source(self, phys: torch.Tensor, into: set[tuple[int, int]] | None = None) -> tuple[int, int] | None:
+        """Which op returned ``phys`` itself, and which of its tensors it is (None: not a tensor an op of this call
+        returned, but a view or copy of one, or an input); added to ``into``."""
+        v = self.recorder.known_vid(phys)
+        made = -1 if v is None else self.recorder.made_by.get(v, -1)
+        if v is None or made < 0:
+            return None
+        src = (made, self.recorder.ops[made].out_vids.index(v))
+        if into is not None:
+            into.add(src)
+        return src
+
     def _drop(self, s: int, pos: int, phys: torch.Tensor, meta: tuple[Any, ...], rec: Any) -> Packed:
         self.drops.setdefault(s, {})[pos] = meta
         v = self.recorder.known_vid(phys)
         if v is not None and self.plan_packs is not None:
-            made = self.recorder.made_by.get(v, -1)
-            if made >= 0:  # (NOTE [value recompute]: the tensor an op returned, not a copy or a view made here)
-                ops = self.recorder.ops
-                self.plan_sources[pos] = (made, ops[made].out_vids.index(v), len(ops))
+            src = self._plan_source(phys)
+            if src is not None:  # (NOTE [value recompute]: the tensor an op returned, not a copy or a view made here)
+                self.plan_sources[pos] = (*src, len(self.recorder.ops))
         if v is None and rec is not None:
             # not a tensor an op of this call returned but a copy of one (a nested call's stash, routed here
             # detached): the recompute must make the output it copies, found by storage

@@ -1334,3 +1334,65 @@ def test_an_offloaded_output_written_in_a_planned_call_is_not_read_written(engin
             else:  # (copied before the write: the gradient of the values saved, where plain autograd raises)
                 got = torch.autograd.grad(g(W, xn), (W, xn))
                 assert all(torch.equal(a, b) for a, b in zip(got, saved))
+
+
+# ---- NOTE [dead ops]: a dead op whose outputs are kept is held, not a placeholder ------------------------------
+
+
+def _attention_like(W, h):
+    """Two tiny attention blocks. Each ``q`` is kept (the matmul after it saves it) and dead in the recompute,
+    which hands back the held output of that matmul (dots_saveable)."""
+    for _ in range(2):
+        a = F.layer_norm(h, (h.shape[-1],))
+        q = a @ W
+        att = torch.softmax(q @ a.transpose(-1, -2), dim=-1)
+        h = h + att @ a
+    return h, q
+
+
+@pytest.mark.parametrize("policy", ["save-matmuls", "custom"])
+def test_a_dead_op_whose_output_is_kept_is_handed_back_without_a_placeholder(policy):
+    pol = policies.dots_saveable if policy == "save-matmuls" else (
+        lambda op, *a, **k: op in (torch.ops.aten.mm.default,))
+
+    def f(W, h):
+        return _attention_like(W, h)[0]
+
+    W, h = leaf(4, 4), leaf(3, 4, seed=1)
+    g = remat(f, policy=pol)
+    for call in range(3):  # the recorded call, then planned ones
+        out, ref_out = g(W, h), f(W, h)
+        with OpCounter({torch.ops.aten.fill_.Scalar, torch.ops.aten.mm.default}) as c:
+            got = torch.autograd.grad(out.sum(), (W, h))
+        with OpCounter({torch.ops.aten.mm.default}) as plain:
+            ref = torch.autograd.grad(ref_out.sum(), (W, h))
+        assert_tree_close(got, ref, rtol=0, atol=0)
+        if call:  # no placeholder filled with NaN (2 before), no matmul run again: the backward pass's own only
+            assert c.count == plain.count
+    (plan,) = g._plans.values()
+    assert plan is not None and {1, 8} <= plan.hold.keys() and not {1, 8} & plan.dead.keys()  # the q matmuls
+
+
+@pytest.mark.parametrize("write", ["inside, after its reader", "by the caller"])
+def test_a_held_kept_output_written_raises_as_plain_autograd_does(write):
+    def f(W, h):
+        out, q = _attention_like(W, h)
+        if write == "inside, after its reader":
+            q.mul_(2)
+            return out
+        return out, q.detach()
+
+    def run(fn):
+        res = fn(W, h)
+        if write == "by the caller":
+            res, q = res
+            q.add_(1)  # shares q's version counter: its saving node sees the write
+        torch.autograd.grad(res.sum(), (W, h))
+
+    W, h = leaf(4, 4), leaf(3, 4, seed=1)
+    g = remat(f, policy=policies.dots_saveable)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(f)
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="modified (by an inplace operation|in place)"):
+            run(g)
