@@ -666,6 +666,14 @@ class Recorder(TorchDispatchMode):
             idx = None if v is None else self.made_by.get(v)
         return None if idx is None or idx < 0 else self.ops[idx]
 
+    def release_stash(self) -> None:
+        """The call dropped nothing: no recompute will read the stash. Let go of all of it, the copies made before an
+        in-place write included (``nn.ReLU(inplace=True)`` after a saved matmul: each a whole activation)."""
+        for rec in self.ops:
+            rec.live = False
+            if rec.stash is not None:
+                rec.stash = [None] * len(rec.stash)
+
     def prune(self, needed_vids: set[int]) -> None:
         """Release stashed outputs nothing live will read (NOTE [stash liveness])."""
         # An in-place write always runs in the recompute (writes are never replayed or skipped), so

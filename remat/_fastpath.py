@@ -76,6 +76,11 @@ NOTE [planned calls]
     saves while its own output is held) is held instead, an alias of what is
     kept anyway, and handed back: no placeholder, and no check on the ops after
     it (2.6 us an op of the tiny blocks' recompute, where each block had one).
+    An output that a later op of the recorded call wrote in place (``h = x @ W;
+    h.relu_()``: the recorder copied it before the write) is held as a copy
+    taken as the op returns, and handed to one recompute, which writes it as
+    the forward pass did; a later recompute runs the op. A call that dropped
+    nothing has a plan without a mode: no recompute will run.
 
 NOTE [value recompute]
     A recompute that builds the graph (grad mode on, capture hooks taking what
@@ -141,12 +146,15 @@ _AUTOCAST = ("cpu", "cuda")
 class _Hold:
     """An op whose outputs a planned call holds for its recompute (NOTE [planned calls])."""
 
-    __slots__ = ("offload", "out_spec", "consts", "single", "weak")
+    __slots__ = ("offload", "out_spec", "consts", "single", "weak", "cow")
 
-    def __init__(self, rec: OpRecord, weak: bool) -> None:
+    def __init__(self, rec: OpRecord, weak: bool, cow: bool = False) -> None:
         # weak: the recorded call held the outputs weakly and they were alive when its forward pass ended (a
         # result of the call, a saved tensor, the base of a view): held weakly again, run again if they died
         self.weak = weak
+        # cow: a later op of the recorded call wrote the output in place (h = x @ W; h.relu_()): a copy is held,
+        # taken as the op returns, and handed to one recompute, which writes it in turn (NOTE [planned calls])
+        self.cow = cow
         self.offload = rec.decision if isinstance(rec.decision, Offloadable) and not weak else None
         self.out_spec = rec.out_spec
         self.consts = rec.consts
@@ -214,7 +222,11 @@ class Plan:
                 else:
                     dead[i] = _Dead(rec)  # nothing the recompute needs reads it: a placeholder (NOTE [dead ops])
                 continue
-            if rec.stash is None or rec.cow or not rec.stash:
+            if rec.stash is None or not rec.stash:
+                continue
+            if rec.cow:
+                if rec.out_spec == _ONE_LEAF and rec.consts is None and not isinstance(rec.decision, Offloadable):
+                    hold[i] = _Hold(rec, False, cow=True)
                 continue
             weak = [isinstance(x, weakref.ref) for x in rec.stash]
             if all(x is not None and (not w or x() is not None) for x, w in zip(rec.stash, weak)):
@@ -257,7 +269,7 @@ def plan_of_call(frame: Any, out: Any) -> Plan | None:
         return None
     state_keys = {storage_key(ti.unwrap_all(t)) for t in frame.state.tensors}
     for r in rec.ops:
-        if r.func in LIFTS or r.subst or r.cow:
+        if r.func in LIFTS or r.subst:
             return None
         for _, t, _ in r.outside or ():
             if storage_key(t) not in state_keys:
@@ -270,10 +282,11 @@ def plan_of_call(frame: Any, out: Any) -> Plan | None:
     if all(id(p.payload) in state_ids for p in kept):
         keep = None  # module state only: held by identity (NOTE [fast path])
     offload = {p.pos: p.record.decision for p in frame.plan_packs if p.kind == OFFLOAD}
-    plan = Plan.of_ops(keep, offload, rec.ops, frozenset(frame.plan_kept))
-    if not plan.hold:
-        return Plan(keep, offload)  # nothing to hand back in the recompute: no dispatch mode at all
     dropped = [p.pos for p in frame.plan_packs if p.kind == DROP]
+    plan = Plan.of_ops(keep, offload, rec.ops, frozenset(frame.plan_kept))
+    if not plan.hold or not dropped:
+        # nothing to hand back in the recompute, or no recompute (nothing dropped): no dispatch mode at all
+        return Plan(keep, offload)
     if dropped and all(p in frame.plan_sources for p in dropped):
         plan.values = _Values({p: frame.plan_sources[p] for p in dropped})
     return plan
@@ -434,9 +447,12 @@ class FastFrame:
                 # hold the device bytes the offload let go of: watched through a weak reference while the output
                 # lives, and by the engine, through such an alias, while its copy has not read the bytes (kept on
                 # the device, or copying: NOTE [written while copied] in _offload.py)
-                self.origins[i] = [weakref.ref(t) if type(v) is Offloaded else ti.detach_below_modes(t)
+                # (a copy's origin, written in the forward pass, is watched weakly too: an alias would keep the
+                # written bytes, which the recompute makes again)
+                weak = self.plan.hold[i].cow
+                self.origins[i] = [weakref.ref(t) if weak or type(v) is Offloaded else ti.detach_below_modes(t)
                                    for v, t in zip(vals, outs)]
-                for v, t, v0 in zip(vals, outs, self.versions_at_hold[i]):  # (noted with the origins: _hold)
+                for v, t, v0 in zip(vals, outs, self.versions_at_hold.get(i, ())):  # (noted with the origins: _hold)
                     if type(v) is Offloaded:
                         # (written since the op ran, too: the tensors saved of it before the write share the copy)
                         self.engine.watch(v, t, v0)  # type: ignore[arg-type]
@@ -482,6 +498,11 @@ class FastFrame:
         # the version lives on the op's own output (a result the caller may hold and write), not on the
         # detached alias, which has a counter of its own: watched through a weak reference, from now (a write
         # later in the forward pass means the held value is not the op's output: forward() lets it run again)
+        if h.cow:
+            with internal():  # (the write comes later in the forward pass: the copy has the op's own values)
+                self.held[i] = [out.clone()]
+            self.origins[i] = [out]  # (its version is not noted: the write is expected)
+            return
         if h.single:
             self.versions_at_hold[i] = [out._version]
         if h.weak:
@@ -636,7 +657,10 @@ class FastFrame:
         origins = self.origins.get(i) or self.held[i]
         v0s = self.held_versions.get(i, ())
         if h.single and h.offload is None:  # (one tensor held, the common case: on the hot path)
-            return self._held_value(i, self.held[i][0], v0s[0] if v0s else None, origins[0])
+            val = self._held_value(i, self.held[i][0], v0s[0] if v0s else None, origins[0])
+            if h.cow:
+                del self.held[i]  # a copy the recompute writes: handed over once, a later recompute runs the op
+            return val
         vals = []
         with internal():
             for v, v0, orig in zip(self.held[i], v0s, origins):

@@ -266,6 +266,8 @@ class Frame:
                         # place (squeeze_) is replayed through copies the walk does not see: no liveness
                         # analysis (NOTE [stash liveness])
                         pass
+                    elif not self.needed_vids and not self.routed:
+                        self.recorder.release_stash()  # (a routed call's stash goes to the enclosing recompute)
                     else:
                         self.recorder.prune(self.needed_vids)
                     if self.plan_packs is not None:
