@@ -429,7 +429,7 @@ class FastFrame:
                     self.refuse()
                     raise NeedsRegion(self, e) from e  # NOTE [reentrant region] in _reentrant.py
         except BaseException:
-            self.origins = {}  # (held strongly during the forward pass only)
+            self.origins = self.held = {}  # (held strongly during the forward pass only)
             raise
         finally:
             self.forwarding = False
@@ -441,9 +441,9 @@ class FastFrame:
             written = any(a is not None and a != b for a, b in zip(now, self.versions_at_hold.get(i, ())))
             outs = self.origins.get(i)
             if outs is not None:
-                # an alias made now, above autograd, shares the output's version counter (the detached value held
-                # since the op ran does not): a write through any view of the output, a result of the call included
-                # (return y, h.detach()), moves it; and it holds no graph. But an offloaded output's alias would
+                # an alias made now, above autograd, shares the output's version counter (a detach in the tap's
+                # handler, below autograd, would not): a write through any view of the output, a result of the call
+                # included (return y, h.detach()), moves it; and it holds no graph. But an offloaded output's alias would
                 # hold the device bytes the offload let go of: watched through a weak reference while the output
                 # lives, and by the engine, through such an alias, while its copy has not read the bytes (kept on
                 # the device, or copying: NOTE [written while copied] in _offload.py)
@@ -452,6 +452,8 @@ class FastFrame:
                 weak = self.plan.hold[i].cow
                 self.origins[i] = [weakref.ref(t) if weak or type(v) is Offloaded else ti.detach_below_modes(t)
                                    for v, t in zip(vals, outs)]
+                if vals is outs:
+                    self.held[i] = vals = self.origins[i]  # (the output itself until now: held as that alias)
                 for v, t, v0 in zip(vals, outs, self.versions_at_hold.get(i, ())):  # (noted with the origins: _hold)
                     if type(v) is Offloaded:
                         # (written since the op ran, too: the tensors saved of it before the write share the copy)
@@ -514,8 +516,7 @@ class FastFrame:
         # (held until the forward pass ends, when forward() reads their versions, since an output that died before
         # could have been written in place; then as aliases sharing their version counters, for the caller's writes)
         if h.single and h.offload is None:
-            self.held[i] = [out.detach()]
-            self.origins[i] = [out]
+            self.held[i] = self.origins[i] = [out]  # (one alias of it at the end serves as both)
             return
         outs = [x for x in optree.tree_leaves(out, none_is_leaf=True) if isinstance(x, torch.Tensor)]
         self.origins[i] = list(outs)
