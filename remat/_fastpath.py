@@ -71,11 +71,13 @@ NOTE [planned calls]
     the backward pass does not differentiate. Ops the liveness walk found dead
     hand back placeholders, as on the full engine (NOTE [dead ops]), checked:
     every later op looks for one among its arguments (``_Replay``). A dead op
-    whose every output the call kept for the backward pass (under
-    ``dots_saveable``, an attention block's ``q = a @ W``, which the next matmul
-    saves while its own output is held) is held instead, an alias of what is
-    kept anyway, and handed back: no placeholder, and no check on the ops after
-    it (2.6 us an op of the tiny blocks' recompute, where each block had one).
+    whose output the call kept for the backward pass (under ``dots_saveable``,
+    an attention block's ``q = a @ W``, which the next matmul saves while its
+    own output is held) hands back the kept tensor instead, found through a weak
+    reference to what the saving node holds (a node freed in the forward pass
+    frees it, as plain autograd would: a placeholder then): no placeholder, and
+    no check on the ops after it (2.6 us an op of the tiny blocks' recompute,
+    where each block had one).
     An output that a later op of the recorded call wrote in place (``h = x @ W;
     h.relu_()``: the recorder copied it before the write) is held as a copy
     taken as the op returns, and handed to one recompute, which writes it as
@@ -185,7 +187,7 @@ class Plan:
     the outputs to hold for the recompute.
     """
 
-    __slots__ = ("keep", "offload", "ops", "calls", "hold", "dead", "random", "values")
+    __slots__ = ("keep", "offload", "ops", "calls", "hold", "dead", "random", "values", "kept_dead", "kept_dead_ops")
 
     def __init__(self, keep: frozenset[int] | None, offload: dict[int, Offloadable] | None = None,
                  ops: tuple[Any, ...] | None = None, hold: dict[int, _Hold] | None = None,
@@ -202,25 +204,24 @@ class Plan:
         # that leaves the plan holds every later save, so its recompute runs only the plan's ops)
         self.random = random
         self.values: _Values | None = None  # NOTE [value recompute]: where each dropped tensor comes from
+        # NOTE [dead ops]: save position -> the dead op whose output the recorded call kept there; a planned call hands
+        # back the kept tensor while it lives rather than a placeholder
+        self.kept_dead: dict[int, int] = {}
+        self.kept_dead_ops: frozenset[int] = frozenset()
 
     @classmethod
     def of_ops(cls, keep: frozenset[int] | None, offload: dict[int, Offloadable], ops: list[OpRecord],
-               kept: frozenset[tuple[int, int]] = frozenset()) -> Plan:
+               kept: dict[int, int] | None = None) -> Plan:
         """The plan of a recorded call: the ops whose every output the recorder still held when its forward
         pass ended (strongly, offloaded, or weakly and alive) are held again; every other op runs in the recompute.
-        ``kept``: the (op index, which of its tensors) of the op outputs the call kept for the backward pass."""
+        ``kept``: save position -> index of the one-output op whose output the call kept there."""
         hold, dead = {}, {}
         for i, rec in enumerate(ops):
             if rec.random or rec.out_spec is None:
                 continue
             if (rec.stash is None and not rec.live and rec.skippable) or (
                     rec.stash and all(x is None for x in rec.stash)):
-                if rec.out_vids and not rec.cow and all((i, k) in kept for k in range(len(rec.out_vids))):
-                    # NOTE [dead ops]: kept for the backward pass anyway, its outputs are held (an alias of each) and
-                    # handed back: no placeholder, so no op after it checks its arguments for one
-                    hold[i] = _Hold(rec, False)
-                else:
-                    dead[i] = _Dead(rec)  # nothing the recompute needs reads it: a placeholder (NOTE [dead ops])
+                dead[i] = _Dead(rec)  # nothing the recompute needs reads it: a placeholder (NOTE [dead ops])
                 continue
             if rec.stash is None or not rec.stash:
                 continue
@@ -231,7 +232,10 @@ class Plan:
             weak = [isinstance(x, weakref.ref) for x in rec.stash]
             if all(x is not None and (not w or x() is not None) for x, w in zip(rec.stash, weak)):
                 hold[i] = _Hold(rec, all(weak))
-        return cls(keep, offload, tuple(r.func for r in ops), hold, dead, any(r.random for r in ops))
+        plan = cls(keep, offload, tuple(r.func for r in ops), hold, dead, any(r.random for r in ops))
+        plan.kept_dead = {pos: i for pos, i in (kept or {}).items() if i in dead and not ops[i].cow}
+        plan.kept_dead_ops = frozenset(plan.kept_dead.values())
+        return plan
 
 
 class _Values:
@@ -283,7 +287,7 @@ def plan_of_call(frame: Any, out: Any) -> Plan | None:
         keep = None  # module state only: held by identity (NOTE [fast path])
     offload = {p.pos: p.record.decision for p in frame.plan_packs if p.kind == OFFLOAD}
     dropped = [p.pos for p in frame.plan_packs if p.kind == DROP]
-    plan = Plan.of_ops(keep, offload, rec.ops, frozenset(frame.plan_kept))
+    plan = Plan.of_ops(keep, offload, rec.ops, frame.plan_kept)
     if not plan.hold or not dropped:
         # nothing to hand back in the recompute, or no recompute (nothing dropped): no dispatch mode at all
         return Plan(keep, offload)
@@ -368,7 +372,7 @@ class _In:
 class _Kept:
     """A tensor held by reference (module state the plan holds), with its version when saved."""
 
-    __slots__ = ("t", "version")
+    __slots__ = ("t", "version", "__weakref__")
 
     def __init__(self, t: torch.Tensor, version: int) -> None:
         self.t = t
@@ -401,6 +405,8 @@ class FastFrame:
         self.forwarding = False
         self.recomputes = 0
         self.held: dict[int, list[Any]] = {}  # op index -> its outputs, detached or offloaded (NOTE [planned calls])
+        self.kept_dead = plan.kept_dead
+        self.dead_outs: dict[int, weakref.ref[torch.Tensor]] = {}  # dead op index -> its output (_hand_back)
         self.held_versions: dict[int, list[int | None]] = {}
         self.versions_at_hold: dict[int, list[int | None]] = {}
         self.origins: dict[int, list[Any]] = {}  # op index -> its outputs (in the forward pass), then aliases of them
@@ -447,11 +453,10 @@ class FastFrame:
                 # hold the device bytes the offload let go of: watched through a weak reference while the output
                 # lives, and by the engine, through such an alias, while its copy has not read the bytes (kept on
                 # the device, or copying: NOTE [written while copied] in _offload.py)
-                # (a copy's origin, written in the forward pass, is watched weakly too: an alias would keep the
-                # written bytes, which the recompute makes again)
-                weak = self.plan.hold[i].cow
-                self.origins[i] = [weakref.ref(t) if weak or type(v) is Offloaded else ti.detach_below_modes(t)
-                                   for v, t in zip(vals, outs)]
+                # (a copy's origin, written in the forward pass, is a weak reference from the start, _hold)
+                if not self.plan.hold[i].cow:
+                    self.origins[i] = [weakref.ref(t) if type(v) is Offloaded else ti.detach_below_modes(t)
+                                       for v, t in zip(vals, outs)]
                 if vals is outs:
                     self.held[i] = vals = self.origins[i]  # (the output itself until now: held as that alias)
                 for v, t, v0 in zip(vals, outs, self.versions_at_hold.get(i, ())):  # (noted with the origins: _hold)
@@ -503,7 +508,9 @@ class FastFrame:
         if h.cow:
             with internal():  # (the write comes later in the forward pass: the copy has the op's own values)
                 self.held[i] = [out.clone()]
-            self.origins[i] = [out]  # (its version is not noted: the write is expected)
+            # (watched weakly: held, the written output would stay alive through the forward pass; its version is
+            # not noted, the write is expected)
+            self.origins[i] = [weakref.ref(out)]
             return
         if h.single:
             self.versions_at_hold[i] = [out._version]
@@ -548,7 +555,10 @@ class FastFrame:
         if slot is not None and self.flat[slot] is t:
             return _In(slot, t._version)
         if self.diverged or (id(t) in self.state_ids if self.keep is None else pos in self.keep):  # type: ignore[operator]
-            return _Kept(_holdable(t, self.plan.ops is not None), t._version)
+            kept = _Kept(_holdable(t, self.plan.ops is not None), t._version)
+            if self.kept_dead and pos in self.kept_dead:
+                self._hand_back(self.kept_dead[pos], t, kept)
+            return kept
         decision = self.offload.get(pos) if self.offload else None
         if decision is not None and self.engine.applies(t, decision):
             self._offloaded = True
@@ -558,6 +568,14 @@ class FastFrame:
         self.drops[pos] = (t.shape, t.dtype, None if node is None else type(node))
         self.last_drop = pos
         return pos
+
+    def _hand_back(self, i: int, t: torch.Tensor, kept: _Kept) -> None:
+        """NOTE [dead ops]: dead op ``i``'s output is kept: its recompute hands back the kept tensor while the node
+        that saved it holds it (a weak reference: a node freed in the forward pass frees it, as plain autograd
+        would), and a placeholder once not. Only if it is this call's output of op ``i``, which the tap noted."""
+        ref = self.dead_outs.get(i)
+        if ref is not None and ref() is t:
+            self.held[i] = [weakref.ref(kept)]
 
     def unpack(self, p: Any) -> torch.Tensor:
         if type(p) is int:
@@ -654,7 +672,14 @@ class FastFrame:
 
     def replayed(self, i: int) -> Any:
         """Op ``i``'s held outputs, for the recompute (NOTE [planned calls])."""
-        h = self.plan.hold[i]
+        h = self.plan.hold.get(i)
+        if h is None:  # a dead op's kept output (_hand_back)
+            kept = self.held[i][0]()
+            if kept is None:
+                return _RUN  # its node was freed: a placeholder
+            if kept.t._version != kept.version:
+                raise _written_after_saved(self.fn_name, kept.t, kept.version)
+            return ti.detach_below_modes(kept.t)
         origins = self.origins.get(i) or self.held[i]
         v0s = self.held_versions.get(i, ())
         if h.single and h.offload is None:  # (one tensor held, the common case: on the hot path)
@@ -719,6 +744,7 @@ class _Tap(TorchDispatchMode):
         self.ops: tuple[Any, ...] = frame.plan.ops or ()
         self.calls = frame.plan.calls
         self.hold = frame.plan.hold
+        self.kept_dead_ops = frame.plan.kept_dead_ops
         self.limit = frame.limit
         self.i = 0
 
@@ -731,6 +757,8 @@ class _Tap(TorchDispatchMode):
             h = self.hold.get(i)
             if h is not None:
                 self.frame._hold(i, h, out)
+            elif i in self.kept_dead_ops and type(out) is torch.Tensor:
+                self.frame.dead_outs[i] = weakref.ref(out)  # (a dead op whose output is kept: _hand_back)
             return out
         out = func(*args, **kwargs) if kwargs else func(*args)
         if not (INTERNAL.get() or ignored(func)):

@@ -305,7 +305,7 @@ class Frame:
         # NOTE [value recompute]: dropped position -> (index of the op that returned it, which of its tensors,
         # ops run when it was saved)
         self.plan_sources: dict[int, tuple[int, int, int]] = {}
-        self.plan_kept: set[tuple[int, int]] = set()  # (op index, which of its tensors) of the op outputs kept
+        self.plan_kept: dict[int, int] = {}  # save position -> index of the op that returned the tensor kept there
 
     def rewind(self) -> None:
         """Undo what a forward pass cut short did, so that the call can run again (NOTE [reentrant region])."""
@@ -369,8 +369,9 @@ class Frame:
                 p = Packed(self, KEEP, s, pos, holdable(t), phys._version, meta, rec)
                 if rec is not None:
                     self._kept.setdefault(storage_key(phys), []).append((p, self.recorder.vid(phys)))
-                    if self.plan_packs is not None:
-                        self._plan_source(phys, self.plan_kept)
+                    src = self._plan_source(phys) if self.plan_packs is not None else None
+                    if src is not None and len(self.recorder.ops[src[0]].out_vids) == 1:
+                        self.plan_kept[pos] = src[0]
                 if rec is not None and rec.stash is not None and any(lv.kind == "grad" for lv in self.levels[:s]):
                     self._mixed.append((p, self.recorder.vid(phys)))  # NOTE [kept under higher-order grad]
             if p.kind == DROP and any(lv.kind == "jvp" for lv in self.levels[: max(s, 0)]):
@@ -437,17 +438,14 @@ class Frame:
             self.drops.setdefault(p.height, {})[p.pos] = p.meta
             self.needed_vids.add(vid)
 
-    def _plan_source(self, phys: torch.Tensor, into: set[tuple[int, int]] | None = None) -> tuple[int, int] | None:
+    def _plan_source(self, phys: torch.Tensor) -> tuple[int, int] | None:
         """Which op returned ``phys`` itself, and which of its tensors it is (None: not a tensor an op of this call
-        returned, but a view or copy of one, or an input); added to ``into``."""
+        returned, but a view or copy of one, or an input)."""
         v = self.recorder.known_vid(phys)
         made = -1 if v is None else self.recorder.made_by.get(v, -1)
         if v is None or made < 0:
             return None
-        src = (made, self.recorder.ops[made].out_vids.index(v))
-        if into is not None:
-            into.add(src)
-        return src
+        return made, self.recorder.ops[made].out_vids.index(v)
 
     def _drop(self, s: int, pos: int, phys: torch.Tensor, meta: tuple[Any, ...], rec: Any) -> Packed:
         self.drops.setdefault(s, {})[pos] = meta
