@@ -31,7 +31,8 @@ __all__ = ["INTERNAL", "PENDING_NAME", "NAMING", "INSPECTOR", "COMPILED_REGIONS"
 
 INTERNAL: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_internal", default=False)
 PENDING_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("remat_name", default=None)
-NAMING: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_naming", default=False)
+# (True, or a planned call's dispatch mode, which may let a tag go without its op: NOTE [skipped tags] in _fastpath.py)
+NAMING: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_naming", default=False)
 INSPECTOR: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_inspector", default=None)
 # How many remat calls Dynamo is tracing into torch's checkpoint region right now (NOTE [compiled remat] in
 # _compile.py): checkpoint_name tags only inside one. A list, not a ContextVar: Dynamo traces a list's
@@ -43,13 +44,14 @@ _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_active", de
 class _Flag:
     """Context manager: a boolean context variable is True for the body (a class: entered on hot paths)."""
 
-    __slots__ = ("var", "tok")
+    __slots__ = ("var", "value", "tok")
 
-    def __init__(self, var: contextvars.ContextVar[bool]) -> None:
+    def __init__(self, var: contextvars.ContextVar[Any], value: Any = True) -> None:
         self.var = var
+        self.value = value
 
     def __enter__(self) -> None:
-        self.tok = self.var.set(True)
+        self.tok = self.var.set(self.value)
 
     def __exit__(self, *exc: object) -> None:
         self.var.reset(self.tok)
@@ -60,9 +62,10 @@ def internal() -> _Flag:
     return _Flag(INTERNAL)
 
 
-def naming() -> _Flag:
-    """Context manager: ``checkpoint_name`` tags even though no remat context is active (a planned call)."""
-    return _Flag(NAMING)
+def naming(mode: Any = True) -> _Flag:
+    """Context manager: ``checkpoint_name`` tags even though no remat context is active (a planned call, whose
+    dispatch mode ``mode`` is asked first whether a tag may go without its op: ``mode.skip_name()``)."""
+    return _Flag(NAMING, mode)
 
 
 def active_context() -> Any:

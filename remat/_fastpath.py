@@ -84,6 +84,22 @@ NOTE [planned calls]
     the forward pass did; a later recompute runs the op. A call that dropped
     nothing has a plan without a mode: no recompute will run.
 
+NOTE [skipped tags]
+    A ``checkpoint_name`` tag is an ``aten.alias`` op so that the recorder sees
+    the name (NOTE [names decide for the value] in ``_policies.py``). A planned
+    call has the decisions already: a tag the plan neither holds, skips as dead
+    nor takes a dropped tensor from is let go. ``checkpoint_name`` asks the
+    planned call's mode (``skip_name``), which counts the op index as run, and
+    returns the tensor itself, as it does outside remat. The forward pass and
+    both recomputes let the same tags go, so each saves the same tensors, made
+    by the same nodes. Only a mode of this thread lets a tag go (a thread that
+    copied the call's context has a mode stack of its own, which sees its
+    tags), and only with no functorch transform or forward-AD level open there:
+    under one, a tag dispatches more ops than its alias (a dual tensor's is
+    followed by forward AD's checks). Not letting a tag go is always safe: its
+    alias is the plan's op at that index. A tag cost an autograd node, a trip
+    through the mode and one through the replay.
+
 NOTE [value recompute]
     A recompute that builds the graph (grad mode on, capture hooks taking what
     autograd saves) pays for nodes, saved-tensor hooks and a detach per saved
@@ -187,7 +203,8 @@ class Plan:
     the outputs to hold for the recompute.
     """
 
-    __slots__ = ("keep", "offload", "ops", "calls", "hold", "dead", "random", "values", "kept_dead", "kept_dead_ops")
+    __slots__ = ("keep", "offload", "ops", "calls", "hold", "dead", "random", "values", "kept_dead", "kept_dead_ops",
+                 "skip_names")
 
     def __init__(self, keep: frozenset[int] | None, offload: dict[int, Offloadable] | None = None,
                  ops: tuple[Any, ...] | None = None, hold: dict[int, _Hold] | None = None,
@@ -208,6 +225,7 @@ class Plan:
         # back the kept tensor while it lives rather than a placeholder
         self.kept_dead: dict[int, int] = {}
         self.kept_dead_ops: frozenset[int] = frozenset()
+        self.skip_names: frozenset[int] = frozenset()  # NOTE [skipped tags]: op indices of the tags that may go
 
     @classmethod
     def of_ops(cls, keep: frozenset[int] | None, offload: dict[int, Offloadable], ops: list[OpRecord],
@@ -254,6 +272,7 @@ class _Values:
 
 
 _ONE_LEAF = optree.tree_structure(0)  # type: ignore[arg-type]
+_ALIAS = torch.ops.aten.alias.default  # what checkpoint_name dispatches (_naming.py)
 
 
 def plan_of_call(frame: Any, out: Any) -> Plan | None:
@@ -293,7 +312,16 @@ def plan_of_call(frame: Any, out: Any) -> Plan | None:
         return Plan(keep, offload)
     if dropped and all(p in frame.plan_sources for p in dropped):
         plan.values = _Values({p: frame.plan_sources[p] for p in dropped})
+    plan.skip_names = _skippable_tags(rec.ops, plan)
     return plan
+
+
+def _skippable_tags(ops: list[OpRecord], plan: Plan) -> frozenset[int]:
+    """NOTE [skipped tags]: the tags a planned call may let go: the plan neither holds its output, nor skips it as
+    dead, nor takes a dropped tensor from it."""
+    taken = plan.values.at_op if plan.values is not None else {}
+    return frozenset(i for i, r in enumerate(ops) if r.name is not None and r.func is _ALIAS
+                     and i not in plan.hold and i not in plan.dead and i not in taken)
 
 
 # The plans of each function, shared by every remat(...) of it with the same policy and static_argnums, as JAX
@@ -427,7 +455,8 @@ class FastFrame:
                     if self.plan.ops is None:
                         out = self.run(self.flat)
                     else:
-                        with naming(), _Tap(self):
+                        tap = _Tap(self)
+                        with naming(tap), tap:
                             out = self.run(self.flat)
                 except RuntimeError as e:
                     if "support saved tensor hooks" not in str(e):
@@ -630,7 +659,8 @@ class FastFrame:
                 if self.plan.ops is None:
                     self.run(self.flat)
                 else:
-                    with naming(), _Replay(self, skip_dead):
+                    replay = _Replay(self, skip_dead)
+                    with naming(replay), replay:
                         self.run(self.flat)
             except _Stop:
                 pass
@@ -649,7 +679,7 @@ class FastFrame:
         self.placeholders = {}
         mode = _ValueReplay(self, skip_dead, values, values.stop[self.last_drop])
         try:
-            with torch.no_grad(), self.state.restored(self.state.tensors), self.ambient.restored(), naming(), mode:
+            with torch.no_grad(), self.state.restored(self.state.tensors), self.ambient.restored(), naming(mode), mode:
                 out = None
                 try:
                     out = self.run(self.flat)
@@ -745,8 +775,19 @@ class _Tap(TorchDispatchMode):
         self.calls = frame.plan.calls
         self.hold = frame.plan.hold
         self.kept_dead_ops = frame.plan.kept_dead_ops
+        self.skip_names = frame.plan.skip_names
+        self.thread = threading.get_ident()  # (a thread that copied the call's context has a mode stack of its own)
         self.limit = frame.limit
         self.i = 0
+
+    def skip_name(self) -> bool:
+        """NOTE [skipped tags]: whether the tag ``checkpoint_name`` is about to dispatch is one the plan lets go; if
+        so, it counts as run."""
+        i = self.i
+        if i < self.limit and i in self.skip_names and threading.get_ident() == self.thread and ti.no_levels_open():
+            self.i = i + 1
+            return True
+        return False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         i = self.i
@@ -786,8 +827,12 @@ class _Replay(TorchDispatchMode):
         self.held = frame.held
         self.dead = frame.plan.dead if skip_dead else {}
         self.placeholders = frame.placeholders
+        self.skip_names = frame.plan.skip_names
+        self.thread = threading.get_ident()
         self.limit = frame.limit
         self.i = 0
+
+    skip_name = _Tap.skip_name  # (the recompute lets the forward pass's tags go: each saved nothing)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         i = self.i
@@ -863,6 +908,17 @@ class _ValueReplay(_Replay):
             t = made.get(pos)
             if t is not None:
                 self.versions[pos] = t._version
+
+    def skip_name(self) -> bool:
+        i = self.i
+        if i < self.limit and i in self.skip_names and threading.get_ident() == self.thread and ti.no_levels_open():
+            if self.pending or i in self.saved_at:  # (as for an op, below)
+                self.settle(i)
+            if i >= self.stop:
+                raise _Stop
+            self.i = i + 1
+            return True
+        return False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         i = self.i

@@ -54,17 +54,26 @@ def checkpoint_name(x: T, name: str) -> T:
             return x  # compiled code outside a remat'd function: nothing to tag, as in eager mode
         return optree.tree_map(functools.partial(_annotated_alias, name), x,  # type: ignore[arg-type,return-value]
                                none_is_leaf=True)
-    if active_context() is None and INSPECTOR.get() is None and not NAMING.get():
-        return x  # outside remat, and not listed by saved_residuals: nothing to tag
-
+    planned = NAMING.get()
+    if active_context() is None and INSPECTOR.get() is None:
+        if not planned:
+            return x  # outside remat, and not listed by saved_residuals: nothing to tag
+        if planned is True:
+            planned = None  # (else a planned call's mode, which may let the tag go: NOTE [skipped tags] in _fastpath.py)
+    else:
+        planned = None
     if isinstance(x, torch.Tensor):
-        return _tag(name, x)  # type: ignore[return-value]  # (one tensor, the common case: no tree to map)
-    return optree.tree_map(functools.partial(_tag, name), x, none_is_leaf=True)  # type: ignore[arg-type,return-value]
+        return _tag(name, planned, x)  # type: ignore[return-value]  # (one tensor, the common case: no tree to map)
+    return optree.tree_map(functools.partial(_tag, name, planned), x,  # type: ignore[arg-type,return-value]
+                           none_is_leaf=True)
 
 
-def _tag(name: str, leaf: Any) -> Any:
-    """The name's ``aten.alias`` of a tensor leaf, seen by remat's dispatch mode with the name pending."""
+def _tag(name: str, planned: Any, leaf: Any) -> Any:
+    """The name's ``aten.alias`` of a tensor leaf, seen by remat's dispatch mode with the name pending; or the leaf
+    itself where a planned call's mode lets the tag go."""
     if not isinstance(leaf, torch.Tensor):
+        return leaf
+    if planned is not None and planned.skip_name():
         return leaf
     tok = PENDING_NAME.set(name)
     try:

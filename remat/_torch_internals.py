@@ -32,6 +32,16 @@ def peek_interpreter() -> Any:
     return _F.peek_interpreter_stack()
 
 
+import torch.autograd.forward_ad as _fwad  # noqa: E402
+
+
+def no_levels_open() -> bool:
+    """Whether neither a functorch transform nor a forward-AD level is open here. Under one, an op on a wrapper or a
+    dual tensor dispatches other ops besides it (the tangent's). No public API names the open forward-AD level:
+    ``torch.autograd.forward_ad`` keeps it in a module global (-1: none)."""
+    return _F.peek_interpreter_stack() is None and _fwad._current_level < 0
+
+
 def stack_depth() -> int:
     return int(_F.get_dynamic_layer_stack_depth())
 
