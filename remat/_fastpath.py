@@ -80,8 +80,11 @@ NOTE [planned calls]
     where each block had one).
     An output that a later op of the recorded call wrote in place (``h = x @ W;
     h.relu_()``: the recorder copied it before the write) is held as a copy
-    taken as the op returns, and handed to one recompute, which writes it as
-    the forward pass did; a later recompute runs the op. A call that dropped
+    taken where the recorder took it, before the writing op runs (the tap is
+    told which op that was: ``Plan.copy_before``), and handed to one recompute,
+    which writes it as the forward pass did; a later recompute runs the op. An
+    output written before that op (another wiring) is not copied: the op runs
+    again in the recompute, as for any held output written in the forward pass. A call that dropped
     nothing has a plan without a mode: no recompute will run.
 
 NOTE [skipped tags]
@@ -171,7 +174,7 @@ class _Hold:
         # result of the call, a saved tensor, the base of a view): held weakly again, run again if they died
         self.weak = weak
         # cow: a later op of the recorded call wrote the output in place (h = x @ W; h.relu_()): a copy is held,
-        # taken as the op returns, and handed to one recompute, which writes it in turn (NOTE [planned calls])
+        # taken before that op runs, and handed to one recompute, which writes it in turn (NOTE [planned calls])
         self.cow = cow
         self.offload = rec.decision if isinstance(rec.decision, Offloadable) and not weak else None
         self.out_spec = rec.out_spec
@@ -204,7 +207,7 @@ class Plan:
     """
 
     __slots__ = ("keep", "offload", "ops", "calls", "hold", "dead", "random", "values", "kept_dead", "kept_dead_ops",
-                 "skip_names")
+                 "skip_names", "copy_before")
 
     def __init__(self, keep: frozenset[int] | None, offload: dict[int, Offloadable] | None = None,
                  ops: tuple[Any, ...] | None = None, hold: dict[int, _Hold] | None = None,
@@ -226,6 +229,7 @@ class Plan:
         self.kept_dead: dict[int, int] = {}
         self.kept_dead_ops: frozenset[int] = frozenset()
         self.skip_names: frozenset[int] = frozenset()  # NOTE [skipped tags]: op indices of the tags that may go
+        self.copy_before: dict[int, list[int]] = {}  # op index -> the held outputs (_Hold.cow) it writes: copy first
 
     @classmethod
     def of_ops(cls, keep: frozenset[int] | None, offload: dict[int, Offloadable], ops: list[OpRecord],
@@ -244,13 +248,17 @@ class Plan:
             if rec.stash is None or not rec.stash:
                 continue
             if rec.cow:
-                if rec.out_spec == _ONE_LEAF and rec.consts is None and not isinstance(rec.decision, Offloadable):
+                if rec.out_spec == _ONE_LEAF and rec.consts is None and not isinstance(rec.decision, Offloadable) \
+                        and rec.cow_at is not None:
                     hold[i] = _Hold(rec, False, cow=True)
                 continue
             weak = [isinstance(x, weakref.ref) for x in rec.stash]
             if all(x is not None and (not w or x() is not None) for x, w in zip(rec.stash, weak)):
                 hold[i] = _Hold(rec, all(weak))
         plan = cls(keep, offload, tuple(r.func for r in ops), hold, dead, any(r.random for r in ops))
+        for i, h in hold.items():
+            if h.cow:
+                plan.copy_before.setdefault(ops[i].cow_at, []).append(i)  # type: ignore[arg-type]
         plan.kept_dead = {pos: i for pos, i in (kept or {}).items() if i in dead and not ops[i].cow}
         plan.kept_dead_ops = frozenset(plan.kept_dead.values())
         return plan
@@ -434,7 +442,9 @@ class FastFrame:
         self.recomputes = 0
         self.held: dict[int, list[Any]] = {}  # op index -> its outputs, detached or offloaded (NOTE [planned calls])
         self.kept_dead = plan.kept_dead
-        self.dead_outs: dict[int, weakref.ref[torch.Tensor]] = {}  # dead op index -> its output (_hand_back)
+        self.copied: set[int] = set()  # op indices whose held output is a copy (_copy_held)
+        # dead op index -> its output and the output's version as the op returned (_hand_back)
+        self.dead_outs: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self.held_versions: dict[int, list[int | None]] = {}
         self.versions_at_hold: dict[int, list[int | None]] = {}
         self.origins: dict[int, list[Any]] = {}  # op index -> its outputs (in the forward pass), then aliases of them
@@ -482,8 +492,8 @@ class FastFrame:
                 # hold the device bytes the offload let go of: watched through a weak reference while the output
                 # lives, and by the engine, through such an alias, while its copy has not read the bytes (kept on
                 # the device, or copying: NOTE [written while copied] in _offload.py)
-                # (a copy's origin, written in the forward pass, is a weak reference from the start, _hold)
-                if not self.plan.hold[i].cow:
+                # (a copy's origin, written in the forward pass, is a weak reference already: _copy_held)
+                if i not in self.copied:
                     self.origins[i] = [weakref.ref(t) if type(v) is Offloaded else ti.detach_below_modes(t)
                                        for v, t in zip(vals, outs)]
                 if vals is outs:
@@ -534,13 +544,6 @@ class FastFrame:
         # the version lives on the op's own output (a result the caller may hold and write), not on the
         # detached alias, which has a counter of its own: watched through a weak reference, from now (a write
         # later in the forward pass means the held value is not the op's output: forward() lets it run again)
-        if h.cow:
-            with internal():  # (the write comes later in the forward pass: the copy has the op's own values)
-                self.held[i] = [out.clone()]
-            # (watched weakly: held, the written output would stay alive through the forward pass; its version is
-            # not noted, the write is expected)
-            self.origins[i] = [weakref.ref(out)]
-            return
         if h.single:
             self.versions_at_hold[i] = [out._version]
         if h.weak:
@@ -569,6 +572,23 @@ class FastFrame:
                 self.held[i] = vals
             else:
                 self.held[i] = [t.detach() for t in outs]
+
+    def _copy_held(self, i: int) -> None:
+        """Op ``i``'s output, held, is about to be written in place (``_Hold.cow``): hold a copy instead, taken now
+        as the recorded call's recorder took it, and watch the output weakly (a write is expected: its version is
+        not noted). Held as it is if written already (a write the recorded call did not make here): the end of the
+        forward pass lets the op run again."""
+        held = self.held.get(i)
+        if held is None or type(held[0]) is not torch.Tensor or i in self.copied:
+            return
+        out = held[0]
+        if out._version != self.versions_at_hold[i][0]:
+            return
+        with internal():  # (in the tap's handler, before the writing op: the copy has the op's own values)
+            self.held[i] = [out.clone()]
+        self.origins[i] = [weakref.ref(out)]
+        del self.versions_at_hold[i]
+        self.copied.add(i)
 
     def _group(self) -> Any:
         grp = self._offload_group
@@ -601,9 +621,11 @@ class FastFrame:
     def _hand_back(self, i: int, t: torch.Tensor, kept: _Kept) -> None:
         """NOTE [dead ops]: dead op ``i``'s output is kept: its recompute hands back the kept tensor while the node
         that saved it holds it (a weak reference: a node freed in the forward pass frees it, as plain autograd
-        would), and a placeholder once not. Only if it is this call's output of op ``i``, which the tap noted."""
-        ref = self.dead_outs.get(i)
-        if ref is not None and ref() is t:
+        would), and a placeholder once not. Only if it is this call's output of op ``i``, which the tap noted, and
+        unwritten since: the recompute replays a write, into the kept tensor's storage."""
+        noted = self.dead_outs.get(i)
+        if noted is not None and noted[0]() is t and t._version == noted[1]:
+            # (unwritten since the op returned: the recompute must get the op's value, and replays any write)
             self.held[i] = [weakref.ref(kept)]
 
     def unpack(self, p: Any) -> torch.Tensor:
@@ -714,7 +736,7 @@ class FastFrame:
         v0s = self.held_versions.get(i, ())
         if h.single and h.offload is None:  # (one tensor held, the common case: on the hot path)
             val = self._held_value(i, self.held[i][0], v0s[0] if v0s else None, origins[0])
-            if h.cow:
+            if i in self.copied:
                 del self.held[i]  # a copy the recompute writes: handed over once, a later recompute runs the op
             return val
         vals = []
@@ -776,6 +798,7 @@ class _Tap(TorchDispatchMode):
         self.hold = frame.plan.hold
         self.kept_dead_ops = frame.plan.kept_dead_ops
         self.skip_names = frame.plan.skip_names
+        self.copy_before = frame.plan.copy_before
         self.thread = threading.get_ident()  # (a thread that copied the call's context has a mode stack of its own)
         self.limit = frame.limit
         self.i = 0
@@ -792,6 +815,9 @@ class _Tap(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         i = self.i
         if i < self.limit and self.ops[i] is func and not INTERNAL.get():
+            if self.copy_before and i in self.copy_before:
+                for k in self.copy_before[i]:
+                    self.frame._copy_held(k)
             call = self.calls[i]
             out = call(*args, **kwargs) if kwargs else call(*args)
             self.i = i + 1
@@ -799,7 +825,7 @@ class _Tap(TorchDispatchMode):
             if h is not None:
                 self.frame._hold(i, h, out)
             elif i in self.kept_dead_ops and type(out) is torch.Tensor:
-                self.frame.dead_outs[i] = weakref.ref(out)  # (a dead op whose output is kept: _hand_back)
+                self.frame.dead_outs[i] = (weakref.ref(out), out._version)  # (a dead op's kept output: _hand_back)
             return out
         out = func(*args, **kwargs) if kwargs else func(*args)
         if not (INTERNAL.get() or ignored(func)):
