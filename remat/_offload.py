@@ -623,8 +623,9 @@ class OffloadEngine:
         if (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter) or t.layout is not torch.strided \
                 or t.is_meta:
             return False
-        if t.is_conj() or t.is_neg() or t.is_quantized or t.is_nested:
-            # rebuilt from raw storage, a conjugate or negative view would lose its bit: keep these
+        if t.is_conj() or t.is_neg() or t.is_quantized or t.is_nested or _ti.is_zero_tensor(t):
+            # rebuilt from raw storage, a conjugate or negative view would lose its bit: keep these; a zero tensor
+            # (forward AD's zero tangent, under hessian) has no storage at all, and costs nothing kept
             return False
         nbytes = t.numel() * t.element_size()
         return nbytes > 0 and nbytes >= decision.min_bytes

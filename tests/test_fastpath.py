@@ -1574,9 +1574,9 @@ def test_relu_inplace_after_linear_keeps_no_copy_when_nothing_is_recomputed():
     x = torch.randn(4, 8, dtype=f64)
     params = list(model.parameters())
     for call in range(3):  # the recorded call, then planned ones
-        loss, held = live_bytes_after(lambda: g(x + call).sum())
+        loss, held = live_bytes_after(lambda c=call: g(x + c).sum())
         got = torch.autograd.grad(loss, params)
-        ref_loss, plain = live_bytes_after(lambda: model(x + call).sum())
+        ref_loss, plain = live_bytes_after(lambda c=call: model(x + c).sum())
         assert held == plain == 1024
         assert_tree_close(got, torch.autograd.grad(ref_loss, params), rtol=0, atol=0)
 

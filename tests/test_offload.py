@@ -1450,3 +1450,23 @@ def test_a_fetched_tensor_kept_as_a_gradient_is_not_read_again(engine: str) -> N
             grads.setdefault(name, []).append(a.grad)
     assert all(torch.equal(g, grads["plain"][0]) for g in grads["remat"]), grads
     assert torch.equal(grads["plain"][0], torch.full((4,), 3.0, dtype=torch.float64))
+
+
+def test_hessian_with_a_zero_tangent_offloaded():
+    """Found by review: under ``hessian`` (jacfwd over jacrev) a relu's zero tangent is forward AD's efficient zero
+    tensor, which has no storage; offloading it raised "Attempted to access the data pointer on an invalid python
+    storage". It is kept (it costs nothing); the Hessian equals plain autograd's."""
+    from torch.func import hessian
+
+    torch.manual_seed(0)
+    W1 = torch.randn(6, 6, dtype=torch.float64, requires_grad=True)
+    W2, x = torch.randn(6, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+
+    def f(W1, W2, x):
+        return torch.exp(torch.relu(x @ W1) @ W2)
+
+    g = remat(f, policy=policies.offload_to_cpu(min_bytes=0))
+    want = hessian(lambda W: f(W, W2, x).pow(2).sum())(W1)
+    for _ in range(2):
+        got = hessian(lambda W: g(W, W2, x).pow(2).sum())(W1)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
