@@ -122,6 +122,14 @@ NOTE [value recompute]
     (``rand_like``, ``zeros``) that Python holds as it returns, and the function
     would see another tensor (and an extra ``detach``).
 
+    Which op made a dropped tensor is the recorded call's wiring; a planned
+    call may save another tensor of the same shape at that position (``c = a if
+    x[0, 0] > 0 else b``: the recompute would take ``a`` where the forward pass
+    saved ``b``). So the tap notes the outputs the plan takes, and each dropped
+    tensor must be the very one its op returned in this call; if one is not,
+    that call recomputes with the graph, which takes what autograd saves, in
+    order (found on 2026-12-02: before, a wrong gradient without an error).
+
     Grad mode can change what a function runs (torch's
     ``TransformerEncoderLayer`` in eval mode takes a fused op without grad) or
     what it may do (``h.register_hook`` on an intermediate): any op that is not
@@ -443,6 +451,10 @@ class FastFrame:
         self.held: dict[int, list[Any]] = {}  # op index -> its outputs, detached or offloaded (NOTE [planned calls])
         self.kept_dead = plan.kept_dead
         self.copied: set[int] = set()  # op indices whose held output is a copy (_copy_held)
+        # NOTE [value recompute]: save position -> the output of the op the plan takes it from, in this call (_Tap);
+        # values_ok: every dropped tensor was that very tensor
+        self.sources: dict[int, weakref.ref[torch.Tensor]] = {}
+        self.values_ok = plan.values is not None
         # dead op index -> its output and the output's version as the op returned (_hand_back)
         self.dead_outs: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self.held_versions: dict[int, list[int | None]] = {}
@@ -616,6 +628,10 @@ class FastFrame:
         node = t.grad_fn
         self.drops[pos] = (t.shape, t.dtype, None if node is None else type(node))
         self.last_drop = pos
+        if self.values_ok:
+            ref = self.sources.get(pos)
+            if ref is None or ref() is not t:
+                self.values_ok = False  # NOTE [value recompute]: not the tensor the plan takes for this position
         return pos
 
     def _hand_back(self, i: int, t: torch.Tensor, kept: _Kept) -> None:
@@ -665,7 +681,7 @@ class FastFrame:
     def _run_recompute(self, skip_dead: bool) -> Made:
         values = self.plan.values
         if (values is not None and not torch.is_grad_enabled() and not self.forwarding and not self.diverged
-                and self.drops.keys() <= values.stop.keys()):
+                and self.values_ok and self.drops.keys() <= values.stop.keys()):
             try:
                 return self._value_recompute(values, skip_dead)
             except _NeedsGraph:
@@ -799,6 +815,7 @@ class _Tap(TorchDispatchMode):
         self.kept_dead_ops = frame.plan.kept_dead_ops
         self.skip_names = frame.plan.skip_names
         self.copy_before = frame.plan.copy_before
+        self.at_op = frame.plan.values.at_op if frame.plan.values is not None else {}
         self.thread = threading.get_ident()  # (a thread that copied the call's context has a mode stack of its own)
         self.limit = frame.limit
         self.i = 0
@@ -826,6 +843,16 @@ class _Tap(TorchDispatchMode):
                 self.frame._hold(i, h, out)
             elif i in self.kept_dead_ops and type(out) is torch.Tensor:
                 self.frame.dead_outs[i] = (weakref.ref(out), out._version)  # (a dead op's kept output: _hand_back)
+            want = self.at_op.get(i)
+            if want is not None:  # (the value recompute takes dropped tensors from this op: note which they are)
+                sources = self.frame.sources
+                if type(out) is torch.Tensor:
+                    for _, pos in want:
+                        sources[pos] = weakref.ref(out)
+                else:
+                    outs = tensor_leaves(out)
+                    for k, pos in want:
+                        sources[pos] = weakref.ref(outs[k])
             return out
         out = func(*args, **kwargs) if kwargs else func(*args)
         if not (INTERNAL.get() or ignored(func)):

@@ -1611,3 +1611,26 @@ def test_a_planned_call_lets_the_tags_it_does_not_need_go(policy):
     assert 2 in plan.skip_names  # the q tag (op 2) at least: its matmul is held, not the tag
     if policy == policies.save_only_these_names("q"):  # v's tag returns a tensor the value recompute takes: it stays
         assert plan.values is not None and plan.skip_names == {2}
+
+
+@pytest.mark.parametrize("policy", ["dots", "custom"])
+def test_a_dropped_tensor_chosen_by_the_data_is_recomputed_from_its_own_op(policy):
+    """Which of two tensors of one shape a node saves depends on the data. The value recompute took each dropped
+    tensor from the op the recorded call saw make it: the sine where a planned call had saved the cosine, a wrong
+    gradient without an error. A planned call now checks that each dropped tensor is the one the plan takes (by
+    identity, as the tap saw the op return it); another one sends that call to the recompute that saves."""
+    W = leaf(4, 4)
+
+    def f(W, x):
+        h = x @ W
+        a, b = torch.sin(h), torch.cos(h)
+        c = a if bool(x[0, 0] > 0) else b
+        return (c * c).sum() + (a * b).sum()  # (a and b both saved: neither is dead)
+
+    g = remat(f, policy=POLICIES[policy])
+    for sign in (1, -1, -1, 1, 1):
+        x = leaf(3, 4, seed=1, grad=False).clone()
+        x[0, 0] = sign * x[0, 0].abs()
+        assert_tree_close(torch.autograd.grad(g(W, x), W), torch.autograd.grad(f(W, x), W))
+    (plan,) = g._plans.values()
+    assert plan is not None and plan.values is not None  # planned, with a value recompute for the recorded wiring
