@@ -585,6 +585,18 @@ class FastFrame:
             else:
                 self.held[i] = [t.detach() for t in outs]
 
+    def _note_sources(self, out: Any, want: list[tuple[int, int]]) -> None:
+        """NOTE [value recompute]: the tensors op ``out``'s op returned that the plan takes for save positions."""
+        sources = self.sources
+        if type(out) is torch.Tensor:
+            ref = weakref.ref(out)
+            for _, pos in want:
+                sources[pos] = ref
+            return
+        outs = out if type(out) is tuple and all(type(t) is torch.Tensor for t in out) else tensor_leaves(out)
+        for k, pos in want:
+            sources[pos] = weakref.ref(outs[k])
+
     def _copy_held(self, i: int) -> None:
         """Op ``i``'s output, held, is about to be written in place (``_Hold.cow``): hold a copy instead, taken now
         as the recorded call's recorder took it, and watch the output weakly (a write is expected: its version is
@@ -843,16 +855,8 @@ class _Tap(TorchDispatchMode):
                 self.frame._hold(i, h, out)
             elif i in self.kept_dead_ops and type(out) is torch.Tensor:
                 self.frame.dead_outs[i] = (weakref.ref(out), out._version)  # (a dead op's kept output: _hand_back)
-            want = self.at_op.get(i)
-            if want is not None:  # (the value recompute takes dropped tensors from this op: note which they are)
-                sources = self.frame.sources
-                if type(out) is torch.Tensor:
-                    for _, pos in want:
-                        sources[pos] = weakref.ref(out)
-                else:
-                    outs = tensor_leaves(out)
-                    for k, pos in want:
-                        sources[pos] = weakref.ref(outs[k])
+            if i in self.at_op:  # (the value recompute takes dropped tensors from this op: note which they are)
+                self.frame._note_sources(out, self.at_op[i])
             return out
         out = func(*args, **kwargs) if kwargs else func(*args)
         if not (INTERNAL.get() or ignored(func)):
