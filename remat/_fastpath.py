@@ -128,7 +128,9 @@ NOTE [value recompute]
     saved ``b``). So the tap notes the outputs the plan takes, and each dropped
     tensor must be the very one its op returned in this call; if one is not,
     that call recomputes with the graph, which takes what autograd saves, in
-    order (found on 2026-12-02: before, a wrong gradient without an error).
+    order (found on 2026-12-02: before, a wrong gradient without an error). Only
+    a tensor an op saved of its inputs is checked: one an op saved of its own
+    output (``tanh``, ``softmax``) is that op's output whatever the wiring.
 
     Grad mode can change what a function runs (torch's
     ``TransformerEncoderLayer`` in eval mode takes a fused op without grad) or
@@ -276,14 +278,19 @@ class _Values:
     """NOTE [value recompute]: per op index, the dropped save positions its outputs are (which tensor of the op's,
     which position); per position, how many ops had run when it was saved, and per such count, the positions."""
 
-    __slots__ = ("at_op", "stop", "saved_at")
+    __slots__ = ("at_op", "stop", "saved_at", "inputs_at_op")
 
     def __init__(self, sources: dict[int, tuple[int, int, int]]) -> None:
         self.at_op: dict[int, list[tuple[int, int]]] = {}
         self.saved_at: dict[int, list[int]] = {}
+        # the positions an op saved of its inputs (not its own output, which its node always saves as it returned
+        # it): which tensor the call gives that op is the call's wiring, checked on planned calls
+        self.inputs_at_op: dict[int, list[tuple[int, int]]] = {}
         for pos, (i, k, n) in sources.items():
             self.at_op.setdefault(i, []).append((k, pos))
             self.saved_at.setdefault(n, []).append(pos)
+            if i != n - 1:  # (saved when n ops had run: by op n - 1)
+                self.inputs_at_op.setdefault(i, []).append((k, pos))
         self.stop = {pos: src[2] for pos, src in sources.items()}
 
 
@@ -451,10 +458,11 @@ class FastFrame:
         self.held: dict[int, list[Any]] = {}  # op index -> its outputs, detached or offloaded (NOTE [planned calls])
         self.kept_dead = plan.kept_dead
         self.copied: set[int] = set()  # op indices whose held output is a copy (_copy_held)
-        # NOTE [value recompute]: save position -> the output of the op the plan takes it from, in this call (_Tap);
-        # values_ok: every dropped tensor was that very tensor
+        # NOTE [value recompute]: save position -> the output of the op the plan takes it from, in this call (_Tap),
+        # weakly; values_ok: every dropped tensor was that very tensor
         self.sources: dict[int, weakref.ref[torch.Tensor]] = {}
         self.values_ok = plan.values is not None
+        self.checked = {pos for want in plan.values.inputs_at_op.values() for _, pos in want} if plan.values else set()
         # dead op index -> its output and the output's version as the op returned (_hand_back)
         self.dead_outs: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self.held_versions: dict[int, list[int | None]] = {}
@@ -490,6 +498,7 @@ class FastFrame:
             raise
         finally:
             self.forwarding = False
+            self.sources.clear()  # (the positions that saved another tensor, or were not reached)
             self.cache = {}  # what a backward pass inside the forward pass recomputed
         if self.diverged:
             self.refuse()
@@ -586,16 +595,10 @@ class FastFrame:
                 self.held[i] = [t.detach() for t in outs]
 
     def _note_sources(self, out: Any, want: list[tuple[int, int]]) -> None:
-        """NOTE [value recompute]: the tensors op ``out``'s op returned that the plan takes for save positions."""
-        sources = self.sources
-        if type(out) is torch.Tensor:
-            ref = weakref.ref(out)
-            for _, pos in want:
-                sources[pos] = ref
-            return
+        """NOTE [value recompute]: the tensors an op returned (several) that the plan takes for save positions."""
         outs = out if type(out) is tuple and all(type(t) is torch.Tensor for t in out) else tensor_leaves(out)
         for k, pos in want:
-            sources[pos] = weakref.ref(outs[k])
+            self.sources[pos] = weakref.ref(outs[k])
 
     def _copy_held(self, i: int) -> None:
         """Op ``i``'s output, held, is about to be written in place (``_Hold.cow``): hold a copy instead, taken now
@@ -640,7 +643,7 @@ class FastFrame:
         node = t.grad_fn
         self.drops[pos] = (t.shape, t.dtype, None if node is None else type(node))
         self.last_drop = pos
-        if self.values_ok:
+        if self.values_ok and pos in self.checked:
             ref = self.sources.get(pos)
             if ref is None or ref() is not t:
                 self.values_ok = False  # NOTE [value recompute]: not the tensor the plan takes for this position
@@ -827,7 +830,8 @@ class _Tap(TorchDispatchMode):
         self.kept_dead_ops = frame.plan.kept_dead_ops
         self.skip_names = frame.plan.skip_names
         self.copy_before = frame.plan.copy_before
-        self.at_op = frame.plan.values.at_op if frame.plan.values is not None else {}
+        self.at_op = frame.plan.values.inputs_at_op if frame.plan.values is not None else {}
+        self.sources = frame.sources
         self.thread = threading.get_ident()  # (a thread that copied the call's context has a mode stack of its own)
         self.limit = frame.limit
         self.i = 0
@@ -855,8 +859,14 @@ class _Tap(TorchDispatchMode):
                 self.frame._hold(i, h, out)
             elif i in self.kept_dead_ops and type(out) is torch.Tensor:
                 self.frame.dead_outs[i] = (weakref.ref(out), out._version)  # (a dead op's kept output: _hand_back)
-            if i in self.at_op:  # (the value recompute takes dropped tensors from this op: note which they are)
-                self.frame._note_sources(out, self.at_op[i])
+            want = self.at_op.get(i)
+            if want is not None:  # (the value recompute takes dropped tensors from this op: note which they are)
+                if type(out) is torch.Tensor:
+                    ref = weakref.ref(out)  # (not the tensor: a reference held changes what torch's binding does)
+                    for _, pos in want:
+                        self.sources[pos] = ref
+                else:
+                    self.frame._note_sources(out, want)
             return out
         out = func(*args, **kwargs) if kwargs else func(*args)
         if not (INTERNAL.get() or ignored(func)):
