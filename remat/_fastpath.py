@@ -84,8 +84,9 @@ NOTE [planned calls]
     told which op that was: ``Plan.copy_before``), and handed to one recompute,
     which writes it as the forward pass did; a later recompute runs the op. An
     output written before that op (another wiring) is not copied: the op runs
-    again in the recompute, as for any held output written in the forward pass. A call that dropped
-    nothing has a plan without a mode: no recompute will run.
+    again in the recompute, as for any held output written in the forward
+    pass. A call that dropped nothing has a plan without a mode: no recompute
+    will run.
 
 NOTE [skipped tags]
     A ``checkpoint_name`` tag is an ``aten.alias`` op so that the recorder sees
@@ -278,7 +279,7 @@ class _Values:
     """NOTE [value recompute]: per op index, the dropped save positions its outputs are (which tensor of the op's,
     which position); per position, how many ops had run when it was saved, and per such count, the positions."""
 
-    __slots__ = ("at_op", "stop", "saved_at", "inputs_at_op")
+    __slots__ = ("at_op", "stop", "saved_at", "inputs_at_op", "checked")
 
     def __init__(self, sources: dict[int, tuple[int, int, int]]) -> None:
         self.at_op: dict[int, list[tuple[int, int]]] = {}
@@ -291,6 +292,7 @@ class _Values:
             self.saved_at.setdefault(n, []).append(pos)
             if i != n - 1:  # (saved when n ops had run: by op n - 1)
                 self.inputs_at_op.setdefault(i, []).append((k, pos))
+        self.checked = frozenset(pos for want in self.inputs_at_op.values() for _, pos in want)
         self.stop = {pos: src[2] for pos, src in sources.items()}
 
 
@@ -333,7 +335,7 @@ def plan_of_call(frame: Any, out: Any) -> Plan | None:
     if not plan.hold or not dropped:
         # nothing to hand back in the recompute, or no recompute (nothing dropped): no dispatch mode at all
         return Plan(keep, offload)
-    if dropped and all(p in frame.plan_sources for p in dropped):
+    if all(p in frame.plan_sources for p in dropped):
         plan.values = _Values({p: frame.plan_sources[p] for p in dropped})
     plan.skip_names = _skippable_tags(rec.ops, plan)
     return plan
@@ -462,7 +464,7 @@ class FastFrame:
         # weakly; values_ok: every dropped tensor was that very tensor
         self.sources: dict[int, weakref.ref[torch.Tensor]] = {}
         self.values_ok = plan.values is not None
-        self.checked = {pos for want in plan.values.inputs_at_op.values() for _, pos in want} if plan.values else set()
+        self.checked = plan.values.checked if plan.values is not None else frozenset()
         # dead op index -> its output and the output's version as the op returned (_hand_back)
         self.dead_outs: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self.held_versions: dict[int, list[int | None]] = {}
@@ -818,6 +820,13 @@ def _version_of(v: Any) -> int | None:
     return v._version if isinstance(v, torch.Tensor) else None
 
 
+def _lets_go(mode: Any) -> bool:
+    """NOTE [skipped tags]: whether planned mode ``mode`` (a tap or a replay) lets the tag at its next op index go."""
+    i = mode.i
+    return (i < mode.limit and i in mode.skip_names and threading.get_ident() == mode.thread
+            and ti.no_levels_open())
+
+
 class _Tap(TorchDispatchMode):
     """A planned call's forward pass: count the ops, check each is the plan's, hold the planned outputs."""
 
@@ -839,9 +848,8 @@ class _Tap(TorchDispatchMode):
     def skip_name(self) -> bool:
         """NOTE [skipped tags]: whether the tag ``checkpoint_name`` is about to dispatch is one the plan lets go; if
         so, it counts as run."""
-        i = self.i
-        if i < self.limit and i in self.skip_names and threading.get_ident() == self.thread and ti.no_levels_open():
-            self.i = i + 1
+        if _lets_go(self):
+            self.i += 1
             return True
         return False
 
@@ -977,15 +985,15 @@ class _ValueReplay(_Replay):
                 self.versions[pos] = t._version
 
     def skip_name(self) -> bool:
+        if not _lets_go(self):
+            return False
         i = self.i
-        if i < self.limit and i in self.skip_names and threading.get_ident() == self.thread and ti.no_levels_open():
-            if self.pending or i in self.saved_at:  # (as for an op, below)
-                self.settle(i)
-            if i >= self.stop:
-                raise _Stop
-            self.i = i + 1
-            return True
-        return False
+        if self.pending or i in self.saved_at:  # (as for an op, below)
+            self.settle(i)
+        if i >= self.stop:
+            raise _Stop
+        self.i = i + 1
+        return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         i = self.i
