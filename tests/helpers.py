@@ -31,6 +31,20 @@ def keeping_engine(keep_last: int = 1, **kw: Any) -> OffloadEngine:
     return eng
 
 
+def peak_bytes_of(forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Run ``forward()``; return its result and the most bytes its ops had allocated alive at once, weighed by
+    ``remat.bench.measure.LiveCensus`` (a dispatch mode outside remat, as ``live_bytes_after`` weighs what is left)."""
+    from remat.bench.measure import LiveCensus
+
+    census = LiveCensus()
+    try:
+        with census:
+            out = forward()
+        return out, census.peak
+    finally:
+        census.close()
+
+
 def tree_allclose(a: Any, b: Any, exact_float32: bool = True, rtol: float = 1e-12, atol: float = 1e-12) -> bool:
     """Same structure, and every tensor leaf equal: bitwise for float32, allclose for float64."""
     la, sa = optree.tree_flatten(a, none_is_leaf=True)

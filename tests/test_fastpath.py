@@ -20,9 +20,9 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from remat import RematError, checkpoint_name, policies, remat, remat_module
-from remat.bench.measure import LiveCensus, live_bytes_after
+from remat.bench.measure import live_bytes_after
 
-from .helpers import OpCounter, OpLog, assert_tree_close, keeping_engine
+from .helpers import OpCounter, OpLog, assert_tree_close, keeping_engine, peak_bytes_of
 
 f64, f32 = torch.float64, torch.float32
 
@@ -1466,19 +1466,10 @@ def test_a_written_output_s_copy_does_not_raise_the_forward_peak():
             h = torch.exp(h) * 0.1
         return h
 
-    def peak_of(fn):
-        census = LiveCensus()
-        try:
-            with census:
-                loss = fn(Ws, x).sum()
-            return loss, census.peak
-        finally:
-            census.close()
-
     g = remat(f, policy=policies.dots_saveable)
     peaks = []
     for _ in range(3):
-        loss, peak = peak_of(g)
+        loss, peak = peak_bytes_of(lambda: g(Ws, x).sum())
         peaks.append(peak)
         assert_tree_close(torch.autograd.grad(loss, Ws), torch.autograd.grad(f(Ws, x).sum(), Ws))
     assert peaks[1] == peaks[2] == peaks[0]  # planned calls as the recorded one
@@ -1501,19 +1492,10 @@ def test_a_written_output_is_copied_where_the_recorded_call_copied_it():
         h.mul_(scale)
         return torch.tanh(h) @ W2
 
-    def peak_of(fn):
-        census = LiveCensus()
-        try:
-            with census:
-                loss = fn(W, W2, x).sum()
-            return loss, census.peak
-        finally:
-            census.close()
-
     g = remat(f, policy=policies.dots_saveable)
     peaks = []
     for _ in range(3):
-        loss, peak = peak_of(g)
+        loss, peak = peak_bytes_of(lambda: g(W, W2, x).sum())
         peaks.append(peak)
         assert_tree_close(torch.autograd.grad(loss, (W, W2)), torch.autograd.grad(f(W, W2, x).sum(), (W, W2)))
     assert peaks[1] == peaks[2] == peaks[0], peaks
