@@ -218,7 +218,7 @@ class Plan:
     """
 
     __slots__ = ("keep", "offload", "ops", "calls", "hold", "dead", "random", "values", "kept_dead", "kept_dead_ops",
-                 "skip_names", "copy_before")
+                 "skip_names", "copy_before", "marked")
 
     def __init__(self, keep: frozenset[int] | None, offload: dict[int, Offloadable] | None = None,
                  ops: tuple[Any, ...] | None = None, hold: dict[int, _Hold] | None = None,
@@ -241,6 +241,15 @@ class Plan:
         self.kept_dead_ops: frozenset[int] = frozenset()
         self.skip_names: frozenset[int] = frozenset()  # NOTE [skipped tags]: op indices of the tags that may go
         self.copy_before: dict[int, list[int]] = {}  # op index -> the held outputs (_Hold.cow) it writes: copy first
+        # the op indices at which a planned forward pass does more than count (_Tap): set by mark()
+        self.marked: frozenset[int] = frozenset()
+
+    def mark(self) -> Plan:
+        """Note the op indices where the forward pass holds, copies or notes an output (most ops are none of these:
+        one lookup for them, not four)."""
+        at_op = self.values.inputs_at_op if self.values is not None else {}
+        self.marked = frozenset(self.hold) | self.kept_dead_ops | frozenset(self.copy_before) | frozenset(at_op)
+        return self
 
     @classmethod
     def of_ops(cls, keep: frozenset[int] | None, offload: dict[int, Offloadable], ops: list[OpRecord],
@@ -338,7 +347,7 @@ def plan_of_call(frame: Any, out: Any) -> Plan | None:
     if all(p in frame.plan_sources for p in dropped):
         plan.values = _Values({p: frame.plan_sources[p] for p in dropped})
     plan.skip_names = _skippable_tags(rec.ops, plan)
-    return plan
+    return plan.mark()
 
 
 def _skippable_tags(ops: list[OpRecord], plan: Plan) -> frozenset[int]:
@@ -505,6 +514,16 @@ class FastFrame:
         if self.diverged:
             self.refuse()
         for i, vals in list(self.held.items()):
+            if vals is self.origins.get(i):
+                # (one output held strongly, the common case: as the general case below does, in fewer steps)
+                t = vals[0]
+                now = [t._version]
+                self.held[i] = self.origins[i] = [ti.detach_below_modes(t)]
+                if now[0] != self.versions_at_hold[i][0]:
+                    del self.held[i]
+                else:
+                    self.held_versions[i] = now
+                continue
             now = [_version_of(v) for v in self.origins.get(i, vals)]
             written = any(a is not None and a != b for a, b in zip(now, self.versions_at_hold.get(i, ())))
             outs = self.origins.get(i)
@@ -839,6 +858,7 @@ class _Tap(TorchDispatchMode):
         self.kept_dead_ops = frame.plan.kept_dead_ops
         self.skip_names = frame.plan.skip_names
         self.copy_before = frame.plan.copy_before
+        self.marked = frame.plan.marked
         self.at_op = frame.plan.values.inputs_at_op if frame.plan.values is not None else {}
         self.sources = frame.sources
         self.thread = threading.get_ident()  # (a thread that copied the call's context has a mode stack of its own)
@@ -856,25 +876,11 @@ class _Tap(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         i = self.i
         if i < self.limit and self.ops[i] is func and not INTERNAL.get():
-            if self.copy_before and i in self.copy_before:
-                for k in self.copy_before[i]:
-                    self.frame._copy_held(k)
             call = self.calls[i]
+            if i in self.marked:
+                return self._marked(i, call, args, kwargs)
             out = call(*args, **kwargs) if kwargs else call(*args)
             self.i = i + 1
-            h = self.hold.get(i)
-            if h is not None:
-                self.frame._hold(i, h, out)
-            elif i in self.kept_dead_ops and type(out) is torch.Tensor:
-                self.frame.dead_outs[i] = (weakref.ref(out), out._version)  # (a dead op's kept output: _hand_back)
-            want = self.at_op.get(i)
-            if want is not None:  # (the value recompute takes dropped tensors from this op: note which they are)
-                if type(out) is torch.Tensor:
-                    ref = weakref.ref(out)  # (not the tensor: a reference held changes what torch's binding does)
-                    for _, pos in want:
-                        self.sources[pos] = ref
-                else:
-                    self.frame._note_sources(out, want)
             return out
         out = func(*args, **kwargs) if kwargs else func(*args)
         if not (INTERNAL.get() or ignored(func)):
@@ -882,6 +888,28 @@ class _Tap(TorchDispatchMode):
             self.i = i + 1
             self.limit = self.frame.limit = min(self.limit, i)
             self.frame.diverged = True
+        return out
+
+    def _marked(self, i: int, call: Any, args: Any, kwargs: Any) -> Any:
+        """The plan's op ``i``, one the forward pass holds, copies before or notes the output of (``Plan.mark``)."""
+        if i in self.copy_before:
+            for k in self.copy_before[i]:
+                self.frame._copy_held(k)
+        out = call(*args, **kwargs) if kwargs else call(*args)
+        self.i = i + 1
+        h = self.hold.get(i)
+        if h is not None:
+            self.frame._hold(i, h, out)
+        elif i in self.kept_dead_ops and type(out) is torch.Tensor:
+            self.frame.dead_outs[i] = (weakref.ref(out), out._version)  # (a dead op's kept output: _hand_back)
+        want = self.at_op.get(i)
+        if want is not None:  # (the value recompute takes dropped tensors from this op: note which they are)
+            if type(out) is torch.Tensor:
+                ref = weakref.ref(out)  # (not the tensor: a reference held changes what torch's binding does)
+                for _, pos in want:
+                    self.sources[pos] = ref
+            else:
+                self.frame._note_sources(out, want)
         return out
 
 

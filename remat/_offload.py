@@ -618,17 +618,23 @@ class OffloadEngine:
     def applies(self, t: torch.Tensor, decision: Any) -> bool:
         """Whether ``decision`` (an Offloadable) moves ``t``: right source device, plain strided (no conjugate or
         negative bit, not quantized or nested), large enough."""
-        if decision.src is not None and self._type(self._device(decision.src)) != self._type(t.device):
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
             return False
-        if (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter) or t.layout is not torch.strided \
-                or t.is_meta:
+        if decision.src is not None and not self._on(t, decision.src):
             return False
-        if t.is_conj() or t.is_neg() or t.is_quantized or t.is_nested or _ti.is_zero_tensor(t):
+        if t.layout is not torch.strided or t.is_meta or t.is_conj() or t.is_neg() or t.is_quantized or t.is_nested \
+                or _ti.is_zero_tensor(t):
             # rebuilt from raw storage, a conjugate or negative view would lose its bit: keep these; a zero tensor
             # (forward AD's zero tangent, under hessian) has no storage at all, and costs nothing kept
             return False
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.nbytes
         return nbytes > 0 and nbytes >= decision.min_bytes
+
+    def _on(self, t: torch.Tensor, name: str) -> bool:
+        """Whether ``t`` is on a device of the type ``name`` (a policy's device string) names."""
+        kind = self._type(self._device(name))
+        # (t.is_cpu and t.is_cuda are flags; t.device.type makes a device and a string, ~0.4 us, per saved tensor)
+        return t.is_cpu if kind == "cpu" else t.is_cuda if kind == "cuda" else self._type(t.device) == kind
 
     def offload(self, t: torch.Tensor, dst: str, group: Any = None) -> Offloaded:
         """Start copying ``t``'s storage to device ``dst``; the caller then drops ``t``.
@@ -684,16 +690,25 @@ class OffloadEngine:
         storage = src.untyped_storage()
         grp = group if type(group) is _Group else self._group(group)
         total = storage.nbytes()
-        lo, hi = _span(src)
         todev = self._device(dst)
         key = storage.data_ptr()
         version = src._version
-        copy = None
-        small = 2 * (hi - lo) < total
         # the tensor whose version counter t shares, as a view (a slice shares a copy only with tensors of the same
         # counter: an unsafe_split piece, with one of its own, is written unseen by the other's check)
         base = t._base
         root = t if base is None else base
+        if grp is not None and src.storage_offset() == 0 and src.nbytes == total and src.is_contiguous() \
+                and key not in grp.by_storage and not grp.spans and src.dtype is not torch.bool:
+            copy = self._copy_whole(src, storage, todev, grp)
+            if copy is not None:  # (the common case: a tensor that is its storage's bytes, copied as it is)
+                cref = weakref.ref(copy)
+                grp.copies.append(cref)
+                grp.by_storage[key] = (copy.origin, version, cref, weakref.ref(root))
+                self.stats["offloaded"] += 1
+                return Offloaded(self, copy, src, t)
+        lo, hi = _span(src)
+        copy = None
+        small = 2 * (hi - lo) < total
         if grp is not None and key in grp.by_storage:
             copy = self._shared_copy(grp, storage, key, version, root if small else None)
         if copy is not None:
@@ -801,6 +816,24 @@ class OffloadEngine:
             self._log("keep", c)
             return c
         self._copy_raw(c, raw, dst, self._asynchronous(device, dst))
+        return c
+
+    def _copy_whole(self, src: torch.Tensor, storage: Any, dst: torch.device, grp: _Group) -> _HostCopy | None:
+        """:meth:`_copy_out` of a tensor that is exactly its storage's bytes, in order, where the copy is synchronous
+        and not kept (the CPU, pageable memory): the same copy in fewer steps. None where it is not such a copy."""
+        device = src.device
+        if (self.keep_last > 0 and self._type(device) in self._keep_devices) or self._asynchronous(device, dst):
+            return None
+        nbytes = src.nbytes
+        c = _HostCopy(self, self._next_cid, grp, device, nbytes, weakref.ref(storage), 0)
+        self._next_cid += 1
+        grp.origins[id(c.origin)] = grp.origins.get(id(c.origin), 0) + 1
+        c.host = src.clone() if device == dst else src.to(dst, copy=True)  # (as _copy_raw makes it)
+        stats = self.stats
+        stats["copies"] += 1
+        stats["offloaded_bytes"] += nbytes
+        if self.trace is not None:
+            self._log("d2h", c)
         return c
 
     def _asynchronous(self, src: torch.device, dst: torch.device) -> bool:
