@@ -88,6 +88,26 @@ NOTE [planned calls]
     pass. A call that dropped nothing has a plan without a mode: no recompute
     will run.
 
+NOTE [offloaded and written]
+    The full engine's recorder offloads an op's output as the op returns (for
+    its replay) and sees every write: a write into a storage with a copy in the
+    call gives a tensor saved after it a copy of its own (NOTE [one copy per
+    storage] in ``_offload.py``). A planned call sees no write. One with a
+    dispatch mode holds outputs as the recorder did: a recorded call that wrote
+    into any storage it had offloaded leaves no such plan. One without a mode
+    (a policy that offloads and drops nothing, or holds nothing for its
+    recompute) copies saved tensors only, each as it is saved. What it must not
+    miss is a write into a storage copied for an earlier save through a tensor
+    whose version counter a later save of it does not share (``unsafe_split``
+    pieces); a write through the same counter moves the version the engine
+    checks before it shares a copy. So only a recorded call that wrote into a
+    storage copied for a save, and alive, leaves no mode-less plan (a storage
+    that died frees its address for another, which a write may hit).
+    ``nn.ReLU(inplace=True)`` after a matmul under ``offload_to_cpu`` (the ReLU
+    writes the product, which nothing saved before) is planned: before (found
+    on 2026-12-02), every such call ran on the full engine (196 -> 34 us an op
+    of the in-place MLP's forward pass).
+
 NOTE [skipped tags]
     A ``checkpoint_name`` tag is an ``aten.alias`` op so that the recorder sees
     the name (NOTE [names decide for the value] in ``_policies.py``). A planned
@@ -319,10 +339,9 @@ def plan_of_call(frame: Any, out: Any) -> Plan | None:
     if sum(1 for t in tensor_leaves(out) if t.requires_grad) > 1:
         return None
     if (frame.routed or frame.levels or frame.nested.children or frame.inner_backward or rec.region
-            or rec.written_outside or rec.offloaded_written or rec.generators or frame.wrote_offloaded):
+            or rec.written_outside or rec.generators or frame.wrote_saved_offloaded):
         # (a generator of the user's own: only the full engine sees the ops that draw from it; a write into a
-        # storage with a copy in the call, through a tensor with a version counter of its own (unsafe_split): only
-        # the full engine sees it and gives a tensor saved after it a copy of its own, NOTE [one copy per storage])
+        # storage copied for a save: NOTE [offloaded and written])
         return None
     state_keys = {storage_key(ti.unwrap_all(t)) for t in frame.state.tensors}
     for r in rec.ops:
@@ -342,8 +361,11 @@ def plan_of_call(frame: Any, out: Any) -> Plan | None:
     dropped = [p.pos for p in frame.plan_packs if p.kind == DROP]
     plan = Plan.of_ops(keep, offload, rec.ops, frame.plan_kept)
     if not plan.hold or not dropped:
-        # nothing to hand back in the recompute, or no recompute (nothing dropped): no dispatch mode at all
-        return Plan(keep, offload)
+        # nothing to hand back in the recompute, or no recompute (nothing dropped): no dispatch mode at all (such a
+        # call copies saved tensors only, at their saves: NOTE [offloaded and written])
+        return Plan(keep, offload).mark()
+    if rec.offloaded_written or frame.wrote_offloaded:
+        return None  # NOTE [offloaded and written]
     if all(p in frame.plan_sources for p in dropped):
         plan.values = _Values({p: frame.plan_sources[p] for p in dropped})
     plan.skip_names = _skippable_tags(rec.ops, plan)

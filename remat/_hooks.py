@@ -167,6 +167,11 @@ class Frame:
         # a write into a storage with a copy in this call (the fast path, which sees no write, would share the copy
         # with a tensor saved after it: NOTE [fast path] in _fastpath.py)
         self.wrote_offloaded = False
+        # ...into a storage copied for a saved tensor, not only for an output the recorder held: NOTE [offloaded and
+        # written] in _fastpath.py. Per storage key, the storage copied for a save (weakly: one that died frees its
+        # address for another)
+        self.offloaded_saves: dict[int, weakref.ref[Any]] = {}
+        self.wrote_saved_offloaded = False
         self.recorder.describe_tensor = state.label_of
         self._kept: dict[int, list[tuple[Packed, int]]] = {}  # storage key -> kept packs made here, vid
         with internal():
@@ -354,6 +359,8 @@ class Frame:
                 else:
                     # t itself (the engine detaches): the engine keeps a weakref to catch in-place writes
                     p = Packed(self, OFFLOAD, s, pos, self._offload(t, decision), phys._version, meta, rec)
+                    storage = phys.untyped_storage()
+                    self.offloaded_saves[storage.data_ptr()] = weakref.ref(storage)
             elif self.routed:
                 # kept by this call's policy: the parent's policy decides whether it survives the
                 # forward pass (NOTE [nested remat]); the parent's recompute re-saves this position
@@ -430,6 +437,9 @@ class Frame:
     def _storage_written(self, keys: set[int]) -> None:
         if self.engine.storage_written(self, keys):
             self.wrote_offloaded = True
+            saves = self.offloaded_saves
+            if any(k in saves and saves[k]() is not None for k in keys):
+                self.wrote_saved_offloaded = True
 
     def _demote(self, key: int) -> None:
         """A checkpoint_name the policy drops names a value already saved as kept: drop it now."""

@@ -1336,6 +1336,61 @@ def test_an_offloaded_output_written_in_a_planned_call_is_not_read_written(engin
                 assert all(torch.equal(a, b) for a, b in zip(got, saved))
 
 
+# ---- NOTE [offloaded and written]: an in-place activation under an offload policy is planned -----------------
+
+
+@pytest.mark.parametrize("engine", ["default", "no-prefetch", "kept"])
+@pytest.mark.parametrize("dtype", [f64, f32], ids=["f64", "f32"])
+def test_an_in_place_activation_under_offload_is_planned_and_exact(dtype, engine):
+    """``h = relu_(x @ W)`` under ``offload_to_cpu``: the recorder offloads the product as the matmul returns, and
+    the ReLU writes it; every call ran on the full engine. A planned call copies saved tensors only, at their saves
+    (nothing was saved of the product before the write), so such a call is planned. Its gradients are the plain
+    function's, bit for bit, on every call; it offloads as many tensors as the recorded call; and what stays alive
+    after its forward pass, weighed from outside, is what the recorded call kept, far below plain autograd (but for
+    an engine that keeps the newest call on the device: NOTE [keep last])."""
+    from remat.offload import use_engine
+
+    def f(Ws, x):
+        return _mlp_inplace(Ws, x).sum()
+
+    Ws, x = [leaf(32, 32, dtype=dtype, seed=i) for i in range(3)], leaf(16, 32, dtype=dtype, seed=9, grad=False)
+    g = remat(f, policy=policies.offload_to_cpu(min_bytes=0))
+    eng = _offload_engine(engine)
+    held, offloaded = [], []
+    with use_engine(eng):
+        for call in range(4):
+            before = eng.stats["offloaded"]
+            loss, n = live_bytes_after(lambda: g(Ws, x + call))  # noqa: B023
+            held.append(n)
+            offloaded.append(eng.stats["offloaded"] - before)
+            assert_tree_close(torch.autograd.grad(loss, Ws), torch.autograd.grad(f(Ws, x + call), Ws), rtol=0, atol=0)
+    (plan,) = g._plans.values()
+    assert plan is not None and plan.ops is None  # planned, with no dispatch mode
+    _, plain = live_bytes_after(lambda: f(Ws, x))
+    assert offloaded == [offloaded[0]] * 4 and offloaded[0] >= 6, offloaded  # (each layer: the ReLU's, the tanh's)
+    assert held == [held[0]] * 4, held
+    if engine != "kept":
+        assert held[0] < plain // 4, (held, plain)
+
+
+def test_a_write_into_a_storage_offloaded_for_a_save_still_leaves_no_plan():
+    """NOTE [offloaded and written]: ``unsafe_split`` pieces have version counters of their own; the second piece's
+    write lands in a storage the first piece's save copied, which a call without a dispatch mode would not see
+    (the piece saved after it would share the stale copy). Such a recorded call leaves no plan, and every call is
+    exact."""
+    W, x = leaf(4, 6), leaf(3, 4, seed=1)
+
+    def f(W, x):
+        a1, a2 = (x @ W).unsafe_split(3, 1)
+        return a1.sigmoid_() * a2.sigmoid_()  # each sigmoid_ saves its written output
+
+    g = remat(f, policy=policies.offload_to_cpu(min_bytes=0))
+    want = grads(f, (W, x), (W, x))
+    for _ in range(3):
+        assert_tree_close(grads(g, (W, x), (W, x)), want, rtol=0, atol=0)
+    assert list(g._plans.values()) == [None]
+
+
 # ---- NOTE [dead ops]: a dead op whose outputs are kept is held, not a placeholder ------------------------------
 
 
