@@ -1373,6 +1373,34 @@ def test_an_in_place_activation_under_offload_is_planned_and_exact(dtype, engine
         assert held[0] < plain // 4, (held, plain)
 
 
+def test_superpoint_s_conv_blocks_with_in_place_relus_are_planned_under_offload():
+    """Real model code: transformers' SuperPoint encoder (convolutions, ``nn.ReLU(inplace=True)``, max pooling), random
+    weights from a config, each conv block under ``remat_modules`` with ``offload_to_cpu``. Every call is bit-exact
+    against the plain encoder, and the blocks' later calls follow plans without a dispatch mode (before, the ReLUs'
+    writes sent every call to the full engine)."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.superpoint.modeling_superpoint import SuperPointConvBlock, SuperPointEncoder
+
+    from remat import remat_modules
+
+    torch.manual_seed(0)
+    enc = SuperPointEncoder(transformers.SuperPointConfig(encoder_hidden_sizes=[8, 8, 16, 16])).double()
+    ref = copy.deepcopy(enc)
+    names = remat_modules(enc, SuperPointConvBlock, policy=policies.offload_to_cpu(min_bytes=0))
+    assert len(names) == 4
+    x = leaf(2, 1, 32, 32)
+    for call in range(3):
+        xi = (x + call).detach().requires_grad_()
+        got = torch.autograd.grad(enc(xi)[0].sum(), (xi, *enc.parameters()))
+        want = torch.autograd.grad(ref(xi)[0].sum(), (xi, *ref.parameters()))
+        assert_tree_close(got, want, rtol=0, atol=0)
+    for name in names:
+        (plan,) = enc.get_submodule(name).forward._plans.values()
+        assert plan is not None and plan.ops is None, name
+
+
 def test_a_write_into_a_storage_offloaded_for_a_save_still_leaves_no_plan():
     """NOTE [offloaded and written]: ``unsafe_split`` pieces have version counters of their own; the second piece's
     write lands in a storage the first piece's save copied, which a call without a dispatch mode would not see
