@@ -102,11 +102,21 @@ NOTE [offloaded and written]
     pieces); a write through the same counter moves the version the engine
     checks before it shares a copy. So only a recorded call that wrote into a
     storage copied for a save, and alive, leaves no mode-less plan (a storage
-    that died frees its address for another, which a write may hit).
-    ``nn.ReLU(inplace=True)`` after a matmul under ``offload_to_cpu`` (the ReLU
+    that died frees its address for another, which a write may hit). A call
+    that also recomputes leaves none after any such write: the outputs the
+    recorder offloaded and then saw written are not held by a plan (its
+    recompute would run their matmuls again, where the full engine replays
+    them). ``nn.ReLU(inplace=True)`` after a matmul under ``offload_to_cpu`` (the ReLU
     writes the product, which nothing saved before) is planned: before (found
     on 2026-12-02), every such call ran on the full engine (196 -> 34 us an op
     of the in-place MLP's forward pass).
+
+    Not seen, as by any plan without a mode: a write that the signature's
+    first call did not make (data-dependent), through a tensor with a version
+    counter of its own (``h.data.mul_(2)``, an ``unsafe_split`` piece), into
+    a storage copied for a save; a later save of it shares the copy made
+    before the write, where plain autograd reads the written bytes. Such a
+    function runs exactly on the full engine: ``remat(f, debug=True)``.
 
 NOTE [skipped tags]
     A ``checkpoint_name`` tag is an ``aten.alias`` op so that the recorder sees
@@ -359,13 +369,13 @@ def plan_of_call(frame: Any, out: Any) -> Plan | None:
         keep = None  # module state only: held by identity (NOTE [fast path])
     offload = {p.pos: p.record.decision for p in frame.plan_packs if p.kind == OFFLOAD}
     dropped = [p.pos for p in frame.plan_packs if p.kind == DROP]
+    if dropped and (rec.offloaded_written or frame.wrote_offloaded):
+        return None  # NOTE [offloaded and written]: the full engine replays what a plan's recompute would run again
     plan = Plan.of_ops(keep, offload, rec.ops, frame.plan_kept)
     if not plan.hold or not dropped:
         # nothing to hand back in the recompute, or no recompute (nothing dropped): no dispatch mode at all (such a
         # call copies saved tensors only, at their saves: NOTE [offloaded and written])
         return Plan(keep, offload).mark()
-    if rec.offloaded_written or frame.wrote_offloaded:
-        return None  # NOTE [offloaded and written]
     if all(p in frame.plan_sources for p in dropped):
         plan.values = _Values({p: frame.plan_sources[p] for p in dropped})
     plan.skip_names = _skippable_tags(rec.ops, plan)

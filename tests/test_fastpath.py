@@ -1373,6 +1373,48 @@ def test_an_in_place_activation_under_offload_is_planned_and_exact(dtype, engine
         assert held[0] < plain // 4, (held, plain)
 
 
+def test_offloaded_matmuls_written_in_place_are_not_run_again_by_a_plan():
+    """Found by review: under ``offload_dot_with_no_batch_dims`` the ReLU writes each offloaded product, which a plan
+    does not hold; with the rest dropped, a plan without a mode recomputed the whole function, its matmuls too (8
+    in the backward pass instead of 5). A call that recomputes and wrote an offloaded output leaves no plan: the
+    full engine replays the products."""
+    Ws, x = [leaf(16, 16, seed=i) for i in range(3)], leaf(8, 16, seed=9, grad=False)
+    g = remat(_mlp_inplace, policy=policies.offload_dot_with_no_batch_dims(None, "cpu"))
+    counts = []
+    for call in range(3):
+        out = g(Ws, x + call)
+        with OpCounter({torch.ops.aten.mm.default}) as c:
+            got = torch.autograd.grad(out.sum(), Ws)
+        counts.append(c.count)
+        assert_tree_close(got, torch.autograd.grad(_mlp_inplace(Ws, x + call).sum(), Ws), rtol=0, atol=0)
+    assert counts == [counts[0]] * 3 and counts[0] <= 6, counts  # (the plain backward's, nothing run again)
+
+
+def _written_unseen(W0, W1, x):
+    a = torch.relu_(x @ W0)
+    if x.sum() > 0:  # (the signature's first call, with x < 0, does not write)
+        a.data.mul_(2)  # a version counter of its own: no saved tensor's version moves
+    return (a @ W1).sum()  # the matmul saves a again, after the write
+
+
+@pytest.mark.parametrize("debug", [True, pytest.param(False, marks=pytest.mark.xfail(
+    strict=True, reason="NOTE [offloaded and written]: a plan without a mode sees no data-dependent write through a "
+    "version counter of its own"))])
+def test_a_data_dependent_write_through_data_needs_the_full_engine(debug):
+    """Found by review, and as old as plans without a mode: a later call writes, through ``.data``, a storage copied
+    for a save, which its signature's first call did not; the matmul's save after the write shares the copy made
+    before it. ``debug=True`` (the full engine on every call) is exact."""
+    from remat.offload import OffloadEngine, use_engine
+
+    W0, W1 = leaf(16, 16), leaf(16, 16, seed=1)
+    g = remat(_written_unseen, policy=policies.offload_to_cpu(min_bytes=0), debug=debug)
+    with use_engine(OffloadEngine()):
+        for call in range(3):
+            x = torch.rand(8, 16, dtype=f64, generator=torch.Generator().manual_seed(call)) * (-1 if call == 0 else 1)
+            want = torch.autograd.grad(_written_unseen(W0, W1, x), (W0, W1))
+            assert_tree_close(torch.autograd.grad(g(W0, W1, x), (W0, W1)), want, rtol=0, atol=0)
+
+
 def test_superpoint_s_conv_blocks_with_in_place_relus_are_planned_under_offload():
     """Real model code: transformers' SuperPoint encoder (convolutions, ``nn.ReLU(inplace=True)``, max pooling), random
     weights from a config, each conv block under ``remat_modules`` with ``offload_to_cpu``. Every call is bit-exact
