@@ -375,7 +375,7 @@ def plan_of_call(frame: Any, out: Any) -> Plan | None:
     if not plan.hold or not dropped:
         # nothing to hand back in the recompute, or no recompute (nothing dropped): no dispatch mode at all (such a
         # call copies saved tensors only, at their saves: NOTE [offloaded and written])
-        return Plan(keep, offload).mark()
+        return Plan(keep, offload)
     if all(p in frame.plan_sources for p in dropped):
         plan.values = _Values({p: frame.plan_sources[p] for p in dropped})
     plan.skip_names = _skippable_tags(rec.ops, plan)

@@ -690,25 +690,16 @@ class OffloadEngine:
         storage = src.untyped_storage()
         grp = group if type(group) is _Group else self._group(group)
         total = storage.nbytes()
+        lo, hi = _span(src)
         todev = self._device(dst)
         key = storage.data_ptr()
         version = src._version
+        copy = None
+        small = 2 * (hi - lo) < total
         # the tensor whose version counter t shares, as a view (a slice shares a copy only with tensors of the same
         # counter: an unsafe_split piece, with one of its own, is written unseen by the other's check)
         base = t._base
         root = t if base is None else base
-        if grp is not None and src.storage_offset() == 0 and src.nbytes == total and src.is_contiguous() \
-                and key not in grp.by_storage and not grp.spans and src.dtype is not torch.bool:
-            copy = self._copy_whole(src, storage, todev, grp)
-            if copy is not None:  # (the common case: a tensor that is its storage's bytes, copied as it is)
-                cref = weakref.ref(copy)
-                grp.copies.append(cref)
-                grp.by_storage[key] = (copy.origin, version, cref, weakref.ref(root))
-                self.stats["offloaded"] += 1
-                return Offloaded(self, copy, src, t)
-        lo, hi = _span(src)
-        copy = None
-        small = 2 * (hi - lo) < total
         if grp is not None and key in grp.by_storage:
             copy = self._shared_copy(grp, storage, key, version, root if small else None)
         if copy is not None:
@@ -816,24 +807,6 @@ class OffloadEngine:
             self._log("keep", c)
             return c
         self._copy_raw(c, raw, dst, self._asynchronous(device, dst))
-        return c
-
-    def _copy_whole(self, src: torch.Tensor, storage: Any, dst: torch.device, grp: _Group) -> _HostCopy | None:
-        """:meth:`_copy_out` of a tensor that is exactly its storage's bytes, in order, where the copy is synchronous
-        and not kept (the CPU, pageable memory): the same copy in fewer steps. None where it is not such a copy."""
-        device = src.device
-        if (self.keep_last > 0 and self._type(device) in self._keep_devices) or self._asynchronous(device, dst):
-            return None
-        nbytes = src.nbytes
-        c = _HostCopy(self, self._next_cid, grp, device, nbytes, weakref.ref(storage), 0)
-        self._next_cid += 1
-        grp.origins[id(c.origin)] = grp.origins.get(id(c.origin), 0) + 1
-        c.host = src.clone() if device == dst else src.to(dst, copy=True)  # (as _copy_raw makes it)
-        stats = self.stats
-        stats["copies"] += 1
-        stats["offloaded_bytes"] += nbytes
-        if self.trace is not None:
-            self._log("d2h", c)
         return c
 
     def _asynchronous(self, src: torch.device, dst: torch.device) -> bool:
