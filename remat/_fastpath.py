@@ -20,9 +20,11 @@ NOTE [fast path]
     input] and its own intermediates (no global or closed-over tensor the walk
     missed, no tensor built from Python data), wrote none of them in place, made
     no nested remat call and ran no backward pass of its own, under no
-    ``torch.func`` level, and wrote no storage it had offloaded a tensor of (the
-    full engine gives a tensor of it saved after the write a copy of its own,
-    which a planned call, seeing no write, cannot: NOTE [one copy per storage]).
+    ``torch.func`` level, and wrote no storage it had offloaded a tensor of for
+    a save (the full engine gives a tensor of it saved after the write a copy
+    of its own, which a planned call, seeing no write, cannot: NOTE [one copy
+    per storage]; nor, if it also recomputes, any storage it had offloaded:
+    NOTE [offloaded and written]).
     The plan also lists the save positions the full engine held by reference
     (the module's parameters) so that the fast path holds them too, rather than
     dropping them and reading them back.
