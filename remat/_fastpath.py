@@ -250,7 +250,7 @@ class Plan:
     """
 
     __slots__ = ("keep", "offload", "ops", "calls", "hold", "dead", "random", "values", "kept_dead", "kept_dead_ops",
-                 "skip_names", "copy_before", "marked")
+                 "skip_names", "copy_before", "_marked")
 
     def __init__(self, keep: frozenset[int] | None, offload: dict[int, Offloadable] | None = None,
                  ops: tuple[Any, ...] | None = None, hold: dict[int, _Hold] | None = None,
@@ -273,15 +273,17 @@ class Plan:
         self.kept_dead_ops: frozenset[int] = frozenset()
         self.skip_names: frozenset[int] = frozenset()  # NOTE [skipped tags]: op indices of the tags that may go
         self.copy_before: dict[int, list[int]] = {}  # op index -> the held outputs (_Hold.cow) it writes: copy first
-        # the op indices at which a planned forward pass does more than count (_Tap): set by mark()
-        self.marked: frozenset[int] = frozenset()
+        self._marked: frozenset[int] | None = None
 
-    def mark(self) -> Plan:
-        """Note the op indices where the forward pass holds, copies or notes an output (most ops are none of these:
-        one lookup for them, not four)."""
-        at_op = self.values.inputs_at_op if self.values is not None else {}
-        self.marked = frozenset(self.hold) | self.kept_dead_ops | frozenset(self.copy_before) | frozenset(at_op)
-        return self
+    @property
+    def marked(self) -> frozenset[int]:
+        """The op indices where a planned forward pass holds, copies before or notes an output (``_Tap``): most ops
+        are none of these, one lookup for them, not four. Worked out once, from the plan as its first call reads it
+        (a value recompute given up later only leaves indices marked that need nothing)."""
+        if self._marked is None:
+            at_op = self.values.inputs_at_op if self.values is not None else {}
+            self._marked = frozenset(self.hold) | self.kept_dead_ops | frozenset(self.copy_before) | frozenset(at_op)
+        return self._marked
 
     @classmethod
     def of_ops(cls, keep: frozenset[int] | None, offload: dict[int, Offloadable], ops: list[OpRecord],
@@ -381,7 +383,7 @@ def plan_of_call(frame: Any, out: Any) -> Plan | None:
     if all(p in frame.plan_sources for p in dropped):
         plan.values = _Values({p: frame.plan_sources[p] for p in dropped})
     plan.skip_names = _skippable_tags(rec.ops, plan)
-    return plan.mark()
+    return plan
 
 
 def _skippable_tags(ops: list[OpRecord], plan: Plan) -> frozenset[int]:
@@ -548,16 +550,6 @@ class FastFrame:
         if self.diverged:
             self.refuse()
         for i, vals in list(self.held.items()):
-            if vals is self.origins.get(i):
-                # (one output held strongly, the common case: as the general case below does, in fewer steps)
-                t = vals[0]
-                now = [t._version]
-                self.held[i] = self.origins[i] = [ti.detach_below_modes(t)]
-                if now[0] != self.versions_at_hold[i][0]:
-                    del self.held[i]
-                else:
-                    self.held_versions[i] = now
-                continue
             now = [_version_of(v) for v in self.origins.get(i, vals)]
             written = any(a is not None and a != b for a, b in zip(now, self.versions_at_hold.get(i, ())))
             outs = self.origins.get(i)
@@ -925,7 +917,7 @@ class _Tap(TorchDispatchMode):
         return out
 
     def _marked(self, i: int, call: Any, args: Any, kwargs: Any) -> Any:
-        """The plan's op ``i``, one the forward pass holds, copies before or notes the output of (``Plan.mark``)."""
+        """The plan's op ``i``, one the forward pass holds, copies before or notes the output of (``Plan.marked``)."""
         if i in self.copy_before:
             for k in self.copy_before[i]:
                 self.frame._copy_held(k)
