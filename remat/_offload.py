@@ -406,16 +406,16 @@ def _overlap(g: _Geometry, h: _Geometry, max_addresses: int = 1 << 24) -> bool:
         return bool(torch.isin(addresses(h), addresses(g)).any())
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes ``[lo, hi)`` of its storage that a strided tensor reads (lo a multiple of its element size)."""
-    es = t.element_size()
-    if t.is_contiguous():  # (the common case, in few calls: a saved tensor per op goes through here)
-        start = int(t.storage_offset()) * es
+def _span(t: torch.Tensor, contiguous: bool, es: int, offset: int) -> tuple[int, int]:
+    """The bytes ``[lo, hi)`` of its storage that a strided tensor reads (lo a multiple of its element size), given
+    what the caller has asked of it already: ``t.is_contiguous()``, ``t.element_size()``, ``t.storage_offset()``."""
+    if contiguous:  # (the common case, in few calls: a saved tensor per op goes through here)
+        start = int(offset) * es
         n = int(t.nbytes)
         return (start, start + n) if n else (0, 0)
     if t.numel() == 0:
         return 0, 0
-    lo = t.storage_offset()
+    lo = offset
     hi = lo + 1
     for size, stride in zip(t.shape, t.stride()):
         if stride >= 0:
@@ -513,14 +513,14 @@ class Offloaded:
     __slots__ = ("engine", "copy", "dtype", "shape", "stride", "offset", "version", "orig", "round", "key",
                  "__weakref__")
 
-    def __init__(self, engine: OffloadEngine, copy: _HostCopy, t: torch.Tensor, orig: torch.Tensor,
-                 shift: int = 0) -> None:
+    def __init__(self, engine: OffloadEngine, copy: _HostCopy, t: torch.Tensor, orig: torch.Tensor, offset: int,
+                 version: int) -> None:
         # key: names the handle in its copy's table of reads for as long as the engine lives (an id is reused once
         # the handle dies, and a later handle of the same copy must not be given the dead one's tensor)
         self.engine, self.copy, self.key = engine, copy, next(engine._handle_keys)
-        # shift: elements of the storage before the copied bytes (a copy of the span of a small view)
-        self.dtype, self.shape, self.stride, self.offset = t.dtype, t.shape, t.stride(), t.storage_offset() - shift
-        self.version = t._version
+        # offset: t's first element, counted from the first copied byte (a copy of the span of a small view starts
+        # at t's); version: t's (both read by the caller already: a call into torch each, per saved tensor)
+        self.dtype, self.shape, self.stride, self.offset, self.version = t.dtype, t.shape, t.stride(), offset, version
         self.orig = weakref.ref(orig)  # to catch in-place writes after saving, as autograd does
         self.round = 0
         copy.live += 1
@@ -679,6 +679,7 @@ class OffloadEngine:
         return dev
 
     def _offload(self, t: torch.Tensor, dst: str, group: Any) -> Offloaded:
+        # (the forward pass's hot path, once per saved tensor: few calls, each fact looked up once)
         if _ti.cuda_graph_capturing(t):
             raise RematError(
                 "remat: an offload policy ran under CUDA graph capture; its copies to host memory and "
@@ -690,42 +691,44 @@ class OffloadEngine:
         storage = src.untyped_storage()
         grp = group if type(group) is _Group else self._group(group)
         total = storage.nbytes()
-        lo, hi = _span(src)
-        todev = self._device(dst)
+        contiguous = src.is_contiguous()
+        es = src.element_size()
+        offset: int = src.storage_offset()  # type: ignore[assignment]  (an int: no symbolic sizes here)
+        lo, hi = _span(src, contiguous, es, offset)
         key = storage.data_ptr()
         version = src._version
-        copy = None
         small = 2 * (hi - lo) < total
         # the tensor whose version counter t shares, as a view (a slice shares a copy only with tensors of the same
         # counter: an unsafe_split piece, with one of its own, is written unseen by the other's check)
         base = t._base
         root = t if base is None else base
+        stats = self.stats
+        stats["offloaded"] += 1
         if grp is not None and key in grp.by_storage:
             copy = self._shared_copy(grp, storage, key, version, root if small else None)
-        if copy is not None:
-            self.stats["shared"] += 1
-        elif small:
+            if copy is not None:
+                stats["shared"] += 1
+                return Offloaded(self, copy, src, t, offset, version)
+        todev = self._devices.get(dst) or self._device(dst)
+        if small:
             span = self._copy_out(src, storage, todev, grp, lo, hi)
-            self.stats["offloaded"] += 1
-            o = Offloaded(self, span, src, t, shift=lo // src.element_size())
+            o = Offloaded(self, span, src, t, offset - lo // es, version)
             if grp is not None:
                 sref = weakref.ref(span)
                 grp.copies.append(sref)
                 grp.spans.setdefault(key, []).append((version, sref, weakref.ref(o), weakref.ref(root)))
             return o
-        else:
-            # src is exactly its storage's bytes, in order: a synchronous copy can take it as it is. Not a bool:
-            # its copy writes 1 for every nonzero byte, and a view of another dtype may share the copy
-            whole = lo == 0 and hi == total and src.dtype is not torch.bool and src.is_contiguous()
-            copy = self._copy_out(src, storage, todev, grp, 0, total, whole=whole)
-            if grp is not None:
-                cref = weakref.ref(copy)
-                grp.copies.append(cref)
-                grp.by_storage[key] = (copy.origin, version, cref, weakref.ref(root))
-                if grp.spans:
-                    self._take_spans(grp, key, copy, version, root)
-        self.stats["offloaded"] += 1
-        return Offloaded(self, copy, src, t)
+        # src is exactly its storage's bytes, in order: a synchronous copy can take it as it is. Not a bool: its copy
+        # writes 1 for every nonzero byte, and a view of another dtype may share the copy
+        whole = contiguous and lo == 0 and hi == total and src.dtype is not torch.bool
+        copy = self._copy_out(src, storage, todev, grp, 0, total, whole=whole)
+        if grp is not None:
+            cref = weakref.ref(copy)
+            grp.copies.append(cref)
+            grp.by_storage[key] = (copy.origin, version, cref, weakref.ref(root))
+            if grp.spans:
+                self._take_spans(grp, key, copy, version, root)
+        return Offloaded(self, copy, src, t, offset, version)
 
     @staticmethod
     def _take_spans(grp: _Group, key: int, whole: _HostCopy, version: int, root: torch.Tensor) -> None:
@@ -793,7 +796,8 @@ class OffloadEngine:
             # (weakref.ref gives the storage's one weak reference while it lives: a token shared by its copies)
             grp.origins[id(origin)] = grp.origins.get(id(origin), 0) + 1
             keep = self.keep_last > 0 and self._type(device) in self._keep_devices
-        if whole and not keep and not self._asynchronous(device, dst):
+        asynchronous = self._asynchronous(device, dst)
+        if whole and not keep and not asynchronous:
             # a synchronous copy has read the bytes when it returns (NOTE [written while copied] holds nothing); it
             # copies src itself, so the host copy is of src's dtype, which fetch never reads (only the storage)
             self._copy_raw(c, src, dst, False)
@@ -806,7 +810,7 @@ class OffloadEngine:
             self.stats["kept_on_device"] += 1
             self._log("keep", c)
             return c
-        self._copy_raw(c, raw, dst, self._asynchronous(device, dst))
+        self._copy_raw(c, raw, dst, asynchronous)
         return c
 
     def _asynchronous(self, src: torch.device, dst: torch.device) -> bool:
