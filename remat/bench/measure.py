@@ -392,10 +392,15 @@ def ratio(a: Result, b: Result, cpu: bool = False) -> float:
 
 
 def pareto_front(rows: Sequence[Result]) -> list[Result]:
-    """The results no other result beats on both retained memory and time (sorted by memory)."""
+    """The results no other result beats on both retained memory and time (sorted by memory).
+
+    Time is what the table's "time vs" column shows (``time_ratio``: per round, the step time over the
+    baseline's in the same round; the median over the rounds), so that the front and the table agree: a slow
+    stretch of the machine slows every configuration of its rounds alike, where medians taken apart can order two
+    close configurations either way."""
     front = [r for r in rows if not any(
-        (o.retained_bytes <= r.retained_bytes and o.time_s <= r.time_s)
-        and (o.retained_bytes < r.retained_bytes or o.time_s < r.time_s) for o in rows)]
+        (o.retained_bytes <= r.retained_bytes and o.time_ratio <= r.time_ratio)
+        and (o.retained_bytes < r.retained_bytes or o.time_ratio < r.time_ratio) for o in rows)]
     return sorted(front, key=lambda r: r.retained_bytes)
 
 
