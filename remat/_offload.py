@@ -693,7 +693,7 @@ class OffloadEngine:
         total = storage.nbytes()
         contiguous = src.is_contiguous()
         es = src.element_size()
-        offset: int = src.storage_offset()  # type: ignore[assignment]  (an int: no symbolic sizes here)
+        offset: int = src.storage_offset()  # type: ignore[assignment]
         lo, hi = _span(src, contiguous, es, offset)
         key = storage.data_ptr()
         version = src._version
