@@ -697,37 +697,37 @@ class OffloadEngine:
         lo, hi = _span(src, contiguous, es, offset)
         key = storage.data_ptr()
         version = src._version
+        copy = None
         small = 2 * (hi - lo) < total
         # the tensor whose version counter t shares, as a view (a slice shares a copy only with tensors of the same
         # counter: an unsafe_split piece, with one of its own, is written unseen by the other's check)
         base = t._base
         root = t if base is None else base
-        stats = self.stats
-        stats["offloaded"] += 1
         if grp is not None and key in grp.by_storage:
             copy = self._shared_copy(grp, storage, key, version, root if small else None)
-            if copy is not None:
-                stats["shared"] += 1
-                return Offloaded(self, copy, src, t, offset, version)
-        todev = self._devices.get(dst) or self._device(dst)
-        if small:
-            span = self._copy_out(src, storage, todev, grp, lo, hi)
+        if copy is not None:
+            self.stats["shared"] += 1
+        elif small:
+            span = self._copy_out(src, storage, self._device(dst), grp, lo, hi)
+            self.stats["offloaded"] += 1
             o = Offloaded(self, span, src, t, offset - lo // es, version)
             if grp is not None:
                 sref = weakref.ref(span)
                 grp.copies.append(sref)
                 grp.spans.setdefault(key, []).append((version, sref, weakref.ref(o), weakref.ref(root)))
             return o
-        # src is exactly its storage's bytes, in order: a synchronous copy can take it as it is. Not a bool: its copy
-        # writes 1 for every nonzero byte, and a view of another dtype may share the copy
-        whole = contiguous and lo == 0 and hi == total and src.dtype is not torch.bool
-        copy = self._copy_out(src, storage, todev, grp, 0, total, whole=whole)
-        if grp is not None:
-            cref = weakref.ref(copy)
-            grp.copies.append(cref)
-            grp.by_storage[key] = (copy.origin, version, cref, weakref.ref(root))
-            if grp.spans:
-                self._take_spans(grp, key, copy, version, root)
+        else:
+            # src is exactly its storage's bytes, in order: a synchronous copy can take it as it is. Not a bool:
+            # its copy writes 1 for every nonzero byte, and a view of another dtype may share the copy
+            whole = contiguous and lo == 0 and hi == total and src.dtype is not torch.bool
+            copy = self._copy_out(src, storage, self._device(dst), grp, 0, total, whole=whole)
+            if grp is not None:
+                cref = weakref.ref(copy)
+                grp.copies.append(cref)
+                grp.by_storage[key] = (copy.origin, version, cref, weakref.ref(root))
+                if grp.spans:
+                    self._take_spans(grp, key, copy, version, root)
+        self.stats["offloaded"] += 1
         return Offloaded(self, copy, src, t, offset, version)
 
     @staticmethod
@@ -796,8 +796,7 @@ class OffloadEngine:
             # (weakref.ref gives the storage's one weak reference while it lives: a token shared by its copies)
             grp.origins[id(origin)] = grp.origins.get(id(origin), 0) + 1
             keep = self.keep_last > 0 and self._type(device) in self._keep_devices
-        asynchronous = self._asynchronous(device, dst)
-        if whole and not keep and not asynchronous:
+        if whole and not keep and not self._asynchronous(device, dst):
             # a synchronous copy has read the bytes when it returns (NOTE [written while copied] holds nothing); it
             # copies src itself, so the host copy is of src's dtype, which fetch never reads (only the storage)
             self._copy_raw(c, src, dst, False)
@@ -810,7 +809,7 @@ class OffloadEngine:
             self.stats["kept_on_device"] += 1
             self._log("keep", c)
             return c
-        self._copy_raw(c, raw, dst, asynchronous)
+        self._copy_raw(c, raw, dst, self._asynchronous(device, dst))
         return c
 
     def _asynchronous(self, src: torch.device, dst: torch.device) -> bool:
