@@ -181,3 +181,32 @@ def test_pareto_front_compares_time_as_the_table_does():
     assert [r.label for r in pareto_front([base, a, b])] == ["b", "base"]
     twin = row("twin", 10, b_t, base_t)
     assert [r.label for r in pareto_front([base, b, twin])] == ["b", "twin", "base"]
+
+
+def test_measure_shuffles_the_order_of_each_round():
+    """Every round times each configuration once, in an order of its own: in one fixed order the first ran just
+    after the round's full garbage collection every time (cold caches: 10-20 % slower on the small transformer),
+    and it is the baseline every ratio divides by. The order is seeded: two runs time in the same orders."""
+    from remat.bench.measure import Config, measure
+
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def orders() -> list[tuple[str, ...]]:
+        calls: list[str] = []
+
+        def cfg(label: str) -> Config:
+            def loss(w: torch.Tensor) -> torch.Tensor:
+                calls.append(label)
+                return (w * w).sum()
+            return Config(label, loss)
+
+        labels = ["a", "b", "c", "d"]
+        measure([cfg(x) for x in labels], [w], steps=8, warmup=0)
+        timed = calls[-8 * len(labels):]  # (before them: memory and FLOPs, one call of each, in order)
+        rounds = [tuple(timed[i:i + len(labels)]) for i in range(0, len(timed), len(labels))]
+        assert all(sorted(r) == labels for r in rounds), rounds
+        return rounds
+
+    first = orders()
+    assert len(set(first)) > 1 and {r[0] for r in first} != {"a"}, first
+    assert orders() == first
