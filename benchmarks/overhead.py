@@ -5,7 +5,7 @@ next to nothing and what is left is Python and dispatch). Two chain lengths are
 timed (``--short`` and ``--long`` ops); the slope between them is the cost per op,
 the intercept the cost per call, each with plain autograd's subtracted. Forward and
 backward (for a remat'd function: its recompute) are timed apart. Every
-configuration runs once per round (interleaved); the table shows the fastest round
+configuration runs once per round (interleaved, in a shuffled order); the table shows the fastest round
 (``--stat median`` for medians).
 
     python benchmarks/overhead.py                # about a minute on 2 cores
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import random
 import statistics
 import sys
 import time
@@ -195,9 +196,13 @@ def main(argv: list[str] | None = None) -> None:
             raises[key[0]] = str(e).split("\n")[0]
     runs = {key: fn for key, fn in runs.items() if key[0] not in raises}
     samples: dict[tuple[str, str], list[tuple[float, float]]] = {key: [] for key in runs}
+    # each round in an order of its own (seeded): in one fixed order each configuration runs after the same
+    # neighbour every round, and what that one leaves (garbage, a cold cache) lands on it alone
+    order, rng = list(runs), random.Random(0)
     for _ in range(args.rounds):
-        for key, fn in runs.items():
-            samples[key].append(_time(fn, W, x, args.reps))
+        rng.shuffle(order)
+        for key in order:
+            samples[key].append(_time(runs[key], W, x, args.reps))
     d_ops = n_ops["long"] - n_ops["short"]
 
     stat = min if args.stat == "min" else statistics.median
@@ -220,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
             per_call.append((at_zero - base0) * 1e6)
         rows.append((name, *per_op, *per_call))
     print(f"{args.workload}: {n_ops['short']} and {n_ops['long']} ATen ops per call, width {args.width}, "
-          f"1 thread, {args.stat} of {args.rounds} interleaved rounds x {args.reps} calls, gc "
+          f"1 thread, {args.stat} of {args.rounds} shuffled interleaved rounds x {args.reps} calls, gc "
           f"{'on' if gc.isenabled() else 'off'}; torch {torch.__version__}, Python {sys.version.split()[0]}")
     print("overhead above plain autograd (us); backward = the recompute and the hooks; the names row runs the "
           "chain with its matmuls tagged (checkpoint_name: one more op each)")
