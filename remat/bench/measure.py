@@ -404,7 +404,7 @@ def pareto_front(rows: Sequence[Result]) -> list[Result]:
     Time is what the table's "time vs" column shows (``time_ratio``: per round, the step time over the
     baseline's in the same round; the median over the rounds), so that the front and the table agree: a slow
     stretch of the machine slows every configuration of its rounds alike, where medians taken apart can order two
-    close configurations either way."""
+    close configurations either way. So ``rows`` must come from one :func:`measure` call (one baseline)."""
     front = [r for r in rows if not any(
         (o.retained_bytes <= r.retained_bytes and o.time_ratio <= r.time_ratio)
         and (o.retained_bytes < r.retained_bytes or o.time_ratio < r.time_ratio) for o in rows)]
@@ -412,7 +412,9 @@ def pareto_front(rows: Sequence[Result]) -> list[Result]:
 
 
 def plot(rows: Sequence[Result], path: str, title: str = "") -> None:
-    """Save a PNG of retained memory against time per step, with the Pareto front marked (needs matplotlib)."""
+    """Save a PNG of retained memory against time (the table's "time vs" column: per-round ratios to the first
+    row, their median, the measure :func:`pareto_front` ranks by), with the Pareto front marked (needs
+    matplotlib)."""
     try:
         import matplotlib  # type: ignore[import-not-found]
 
@@ -422,14 +424,14 @@ def plot(rows: Sequence[Result], path: str, title: str = "") -> None:
         raise ImportError("plotting needs matplotlib: pip install matplotlib (or pip install 'remat[plot]')") from e
     fig, ax = plt.subplots(figsize=(7, 4.5))
     front = pareto_front(rows)
-    ax.scatter([r.retained_bytes / MiB for r in rows], [r.time_s * 1e3 for r in rows], color="tab:blue")
+    ax.scatter([r.retained_bytes / MiB for r in rows], [r.time_ratio for r in rows], color="tab:blue")
     for r in rows:
-        ax.annotate(r.label, (r.retained_bytes / MiB, r.time_s * 1e3), textcoords="offset points", xytext=(5, 4),
+        ax.annotate(r.label, (r.retained_bytes / MiB, r.time_ratio), textcoords="offset points", xytext=(5, 4),
                     fontsize=8)
-    ax.plot([r.retained_bytes / MiB for r in front], [r.time_s * 1e3 for r in front], color="tab:red",
+    ax.plot([r.retained_bytes / MiB for r in front], [r.time_ratio for r in front], color="tab:red",
             marker="o", fillstyle="none", markersize=11, label="Pareto front")
     ax.set_xlabel("retained activations (MiB)")
-    ax.set_ylabel("forward + backward (ms/step)")
+    ax.set_ylabel(f"forward + backward step, time vs {rows[0].label} (x)" if rows else "time vs baseline (x)")
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
