@@ -201,8 +201,8 @@ def test_measure_shuffles_the_order_of_each_round():
             return Config(label, loss)
 
         labels = ["a", "b", "c", "d"]
-        measure([cfg(x) for x in labels], [w], steps=8, warmup=0)
-        timed = calls[-8 * len(labels):]  # (before them: memory and FLOPs, one call of each, in order)
+        measure([cfg(x) for x in labels], [w], steps=4, warmup=0)
+        timed = calls[-4 * len(labels):]  # (before them: memory and FLOPs, one call of each, in order)
         rounds = [tuple(timed[i:i + len(labels)]) for i in range(0, len(timed), len(labels))]
         assert all(sorted(r) == labels for r in rounds), rounds
         return rounds
