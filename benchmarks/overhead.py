@@ -143,6 +143,17 @@ def configs() -> dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]:
     }
 
 
+def _vs_peer(row: tuple[Any, ...], by_name: dict[str, tuple[Any, ...]]) -> str:
+    """``row``'s per-op cost over its torch peer's, forward / backward ("" for torch's own rows, or a peer that did
+    not run or raised)."""
+    if not row[0].startswith("remat ") or row[1] is None:
+        return ""
+    peer = by_name.get("torch checkpoint" if row[0] == "remat save-nothing" else "torch SAC (matmuls)")
+    if peer is None or peer[1] is None or peer[1] <= 0 or peer[2] <= 0:
+        return ""
+    return f"{row[1] / peer[1]:.2f}/{row[2] / peer[2]:.2f}"
+
+
 def _time(fn: Callable[..., torch.Tensor], W: torch.Tensor, x: torch.Tensor, reps: int) -> tuple[float, float]:
     """Seconds per call of the forward and of the backward, over ``reps`` calls."""
     fwd = bwd = 0.0
@@ -229,13 +240,17 @@ def main(argv: list[str] | None = None) -> None:
           f"{'on' if gc.isenabled() else 'off'}; torch {torch.__version__}, Python {sys.version.split()[0]}")
     print("overhead above plain autograd (us); backward = the recompute and the hooks; the names row runs the "
           "chain with its matmuls tagged (checkpoint_name: one more op each)")
-    hdr = ("configuration", "fwd/op", "bwd/op", "fwd/call", "bwd/call")
-    widths = [max(len(hdr[0]), *(len(r[0]) for r in rows)), 7, 7, 8, 8]
+    print("vs torch: a remat row's cost per op over its peer's (save-nothing: torch checkpoint; every other "
+          "policy: torch SAC), forward / backward; the goal (issue 10) is <= 1 for save-nothing, <= 0.5 for the rest")
+    by_name = {r[0]: r for r in rows}
+    hdr = ("configuration", "fwd/op", "bwd/op", "fwd/call", "bwd/call", "vs torch")
+    widths = [max(len(hdr[0]), *(len(r[0]) for r in rows)), 7, 7, 8, 8, 11]
     print("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(hdr, widths))))
     print("  ".join("-" * w for w in widths))
     for r in rows:
         cells = [r[0].ljust(widths[0])] + [("raises" if v is None else f"{v:.1f}").rjust(w)
                                            for v, w in zip(r[1:], widths[1:])]
+        cells.append(_vs_peer(r, by_name).rjust(widths[-1]))
         print("  ".join(cells))
     for name, msg in raises.items():
         print(f"{name}: {msg}")

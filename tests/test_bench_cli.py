@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -98,6 +99,11 @@ def test_overhead_benchmark_runs() -> None:
     for row in ("plain", "torch checkpoint", "torch SAC (matmuls)", "remat save-nothing", "remat dots_saveable",
                 "remat names('mm')", "remat custom callable", "remat offload (min_bytes=0)"):
         assert any(line.startswith(row) for line in r.stdout.splitlines()), (row, r.stdout)
+    # each remat row against its torch peer, per op (forward/backward), as the goals of issue 10 are stated
+    for row in ("remat save-nothing", "remat dots_saveable", "remat offload (min_bytes=0)"):
+        line = next(line for line in r.stdout.splitlines() if line.startswith(row))
+        assert re.search(r"\s-?\d+\.\d\d/-?\d+\.\d\d$", line), (row, r.stdout)
+    assert not re.search(r"\d/", next(line for line in r.stdout.splitlines() if line.startswith("torch SAC")))
 
 
 def test_cli_compile_and_budgets_add_configurations(tmp_path):
