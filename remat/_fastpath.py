@@ -550,9 +550,20 @@ class FastFrame:
         if self.diverged:
             self.refuse()
         for i, vals in list(self.held.items()):
+            outs = self.origins.get(i)
+            if vals is outs and i not in self.copied:
+                # (one output held as it is, _hold's common case, and what the loop below does with it, inline: the
+                # comprehensions cost ~3 us per held output)
+                t = vals[0]
+                version = t._version
+                self.held[i] = self.origins[i] = [ti.detach_below_modes(t)]  # (see below)
+                if version != self.versions_at_hold[i][0]:
+                    del self.held[i]  # (see below)
+                else:
+                    self.held_versions[i] = [version]
+                continue
             now = [_version_of(v) for v in self.origins.get(i, vals)]
             written = any(a is not None and a != b for a, b in zip(now, self.versions_at_hold.get(i, ())))
-            outs = self.origins.get(i)
             if outs is not None:
                 # an alias made now, above autograd, shares the output's version counter (a detach in the tap's
                 # handler, below autograd, would not): a write through any view of the output, a result of the call
@@ -685,8 +696,8 @@ class FastFrame:
         decision = self.offload.get(pos) if self.offload else None
         if decision is not None and self.engine.applies(t, decision):
             self._offloaded = True
-            # (unpack tells an Offloaded by type)
-            return self.engine.offload_below_modes(t, decision.dst, group=self._group())
+            # (unpack tells an Offloaded by type; the group is looked up once per call)
+            return self.engine.offload_below_modes(t, decision.dst, group=self._offload_group or self._group())
         node = t.grad_fn
         self.drops[pos] = (t.shape, t.dtype, None if node is None else type(node))
         self.last_drop = pos

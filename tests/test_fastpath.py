@@ -1746,3 +1746,47 @@ def test_a_dropped_tensor_chosen_by_the_data_is_recomputed_from_its_own_op(polic
         assert_tree_close(torch.autograd.grad(g(W, x), W), torch.autograd.grad(f(W, x), W))
     (plan,) = g._plans.values()
     assert plan is not None and plan.values is not None  # planned, with a value recompute for the recorded wiring
+
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+@pytest.mark.parametrize("policy", [policies.dots_saveable, policies.save_only_these_names()], ids=["dots", "none"])
+def test_an_inner_backward_in_a_planned_call(policy, create_graph):
+    """A backward pass inside a planned call's forward pass (data-dependent: not in the recorded call) reads what
+    the call holds before the end of its forward pass has made their aliases: exact, first and second order."""
+    penalty = {"on": False}
+
+    def f(W, x):
+        q = x @ W
+        h = torch.nn.functional.gelu(q) + q.exp()
+        if penalty["on"]:
+            (gW,) = torch.autograd.grad(h.pow(2).sum(), (W,), create_graph=create_graph, retain_graph=True)
+            h = h + gW.sum()
+        return torch.sin(h @ W)
+
+    W, x = leaf(4, 4), leaf(3, 4, seed=1)
+    g = remat(f, policy=policy)
+    for _ in range(2):
+        g(W, x).sum().backward()
+    assert list(g._plans.values())[0] is not None
+    penalty["on"] = True
+    for _ in range(2):
+        assert_tree_close(grads(g, (W, x), (W, x)), grads(f, (W, x), (W, x)))
+
+
+@pytest.mark.parametrize("name", ["dots", "custom"])
+def test_a_planned_call_leaves_no_garbage_and_no_growth(name):
+    """After each step of a planned call nothing of it is left: no cycle for the collector, no object alive."""
+    W1, W2, x = leaf(16, 16), leaf(16, 16, seed=1), leaf(8, 16, seed=2)
+    g = remat(mlp, policy=POLICIES[name])
+    g(W1, W2, x).sum().backward()
+    gc.collect()
+    gc.disable()
+    try:
+        before = len(gc.get_objects())
+        for _ in range(20):
+            g(W1, W2, x).sum().backward()
+        assert gc.collect() == 0
+        assert len(gc.get_objects()) <= before + 5
+    finally:
+        gc.enable()
