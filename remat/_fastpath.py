@@ -250,7 +250,7 @@ class Plan:
     """
 
     __slots__ = ("keep", "offload", "ops", "calls", "hold", "dead", "random", "values", "kept_dead", "kept_dead_ops",
-                 "skip_names", "copy_before", "_marked")
+                 "skip_names", "copy_before", "_marked", "_plain_holds")
 
     def __init__(self, keep: frozenset[int] | None, offload: dict[int, Offloadable] | None = None,
                  ops: tuple[Any, ...] | None = None, hold: dict[int, _Hold] | None = None,
@@ -274,6 +274,7 @@ class Plan:
         self.skip_names: frozenset[int] = frozenset()  # NOTE [skipped tags]: op indices of the tags that may go
         self.copy_before: dict[int, list[int]] = {}  # op index -> the held outputs (_Hold.cow) it writes: copy first
         self._marked: frozenset[int] | None = None
+        self._plain_holds: frozenset[int] | None = None
 
     @property
     def marked(self) -> frozenset[int]:
@@ -284,6 +285,17 @@ class Plan:
             at_op = self.values.inputs_at_op if self.values is not None else {}
             self._marked = frozenset(self.hold) | self.kept_dead_ops | frozenset(self.copy_before) | frozenset(at_op)
         return self._marked
+
+    @property
+    def plain_holds(self) -> frozenset[int]:
+        """Of :attr:`marked`, the ops whose one output the forward pass holds as it is and does nothing else with
+        (``_Tap`` holds them inline: most held ops, a matmul's product under ``dots_saveable``). Worked out once."""
+        if self._plain_holds is None:
+            at_op = self.values.inputs_at_op if self.values is not None else {}
+            self._plain_holds = frozenset(
+                i for i, h in self.hold.items() if h.single and not h.weak and h.offload is None and not h.cow
+                and i not in self.kept_dead_ops and i not in self.copy_before and i not in at_op)
+        return self._plain_holds
 
     @classmethod
     def of_ops(cls, keep: frozenset[int] | None, offload: dict[int, Offloadable], ops: list[OpRecord],
@@ -617,12 +629,22 @@ class FastFrame:
                     "the backward pass first."
                 )
 
+    def _hold_plain(self, i: int, out: torch.Tensor) -> None:
+        """:meth:`_hold` of one output held as it is (``Plan.plain_holds``; the tap calls it for those)."""
+        self.versions_at_hold[i] = [out._version]
+        # (held until the forward pass ends, when forward() reads their versions, since an output that died before
+        # could have been written in place; then as aliases sharing their version counters, for the caller's writes)
+        self.held[i] = self.origins[i] = [out]  # (one alias of it at the end serves as both)
+
     def _hold(self, i: int, h: _Hold, out: Any) -> None:
         """Hold op ``i``'s outputs for the recompute (detached: an output would hold its own node)."""
         # (inside the tap's handler: the mode is off the stack, and no remat mode runs below a planned call)
         # the version lives on the op's own output (a result the caller may hold and write), not on the
         # detached alias, which has a counter of its own: watched through a weak reference, from now (a write
         # later in the forward pass means the held value is not the op's output: forward() lets it run again)
+        if h.single and not h.weak and h.offload is None:
+            self._hold_plain(i, out)
+            return
         if h.single:
             self.versions_at_hold[i] = [out._version]
         if h.weak:
@@ -630,11 +652,6 @@ class FastFrame:
                 weakref.ref(x) for x in optree.tree_leaves(out, none_is_leaf=True) if isinstance(x, torch.Tensor)]
             if not h.single:
                 self.versions_at_hold[i] = [_version_of(r) for r in self.held[i]]
-            return
-        # (held until the forward pass ends, when forward() reads their versions, since an output that died before
-        # could have been written in place; then as aliases sharing their version counters, for the caller's writes)
-        if h.single and h.offload is None:
-            self.held[i] = self.origins[i] = [out]  # (one alias of it at the end serves as both)
             return
         outs = [x for x in optree.tree_leaves(out, none_is_leaf=True) if isinstance(x, torch.Tensor)]
         self.origins[i] = list(outs)
@@ -896,6 +913,7 @@ class _Tap(TorchDispatchMode):
         self.skip_names = frame.plan.skip_names
         self.copy_before = frame.plan.copy_before
         self.marked = frame.plan.marked
+        self.plain_holds = frame.plan.plain_holds
         self.at_op = frame.plan.values.inputs_at_op if frame.plan.values is not None else {}
         self.sources = frame.sources
         self.thread = threading.get_ident()  # (a thread that copied the call's context has a mode stack of its own)
@@ -915,7 +933,12 @@ class _Tap(TorchDispatchMode):
         if i < self.limit and self.ops[i] is func and not INTERNAL.get():
             call = self.calls[i]
             if i in self.marked:
-                return self._marked(i, call, args, kwargs)
+                if i not in self.plain_holds:
+                    return self._marked(i, call, args, kwargs)
+                out = call(*args, **kwargs) if kwargs else call(*args)
+                self.i = i + 1
+                self.frame._hold_plain(i, out)
+                return out
             out = call(*args, **kwargs) if kwargs else call(*args)
             self.i = i + 1
             return out
