@@ -586,7 +586,8 @@ class OffloadEngine:
             raise ValueError(f"OffloadEngine: keep_last must be an int >= 0, got {keep_last!r}")
         self._pin_memory = pin_memory
         self.keep_last = keep_last
-        self._keep_devices = frozenset({"cuda"})  # where keeping saves a round trip (tests add "cpu")
+        # where keeping saves a round trip (tests add "cpu", before the first offload: a copy's route is cached)
+        self._keep_devices = frozenset({"cuda"})
         self.max_inflight_bytes = max_inflight_bytes
         self.prefetch = prefetch
         self.trace: list[tuple[str, int, int]] | None = [] if trace else None

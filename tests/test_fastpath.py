@@ -1748,7 +1748,6 @@ def test_a_dropped_tensor_chosen_by_the_data_is_recomputed_from_its_own_op(polic
     assert plan is not None and plan.values is not None  # planned, with a value recompute for the recorded wiring
 
 
-
 @pytest.mark.parametrize("create_graph", [False, True])
 @pytest.mark.parametrize("policy", [policies.dots_saveable, policies.save_only_these_names()], ids=["dots", "none"])
 def test_an_inner_backward_in_a_planned_call(policy, create_graph):
