@@ -510,15 +510,14 @@ class Offloaded:
     __slots__ = ("engine", "copy", "dtype", "shape", "stride", "offset", "version", "orig", "round", "key",
                  "__weakref__")
 
-    def __init__(self, engine: OffloadEngine, copy: _HostCopy, t: torch.Tensor, orig: torch.Tensor, offset: int,
-                 version: int) -> None:
+    def __init__(self, engine: OffloadEngine, copy: _HostCopy, t: torch.Tensor, offset: int, version: int) -> None:
         # key: names the handle in its copy's table of reads for as long as the engine lives (an id is reused once
         # the handle dies, and a later handle of the same copy must not be given the dead one's tensor)
         self.engine, self.copy, self.key = engine, copy, next(engine._handle_keys)
         # offset: t's first element, counted from the first copied byte (a copy of the span of a small view starts
         # at t's); version: t's (both read by the caller already: a call into torch each, per saved tensor)
         self.dtype, self.shape, self.stride, self.offset, self.version = t.dtype, t.shape, t.stride(), offset, version
-        self.orig = weakref.ref(orig)  # to catch in-place writes after saving, as autograd does
+        self.orig = weakref.ref(t)  # to catch in-place writes after saving, as autograd does
         self.round = 0
         copy.live += 1
 
@@ -611,7 +610,7 @@ class OffloadEngine:
         self._kinds: dict[str, str] = {}  # (a policy's device strings: the type of device each names)
         # (per source and destination device: whether the source keeps (NOTE [keep last]), whether the copy runs
         # asynchronously (_asynchronous); looked up once per copy, where three lookups and two calls cost ~1 us)
-        self._routes: dict[tuple[torch.device, torch.device], tuple[bool, bool]] = {}
+        self._routes: dict[tuple[torch.device, str], tuple[bool, bool, torch.device]] = {}
         # (a device's type, looked up: torch.device.type makes a new string, ~0.4 us, on the hot path of both passes)
         self._types: dict[torch.device, str] = {}
         self.stats: collections.Counter[str] = collections.Counter()
@@ -697,23 +696,63 @@ class OffloadEngine:
                 "pinned-buffer pool are host-side work a graph cannot replay. Capture with a save or "
                 "recompute policy, or offload outside the captured region."
             )
-        # (no torch.no_grad(): nothing below requires grad, a detached source and fresh byte buffers)
-        src = t.detach()
-        storage = src.untyped_storage()
+        # (t's facts are its detached alias's: t is detached only where a copy needs it)
+        storage = t.untyped_storage()
         grp = group if type(group) is _Group else self._group(group)
         total = storage.nbytes()
-        contiguous = src.is_contiguous()
-        es = src.element_size()
-        offset: int = src.storage_offset()  # type: ignore[assignment]
+        key = storage.data_ptr()
+        version = t._version
+        if (grp is not None and t.is_contiguous() and t.nbytes == total and not t.storage_offset()
+                and key not in grp.by_storage and t.dtype is not torch.bool):
+            # the common case: t is exactly its storage's bytes, in order, the first copy of them in the call
+            device = t.device
+            route = self._routes.get((device, dst)) or self._route(device, dst)
+            if not route[1] and not (route[0] and self.keep_last > 0):
+                return self._copy_whole(t, storage, total, key, version, grp, device, route[2])
+        return self._offload_any(t, storage, grp, total, key, version, dst)
+
+    def _copy_whole(self, t: torch.Tensor, storage: Any, total: int, key: int, version: int, grp: _Group,
+                    device: torch.device, dst: torch.device) -> Offloaded:
+        """Copy the whole of ``t``, exactly its storage's bytes, synchronously, the first copy of that storage in
+        ``grp``'s call (what :meth:`_offload_any` does for it, in fewer steps: the forward pass's hot path)."""
+        origin = weakref.ref(storage)  # (the storage's one weak reference while it lives: a token its copies share)
+        c = _HostCopy(self, self._next_cid, grp, device, total, origin, 0)
+        self._next_cid += 1
+        # a synchronous copy has read the bytes when it returns (NOTE [written while copied] holds nothing); it
+        # copies t itself, so the host copy is of t's dtype, which fetch never reads (only the storage). A pack
+        # hook runs without grad mode: t's own copy holds no graph, where elsewhere its detached alias's must not
+        src = t if not torch.is_grad_enabled() else t.detach()
+        c.host = src.clone() if device == dst else src.to(dst, copy=True)
+        grp.origins[id(origin)] = grp.origins.get(id(origin), 0) + 1
+        cref = weakref.ref(c)
+        grp.copies.append(cref)
+        base = t._base
+        root = t if base is None else base
+        grp.by_storage[key] = (origin, version, cref, weakref.ref(root))
+        if grp.spans:
+            self._take_spans(grp, key, c, version, root)
+        stats = self.stats
+        stats["copies"] += 1
+        stats["offloaded_bytes"] += total
+        stats["offloaded"] += 1
+        if self.trace is not None:
+            self._log("d2h", c)
+        return Offloaded(self, c, t, 0, version)
+
+    def _offload_any(self, t: torch.Tensor, storage: Any, grp: _Group | None, total: int, key: int, version: int,
+                     dst: str) -> Offloaded:
+        """:meth:`_offload` of any tensor: a slice, a storage copied already in the call, a copy that runs
+        asynchronously or is kept (NOTE [keep last]), a call without a group."""
+        contiguous = t.is_contiguous()
+        es = t.element_size()
+        offset: int = t.storage_offset()  # type: ignore[assignment]
         if contiguous:  # (the common case, inline: a Python call costs ~0.5 us, once per saved tensor)
             lo = offset * es
-            hi = lo + src.nbytes
+            hi = lo + t.nbytes
             if hi == lo:
                 lo = hi = 0
         else:
-            lo, hi = _span(src, es, offset)
-        key = storage.data_ptr()
-        version = src._version
+            lo, hi = _span(t, es, offset)
         copy = None
         small = 2 * (hi - lo) < total
         # the tensor whose version counter t shares, as a view (a slice shares a copy only with tensors of the same
@@ -725,19 +764,19 @@ class OffloadEngine:
         if copy is not None:
             self.stats["shared"] += 1
         elif small:
-            span = self._copy_out(src, storage, self._device(dst), grp, lo, hi)
+            span = self._copy_out(t, storage, dst, grp, lo, hi)
             self.stats["offloaded"] += 1
-            o = Offloaded(self, span, src, t, offset - lo // es, version)
+            o = Offloaded(self, span, t, offset - lo // es, version)
             if grp is not None:
                 sref = weakref.ref(span)
                 grp.copies.append(sref)
                 grp.spans.setdefault(key, []).append((version, sref, weakref.ref(o), weakref.ref(root)))
             return o
         else:
-            # src is exactly its storage's bytes, in order: a synchronous copy can take it as it is. Not a bool:
+            # t is exactly its storage's bytes, in order: a synchronous copy can take it as it is. Not a bool:
             # its copy writes 1 for every nonzero byte, and a view of another dtype may share the copy
-            whole = contiguous and lo == 0 and hi == total and src.dtype is not torch.bool
-            copy = self._copy_out(src, storage, self._device(dst), grp, 0, total, whole=whole)
+            whole = contiguous and lo == 0 and hi == total and t.dtype is not torch.bool
+            copy = self._copy_out(t, storage, dst, grp, 0, total, whole=whole)
             if grp is not None:
                 cref = weakref.ref(copy)
                 grp.copies.append(cref)
@@ -745,7 +784,7 @@ class OffloadEngine:
                 if grp.spans:
                     self._take_spans(grp, key, copy, version, root)
         self.stats["offloaded"] += 1
-        return Offloaded(self, copy, src, t, offset, version)
+        return Offloaded(self, copy, t, offset, version)
 
     @staticmethod
     def _take_spans(grp: _Group, key: int, whole: _HostCopy, version: int, root: torch.Tensor) -> None:
@@ -799,19 +838,17 @@ class OffloadEngine:
             return None
         return c
 
-    def _copy_out(self, src: torch.Tensor, storage: Any, dst: torch.device, grp: _Group | None,
+    def _copy_out(self, t: torch.Tensor, storage: Any, dst: str, grp: _Group | None,
                   lo: int, hi: int, whole: bool = False) -> _HostCopy:
-        """Copy bytes ``[lo, hi)`` of ``storage`` (``whole``: they are ``src``'s own, all of them, in order)."""
+        """Copy bytes ``[lo, hi)`` of ``storage``, ``t``'s (``whole``: they are ``t``'s own, all of them, in order)."""
         nbytes = hi - lo
-        device = src.device
+        device = t.device
         origin = weakref.ref(storage)
         c = _HostCopy(self, self._next_cid, grp, device, nbytes, origin, lo)
         self._next_cid += 1
-        route = self._routes.get((device, dst))
-        if route is None:
-            route = self._routes[(device, dst)] = (self._type(device) in self._keep_devices,
-                                                   self._asynchronous(device, dst))
+        route = self._routes.get((device, dst)) or self._route(device, dst)
         asynchronous = route[1]
+        to = route[2]
         if grp is None:
             keep = False
         else:
@@ -820,19 +857,29 @@ class OffloadEngine:
             keep = route[0] and self.keep_last > 0
         if whole and not keep and not asynchronous:
             # a synchronous copy has read the bytes when it returns (NOTE [written while copied] holds nothing); it
-            # copies src itself, so the host copy is of src's dtype, which fetch never reads (only the storage)
-            self._copy_raw(c, src, dst, False)
+            # copies t itself, so the host copy is of t's dtype, which fetch never reads (only the storage). A pack
+            # hook runs without grad mode: t's own copy holds no graph, where elsewhere its detached alias's must not
+            self._copy_raw(c, t if not torch.is_grad_enabled() else t.detach(), to, False)
             return c
         raw = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (nbytes,), (1,))
-        c.vsrc, c.saved_version = src, src._version  # NOTE [written while copied]
+        c.vsrc, c.saved_version = t.detach(), t._version  # NOTE [written while copied]
         if keep:
-            c.dev, c.deferred = raw, (raw, dst)  # NOTE [keep last]: copied when a later call offloads
+            c.dev, c.deferred = raw, (raw, to)  # NOTE [keep last]: copied when a later call offloads
             grp.deferred.append(weakref.ref(c))  # type: ignore[union-attr]
             self.stats["kept_on_device"] += 1
             self._log("keep", c)
             return c
-        self._copy_raw(c, raw, dst, asynchronous)
+        self._copy_raw(c, raw, to, asynchronous)
         return c
+
+    def _route(self, device: torch.device, dst: str) -> tuple[bool, bool, torch.device]:
+        """Whether a copy from ``device`` to the device named ``dst`` keeps (NOTE [keep last]) and runs asynchronously
+        (:meth:`_asynchronous`), and the device ``dst`` names: worked out once per pair (three lookups and two calls
+        cost ~1 us, per copy)."""
+        to = self._device(dst)
+        route = self._routes[(device, dst)] = (self._type(device) in self._keep_devices,
+                                               self._asynchronous(device, to), to)
+        return route
 
     def _asynchronous(self, src: torch.device, dst: torch.device) -> bool:
         """Whether a copy from ``src`` to ``dst`` runs asynchronously, into a pinned buffer (else: synchronously,

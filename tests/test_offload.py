@@ -306,6 +306,28 @@ def test_engine_round_trip_is_bit_exact_and_frees_the_source() -> None:
         assert torch.equal(out, e)
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["grad-mode", "no-grad-as-in-a-pack-hook"])
+@pytest.mark.parametrize("group", [True, False], ids=["in-a-call", "no-call"])
+def test_a_whole_copy_holds_no_graph_and_frees_the_source(grad: bool, group: bool) -> None:
+    """The host copy of a tensor that requires grad is of its values only: under grad mode (the public offload)
+    as in a pack hook (no grad mode, where the copy skips the detach), with a call's group and without."""
+    x = torch.randn(5, 7, requires_grad=True)
+    eng = OffloadEngine()
+    key = _Key()
+    with torch.set_grad_enabled(grad):
+        y = x.sin() * 2
+        want = y.detach().clone()
+        h = eng.offload(y, "cpu", group=key if group else None)
+    assert eng.stats["copies"] == 1
+    host = h.copy.host
+    assert host is not None and not host.requires_grad and host.grad_fn is None
+    src = weakref.ref(y.untyped_storage())
+    del y
+    gc.collect()
+    assert src() is None, "the copy holds the source's bytes"
+    assert torch.equal(eng.fetch(h), want)
+
+
 class _Key:
     pass
 
