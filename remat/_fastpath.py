@@ -840,6 +840,13 @@ class FastFrame:
             return ti.detach_below_modes(kept.t)
         origins = self.origins.get(i) or self.held[i]
         v0s = self.held_versions.get(i, ())
+        if self.forwarding and i not in self.held_versions:
+            # a backward pass inside the forward pass, before its end has checked what it holds: an output written
+            # in place since the op returned it is not the op's value any more (plain autograd allows the write
+            # where no node saved the output): the op runs again, as the end of the forward pass would decide
+            held_at = self.versions_at_hold.get(i, ())
+            if any(v is not None and v != v0 for v, v0 in zip((_version_of(o) for o in origins), held_at)):
+                return _RUN
         if h.single and h.offload is None:  # (one tensor held, the common case: on the hot path)
             val = self._held_value(i, self.held[i][0], v0s[0] if v0s else None, origins[0])
             if i in self.copied:

@@ -585,8 +585,10 @@ class OffloadEngine:
             raise ValueError(f"OffloadEngine: keep_last must be an int >= 0, got {keep_last!r}")
         self._pin_memory = pin_memory
         self.keep_last = keep_last
-        # where keeping saves a round trip (tests add "cpu", before the first offload: a copy's route is cached)
-        self._keep_devices = frozenset({"cuda"})
+        # (per source device and destination name: whether the source keeps (NOTE [keep last]), whether the copy runs
+        # asynchronously (_asynchronous), the destination device; looked up once per copy (_route))
+        self._routes: dict[tuple[torch.device, str], tuple[bool, bool, torch.device]] = {}
+        self._keep_devices = frozenset({"cuda"})  # (tests add "cpu")
         self.max_inflight_bytes = max_inflight_bytes
         self.prefetch = prefetch
         self.trace: list[tuple[str, int, int]] | None = [] if trace else None
@@ -608,9 +610,6 @@ class OffloadEngine:
         self._handle_keys = itertools.count()  # (Offloaded.key)
         self._devices: dict[str, torch.device] = {}  # (a policy's device strings, parsed once)
         self._kinds: dict[str, str] = {}  # (a policy's device strings: the type of device each names)
-        # (per source and destination device: whether the source keeps (NOTE [keep last]), whether the copy runs
-        # asynchronously (_asynchronous); looked up once per copy, where three lookups and two calls cost ~1 us)
-        self._routes: dict[tuple[torch.device, str], tuple[bool, bool, torch.device]] = {}
         # (a device's type, looked up: torch.device.type makes a new string, ~0.4 us, on the hot path of both passes)
         self._types: dict[torch.device, str] = {}
         self.stats: collections.Counter[str] = collections.Counter()
@@ -622,7 +621,17 @@ class OffloadEngine:
     @pin_memory.setter
     def pin_memory(self, value: bool) -> None:
         self._pin_memory = value
-        self._routes.clear()  # (each copy's route is looked up: _copy_out)
+        self._routes.clear()  # (each copy's route is looked up: _route)
+
+    @property
+    def _keep_devices(self) -> frozenset[str]:
+        """The device types where keeping a call's storages saves a round trip (NOTE [keep last])."""
+        return self._keep_types
+
+    @_keep_devices.setter
+    def _keep_devices(self, value: frozenset[str]) -> None:
+        self._keep_types = value
+        self._routes.clear()
 
     # ---- forward ---------------------------------------------------------------
     def applies(self, t: torch.Tensor, decision: Any) -> bool:

@@ -1748,17 +1748,23 @@ def test_a_dropped_tensor_chosen_by_the_data_is_recomputed_from_its_own_op(polic
     assert plan is not None and plan.values is not None  # planned, with a value recompute for the recorded wiring
 
 
+@pytest.mark.parametrize("write", [False, True], ids=["", "held-output-written-first"])
 @pytest.mark.parametrize("create_graph", [False, True])
 @pytest.mark.parametrize("policy", [policies.dots_saveable, policies.save_only_these_names()], ids=["dots", "none"])
-def test_an_inner_backward_in_a_planned_call(policy, create_graph):
+def test_an_inner_backward_in_a_planned_call(policy, create_graph, write):
     """A backward pass inside a planned call's forward pass (data-dependent: not in the recorded call) reads what
-    the call holds before the end of its forward pass has made their aliases: exact, first and second order."""
+    the call holds before the end of its forward pass has made their aliases: exact, first and second order. A
+    held output written in place before it (plain autograd allows it: ``exp`` saves its result, the matmul its
+    inputs, nothing saves the product itself) is not handed to that recompute: the op runs again."""
     penalty = {"on": False}
 
     def f(W, x):
         q = x @ W
-        h = torch.nn.functional.gelu(q) + q.exp()
+        e = q.exp()
+        h = torch.nn.functional.gelu(e) + e
         if penalty["on"]:
+            if write:
+                q.mul_(2)
             (gW,) = torch.autograd.grad(h.pow(2).sum(), (W,), create_graph=create_graph, retain_graph=True)
             h = h + gW.sum()
         return torch.sin(h @ W)

@@ -761,6 +761,24 @@ def test_last_call_stays_on_the_device_older_calls_are_copied() -> None:
     assert torch.equal(x.grad, y.grad)  # type: ignore[arg-type]
 
 
+def test_where_the_engine_keeps_is_read_afresh_after_it_changes() -> None:
+    """The route of a copy (keep or copy, asynchronous or not) is looked up once per pair of devices; a change of
+    where the engine keeps, or of pinning, after copies were made is seen by the next copy."""
+    g = remat(lambda v: v.exp().sin(), policy=policies.offload_to_cpu(min_bytes=0))
+    x = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
+    eng = OffloadEngine(keep_last=1, pin_memory=False)
+    with use_engine(eng):
+        g(x).sum().backward()
+        assert eng.stats["kept_on_device"] == 0 and eng.stats["copies"] == 1
+        eng._keep_devices = frozenset({"cpu"})
+        g(x).sum().backward()
+        assert eng.stats["kept_on_device"] == 1 and eng.stats["copies"] == 1  # kept, never copied out
+        eng._keep_devices = frozenset({"cuda"})
+        eng.pin_memory = True  # (no effect on a CPU copy, but a setting that clears the routes too)
+        g(x).sum().backward()
+        assert eng.stats["kept_on_device"] == 1 and eng.stats["copies"] == 2
+
+
 def test_kept_storages_exact_for_views_spans_and_a_second_backward() -> None:
     big = torch.randn(400, 50, dtype=torch.float64)
 
