@@ -705,57 +705,31 @@ class OffloadEngine:
                 "pinned-buffer pool are host-side work a graph cannot replay. Capture with a save or "
                 "recompute policy, or offload outside the captured region."
             )
-        # (t's facts are its detached alias's: t is detached only where a copy needs it)
+        # (t's facts are its detached alias's: t is detached only where a copy needs it, _copy_out)
         storage = t.untyped_storage()
         grp = group if type(group) is _Group else self._group(group)
         total = storage.nbytes()
         key = storage.data_ptr()
         version = t._version
-        if (grp is not None and t.is_contiguous() and t.nbytes == total and not t.storage_offset()
-                and key not in grp.by_storage and t.dtype is not torch.bool):
-            # the common case: t is exactly its storage's bytes, in order, the first copy of them in the call
-            device = t.device
-            route = self._routes.get((device, dst)) or self._route(device, dst)
-            if not route[1] and not (route[0] and self.keep_last > 0):
-                return self._copy_whole(t, storage, total, key, version, grp, device, route[2])
-        return self._offload_any(t, storage, grp, total, key, version, dst)
+        if (grp is None or key not in grp.by_storage) and t.is_contiguous() and t.nbytes == total \
+                and not t.storage_offset():
+            # the common case, in fewer steps: t is exactly its storage's bytes, in order, their first copy in the
+            # call. Not a bool: its copy writes 1 for every nonzero byte, and a view of another dtype may share it
+            copy = self._copy_out(t, storage, dst, grp, 0, total, whole=t.dtype is not torch.bool)
+            if grp is not None:
+                self._register(grp, key, copy, version, t)
+            self.stats["offloaded"] += 1
+            return Offloaded(self, copy, t, 0, version)
+        return self._offload_part(t, storage, grp, total, key, version, dst)
 
-    def _copy_whole(self, t: torch.Tensor, storage: Any, total: int, key: int, version: int, grp: _Group,
-                    device: torch.device, dst: torch.device) -> Offloaded:
-        """Copy the whole of ``t``, exactly its storage's bytes, synchronously, the first copy of that storage in
-        ``grp``'s call (what :meth:`_offload_any` does for it, in fewer steps: the forward pass's hot path)."""
-        origin = weakref.ref(storage)  # (the storage's one weak reference while it lives: a token its copies share)
-        c = _HostCopy(self, self._next_cid, grp, device, total, origin, 0)
-        self._next_cid += 1
-        # a synchronous copy has read the bytes when it returns (NOTE [written while copied] holds nothing); it
-        # copies t itself, so the host copy is of t's dtype, which fetch never reads (only the storage). A pack
-        # hook runs without grad mode: t's own copy holds no graph, where elsewhere its detached alias's must not
-        src = t if not torch.is_grad_enabled() else t.detach()
-        c.host = src.clone() if device == dst else src.to(dst, copy=True)
-        grp.origins[id(origin)] = grp.origins.get(id(origin), 0) + 1
-        cref = weakref.ref(c)
-        grp.copies.append(cref)
-        base = t._base
-        root = t if base is None else base
-        grp.by_storage[key] = (origin, version, cref, weakref.ref(root))
-        if grp.spans:
-            self._take_spans(grp, key, c, version, root)
-        stats = self.stats
-        stats["copies"] += 1
-        stats["offloaded_bytes"] += total
-        stats["offloaded"] += 1
-        if self.trace is not None:
-            self._log("d2h", c)
-        return Offloaded(self, c, t, 0, version)
-
-    def _offload_any(self, t: torch.Tensor, storage: Any, grp: _Group | None, total: int, key: int, version: int,
-                     dst: str) -> Offloaded:
-        """:meth:`_offload` of any tensor: a slice, a storage copied already in the call, a copy that runs
-        asynchronously or is kept (NOTE [keep last]), a call without a group."""
+    def _offload_part(self, t: torch.Tensor, storage: Any, grp: _Group | None, total: int, key: int, version: int,
+                      dst: str) -> Offloaded:
+        """:meth:`_offload` of a tensor that is not all its storage's bytes in order (a slice, a transpose), or
+        whose storage the call has copied already."""
         contiguous = t.is_contiguous()
         es = t.element_size()
         offset: int = t.storage_offset()  # type: ignore[assignment]
-        if contiguous:  # (the common case, inline: a Python call costs ~0.5 us, once per saved tensor)
+        if contiguous:  # (inline: a Python call costs ~0.5 us, once per saved tensor)
             lo = offset * es
             hi = lo + t.nbytes
             if hi == lo:
@@ -782,18 +756,23 @@ class OffloadEngine:
                 grp.spans.setdefault(key, []).append((version, sref, weakref.ref(o), weakref.ref(root)))
             return o
         else:
-            # t is exactly its storage's bytes, in order: a synchronous copy can take it as it is. Not a bool:
-            # its copy writes 1 for every nonzero byte, and a view of another dtype may share the copy
-            whole = contiguous and lo == 0 and hi == total and t.dtype is not torch.bool
+            whole = contiguous and lo == 0 and hi == total and t.dtype is not torch.bool  # (as in _offload)
             copy = self._copy_out(t, storage, dst, grp, 0, total, whole=whole)
             if grp is not None:
-                cref = weakref.ref(copy)
-                grp.copies.append(cref)
-                grp.by_storage[key] = (copy.origin, version, cref, weakref.ref(root))
-                if grp.spans:
-                    self._take_spans(grp, key, copy, version, root)
+                self._register(grp, key, copy, version, t)
         self.stats["offloaded"] += 1
         return Offloaded(self, copy, t, offset, version)
+
+    def _register(self, grp: _Group, key: int, copy: _HostCopy, version: int, t: torch.Tensor) -> None:
+        """``copy`` is of the whole storage ``key`` that ``t`` (at ``version``) is saved from: later tensors of the
+        call saved from it share it while it is unchanged (NOTE [one copy per storage])."""
+        cref = weakref.ref(copy)
+        grp.copies.append(cref)
+        base = t._base
+        root = t if base is None else base
+        grp.by_storage[key] = (copy.origin, version, cref, weakref.ref(root))
+        if grp.spans:
+            self._take_spans(grp, key, copy, version, root)
 
     @staticmethod
     def _take_spans(grp: _Group, key: int, whole: _HostCopy, version: int, root: torch.Tensor) -> None:
