@@ -145,13 +145,17 @@ def configs() -> dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]:
 
 def _vs_peer(row: tuple[Any, ...], by_name: dict[str, tuple[Any, ...]]) -> str:
     """``row``'s per-op cost over its torch peer's, forward / backward ("" for torch's own rows, or a peer that did
-    not run or raised)."""
+    not run or raised; "-" for a side where the peer's cost per op came out at or below zero)."""
     if not row[0].startswith("remat ") or row[1] is None:
         return ""
     peer = by_name.get("torch checkpoint" if row[0] == "remat save-nothing" else "torch SAC (matmuls)")
-    if peer is None or peer[1] is None or peer[1] <= 0 or peer[2] <= 0:
+    if peer is None or peer[1] is None:
         return ""
-    return f"{row[1] / peer[1]:.2f}/{row[2] / peer[2]:.2f}"
+
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.2f}" if b > 0 else "-"  # (a peer's slope at or below zero, in a short noisy run: no ratio)
+
+    return f"{ratio(row[1], peer[1])}/{ratio(row[2], peer[2])}"
 
 
 def _time(fn: Callable[..., torch.Tensor], W: torch.Tensor, x: torch.Tensor, reps: int) -> tuple[float, float]:

@@ -99,11 +99,28 @@ def test_overhead_benchmark_runs() -> None:
     for row in ("plain", "torch checkpoint", "torch SAC (matmuls)", "remat save-nothing", "remat dots_saveable",
                 "remat names('mm')", "remat custom callable", "remat offload (min_bytes=0)"):
         assert any(line.startswith(row) for line in r.stdout.splitlines()), (row, r.stdout)
-    # each remat row against its torch peer, per op (forward/backward), as the goals of issue 10 are stated
+    # each remat row against its torch peer, per op (forward/backward), as the goals of issue 10 are stated (one
+    # round is noise: a peer's slope may come out at or below zero, "-")
     for row in ("remat save-nothing", "remat dots_saveable", "remat offload (min_bytes=0)"):
         line = next(line for line in r.stdout.splitlines() if line.startswith(row))
-        assert re.search(r"\s-?\d+\.\d\d/-?\d+\.\d\d$", line), (row, r.stdout)
+        assert re.search(r"\s(-?\d+\.\d\d|-)/(-?\d+\.\d\d|-)$", line), (row, r.stdout)
     assert not re.search(r"\d/", next(line for line in r.stdout.splitlines() if line.startswith("torch SAC")))
+
+
+def test_overhead_ratios_against_the_peers() -> None:
+    """The vs-torch column: save-nothing over torch checkpoint, every other policy over torch SAC, per op,
+    forward/backward; none for torch's rows, a peer that raised, or a side whose peer cost nothing."""
+    spec = importlib.util.spec_from_file_location(
+        "overhead", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "overhead.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = {"torch checkpoint": ("torch checkpoint", 4.0, 10.0), "torch SAC (matmuls)": ("torch SAC (matmuls)", 8.0, -1.0),
+            "remat save-nothing": ("remat save-nothing", 2.0, 5.0), "remat dots_saveable": ("remat dots_saveable", 4.0, 3.0)}
+    assert mod._vs_peer(rows["remat save-nothing"], rows) == "0.50/0.50"
+    assert mod._vs_peer(rows["remat dots_saveable"], rows) == "0.50/-"
+    assert mod._vs_peer(rows["torch checkpoint"], rows) == ""
+    assert mod._vs_peer(rows["remat dots_saveable"], {"torch SAC (matmuls)": ("torch SAC (matmuls)", None, None)}) == ""
 
 
 def test_cli_compile_and_budgets_add_configurations(tmp_path):
