@@ -191,7 +191,7 @@ import torch
 from . import _torch_internals as ti
 from ._ambient import AmbientState
 from ._context import INSPECTOR, INTERNAL, active_context, internal, naming
-from ._dispatch import LIFTS, OpRecord, dead_value, ignored, storage_key, tensor_leaves, traits
+from ._dispatch import LIFTS, OpRecord, arg_tensors, dead_value, ignored, storage_key, tensor_leaves, traits
 from ._errors import RematError, input_written_before_backward, input_written_in_forward, saved_shape_differs
 from ._offload import Offloaded
 from ._packed import DROP, KEEP, OFFLOAD, Made
@@ -669,6 +669,20 @@ class FastFrame:
             else:
                 self.held[i] = [t.detach() for t in outs]
 
+    def _written_unplanned(self, args: Any, kwargs: Any) -> None:
+        """An op past the plan wrote in place (``_Tap``). A held output whose storage it wrote through an alias with
+        a version counter of its own (``q.data.mul_(2)``, an ``unsafe_split`` piece, the storage itself) is not the
+        op's value any more, and no version says so: let go of it, the recompute runs the op again. (A write the
+        plan has was in the recorded call, where the full engine saw the storage written: ``Plan.copy_before``.)"""
+        written = {storage_key(t) for t in arg_tensors(args, kwargs or {})}  # (every tensor it was given: at worst
+        written.discard(0)  # an op runs again)
+        for k in [k for k in self.held if k in self.plan.hold and k not in self.copied]:
+            for v in self.origins.get(k) or self.held[k]:
+                t = v() if type(v) is weakref.ref else v
+                if isinstance(t, torch.Tensor) and storage_key(t) in written:
+                    del self.held[k]
+                    break
+
     def _note_sources(self, out: Any, want: list[tuple[int, int]]) -> None:
         """NOTE [value recompute]: the tensors an op returned (several) that the plan takes for save positions."""
         outs = out if type(out) is tuple and all(type(t) is torch.Tensor for t in out) else tensor_leaves(out)
@@ -760,8 +774,9 @@ class FastFrame:
     # ---- recompute -------------------------------------------------------------
     def _recompute(self) -> Made:
         self.recomputes += 1
-        if not self.forwarding:
-            self._check_versions(after_forward=False)
+        # (a backward pass inside the forward pass: an input written so far would be written again by the
+        # recompute, into the caller's tensor, and read written: the end of the forward pass's error, raised first)
+        self._check_versions(after_forward=self.forwarding)
         try:
             return self._run_recompute(skip_dead=bool(self.plan.dead))
         except _PlanWrong:
@@ -776,9 +791,10 @@ class FastFrame:
                 return self._value_recompute(values, skip_dead)
             except _NeedsGraph:
                 self.plan.values = None  # (the signature's later calls recompute as below from the start)
-        # (a backward pass inside the forward pass: recompute only as far as the forward pass has got)
         self.placeholders = {}
-        capture = _Capture(self.drops, self.n if self.forwarding else self.last_drop + 1, self.fn_name,
+        # (stops once the last dropped tensor is saved again; inside the forward pass that is before where the
+        # forward pass has got, and before any op past the plan, whose random draws the call kept no state for)
+        capture = _Capture(self.drops, self.last_drop + 1, self.fn_name,
                            detach=not torch.is_grad_enabled(), placeholders=self.placeholders,
                            mode=self.plan.ops is not None)
         with ti.saved_tensors_hooks_enabled(), torch.enable_grad(), self.state.restored(self.state.tensors), \
@@ -955,6 +971,8 @@ class _Tap(TorchDispatchMode):
             self.i = i + 1
             self.limit = self.frame.limit = min(self.limit, i)
             self.frame.diverged = True
+            if self.frame.held and traits(func)[0]:
+                self.frame._written_unplanned(args, kwargs)
         return out
 
     def _marked(self, i: int, call: Any, args: Any, kwargs: Any) -> Any:

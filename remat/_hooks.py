@@ -581,6 +581,12 @@ class Frame:
 
     def _recompute(self, s: int, skip_unused: bool = True) -> Made:
         try:
+            if self.forwarding:
+                # a backward pass inside the forward pass: an input the function wrote so far would be written
+                # again by the recompute (into the caller's tensor), and read written: the error the end of the
+                # forward pass would raise, raised first
+                with internal():
+                    self._check_forward_mutation(self._forward_inputs)
             return run_recompute(self, s, skip_unused, _forwarding_frames())
         except RematError:
             refuse = getattr(self, "_refuse_plan", None)
