@@ -1,4 +1,5 @@
-"""Ambient state the recompute must replay: random-number generators and autocast.
+"""Ambient state the recompute must replay (random-number generators and autocast), and what it must not
+do again (accumulate gradients a backward pass inside the function accumulated: :func:`no_accumulation`).
 
 The recompute must draw exactly the random numbers the forward pass drew
 (dropout masks, ``torch.rand``), on the CPU and on every CUDA device the call
@@ -10,13 +11,17 @@ are left exactly as they were.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["AmbientState"]
+from ._errors import RematError
+
+__all__ = ["AmbientState", "no_accumulation"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -98,3 +103,29 @@ class _Restored:
                 torch.cuda.set_rng_state(rng, d)
         while self.autocast:
             self.autocast.pop().__exit__(*exc)
+
+
+@contextlib.contextmanager
+def no_accumulation(fn_name: str, tensors: Iterable[Any]) -> Iterator[None]:
+    """Raise if the body, on this thread, accumulates a gradient into one of ``tensors``'s leaves that require
+    grad: a recompute of a function that runs a backward pass inside (``loss.backward()``) runs it again, and
+    ``.grad`` would hold its gradient twice (``torch.utils.checkpoint`` adds it twice, silently). Another
+    device's thread of the same backward pass accumulating meanwhile is not the recompute's."""
+    me = threading.get_ident()
+
+    def hook(t: torch.Tensor) -> None:
+        if threading.get_ident() == me:
+            raise RematError(
+                f"remat: {fn_name} runs a backward pass that accumulates into .grad (loss.backward()) inside its "
+                f"forward pass, and its recompute ran it again: a leaf of shape {list(t.shape)} got its gradient "
+                "twice. Inside a remat'd function use torch.autograd.grad (it returns the gradients, "
+                "accumulating nothing), or run .backward() outside it."
+            )
+
+    handles = [t.register_post_accumulate_grad_hook(hook) for t in tensors
+               if type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_leaf and t.requires_grad]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

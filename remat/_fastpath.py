@@ -179,6 +179,7 @@ NOTE [value recompute]
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import types
 import weakref
@@ -189,7 +190,7 @@ import optree
 import torch
 
 from . import _torch_internals as ti
-from ._ambient import AmbientState
+from ._ambient import AmbientState, no_accumulation
 from ._context import INSPECTOR, INTERNAL, active_context, internal, naming
 from ._dispatch import LIFTS, OpRecord, arg_tensors, dead_value, ignored, storage_key, tensor_leaves, traits
 from ._errors import RematError, input_written_before_backward, input_written_in_forward, saved_shape_differs
@@ -513,6 +514,7 @@ class FastFrame:
         self.last_drop = -1
         self.cache: dict[int, torch.Tensor] = {}  # recomputed, not read yet (a Made once a recompute ran)
         self.forwarding = False
+        self.inner_backward = False  # a backward pass inside the forward pass read a saved tensor (unpack)
         self.recomputes = 0
         self.held: dict[int, list[Any]] = {}  # op index -> its outputs, detached or offloaded (NOTE [planned calls])
         self.kept_dead = plan.kept_dead
@@ -749,6 +751,8 @@ class FastFrame:
             self.held[i] = [weakref.ref(kept)]
 
     def unpack(self, p: Any) -> torch.Tensor:
+        if self.forwarding:
+            self.inner_backward = True  # (its recompute is guarded: no_accumulation)
         if type(p) is int:
             cache = self.cache
             if p in cache:  # (each position has one reader, its node: a recomputed one is taken without the lock)
@@ -777,11 +781,14 @@ class FastFrame:
         # (a backward pass inside the forward pass: an input written so far would be written again by the
         # recompute, into the caller's tensor, and read written: the end of the forward pass's error, raised first)
         self._check_versions(after_forward=self.forwarding)
-        try:
-            return self._run_recompute(skip_dead=bool(self.plan.dead))
-        except _PlanWrong:
-            self.refuse()  # the recorded call's liveness does not hold for this one
-            return self._run_recompute(skip_dead=False)
+        guard = (no_accumulation(self.fn_name, [*self.flat, *self.state.tensors]) if self.inner_backward
+                 else contextlib.nullcontext())
+        with guard:
+            try:
+                return self._run_recompute(skip_dead=bool(self.plan.dead))
+            except _PlanWrong:
+                self.refuse()  # the recorded call's liveness does not hold for this one
+                return self._run_recompute(skip_dead=False)
 
     def _run_recompute(self, skip_dead: bool) -> Made:
         values = self.plan.values

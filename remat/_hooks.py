@@ -115,7 +115,7 @@ from typing import Any
 import torch
 
 from . import _torch_internals as ti
-from ._ambient import AmbientState
+from ._ambient import AmbientState, no_accumulation
 from ._context import INSPECTOR, activated, active_context, internal
 from ._dispatch import Recorder, storage_key, tensor_leaves
 from ._errors import RematError, input_written_in_forward
@@ -587,6 +587,9 @@ class Frame:
                 # forward pass would raise, raised first
                 with internal():
                     self._check_forward_mutation(self._forward_inputs)
+            if self.inner_backward and not self.levels:
+                with no_accumulation(self.fn_name, [*self.flat, *self.state.tensors]):
+                    return run_recompute(self, s, skip_unused, _forwarding_frames())
             return run_recompute(self, s, skip_unused, _forwarding_frames())
         except RematError:
             refuse = getattr(self, "_refuse_plan", None)
