@@ -251,7 +251,7 @@ class Plan:
     """
 
     __slots__ = ("keep", "offload", "ops", "calls", "hold", "dead", "random", "values", "kept_dead", "kept_dead_ops",
-                 "skip_names", "copy_before", "_marked", "_plain_holds")
+                 "skip_names", "copy_before", "writes", "_marked", "_plain_holds")
 
     def __init__(self, keep: frozenset[int] | None, offload: dict[int, Offloadable] | None = None,
                  ops: tuple[Any, ...] | None = None, hold: dict[int, _Hold] | None = None,
@@ -274,6 +274,9 @@ class Plan:
         self.kept_dead_ops: frozenset[int] = frozenset()
         self.skip_names: frozenset[int] = frozenset()  # NOTE [skipped tags]: op indices of the tags that may go
         self.copy_before: dict[int, list[int]] = {}  # op index -> the held outputs (_Hold.cow) it writes: copy first
+        # the op indices of ops that write in place: which tensors one writes may differ from the recorded call's (a
+        # data-dependent target), through an alias whose version counter is its own (FastFrame._let_go_written)
+        self.writes: frozenset[int] = frozenset(i for i, f in enumerate(ops or ()) if traits(f)[0])
         self._marked: frozenset[int] | None = None
         self._plain_holds: frozenset[int] | None = None
 
@@ -284,7 +287,8 @@ class Plan:
         (a value recompute given up later only leaves indices marked that need nothing)."""
         if self._marked is None:
             at_op = self.values.inputs_at_op if self.values is not None else {}
-            self._marked = frozenset(self.hold) | self.kept_dead_ops | frozenset(self.copy_before) | frozenset(at_op)
+            self._marked = (frozenset(self.hold) | self.kept_dead_ops | frozenset(self.copy_before) | frozenset(at_op)
+                            | self.writes)
         return self._marked
 
     @property
@@ -295,7 +299,7 @@ class Plan:
             at_op = self.values.inputs_at_op if self.values is not None else {}
             self._plain_holds = frozenset(
                 i for i, h in self.hold.items() if h.single and not h.weak and h.offload is None and not h.cow
-                and i not in self.kept_dead_ops and i not in self.copy_before and i not in at_op)
+                and i not in self.kept_dead_ops and i not in self.copy_before and i not in at_op and i not in self.writes)
         return self._plain_holds
 
     @classmethod
@@ -671,14 +675,15 @@ class FastFrame:
             else:
                 self.held[i] = [t.detach() for t in outs]
 
-    def _written_unplanned(self, args: Any, kwargs: Any) -> None:
-        """An op past the plan wrote in place (``_Tap``). A held output whose storage it wrote through an alias with
-        a version counter of its own (``q.data.mul_(2)``, an ``unsafe_split`` piece, the storage itself) is not the
-        op's value any more, and no version says so: let go of it, the recompute runs the op again. (A write the
-        plan has was in the recorded call, where the full engine saw the storage written: ``Plan.copy_before``.)"""
+    def _let_go_written(self, i: int, args: Any, kwargs: Any) -> None:
+        """Op ``i`` (-1: an op past the plan) wrote in place (``_Tap``). A held output of another op whose storage it
+        wrote is not that op's value any more, though written through an alias with a version counter of its own
+        (``q.data.mul_(2)``, an ``unsafe_split`` piece, the storage itself) no version says so: let go of it, the
+        recompute runs the op again. (A write the recorded call made into a held output has the output copied
+        before it, ``Plan.copy_before``; this one's target may differ: which tensor ``.data`` aliases is data.)"""
         written = {storage_key(t) for t in arg_tensors(args, kwargs or {})}  # (every tensor it was given: at worst
         written.discard(0)  # an op runs again)
-        for k in [k for k in self.held if k in self.plan.hold and k not in self.copied]:
+        for k in [k for k in self.held if k != i and k in self.plan.hold and k not in self.copied]:
             for v in self.origins.get(k) or self.held[k]:
                 t = v() if type(v) is weakref.ref else v
                 if isinstance(t, torch.Tensor) and storage_key(t) in written:
@@ -943,6 +948,7 @@ class _Tap(TorchDispatchMode):
         self.skip_names = frame.plan.skip_names
         self.copy_before = frame.plan.copy_before
         self.marked = frame.plan.marked
+        self.writes = frame.plan.writes
         self.plain_holds = frame.plan.plain_holds
         self.at_op = frame.plan.values.inputs_at_op if frame.plan.values is not None else {}
         self.sources = frame.sources
@@ -979,16 +985,19 @@ class _Tap(TorchDispatchMode):
             self.limit = self.frame.limit = min(self.limit, i)
             self.frame.diverged = True
             if self.frame.held and traits(func)[0]:
-                self.frame._written_unplanned(args, kwargs)
+                self.frame._let_go_written(-1, args, kwargs)
         return out
 
     def _marked(self, i: int, call: Any, args: Any, kwargs: Any) -> Any:
-        """The plan's op ``i``, one the forward pass holds, copies before or notes the output of (``Plan.marked``)."""
+        """The plan's op ``i``, one the forward pass holds, copies before, notes the output of or that writes in place
+        (``Plan.marked``)."""
         if i in self.copy_before:
             for k in self.copy_before[i]:
                 self.frame._copy_held(k)
         out = call(*args, **kwargs) if kwargs else call(*args)
         self.i = i + 1
+        if i in self.writes and self.frame.held:
+            self.frame._let_go_written(i, args, kwargs)
         h = self.hold.get(i)
         if h is not None:
             self.frame._hold(i, h, out)

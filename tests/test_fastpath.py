@@ -1814,6 +1814,35 @@ def test_a_write_into_a_held_output_through_an_alias_with_a_counter_of_its_own(p
         assert plan is not None and plan.copy_before  # planned, the output copied before the write
 
 
+@pytest.mark.parametrize("how", ["data", "unsafe_split", "view"])
+def test_a_planned_write_whose_target_is_data_is_not_handed_to_the_recompute(how):
+    """The plan's in-place op writes, on a later call, a held output rather than the tensor it wrote in the
+    recorded call (which one is data), through an alias with a version counter of its own: the held output is let
+    go of (the op runs again in the recompute), on every such call; through a view its version says so."""
+    pick = {"q": False}
+
+    def f(W, x):
+        q = x @ W
+        r = x * 3
+        h = q.exp() + r.exp()  # (nothing saves q or r: exp saves its result)
+        t = q if pick["q"] else r
+        if how == "data":
+            t.data.mul_(2)
+        elif how == "unsafe_split":
+            torch.ops.aten.unsafe_split.Tensor(t, 3)[0].mul_(2)
+        else:
+            t.view(-1).mul_(2)
+        return torch.sin(h @ W)
+
+    g = remat(f, policy=policies.dots_saveable)
+    W, x = leaf(4, 4), leaf(3, 4, seed=1)
+    for on in (0, 0, 0, 1, 1, 0, 1):
+        pick["q"] = bool(on)
+        assert_tree_close(grads(g, (W, x), (W, x)), grads(f, (W, x), (W, x)))
+    (plan,) = g._plans.values()
+    assert plan is not None  # (planned throughout: the same ops on every call)
+
+
 @pytest.mark.parametrize("policy", ["dots", "names"])
 def test_an_input_written_then_a_backward_inside_the_forward_pass_raises_before_writing_it_again(policy):
     """A backward pass inside the forward pass after the function wrote its input: the recompute would write the
