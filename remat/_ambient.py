@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -107,25 +106,22 @@ class _Restored:
 
 @contextlib.contextmanager
 def no_accumulation(fn_name: str, tensors: Iterable[Any]) -> Iterator[None]:
-    """Raise if the body, on this thread, accumulates a gradient into one of ``tensors``'s leaves that require
-    grad: a recompute of a function that runs a backward pass inside (``loss.backward()``) runs it again, and
-    ``.grad`` would hold its gradient twice (``torch.utils.checkpoint`` adds it twice, silently). Another
-    device's thread of the same backward pass accumulating meanwhile is not the recompute's."""
-    me = threading.get_ident()
-
-    def hook(t: torch.Tensor) -> None:
-        if threading.get_ident() == me:
+    """Raise if the body (a recompute) changed the ``.grad`` of one of ``tensors``'s leaves that require grad: a
+    function that runs a backward pass inside (``loss.backward()``) accumulates into ``.grad``, and its recompute
+    would run it again (``torch.utils.checkpoint`` adds the gradient twice, silently). A replay that hands back
+    the forward pass's accumulation, as remat's dispatch modes do, changes nothing and passes. Checked by the
+    ``.grad`` tensors and their versions before and after (no hook: a few reads per leaf, per recompute); a
+    backward pass that accumulates into one of them on another device's thread meanwhile would raise too."""
+    before = [(t, t.grad) for t in tensors
+              if type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_leaf and t.requires_grad]
+    versions = [-1 if g is None else g._version for _, g in before]
+    yield
+    for (t, g), v in zip(before, versions):
+        now = t.grad
+        if now is not g or (now is not None and now._version != v):
             raise RematError(
                 f"remat: {fn_name} runs a backward pass that accumulates into .grad (loss.backward()) inside its "
                 f"forward pass, and its recompute ran it again: a leaf of shape {list(t.shape)} got its gradient "
                 "twice. Inside a remat'd function use torch.autograd.grad (it returns the gradients, "
                 "accumulating nothing), or run .backward() outside it."
             )
-
-    handles = [t.register_post_accumulate_grad_hook(hook) for t in tensors
-               if type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_leaf and t.requires_grad]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()

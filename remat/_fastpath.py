@@ -179,7 +179,6 @@ NOTE [value recompute]
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import types
 import weakref
@@ -518,7 +517,6 @@ class FastFrame:
         self.last_drop = -1
         self.cache: dict[int, torch.Tensor] = {}  # recomputed, not read yet (a Made once a recompute ran)
         self.forwarding = False
-        self.inner_backward = False  # a backward pass inside the forward pass read a saved tensor (unpack)
         self.recomputes = 0
         self.held: dict[int, list[Any]] = {}  # op index -> its outputs, detached or offloaded (NOTE [planned calls])
         self.kept_dead = plan.kept_dead
@@ -756,8 +754,6 @@ class FastFrame:
             self.held[i] = [weakref.ref(kept)]
 
     def unpack(self, p: Any) -> torch.Tensor:
-        if self.forwarding:
-            self.inner_backward = True  # (its recompute is guarded: no_accumulation)
         if type(p) is int:
             cache = self.cache
             if p in cache:  # (each position has one reader, its node: a recomputed one is taken without the lock)
@@ -786,9 +782,7 @@ class FastFrame:
         # (a backward pass inside the forward pass: an input written so far would be written again by the
         # recompute, into the caller's tensor, and read written: the end of the forward pass's error, raised first)
         self._check_versions(after_forward=self.forwarding)
-        guard = (no_accumulation(self.fn_name, [*self.flat, *self.state.tensors]) if self.inner_backward
-                 else contextlib.nullcontext())
-        with guard:
+        with no_accumulation(self.fn_name, [*self.flat, *self.state.tensors]):
             try:
                 return self._run_recompute(skip_dead=bool(self.plan.dead))
             except _PlanWrong:

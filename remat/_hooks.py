@@ -587,10 +587,8 @@ class Frame:
                 # forward pass would raise, raised first
                 with internal():
                     self._check_forward_mutation(self._forward_inputs)
-            if self.inner_backward and not self.levels:
-                with no_accumulation(self.fn_name, [*self.flat, *self.state.tensors]):
-                    return run_recompute(self, s, skip_unused, _forwarding_frames())
-            return run_recompute(self, s, skip_unused, _forwarding_frames())
+            with no_accumulation(self.fn_name, [*self.flat, *self.state.tensors]):
+                return run_recompute(self, s, skip_unused, _forwarding_frames())
         except RematError:
             refuse = getattr(self, "_refuse_plan", None)
             if refuse is not None:
