@@ -108,10 +108,10 @@ class _Restored:
 def no_accumulation(fn_name: str, tensors: Iterable[Any]) -> Iterator[None]:
     """Raise if the body (a recompute) changed the ``.grad`` of one of ``tensors``'s leaves that require grad: a
     function that runs a backward pass inside (``loss.backward()``) accumulates into ``.grad``, and its recompute
-    would run it again (``torch.utils.checkpoint`` adds the gradient twice, silently). A replay that hands back
-    the forward pass's accumulation, as remat's dispatch modes do, changes nothing and passes. Checked by the
-    ``.grad`` tensors and their versions before and after (no hook: a few reads per leaf, per recompute); a
-    backward pass that accumulates into one of them on another device's thread meanwhile would raise too."""
+    would run it again (``torch.utils.checkpoint`` adds the gradient twice, silently). Checked by the ``.grad``
+    tensors and their versions before and after (no hook: a few reads per leaf, per recompute): a replay that
+    writes a ``.grad`` back with the values it had raises too, and so would a backward pass accumulating into one
+    of them on another device's thread meanwhile."""
     before = [(t, t.grad) for t in tensors
               if type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_leaf and t.requires_grad]
     versions = [-1 if g is None else g._version for _, g in before]
