@@ -777,6 +777,10 @@ def test_where_the_engine_keeps_is_read_afresh_after_it_changes() -> None:
         eng.pin_memory = True  # (no effect on a CPU copy, but a setting that clears the routes too)
         g(x).sum().backward()
         assert eng.stats["kept_on_device"] == 1 and eng.stats["copies"] == 2
+    y = x.detach().clone().requires_grad_()
+    for _ in range(3):
+        y.exp().sin().sum().backward()
+    assert torch.equal(x.grad, y.grad)  # type: ignore[arg-type]
 
 
 def test_kept_storages_exact_for_views_spans_and_a_second_backward() -> None:
