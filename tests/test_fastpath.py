@@ -1843,6 +1843,31 @@ def test_a_planned_write_whose_target_is_data_is_not_handed_to_the_recompute(how
     assert plan is not None  # (planned throughout: the same ops on every call)
 
 
+def test_a_held_output_an_in_place_op_only_reads_stays_held():
+    """``r.add_(q)`` writes ``r`` and reads ``q``: planned calls, whose plan marks the ``add_`` as a write, keep
+    the product ``q`` for the recompute as the recorded call does (copied before the write: the full engine counts
+    every argument of an in-place op as written) and run no matmul again, exact."""
+
+    def f(W, x):
+        q = x @ W
+        r = (x * 2).sin()
+        r.add_(q)
+        return torch.sin(r @ W) + q.exp().sum()
+
+    g = remat(f, policy=policies.dots_saveable)
+    W, x = leaf(4, 4), leaf(3, 4, seed=1)
+    counts = []
+    for _ in range(3):
+        out = g(W, x)
+        with OpCounter({torch.ops.aten.mm.default}) as c:
+            got = torch.autograd.grad(out.sum(), (W, x))
+        counts.append(c.count)
+        assert_tree_close(got, grads(f, (W, x), (W, x)))
+    (plan,) = g._plans.values()
+    assert plan is not None and plan.writes  # (planned, its add_ marked)
+    assert counts == [counts[0]] * 3, counts  # (the planned calls run no matmul more than the recorded one)
+
+
 @pytest.mark.parametrize("policy", ["dots", "names"])
 def test_an_input_written_then_a_backward_inside_the_forward_pass_raises_before_writing_it_again(policy):
     """A backward pass inside the forward pass after the function wrote its input: the recompute would write the
