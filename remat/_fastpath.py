@@ -1273,7 +1273,7 @@ class _Capture:
             # without create_graph the backward pass needs the value only, not the recompute's graph
             self.captured[pos] = held if self.detach else t
             self.versions[pos] = t._version
-        elif t.grad_fn is None:
+        elif t.is_leaf:
             held = t  # an input, a parameter, a replayed output: no node of its own to make a cycle with
         else:
             held = _holdable(t, self.mode)
@@ -1303,8 +1303,9 @@ def _same_maker(got: Any, want: Any) -> bool:
 
 def _holdable(t: torch.Tensor, mode: bool = True) -> torch.Tensor:
     """A saved tensor without its graph: holding an output would make a cycle through its own node."""
-    if not t.requires_grad or t.grad_fn is None:
-        return t  # (a leaf, such as a parameter: no node of its own)
+    if not t.requires_grad or t.is_leaf:
+        return t  # (a leaf, such as a parameter: no node of its own; is_leaf asks without making the node's Python
+        # object, which t.grad_fn does: ~0.4 us a kept tensor, inside a planned call)
     if not mode:
         return t.detach()  # (save-nothing: no mode of remat's is on the stack)
     if type(t) is torch.Tensor:
