@@ -75,10 +75,14 @@ NOTE [one copy per storage]
     it read the saved ones, a wrong gradient without an error. So when a whole copy
     is made after a slice's span copy (saved in the other order), the slice's handle
     moves to the whole copy too, if the storage is unchanged since and the span was
-    never read. Only a slice that shares its version counter with the tensor copied
-    whole (a view of it, or of the base it is a view of) shares or moves: the
-    copy's write checks watch that counter, and an ``unsafe_split`` piece, with a
-    counter of its own, would be written unseen.
+    never read. Only a tensor that shares its version counter with the tensor copied
+    whole (a view of it, or of the base it is a view of) shares or moves, whatever
+    bytes it spans: the copy's version and write checks are that counter's, and an
+    ``unsafe_split`` piece or a ``.data`` alias, with a counter of its own, is written
+    unseen. (A larger one shared on equal versions of two counters once: after
+    ``d = y.data; y.add_(1)``, ``d[1:]``, saved at ``d``'s unmoved version, read the
+    bytes of ``y``'s copy from before the write, a wrong gradient without an error on
+    a planned call, which no recorder watches for writes.)
 
 NOTE [written while copied]
     Autograd refuses a saved tensor written in place after it was saved. The engine
@@ -756,16 +760,14 @@ class OffloadEngine:
                       dst: str) -> Offloaded:
         """:meth:`_offload` of a tensor that is not all its storage's bytes in order (a slice, a transpose), or
         whose storage the call has copied already."""
-        # the tensor whose version counter t shares, as a view (a slice shares a copy only with tensors of the same
-        # counter: an unsafe_split piece, with one of its own, is written unseen by the other's check)
+        # the tensor whose version counter t shares, as a view: t shares a copy only with tensors of the same counter,
+        # whose version then says whether the bytes changed since (an unsafe_split piece or a .data alias, with one
+        # of its own, is written unseen by the other's: NOTE [one copy per storage])
         base = t._base
         root = t if base is None else base
-        shared = grp is not None and key in grp.by_storage
-        if grp is not None and shared:
-            # first, the common case (a transpose or a slice of a tensor the call copied whole): of the same counter,
-            # it shares the copy whatever bytes it spans, so they are not worked out (a whole copy starts at byte 0)
+        if grp is not None and key in grp.by_storage:
             copy = self._shared_copy(grp, storage, key, version, root)
-            if copy is not None:
+            if copy is not None:  # (a whole copy starts at byte 0: t's bytes need not be worked out)
                 self.stats["shared"] += 1
                 self.stats["offloaded"] += 1
                 return Offloaded(self, copy, t, t.storage_offset(), version)  # type: ignore[arg-type]
@@ -779,13 +781,7 @@ class OffloadEngine:
                 lo = hi = 0
         else:
             lo, hi = _span(t, es, offset)
-        copy = None
-        small = 2 * (hi - lo) < total
-        if grp is not None and shared and not small:  # (a small slice of another counter's storage: its own copy)
-            copy = self._shared_copy(grp, storage, key, version)
-        if copy is not None:
-            self.stats["shared"] += 1
-        elif small:
+        if 2 * (hi - lo) < total:  # a small slice: a copy of the bytes it spans
             span = self._copy_out(t, storage, dst, grp, lo, hi)
             self.stats["offloaded"] += 1
             o = Offloaded(self, span, t, offset - lo // es, version)
@@ -794,11 +790,10 @@ class OffloadEngine:
                 grp.copies.append(sref)
                 grp.spans.setdefault(key, []).append((version, sref, weakref.ref(o), weakref.ref(root)))
             return o
-        else:
-            whole = contiguous and lo == 0 and hi == total and t.dtype is not torch.bool  # (as in _offload)
-            copy = self._copy_out(t, storage, dst, grp, 0, total, whole=whole)
-            if grp is not None:
-                self._register(grp, key, copy, version, t)
+        whole = contiguous and lo == 0 and hi == total and t.dtype is not torch.bool  # (as in _offload)
+        copy = self._copy_out(t, storage, dst, grp, 0, total, whole=whole)
+        if grp is not None:
+            self._register(grp, key, copy, version, t)
         self.stats["offloaded"] += 1
         return Offloaded(self, copy, t, offset, version)
 
@@ -853,15 +848,17 @@ class OffloadEngine:
         return shared
 
     @staticmethod
-    def _shared_copy(grp: _Group, storage: Any, key: int, version: int, root: Any = None) -> _HostCopy | None:
-        """The copy already made of this storage (data pointer ``key``) in this call, if unchanged since
-        (NOTE [one copy per storage]); ``root``: for a small slice, only if made of it or a view of it."""
+    def _shared_copy(grp: _Group, storage: Any, key: int, version: int, root: torch.Tensor) -> _HostCopy | None:
+        """The copy already made of this storage (data pointer ``key``) in this call, if made of ``root`` or a view
+        of it (the same version counter) and unchanged since: the version is the same (NOTE [one copy per
+        storage]). Of another counter, the versions say nothing of each other's writes (``y.add_(1)`` after
+        ``d = y.data``: ``d`` still at its version of the copy)."""
         ent = grp.by_storage.get(key)
         if ent is None:
             return None
         sref, ver, cref, rref = ent
         c = cref()
-        if c is None or sref() is not storage or ver != version or (root is not None and rref() is not root):
+        if c is None or sref() is not storage or ver != version or rref() is not root:
             return None
         return c
 
