@@ -94,17 +94,21 @@ NOTE [offloaded and written]
     The full engine's recorder offloads an op's output as the op returns (for
     its replay) and sees every write: a write into a storage with a copy in the
     call gives a tensor saved after it a copy of its own (NOTE [one copy per
-    storage] in ``_offload.py``). A planned call sees no write. One with a
+    storage] in ``_offload.py``). A planned call with a dispatch mode tells the
+    engine in the same way of the storages each in-place op its tap sees was
+    given, the plan's or one past it (the target of ``q.data.mul_(2)`` is
+    data). One without a mode sees no write. One with a
     dispatch mode holds outputs as the recorder did: a recorded call that wrote
     into any storage it had offloaded leaves no such plan. One without a mode
     (a policy that offloads and drops nothing, or holds nothing for its
     recompute) copies saved tensors only, each as it is saved. What it must not
     miss is a write into a storage copied for an earlier save through a tensor
     whose version counter a later save of it does not share (``unsafe_split``
-    pieces); a write through the same counter moves the version the engine
-    checks before it shares a copy. So only a recorded call that wrote into a
-    storage copied for a save, and alive, leaves no mode-less plan (a storage
-    that died frees its address for another, which a write may hit). A call
+    pieces, ``.data``): a tensor shares a copy only with tensors of its own
+    counter, whose version moves with any write through it. So only a recorded
+    call that wrote into a storage copied for a save, and alive, leaves no
+    mode-less plan (a storage that died frees its address for another, which a
+    write may hit). A call
     that also recomputes leaves none after any such write: the outputs the
     recorder offloaded and then saw written are not held by a plan (its
     recompute would run their matmuls again, where the full engine replays
@@ -116,9 +120,13 @@ NOTE [offloaded and written]
     Not seen, as by any plan without a mode: a write that the signature's
     first call did not make (data-dependent), through a tensor with a version
     counter of its own (``h.data.mul_(2)``, an ``unsafe_split`` piece), into
-    a storage copied for a save; a later save of it shares the copy made
-    before the write, where plain autograd reads the written bytes. Such a
-    function runs exactly on the full engine: ``remat(f, debug=True)``.
+    a storage copied for a save; a later save of it through the copied
+    tensor's counter (``h`` itself, a view of it) shares the copy made before
+    the write, where plain autograd reads the written bytes. Such a function
+    runs exactly on the full engine: ``remat(f, debug=True)``. (Not sharing
+    there would not do: one node that saves ``a`` and ``a[0:1]`` and writes
+    ``a`` in its backward must read the slice as a view of the written ``a``,
+    as plain autograd does, which only one device copy of the storage gives.)
 
 NOTE [skipped tags]
     A ``checkpoint_name`` tag is an ``aten.alias`` op so that the recorder sees
@@ -274,7 +282,7 @@ class Plan:
         self.skip_names: frozenset[int] = frozenset()  # NOTE [skipped tags]: op indices of the tags that may go
         self.copy_before: dict[int, list[int]] = {}  # op index -> the held outputs (_Hold.cow) it writes: copy first
         # the op indices of ops that write in place: which tensors one writes may differ from the recorded call's (a
-        # data-dependent target), through an alias whose version counter is its own (FastFrame._let_go_written)
+        # data-dependent target), through an alias whose version counter is its own (FastFrame._wrote)
         self.writes: frozenset[int] = frozenset(i for i, f in enumerate(ops or ()) if traits(f)[0])
         self._marked: frozenset[int] | None = None
         self._plain_holds: frozenset[int] | None = None
@@ -673,14 +681,24 @@ class FastFrame:
             else:
                 self.held[i] = [t.detach() for t in outs]
 
-    def _let_go_written(self, i: int, args: Any, kwargs: Any) -> None:
-        """Op ``i`` (-1: an op past the plan) wrote in place (``_Tap``). A held output of another op whose storage it
-        wrote is not that op's value any more, though written through an alias with a version counter of its own
-        (``q.data.mul_(2)``, an ``unsafe_split`` piece, the storage itself) no version says so: let go of it, the
-        recompute runs the op again. (A write the recorded call made into a held output has the output copied
-        before it, ``Plan.copy_before``; this one's target may differ: which tensor ``.data`` aliases is data.)"""
-        written = {storage_key(t) for t in arg_tensors(args, kwargs or {})}  # (every tensor it was given: at worst
-        written.discard(0)  # an op runs again)
+    def _wrote(self, i: int, args: Any, kwargs: Any) -> None:
+        """Op ``i`` (-1: an op past the plan) wrote in place (``_Tap``), through an alias whose version counter may be
+        its own (``q.data.mul_(2)``, an ``unsafe_split`` piece, the storage itself): what is held of the storages
+        it wrote (every tensor it was given: at worst an op runs again, a tensor gets a copy of its own) is not
+        trusted any more, since no version says so. The offload engine hears of it as the recorder would tell it
+        (NOTE [one copy per storage] in ``_offload.py``): a tensor saved later gets a copy of its own."""
+        written = {storage_key(t) for t in arg_tensors(args, kwargs or {})}
+        written.discard(0)
+        if self.held:
+            self._let_go_written(i, written)
+        if self._offload_group is not None:
+            self.engine.storage_written(self, written)
+
+    def _let_go_written(self, i: int, written: set[int]) -> None:
+        """:meth:`_wrote`: a held output of another op whose storage op ``i`` wrote is not that op's value any more:
+        let go of it, the recompute runs the op again. (A write the recorded call made into a held output has the
+        output copied before it, ``Plan.copy_before``; this one's target may differ: which tensor ``.data`` aliases
+        is data.)"""
         for k in [k for k in self.held if k != i and k in self.plan.hold and k not in self.copied]:
             for v in self.origins.get(k) or self.held[k]:
                 t = v() if type(v) is weakref.ref else v
@@ -978,8 +996,8 @@ class _Tap(TorchDispatchMode):
             self.i = i + 1
             self.limit = self.frame.limit = min(self.limit, i)
             self.frame.diverged = True
-            if self.frame.held and traits(func)[0]:
-                self.frame._let_go_written(-1, args, kwargs)
+            if (self.frame.held or self.frame._offload_group is not None) and traits(func)[0]:
+                self.frame._wrote(-1, args, kwargs)
         return out
 
     def _marked(self, i: int, call: Any, args: Any, kwargs: Any) -> Any:
@@ -990,8 +1008,8 @@ class _Tap(TorchDispatchMode):
                 self.frame._copy_held(k)
         out = call(*args, **kwargs) if kwargs else call(*args)
         self.i = i + 1
-        if i in self.writes and self.frame.held:
-            self.frame._let_go_written(i, args, kwargs)
+        if i in self.writes and (self.frame.held or self.frame._offload_group is not None):
+            self.frame._wrote(i, args, kwargs)
         h = self.hold.get(i)
         if h is not None:
             self.frame._hold(i, h, out)

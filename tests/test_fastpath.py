@@ -1415,6 +1415,41 @@ def test_a_data_dependent_write_through_data_needs_the_full_engine(debug):
             assert_tree_close(torch.autograd.grad(g(W0, W1, x), (W0, W1)), want, rtol=0, atol=0)
 
 
+def _offload_but_recompute_exp(op, *args, **kwargs):
+    if op is torch.ops.aten.exp.default or op is torch.ops.aten.add.Tensor:
+        return policies.Recompute
+    return policies.Offloadable(None, "cpu", 0)
+
+
+def test_a_planned_write_into_another_storage_through_data_is_exact_under_a_mode():
+    """A plan with a dispatch mode (exp's and add's outputs are recomputed) whose recorded call wrote, through ``.data``, a
+    storage it had not copied (``r``); a later call's same op writes ``q``'s, copied for ReLU's save, and the
+    matmul saves ``q`` again after it. The tap tells the offload engine of the op's write, so that save gets a
+    copy of its own (before, it shared the copy made before the write: a wrong gradient without an error)."""
+    from remat.offload import OffloadEngine, use_engine
+
+    branch = {"q": False}
+
+    def f(W0, W1, x):
+        q = torch.relu(x @ W0)  # ReLU saves q: copied
+        r = x + 1  # saved by nothing, recomputed (an output the recorder offloads and sees written leaves no plan)
+        (q if branch["q"] else r).data.mul_(2)  # (the signature's first call writes r)
+        return (q @ W1).sum() + (x @ W0).exp().sum()  # the matmul saves q again; exp's output: a recompute
+
+    W0, W1 = leaf(16, 16), leaf(16, 16, seed=1)
+    x = torch.rand(8, 16, dtype=f64, generator=torch.Generator().manual_seed(2))
+    g = remat(f, policy=_offload_but_recompute_exp)
+    with use_engine(OffloadEngine()) as eng:
+        for call, on in enumerate((0, 0, 1, 1, 0)):
+            if call == 2:  # (the first call that writes q follows the plan; the full engine may take over after it)
+                (plan,) = g._plans.values()
+                assert plan is not None and plan.ops is not None  # planned, with a mode
+            branch["q"] = bool(on)
+            want = torch.autograd.grad(f(W0, W1, x), (W0, W1))
+            assert_tree_close(torch.autograd.grad(g(W0, W1, x), (W0, W1)), want, rtol=0, atol=0)
+    assert eng.stats["offloaded"] > 0
+
+
 def test_superpoint_s_conv_blocks_with_in_place_relus_are_planned_under_offload():
     """Real model code: transformers' SuperPoint encoder (convolutions, ``nn.ReLU(inplace=True)``, max pooling), random
     weights from a config, each conv block under ``remat_modules`` with ``offload_to_cpu``. Every call is bit-exact
