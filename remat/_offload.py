@@ -75,14 +75,26 @@ NOTE [one copy per storage]
     it read the saved ones, a wrong gradient without an error. So when a whole copy
     is made after a slice's span copy (saved in the other order), the slice's handle
     moves to the whole copy too, if the storage is unchanged since and the span was
-    never read. Only a tensor that shares its version counter with the tensor copied
-    whole (a view of it, or of the base it is a view of) shares or moves, whatever
-    bytes it spans: the copy's version and write checks are that counter's, and an
-    ``unsafe_split`` piece or a ``.data`` alias, with a counter of its own, is written
-    unseen. (A larger one shared on equal versions of two counters once: after
-    ``d = y.data; y.add_(1)``, ``d[1:]``, saved at ``d``'s unmoved version, read the
-    bytes of ``y``'s copy from before the write, a wrong gradient without an error on
-    a planned call, which no recorder watches for writes.)
+    never read. Unchanged is asked of the version counter of the tensor copied (its
+    ``_base``'s, or its own), not of the saved tensor's, which may be another's: an
+    alias with no view metadata (``y.detach()``, ``y.data``, an ``unsafe_split``
+    piece) has a counter of its own or shares ``y``'s unseen. (Comparing the saved
+    tensor's version with the copy's compared two counters: after ``d = y.data;
+    y.add_(1)``, ``d[1:]``, at ``d``'s unmoved version, shared the bytes from before
+    the write, a wrong gradient without an error on a planned call. Sharing only
+    with tensors of the same ``_base`` then gave a node that saved ``a`` and
+    ``a.detach()[1:]`` and writes ``a`` in its backward two copies, and the slice
+    the saved bytes: wrong too.) A write through yet another counter (``d.add_(1)``
+    before ``d[1:]`` is saved) is seen only by an op-level observer: the call's
+    recorder, or a plan's tap (NOTE [offloaded and written]). A copy kept on the
+    device (NOTE [keep last]) or still being made watches one counter for writes
+    (NOTE [written while copied]): it is shared, or a span moved to it, by a tensor
+    of another ``_base`` only at that counter's version and spanning half the
+    storage or more (a ``.detach()`` alias), as a write through a small
+    ``unsafe_split`` piece after the call (refused by plain autograd) was read
+    unseen through the whole tensor's kept bytes. So a small slice of ``a.detach()``
+    saved with ``a`` while ``a``'s copy runs (on CUDA) does not see a backward's
+    write into ``a``: a known gap, tested as such.
 
 NOTE [written while copied]
     Autograd refuses a saved tensor written in place after it was saved. The engine
@@ -760,13 +772,12 @@ class OffloadEngine:
                       dst: str) -> Offloaded:
         """:meth:`_offload` of a tensor that is not all its storage's bytes in order (a slice, a transpose), or
         whose storage the call has copied already."""
-        # the tensor whose version counter t shares, as a view: t shares a copy only with tensors of the same counter,
-        # whose version then says whether the bytes changed since (an unsafe_split piece or a .data alias, with one
-        # of its own, is written unseen by the other's: NOTE [one copy per storage])
+        # the tensor whose version counter t shares, as a view (a span copy's handle moves to a whole copy only if
+        # that counter has not moved since: NOTE [one copy per storage])
         base = t._base
         root = t if base is None else base
         if grp is not None and key in grp.by_storage:
-            copy = self._shared_copy(grp, storage, key, version, root)
+            copy = self._shared_copy(grp, storage, key, root, t, version)
             if copy is not None:  # (a whole copy starts at byte 0: t's bytes need not be worked out)
                 self.stats["shared"] += 1
                 self.stats["offloaded"] += 1
@@ -806,16 +817,20 @@ class OffloadEngine:
         root = t if base is None else base
         grp.by_storage[key] = (copy.origin, version, cref, weakref.ref(root))
         if grp.spans:
-            self._take_spans(grp, key, copy, version, root)
+            self._take_spans(grp, key, copy, root)
 
     @staticmethod
-    def _take_spans(grp: _Group, key: int, whole: _HostCopy, version: int, root: torch.Tensor) -> None:
+    def _take_spans(grp: _Group, key: int, whole: _HostCopy, root: torch.Tensor) -> None:
         """NOTE [one copy per storage]: the handles of slices of this storage, copied as spans before its whole copy
-        ``whole`` was made, read the whole copy instead, if the storage is unchanged since, the slice shares the
-        version counter of the tensor copied whole (``root``: a view of it, or it), and no span was read."""
+        ``whole`` was made, read the whole copy instead, if no span was read and the slice's version counter (its
+        ``_base``'s, or its own) has not moved since its span was copied; of a counter other than ``root``'s (the
+        tensor copied whole, or its base), only if the whole copy has read its bytes (not kept: its write check
+        watches ``root``'s counter)."""
         for ver, sref, oref, rref in grp.spans.pop(key, ()):
             span, o = sref(), oref()
-            if (span is None or o is None or o.copy is not span or ver != version or rref() is not root
+            r = rref()
+            if (span is None or o is None or o.copy is not span or r is None or r._version != ver
+                    or (r is not root and whole.vsrc is not None)
                     or span.origin is not whole.origin or span.round or span.given):
                 continue
             o.offset += span.origin_lo // o.dtype.itemsize
@@ -848,19 +863,33 @@ class OffloadEngine:
         return shared
 
     @staticmethod
-    def _shared_copy(grp: _Group, storage: Any, key: int, version: int, root: torch.Tensor) -> _HostCopy | None:
-        """The copy already made of this storage (data pointer ``key``) in this call, if made of ``root`` or a view
-        of it (the same version counter) and unchanged since: the version is the same (NOTE [one copy per
-        storage]). Of another counter, the versions say nothing of each other's writes (``y.add_(1)`` after
-        ``d = y.data``: ``d`` still at its version of the copy)."""
+    def _shared_copy(grp: _Group, storage: Any, key: int, root: torch.Tensor, t: torch.Tensor,
+                     version: int) -> _HostCopy | None:
+        """The copy already made of this storage (data pointer ``key``) in this call, if the version counter of the
+        tensor it was made of has not moved since (NOTE [one copy per storage]): not ``t``'s version, which may be
+        another counter's (``y.add_(1)`` after ``d = y.data``: ``d`` still at the version ``y`` was copied at)."""
         ent = grp.by_storage.get(key)
         if ent is None:
             return None
         sref, ver, cref, rref = ent
         c = cref()
-        if c is None or sref() is not storage or ver != version or rref() is not root:
+        if c is None or sref() is not storage:
             return None
-        return c
+        # (t's counter or another: a .detach() or .data alias, an unsafe_split piece; a write through another
+        # counter than the copied tensor's is the recorder's or the tap's to report: storage_written. Of another
+        # counter, only a copy that has read its bytes: a kept one's write check watches the copied tensor's counter)
+        r = rref()
+        if r is None or r._version != ver:
+            return None
+        if r is root or c.vsrc is None:
+            return c
+        # a copy that has not read its bytes (kept, or copying) watches the copied tensor's counter for writes
+        # (NOTE [written while copied]), which t's may not be: only a tensor at its version spanning half the storage
+        # or more (a .detach() alias; an unsafe_split piece, as GRU's thirds, is smaller)
+        if version != ver:
+            return None
+        lo, hi = _span(t, t.element_size(), t.storage_offset())  # type: ignore[arg-type]
+        return c if 2 * (hi - lo) >= c.nbytes else None
 
     def _copy_out(self, t: torch.Tensor, storage: Any, dst: str, grp: _Group | None,
                   lo: int, hi: int, whole: bool = False) -> _HostCopy:

@@ -620,10 +620,10 @@ def test_a_bool_view_shares_its_storages_copy_byte_exact(f: Callable[[torch.Tens
             assert torch.equal(got, want)
 
 
-def test_an_alias_without_view_metadata_gets_a_copy_of_its_own_byte_exact() -> None:
+def test_an_alias_without_view_metadata_shares_the_copy_byte_exact() -> None:
     """The engine's side of the test above: ``a.view(torch.bool)`` shares ``a``'s storage and version counter but
-    has no ``_base``, so the engine cannot tell it shares the counter (NOTE [one copy per storage]): a copy of its
-    own, in either order, both exact (the bool one copied as bytes, not as bools)."""
+    has no ``_base``; the copy of either, unchanged since (asked of the counter it was made of: NOTE [one copy per
+    storage]), is the other's, in either order, both exact (the bool one copied as bytes, not as bools)."""
     for bool_first in (True, False):
         a = torch.randn(64, dtype=torch.float64) * 3.0
         m = a.view(torch.bool)
@@ -635,8 +635,24 @@ def test_an_alias_without_view_metadata_gets_a_copy_of_its_own_byte_exact() -> N
         else:
             ha = eng.offload(a, "cpu", group=key)
             hm = eng.offload(m, "cpu", group=key)
-        assert (eng.stats["copies"], eng.stats["shared"]) == (2, 0), eng.stats
+        assert (eng.stats["copies"], eng.stats["shared"]) == (1, 1), eng.stats
         assert torch.equal(eng.fetch(ha), a) and torch.equal(eng.fetch(hm), m)
+
+
+def test_an_alias_of_another_counter_written_since_the_copy_gets_a_copy_of_its_own() -> None:
+    """``a.data`` has a counter of its own: written through ``a`` after ``a``'s copy, the alias saved next gets a
+    copy of its own (the copy's counter moved), written through itself after ``a``'s copy it cannot be told from
+    unchanged by the engine (the recorder reports such writes: NOTE [one copy per storage])."""
+    a = torch.randn(64, dtype=torch.float64)
+    d = a.data
+    eng, key = OffloadEngine(), _Key()
+    ha = eng.offload(a, "cpu", group=key)
+    a.add_(1)
+    hd = eng.offload(d, "cpu", group=key)
+    assert (eng.stats["copies"], eng.stats["shared"]) == (2, 0), eng.stats
+    assert torch.equal(eng.fetch(hd), d)
+    with pytest.raises(RematError, match="modified in place after it was saved"):
+        eng.fetch(ha)
 
 
 def test_offload_under_cuda_graph_capture_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1282,9 +1298,11 @@ def test_a_reader_that_writes_other_bytes_of_a_shared_copy_is_exact(engine: str)
         for _ in range(3):
             got = torch.autograd.grad(_finished(eng, g(x, w)), (x, w))
             assert all(torch.equal(a, b) for a, b in zip(got, ref))
-    # two copies of the one storage (counters of their own share none: NOTE [one copy per storage]), whose reads
-    # are still known to each other (NOTE [reads of one device copy])
-    assert eng.stats["shared"] == 0 and eng.stats["offloaded"] >= 3 * 3, eng.stats
+    # the blocks shared one copy (a counter unmoved since: NOTE [one copy per storage]) where it had read its
+    # bytes (not kept), and their reads are known to each other either way (NOTE [reads of one device copy])
+    assert eng.stats["offloaded"] >= 3 * 3, eng.stats
+    if engine in ("default", "no-prefetch"):
+        assert eng.stats["shared"] >= 3, eng.stats
 
 
 def test_reads_of_a_kept_storage_are_held_once_per_handle_and_let_go_once_copied() -> None:
@@ -1373,6 +1391,58 @@ def test_a_slice_saved_with_its_tensor_by_one_node_sees_that_nodes_write(slice_f
             got = torch.autograd.grad(_finished(eng, g(x, w)), (x, w))
             assert all(torch.equal(a, b) for a, b in zip(got, ref))
     assert eng.stats["offloaded"] >= 3 * 2
+
+
+class _SavesItAndADetachedSlice(torch.autograd.Function):
+    """Saves ``a`` and a slice of ``a.detach()`` (an alias sharing ``a``'s version counter with no ``_base``), in
+    the order given, and writes ``a`` in its backward: plain autograd reads the write through the slice."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, start: int, slice_first: bool) -> torch.Tensor:
+        s = a.detach()[start:]
+        ctx.slice_first = slice_first
+        ctx.save_for_backward(*((s, a) if slice_first else (a, s)))
+        return a.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        saved = ctx.saved_tensors
+        a, s = saved[::-1] if ctx.slice_first else saved
+        a.mul_(2)
+        return g * a + s.sum(), None, None
+
+
+_NOT_SEEN_IN_FLIGHT = pytest.mark.xfail(strict=True, reason=(
+    "NOTE [one copy per storage]: a small alias without view metadata does not share a copy still being made (its "
+    "write check watches another counter): a backward's in-place write into a saved tensor is not read through it"))
+
+
+@pytest.mark.parametrize("slice_first", [False, True])
+@pytest.mark.parametrize(("start", "engine"), [
+    pytest.param(start, e, id=f"{'large' if start == 1 else 'small'}-slice-{e}",
+                 marks=_NOT_SEEN_IN_FLIGHT if (start, e) == (6, "copies-late") else ())
+    for start in (1, 6) for e in ENGINES])
+def test_a_detached_alias_saved_with_its_tensor_reads_a_backward_write(start: int, slice_first: bool,
+                                                                       engine: str) -> None:
+    """Found by review: sharing a copy only with tensors of the same ``_base`` gave ``a.detach()[1:]`` a copy of its
+    own (a small slice, ``[6:]``, had one before that too), so the backward's write into ``a`` was not read through
+    it: a wrong gradient without an error, on the first call (the full engine) and on planned ones. The slice
+    shares the copy of ``a`` (or, kept, the storage read in place)."""
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return _SavesItAndADetachedSlice.apply((x @ w).sin(), start, slice_first).sum()
+
+    g = remat(f, policy=policies.offload_to_cpu(min_bytes=0))
+    with use_engine(ENGINES[engine]()) as eng:
+        for call in range(3):
+            x = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+            w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+            got = torch.autograd.grad(_finished(eng, g(x, w)), (x, w))
+            want = torch.autograd.grad(f(x, w), (x, w))
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), call
+        assert eng.stats["offloaded"] >= 3 * 2, eng.stats
+        if engine in ("default", "no-prefetch") and not (start == 6 and slice_first):
+            assert eng.stats["shared"] >= 3, eng.stats  # (the slice shared the copy of a; a span moves to it)
 
 
 @pytest.mark.parametrize("piece_first", [True, False])
