@@ -183,6 +183,17 @@ NOTE [value recompute]
     depend on grad mode with the same ops is not pure (as a function whose
     values depend on a global is not); ``remat(f, debug=True)`` runs it on the
     full engine.
+
+NOTE [kept until the forward pass ends]
+    A tensor a planned call keeps for the backward pass must be held without its
+    graph: held as it is, an op's own output saved by its node would make a cycle
+    through that node, which the collector never frees. Detached in the pack hook,
+    the detach runs under the tap's dispatch mode and needs a guard to skip it
+    (~1 us against 0.4). So the pack hook holds the tensor itself, and the end of
+    the forward pass (or its failure) detaches every kept one, with no mode of the
+    call's on the stack, as it does the held outputs (``_hold_plain``). Meanwhile a
+    backward pass inside the forward pass reads the tensor itself, as autograd
+    would; its version is noted at the save, and detaching shares the counter.
 """
 
 from __future__ import annotations
@@ -546,6 +557,7 @@ class FastFrame:
         self._offloaded = False
         self._offload_group: Any = None  # this call's group in the offload engine, looked up once
         self._lock = threading.RLock()
+        self.kept_raw: list[_Kept] = []  # kept saves holding their tensor itself until the forward pass ends
 
     # ---- forward ---------------------------------------------------------------
     def forward(self) -> Any:
@@ -569,6 +581,8 @@ class FastFrame:
             raise
         finally:
             self.forwarding = False
+            if self.kept_raw:
+                self._detach_kept()
             self.sources.clear()  # (the positions that saved another tensor, or were not reached)
             self.cache = {}  # what a backward pass inside the forward pass recomputed
         if self.diverged:
@@ -613,6 +627,12 @@ class FastFrame:
             self.engine.end_of_call()  # NOTE [stream-ordered reuse] in _offload.py
         self._check_versions(after_forward=True)  # (after the outputs above are let go: it may raise)
         return out
+
+    def _detach_kept(self) -> None:
+        """NOTE [kept until the forward pass ends]: the kept saves let go of their tensors' graphs."""
+        kept, self.kept_raw = self.kept_raw, []
+        for k in kept:
+            k.t = _holdable(k.t)
 
     def rewind(self) -> None:
         """Put the random state back so that the call can run again (NOTE [reentrant region])."""
@@ -743,7 +763,12 @@ class FastFrame:
         if slot is not None and self.flat[slot] is t:
             return _In(slot, t._version)
         if self.diverged or (id(t) in self.state_ids if self.keep is None else pos in self.keep):  # type: ignore[operator]
-            kept = _Kept(_holdable(t, self.plan.ops is not None), t._version)
+            if self.plan.ops is not None and t.requires_grad and not t.is_leaf:
+                # NOTE [kept until the forward pass ends]: detached then, below no mode of remat's
+                kept = _Kept(t, t._version)
+                self.kept_raw.append(kept)
+            else:
+                kept = _Kept(_holdable(t, self.plan.ops is not None), t._version)
             if self.kept_dead and pos in self.kept_dead:
                 self._hand_back(self.kept_dead[pos], t, kept)
             return kept

@@ -904,6 +904,42 @@ def test_a_planned_call_that_raises_at_the_end_of_its_forward_leaves_nothing_ali
     assert sum(1 for o in gc.get_objects() if type(o) is FastFrame) == 0
 
 
+def _keep_exp(op, *args, **kwargs):
+    return policies.Saveable if op is torch.ops.aten.exp.default else policies.Recompute
+
+
+def test_a_kept_output_saved_by_its_own_node_dies_with_the_graph_without_the_collector():
+    """NOTE [kept until the forward pass ends]: a planned call holds a kept tensor itself until its forward pass
+    ends, then a detached alias; ``exp`` saves its own output, so held as it is past the end it would make a cycle
+    through its node that only the collector frees (checked with the collector off: the output object is let go
+    as the call returns, its bytes as the graph dies)."""
+    refs = []
+
+    def f(W, x):
+        e = torch.exp(x @ W)
+        refs.append((weakref.ref(e), weakref.ref(e.untyped_storage())))
+        return (e * 2).sin().sum()  # (sin's input recomputed from e, which the plan holds: a plan with a mode)
+
+    W, x = leaf(8, 8), leaf(4, 8, seed=1)
+    g = remat(f, policy=_keep_exp)
+    want = torch.autograd.grad(f(W, x), (W, x))
+    for call in range(4):
+        refs.clear()
+        gc.collect()
+        gc.disable()
+        try:
+            loss = g(W, x)
+            out, storage = refs[0]
+            assert out() is None and storage() is not None, call  # (the bytes kept for exp's node)
+            if call == 3:
+                del loss
+                assert storage() is None  # freed with the graph, no collection needed
+            else:
+                assert_tree_close(torch.autograd.grad(loss, (W, x)), want, rtol=0, atol=0)
+        finally:
+            gc.enable()
+
+
 def test_an_alternating_branch_costs_one_call_of_memory_not_every_other():
     """A call that leaves its plan holds every later save (plain autograd's memory); the signature then runs on
     the full engine, which drops what the policy drops: bytes alive after each forward, counted outside remat."""
