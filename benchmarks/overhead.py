@@ -114,6 +114,13 @@ def mlp(n: int, tag: bool = False) -> Callable[..., torch.Tensor]:
 WORKLOADS = {"chain": chain, "block": block, "mlp": mlp}
 
 
+def count_ops(f: Callable[..., torch.Tensor], W: torch.Tensor, x: torch.Tensor) -> int:
+    """ATen ops one call of plain ``f`` dispatches."""
+    with _Count() as c:
+        f(W, x)
+    return c.n
+
+
 def _is_mm(op: Any, *args: Any, **kwargs: Any) -> bool:
     return op in MATMULS
 
@@ -191,11 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     x = torch.randn(4, args.width)
     make = WORKLOADS[args.workload]
     fns = {"short": make(args.short), "long": make(args.long)}
-    n_ops = {}
-    for k, f in fns.items():
-        with _Count() as c:
-            f(W, x)
-        n_ops[k] = c.n
+    n_ops = {k: count_ops(f, W, x) for k, f in fns.items()}
     wraps = configs()
     if args.only:
         keep = [s.strip() for s in args.only.split(",")]

@@ -9,6 +9,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -233,3 +234,41 @@ def test_measure_shuffles_the_order_of_each_round():
     first = orders()
     assert len(set(first)) > 1 and {r[0] for r in first} != {"a"}, first
     assert orders() == first
+
+
+def _load_benchmark(name: str) -> Any:
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    sys.path.insert(0, str(path.parent))  # (instructions.py imports overhead.py from its folder)
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path[:] = [p for p in sys.path if p != str(path.parent)]
+    return mod
+
+
+def test_instruction_counts_per_op_cancel_imports_warmup_and_the_call() -> None:
+    """benchmarks/instructions.py: per op = the long call's extra instructions over the short one's, per extra
+    op and call, plain autograd's subtracted (counts made up: imports 1000, warm-up 50, 7 a call, ops 3/2/1 each)."""
+    mod = _load_benchmark("instructions")
+    cost = {"plain": 1, "torch SAC (matmuls)": 9, "remat dots_saveable": 4}
+
+    def total(c: str, blocks: int, calls: int) -> int:
+        return 1000 + 50 * blocks + calls * (7 + 10 * blocks * (1 + cost[c]))  # (10 ops a block)
+
+    got = {(c, b, n): total(c, b, n) for c in cost for b in (1, 4) for n in (10, 110)}
+    rows = mod.per_op(got, list(cost), 4, 10, 100, 30)
+    assert rows == {"plain": 0.0, "torch SAC (matmuls)": 8.0, "remat dots_saveable": 3.0}
+
+
+def test_instruction_count_child_runs_each_configuration_and_unknown_ones_are_refused(capsys) -> None:
+    """The process callgrind counts runs every configuration it is given; a misspelt one is named, with the known
+    ones, before anything runs (valgrind or not)."""
+    mod = _load_benchmark("instructions")
+    for config in mod.DEFAULT:
+        mod.child(config, 1, 1, 1)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--configs", "remat dots"])
+    assert "unknown configuration(s) ['remat dots']" in str(e.value) and "remat dots_saveable" in str(e.value)
