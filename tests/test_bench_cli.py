@@ -108,14 +108,23 @@ def test_overhead_benchmark_runs() -> None:
     assert not re.search(r"\d/", next(line for line in r.stdout.splitlines() if line.startswith("torch SAC")))
 
 
+def _load_benchmark(name: str) -> Any:
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    sys.path.insert(0, str(path.parent))  # (instructions.py imports overhead.py from its folder)
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path[:] = [p for p in sys.path if p != str(path.parent)]
+    return mod
+
+
 def test_overhead_ratios_against_the_peers() -> None:
     """The vs-torch column: save-nothing over torch checkpoint, every other policy over torch SAC, per op,
     forward/backward; none for torch's rows, a peer that raised, or a side whose peer cost nothing."""
-    spec = importlib.util.spec_from_file_location(
-        "overhead", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "overhead.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_benchmark("overhead")
     rows = {"torch checkpoint": ("torch checkpoint", 4.0, 10.0), "torch SAC (matmuls)": ("torch SAC (matmuls)", 8.0, -1.0),
             "remat save-nothing": ("remat save-nothing", 2.0, 5.0), "remat dots_saveable": ("remat dots_saveable", 4.0, 3.0)}
     assert mod._vs_peer(rows["remat save-nothing"], rows) == "0.50/0.50"
@@ -234,19 +243,6 @@ def test_measure_shuffles_the_order_of_each_round():
     first = orders()
     assert len(set(first)) > 1 and {r[0] for r in first} != {"a"}, first
     assert orders() == first
-
-
-def _load_benchmark(name: str) -> Any:
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    sys.path.insert(0, str(path.parent))  # (instructions.py imports overhead.py from its folder)
-    try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path[:] = [p for p in sys.path if p != str(path.parent)]
-    return mod
 
 
 def test_instruction_counts_per_op_cancel_imports_warmup_and_the_call() -> None:
