@@ -44,8 +44,8 @@ def inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 16, requires_grad=True), torch.randn(4, 16)
 
 
-def child(config: str, blocks: int, warm: int, calls: int) -> None:
-    """The process callgrind counts: warm up, then ``calls`` forward calls."""
+def child(config: str, blocks: int, warm: int, calls: int) -> torch.Tensor | None:
+    """The process callgrind counts: warm up, then ``calls`` forward calls (the last one's output returned)."""
     torch.set_num_threads(1)
     f = overhead.configs()[config](overhead.block(blocks))
     W, x = inputs()
@@ -53,8 +53,10 @@ def child(config: str, blocks: int, warm: int, calls: int) -> None:
         torch.autograd.grad(f(W, x).sum(), (W,))
     gc.collect()
     gc.disable()
+    out = None
     for _ in range(calls):
-        f(W, x)
+        out = f(W, x)
+    return out
 
 
 def count(config: str, blocks: int, warm: int, calls: int) -> int:

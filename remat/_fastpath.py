@@ -763,12 +763,13 @@ class FastFrame:
         if slot is not None and self.flat[slot] is t:
             return _In(slot, t._version)
         if self.diverged or (id(t) in self.state_ids if self.keep is None else pos in self.keep):  # type: ignore[operator]
-            if self.plan.ops is not None and t.requires_grad and not t.is_leaf:
-                # NOTE [kept until the forward pass ends]: detached then, below no mode of remat's
-                kept = _Kept(t, t._version)
-                self.kept_raw.append(kept)
+            if self.plan.ops is None:
+                kept = _Kept(_holdable(t, False), t._version)
             else:
-                kept = _Kept(_holdable(t, self.plan.ops is not None), t._version)
+                kept = _Kept(t, t._version)
+                if t.requires_grad and not t.is_leaf:
+                    # NOTE [kept until the forward pass ends]: detached then, below no mode of remat's
+                    self.kept_raw.append(kept)
             if self.kept_dead and pos in self.kept_dead:
                 self._hand_back(self.kept_dead[pos], t, kept)
             return kept

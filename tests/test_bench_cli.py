@@ -259,12 +259,16 @@ def test_instruction_counts_per_op_cancel_imports_warmup_and_the_call() -> None:
     assert rows == {"plain": 0.0, "torch SAC (matmuls)": 8.0, "remat dots_saveable": 3.0}
 
 
-def test_instruction_count_child_runs_each_configuration_and_unknown_ones_are_refused(capsys) -> None:
-    """The process callgrind counts runs every configuration it is given; a misspelt one is named, with the known
-    ones, before anything runs (valgrind or not)."""
+def test_instruction_count_child_runs_each_configuration_and_unknown_ones_are_refused() -> None:
+    """The process callgrind counts runs every configuration it is given, each computing the plain blocks' output;
+    a misspelt one is named, with the known ones, before anything runs (valgrind or not)."""
     mod = _load_benchmark("instructions")
+    W, x = mod.inputs()
+    want = mod.overhead.block(2)(W, x)
     for config in mod.DEFAULT:
-        mod.child(config, 1, 1, 1)
+        out = mod.child(config, 2, 1, 2)
+        assert out is not None and out.requires_grad, config
+        torch.testing.assert_close(out, want, rtol=0, atol=0, msg=config)
     with pytest.raises(SystemExit) as e:
         mod.main(["--configs", "remat dots"])
     assert "unknown configuration(s) ['remat dots']" in str(e.value) and "remat dots_saveable" in str(e.value)
