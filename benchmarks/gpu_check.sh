@@ -7,7 +7,7 @@
 # Install: torch is never touched. Wheels in .whl/ (optree for the machine's Python: see docs/offloading.md,
 # "The GPU check") go to /tmp/site with pip --no-index --no-deps --target; remat itself is imported from this
 # checkout through PYTHONPATH. Then, each stage with a time limit inside one overall budget:
-#   1. benchmarks/gpu_check.py: environment; exactness under delayed copies; host waits; pinned pool; prefetch;
+#   1. benchmarks/gpu_check.py: environment; exactness under delayed copies; waits under the cap; pinned pool; prefetch;
 #      in-place writes
 #   2. the CUDA tests: pytest -k "gpu or cuda" over tests/test_offload.py and tests/test_transforms.py
 #   3. benchmarks/offload_gpu.py: leak check, per row peak allocated / reserved, retries, syncs, bytes moved,

@@ -542,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{row.warm_pinned}, after all rounds {eng.pinned_allocations()}")
             print(f"{cfg.name}: per step {st.get('copies', 0)} copies out ({st.get('shared', 0)} saved tensors "
                   f"shared one{kept}), {st.get('h2d', 0)} copies back{h2d_note}, {ahead} of {total} started ahead "
-                  f"of need (trace){note}; forward waits: host {st.get('waits', 0)}, compute stream "
+                  f"of need (trace){note}; compute-stream waits for a copy (the host never waits) "
                   f"{st.get('stream_waits', 0)}; {pool}")
     print(f"torchtune-style offload: per step {rows['torchtune-style offload'].moved[0] / unit:.2f} {uname} out, "
           f"{rows['torchtune-style offload'].moved[1] / unit:.2f} {uname} back; "

@@ -429,10 +429,11 @@ class Frame:
 
     def _offload(self, t: torch.Tensor, decision: Offloadable) -> Any:
         """What the recorder stashes for an output to offload (``t``: the op's own output)."""
-        if not self.engine.applies(t, decision):
+        o = self.engine.offload_saved(t, decision, group=self)
+        if o is None:
             return t.detach()  # kept; detached, or it would hold its own graph (see holdable)
         self._offloaded = True
-        return self.engine.offload_below_modes(t, decision.dst, group=self)
+        return o
 
     def _storage_written(self, keys: set[int]) -> None:
         if self.engine.storage_written(self, keys):

@@ -523,19 +523,39 @@ class Offloaded:
         True
     """
 
-    __slots__ = ("engine", "copy", "dtype", "shape", "stride", "offset", "version", "orig", "round", "key",
-                 "__weakref__")
+    __slots__ = ("engine", "copy", "_layout", "offset", "version", "orig", "round", "key", "__weakref__")
 
-    def __init__(self, engine: OffloadEngine, copy: _HostCopy, t: torch.Tensor, offset: int, version: int) -> None:
+    def __init__(self, engine: OffloadEngine, copy: _HostCopy, t: torch.Tensor, offset: int, version: int,
+                 as_host: bool = False) -> None:
         # key: names the handle in its copy's table of reads for as long as the engine lives (an id is reused once
-        # the handle dies, and a later handle of the same copy must not be given the dead one's tensor)
-        self.engine, self.copy, self.key = engine, copy, next(engine._handle_keys)
+        # the handle dies, and a later handle of the same copy must not be given the dead one's tensor); one is
+        # drawn only for a handle that is read
+        self.engine, self.copy, self.key = engine, copy, -1  # (given by _view, at its first read)
         # offset: t's first element, counted from the first copied byte (a copy of the span of a small view starts
-        # at t's); version: t's (both read by the caller already: a call into torch each, per saved tensor)
-        self.dtype, self.shape, self.stride, self.offset, self.version = t.dtype, t.shape, t.stride(), offset, version
+        # at t's); version: t's (both read by the caller already: a call into torch each, per saved tensor).
+        # _layout: t's dtype, shape and strides; None where the copy's host tensor has them (as_host: a copy of t
+        # itself, synchronous, never moved to another copy: offload_saved's common case, which spares the three
+        # calls into torch per saved tensor)
+        self._layout = None if as_host else (t.dtype, t.shape, t.stride())
+        self.offset, self.version = offset, version
         self.orig = weakref.ref(t)  # to catch in-place writes after saving, as autograd does
         self.round = 0
         copy.live += 1
+
+    @property
+    def dtype(self) -> torch.dtype:
+        lay = self._layout
+        return lay[0] if lay is not None else self.copy.host.dtype  # type: ignore[union-attr]
+
+    @property
+    def shape(self) -> torch.Size:
+        lay = self._layout
+        return lay[1] if lay is not None else self.copy.host.shape  # type: ignore[union-attr]
+
+    @property
+    def stride(self) -> tuple[int, ...]:
+        lay = self._layout
+        return lay[2] if lay is not None else self.copy.host.stride()  # type: ignore[union-attr]
 
     def __del__(self) -> None:
         c = getattr(self, "copy", None)
@@ -543,6 +563,14 @@ class Offloaded:
             c.live -= 1
             if self.round != c.round:
                 c.engine._read(c)
+
+
+# dtypes no tensor of which is quantized or has its conjugate bit (torch sets the bit on complex tensors only): the
+# two questions are asked of the others alone (a call into torch each, per saved tensor)
+_REAL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
+                          torch.int16, torch.int32, torch.int64, torch.bool})
+_STAT_KEYS = ("offloaded", "copies", "offloaded_bytes", "shared", "kept_on_device", "fetched", "h2d", "h2d_bytes",
+              "prefetched", "prefetch_oom", "stream_waits")
 
 
 class OffloadEngine:
@@ -570,7 +598,7 @@ class OffloadEngine:
             last]): the backward pass starts with them, so their round trip
             would only be waited for. ``0``: offload everything at once.
 
-    ``engine.stats`` counts handles offloaded (``offloaded``), host copies made
+    ``engine.stats`` (a dict, every key present) counts handles offloaded (``offloaded``), host copies made
     and their bytes (``copies``, ``offloaded_bytes``), handles that shared a copy
     (``shared``), storages kept on the device (``kept_on_device``), reads
     (``fetched``), host-to-device copies (``h2d``, ``h2d_bytes``; of which started ahead of need:
@@ -628,7 +656,9 @@ class OffloadEngine:
         self._kinds: dict[str, str] = {}  # (a policy's device strings: the type of device each names)
         # (a device's type, looked up: torch.device.type makes a new string, ~0.4 us, on the hot path of both passes)
         self._types: dict[torch.device, str] = {}
-        self.stats: collections.Counter[str] = collections.Counter()
+        # (a plain dict, every key present: a Counter's += costs ~0.25 us against a dict's ~0.07, several per saved
+        # tensor on the forward pass's hot path)
+        self.stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
 
     @property
     def pin_memory(self) -> bool:
@@ -653,8 +683,12 @@ class OffloadEngine:
     def applies(self, t: torch.Tensor, decision: Any) -> bool:
         """Whether ``decision`` (an Offloadable) moves ``t``: right source device, plain strided (no conjugate or
         negative bit, not quantized or nested), large enough."""
+        return self._bytes_moved(t, decision) > 0
+
+    def _bytes_moved(self, t: torch.Tensor, decision: Any) -> int:
+        """:meth:`applies`: ``t``'s size in bytes if ``decision`` moves it, else 0 (its caller reads it)."""
         if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-            return False
+            return 0
         name = decision.src
         if name is not None:
             kind = self._kinds.get(name)
@@ -662,14 +696,14 @@ class OffloadEngine:
                 kind = self._kinds[name] = self._type(self._device(name))
             # (t.is_cpu and t.is_cuda are flags; t.device.type makes a device and a string, ~0.4 us, per saved tensor)
             if not (t.is_cpu if kind == "cpu" else t.is_cuda if kind == "cuda" else self._type(t.device) == kind):
-                return False
-        if t.layout is not torch.strided or t.is_meta or t.is_conj() or t.is_neg() or t.is_quantized or t.is_nested \
-                or _ti.is_zero_tensor(t):
+                return 0
+        if t.layout is not torch.strided or t.is_meta or t.is_neg() or t.is_nested or _ti.is_zero_tensor(t) \
+                or (t.dtype not in _REAL_DTYPES and (t.is_conj() or t.is_quantized)):
             # rebuilt from raw storage, a conjugate or negative view would lose its bit: keep these; a zero tensor
             # (forward AD's zero tangent, under hessian) has no storage at all, and costs nothing kept
-            return False
-        nbytes = t.nbytes
-        return nbytes > 0 and nbytes >= decision.min_bytes
+            return 0
+        nbytes: int = t.nbytes
+        return nbytes if nbytes >= decision.min_bytes else 0
 
     def offload(self, t: torch.Tensor, dst: str, group: Any = None) -> Offloaded:
         """Start copying ``t``'s storage to device ``dst``; the caller then drops ``t``.
@@ -693,6 +727,60 @@ class OffloadEngine:
         with _ti.no_dispatch_modes(), self._lock:
             return self._offload(t, dst, group)
 
+    def offload_saved(self, t: torch.Tensor, decision: Any, group: Any = None) -> Offloaded | None:
+        """:meth:`applies`, then :meth:`offload_below_modes`, in one call: ``t``'s handle, or None where
+        ``decision`` (an Offloadable) does not move it (the caller keeps it). The saved-tensor hooks' entry, once
+        per saved tensor on the forward pass's hot path: its common case (no dispatch mode, a synchronous copy of
+        a tensor that is all of its storage's bytes, in order, their first copy in the call) runs here, the steps
+        of :meth:`_offload`, :meth:`_copy_out`, :meth:`_copy_raw` and :meth:`_register` inline (each Python call
+        costs ~0.1-0.2 us, per saved tensor); every other case runs through them."""
+        nbytes = self._bytes_moved(t, decision)
+        if not nbytes:
+            return None
+        dst = decision.dst
+        grp = group
+        if t.is_cuda or type(grp) is not _Group or _ti.dispatch_modes_pushed() or _ti.pre_dispatch_modes_pushed():
+            # (CUDA: graph capture, asynchronous copies, kept storages; a mode to pop; a group to look up)
+            return self.offload_below_modes(t, dst, group)
+        with self._lock:
+            storage = t.untyped_storage()
+            total = storage.nbytes()
+            key = storage.data_ptr()
+            device = t.device
+            route = self._routes.get((device, dst)) or self._route(device, dst)
+            # (not a bool: its copy writes 1 for every nonzero byte, and a view of another dtype may share it)
+            if route[0] or route[1] or key in grp.by_storage or nbytes != total or t.storage_offset() \
+                    or not t.is_contiguous() or t.dtype is torch.bool:
+                return self._offload(t, dst, grp)
+            # copied synchronously (not kept: NOTE [keep last]), the copy has read the bytes when it returns (NOTE
+            # [written while copied] holds nothing); it copies t itself, so the host copy is of t's dtype, which fetch
+            # never reads (only the storage). A pack hook runs without grad mode: t's own copy holds no graph, where
+            # elsewhere its detached alias's must not
+            origin = weakref.ref(storage)
+            c = _HostCopy(self, self._next_cid, grp, device, total, origin, 0)
+            self._next_cid += 1
+            src = t if not torch.is_grad_enabled() else t.detach()
+            to = route[2]
+            c.host = src.clone() if device == to else src.to(to, copy=True)
+            stats = self.stats
+            stats["copies"] += 1
+            stats["offloaded_bytes"] += total
+            stats["offloaded"] += 1
+            if self.trace is not None:
+                self._log("d2h", c)
+            # (weakref.ref gives the storage's one weak reference while it lives: a token shared by its copies)
+            origins = grp.origins
+            origins[id(origin)] = origins.get(id(origin), 0) + 1
+            cref = weakref.ref(c)
+            grp.copies.append(cref)
+            base = t._base
+            root = t if base is None else base
+            version = t._version
+            grp.by_storage[key] = (origin, version, cref, weakref.ref(root))
+            if grp.spans:
+                self._take_spans(grp, key, c, root)
+            return Offloaded(self, c, t, 0, version, as_host=True)
+
     def group(self, key: Any) -> _Group:
         """The group of the remat call ``key`` (made now if it has none), to pass as ``group`` to
         :meth:`offload_below_modes`."""
@@ -714,7 +802,6 @@ class OffloadEngine:
         return dev
 
     def _offload(self, t: torch.Tensor, dst: str, group: Any) -> Offloaded:
-        # (the forward pass's hot path, once per saved tensor: few calls, each fact looked up once)
         if _ti.cuda_graph_capturing(t):
             raise RematError(
                 "remat: an offload policy ran under CUDA graph capture; its copies to host memory and "
@@ -729,44 +816,14 @@ class OffloadEngine:
         version = t._version
         if (grp is None or key not in grp.by_storage) and t.is_contiguous() and t.nbytes == total \
                 and not t.storage_offset():
-            # the common case, in fewer steps: t is exactly its storage's bytes, in order, their first copy in the
-            # call. Not a bool: its copy writes 1 for every nonzero byte, and a view of another dtype may share it
-            whole = t.dtype is not torch.bool
-            device = t.device
-            route = self._routes.get((device, dst)) or self._route(device, dst)
-            if whole and not route[1] and not (route[0] and grp is not None and self.keep_last > 0):
-                return self._whole_copy(t, storage, grp, key, total, version, device, route[2])
-            copy = self._copy_out(t, storage, dst, grp, 0, total, whole=whole)
+            # t is exactly its storage's bytes, in order, their first copy in the call (offload_saved's common case).
+            # Not a bool: its copy writes 1 for every nonzero byte, and a view of another dtype may share it
+            copy = self._copy_out(t, storage, dst, grp, 0, total, whole=t.dtype is not torch.bool)
             if grp is not None:
                 self._register(grp, key, copy, version, t)
             self.stats["offloaded"] += 1
             return Offloaded(self, copy, t, 0, version)
         return self._offload_part(t, storage, grp, total, key, version, dst)
-
-    def _whole_copy(self, t: torch.Tensor, storage: Any, grp: _Group | None, key: int, total: int, version: int,
-                    device: torch.device, to: torch.device) -> Offloaded:
-        """:meth:`_offload`'s most common case, the steps of :meth:`_copy_out` and :meth:`_copy_raw` inline (each
-        Python call costs ~0.1-0.2 us, per saved tensor): ``t`` is all of its storage's
-        bytes, in order, their first copy in the call, copied synchronously (not kept, NOTE [keep last]). The copy
-        has read the bytes when it returns (NOTE [written while copied] holds nothing); it copies ``t`` itself, so
-        the host copy is of ``t``'s dtype, which fetch never reads (only the storage). A pack hook runs without grad
-        mode: ``t``'s own copy holds no graph, where elsewhere its detached alias's must not."""
-        origin = weakref.ref(storage)
-        c = _HostCopy(self, self._next_cid, grp, device, total, origin, 0)
-        self._next_cid += 1
-        src = t if not torch.is_grad_enabled() else t.detach()
-        c.host = src.clone() if device == to else src.to(to, copy=True)
-        stats = self.stats
-        stats["copies"] += 1
-        stats["offloaded_bytes"] += total
-        stats["offloaded"] += 1
-        if self.trace is not None:
-            self._log("d2h", c)
-        if grp is not None:
-            # (weakref.ref gives the storage's one weak reference while it lives: a token shared by its copies)
-            grp.origins[id(origin)] = grp.origins.get(id(origin), 0) + 1
-            self._register(grp, key, c, version, t)
-        return Offloaded(self, c, t, 0, version)
 
     def _offload_part(self, t: torch.Tensor, storage: Any, grp: _Group | None, total: int, key: int, version: int,
                       dst: str) -> Offloaded:
@@ -1145,6 +1202,8 @@ class OffloadEngine:
     def _view(c: _HostCopy, o: Offloaded, dev: torch.Tensor) -> torch.Tensor:
         """``o``'s tensor over the device bytes ``dev``: what it was given before if that lives over them (its
         version is checked with the others'), else a new one, noted (NOTE [reads of one device copy])."""
+        if o.key < 0:
+            o.key = next(c.engine._handle_keys)
         prev = c.given.get(o.key)
         if prev is not None:
             t = prev[0]

@@ -16,7 +16,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIMIT_S = 300  # about 10 s of CPU on one thread; the limit leaves room for a loaded machine
 
-CHECKS_RUN = ["delayed copies, exact gradients", "host waits in the forward pass under the cap",
+CHECKS_RUN = ["delayed copies, exact gradients", "no waits for a copy under the cap",
               "backward with and without prefetch", "in-place write after offload"]
 CHECKS_SKIPPED = ["in-flight cap enforced", "pinned allocations flat over 5 back-to-back steps"]
 ROWS = ["no remat", "save-nothing", "save-matmuls", "offload-to-cpu", "offload-to-cpu, prefetch=False",

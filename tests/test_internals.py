@@ -111,6 +111,29 @@ def test_detach_below_modes_without_a_mode_is_a_plain_detach() -> None:
     assert outer.ops == [torch.ops.aten.sin.default]
 
 
+def test_is_zero_tensor_tells_forward_ads_zero_tensor() -> None:
+    """is_zero_tensor: the offload engine keeps a ZeroTensor (it has no storage to copy)."""
+    assert ti.is_zero_tensor(torch._efficientzerotensor(3)) is True
+    assert ti.is_zero_tensor(torch.zeros(3)) is False
+
+
+def test_the_mode_stack_probes_count_modes_on_both_stacks() -> None:
+    """dispatch_modes_pushed and pre_dispatch_modes_pushed: the two facts no_modes_pushed asks (the offload engine
+    asks them itself, per saved tensor)."""
+    from torch._ops import _set_mode_pre_dispatch, unset_mode_pre_dispatch  # (a pre-dispatch mode, as make_fx's)
+    from torch._subclasses.schema_check_mode import SchemaCheckMode
+
+    assert ti.dispatch_modes_pushed() == 0 and not ti.pre_dispatch_modes_pushed() and ti.no_modes_pushed()
+    with OpLog():
+        assert ti.dispatch_modes_pushed() == 1 and not ti.no_modes_pushed()
+    _set_mode_pre_dispatch(SchemaCheckMode())
+    try:
+        assert ti.pre_dispatch_modes_pushed() and ti.dispatch_modes_pushed() == 0 and not ti.no_modes_pushed()
+    finally:
+        unset_mode_pre_dispatch(None, schema_check=True)
+    assert not ti.pre_dispatch_modes_pushed() and ti.no_modes_pushed()
+
+
 def test_op_call_runs_the_op() -> None:
     """op_call: the callable behind an OpOverload, called by remat's planned modes (NOTE [planned calls])."""
     x = torch.randn(5)

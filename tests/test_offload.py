@@ -660,7 +660,11 @@ def test_offload_under_cuda_graph_capture_is_a_clear_error(monkeypatch: pytest.M
 
     monkeypatch.setattr(ti, "cuda_graph_capturing", lambda t: True)  # remat's own probe, not torch
     f = remat(lambda x: x.sin().exp().sum(), policy=policies.offload_to_cpu(min_bytes=0))
-    with pytest.raises(RematError, match="under CUDA graph capture"):
+    eng = OffloadEngine()
+    # (the probe asks only of CUDA tensors, whose copies run on the engine's general path; a CPU tensor takes it where
+    # the engine keeps CPU storages: NOTE [keep last])
+    eng._keep_devices = frozenset({"cpu"})
+    with use_engine(eng), pytest.raises(RematError, match="under CUDA graph capture"):
         f(torch.randn(8, requires_grad=True))
 
 
@@ -1662,3 +1666,57 @@ def test_hessian_with_a_zero_tangent_offloaded():
     for _ in range(2):
         got = hessian(lambda W: g(W, W2, x).pow(2).sum())(W1)
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_offload_saved_matches_the_general_path_tensor_for_tensor() -> None:
+    """offload_saved runs its common case (a whole storage, synchronous, first in the call) inline and every other
+    case through the general path: the same copies, sharing and values as offload_below_modes, case by case (a
+    whole tensor, a view of it, a bool, a small slice, a transpose, its storage again, a write between saves)."""
+
+    class Key:
+        pass
+
+    def saves() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        a = torch.randn(6, 8)
+        b = torch.randn(4, 4)
+        m = torch.randn(5, 3) > 0
+        big = torch.randn(64)
+        return [a, a[1:], m, big[:4], b.t(), b, a.view(8, 6), torch.randn(3, dtype=torch.float64)]
+
+    got = {}
+    for how in ("saved", "general"):
+        eng = OffloadEngine()
+        key = Key()
+        grp = eng.group(key)
+        ts = saves()
+        dec = Offloadable(None, "cpu", 0)
+        handles = []
+        for i, t in enumerate(ts):
+            if i == 6:
+                ts[0].add_(1)  # a write between saves: the later view of the same storage gets a copy of its own
+            h = eng.offload_saved(t, dec, grp) if how == "saved" else eng.offload_below_modes(t, "cpu", grp)
+            assert h is not None
+            handles.append(h)
+        for h in handles[:2]:  # (saved before the write)
+            with pytest.raises(RematError, match="modified in place after it was saved"):
+                eng.fetch(h)
+        got[how] = ([eng.fetch(h).clone() for h in handles[2:]], dict(eng.stats))
+        assert all(torch.equal(v, t) for v, t in zip(got[how][0], ts[2:]))
+    assert got["saved"][1] == got["general"][1] and got["saved"][1]["shared"] > 0
+    assert all(torch.equal(x, y) for x, y in zip(got["saved"][0], got["general"][0]))
+
+
+def test_offload_saved_keeps_what_the_decision_does_not_move() -> None:
+    """offload_saved returns None (the caller keeps the tensor) where applies says no: too small, another device,
+    a conjugate or negative view, a quantized tensor, forward AD's zero tensor."""
+    eng = OffloadEngine()
+    assert eng.offload_saved(torch.randn(4), Offloadable(None, "cpu", 1 << 20)) is None
+    assert eng.offload_saved(torch.randn(4), Offloadable("cuda", "cpu", 0)) is None
+    every = Offloadable(None, "cpu", 0)
+    assert eng.offload_saved(torch.randn(4, dtype=torch.complex64).conj(), every) is None
+    assert eng.offload_saved(torch._neg_view(torch.randn(4)), every) is None
+    assert eng.offload_saved(torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8), every) is None
+    assert eng.offload_saved(torch._efficientzerotensor(4), every) is None
+    assert eng.stats["offloaded"] == 0
+    assert eng.offload_saved(torch.randn(4, dtype=torch.complex64), every) is not None  # (no bit: moved)
