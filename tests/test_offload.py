@@ -1720,3 +1720,33 @@ def test_offload_saved_keeps_what_the_decision_does_not_move() -> None:
     assert eng.offload_saved(torch._efficientzerotensor(4), every) is None
     assert eng.stats["offloaded"] == 0
     assert eng.offload_saved(torch.randn(4, dtype=torch.complex64), every) is not None  # (no bit: moved)
+
+
+def test_a_planned_calls_whole_tensors_take_offload_saveds_common_case() -> None:
+    """The forward pass's hot path: on a planned call (the signature's second), every offloaded tensor that is all of
+    its storage goes through offload_saved's own copy, not the general path, but the call's first (its group is
+    looked up then); gradients equal plain autograd's."""
+
+    class Spy(OffloadEngine):
+        general = 0
+
+        def _offload(self, t: torch.Tensor, dst: str, group: Any) -> Any:
+            Spy.general += 1
+            return super()._offload(t, dst, group)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x.sin().exp().exp().exp().tanh().sum()
+
+    g = remat(f, policy=policies.offload_to_cpu(min_bytes=0))
+    x = torch.randn(64, dtype=torch.float64, requires_grad=True)
+    (want,) = torch.autograd.grad(f(x), (x,))
+    eng = Spy()
+    with use_engine(eng):
+        for call in range(3):
+            Spy.general = 0
+            copies = eng.stats["copies"]
+            (got,) = torch.autograd.grad(g(x), (x,))
+            assert torch.equal(got, want)
+            assert eng.stats["copies"] - copies == 4  # the three exps' and tanh's outputs (sin saves x, held)
+            if call > 0:
+                assert Spy.general == 1, (call, Spy.general)
