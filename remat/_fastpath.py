@@ -778,14 +778,8 @@ class FastFrame:
             return kept
         decision = self.offload.get(pos) if self.offload else None
         if decision is not None:
-            # (_offload_saved, inline: a Python call costs ~0.1-0.2 us, per saved tensor; unpack tells an Offloaded
-            # by type)
-            grp = self._offload_group
-            o = self.engine.offload_saved(t, decision, group=self if grp is None else grp)
+            o = self._offload_saved(t, decision)  # (unpack tells an Offloaded by type)
             if o is not None:
-                self._offloaded = True
-                if grp is None:
-                    self._offload_group = self.engine.group(self)
                 return o
         node = t.grad_fn
         self.drops[pos] = (t.shape, t.dtype, None if node is None else type(node))
