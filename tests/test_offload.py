@@ -1668,43 +1668,59 @@ def test_hessian_with_a_zero_tangent_offloaded():
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
-def test_offload_saved_matches_the_general_path_tensor_for_tensor() -> None:
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_offload_saved_matches_the_general_path_tensor_for_tensor(grad: bool) -> None:
     """offload_saved runs its common case (a whole storage, synchronous, first in the call) inline and every other
-    case through the general path: the same copies, sharing and values as offload_below_modes, case by case (a
-    whole tensor, a view of it, a bool, a small slice, a transpose, its storage again, a write between saves)."""
+    case through the general path: the same copies, sharing, copies back, values and strides as
+    offload_below_modes, case by case (a whole tensor, a view of it, a bool, a small slice, a transpose, its storage
+    again, a small slice saved before its whole storage, a write between saves), with and without grad mode (a
+    pack hook runs without it; a planned call's tap holds outputs with it)."""
 
     class Key:
         pass
+
+    class Spy(OffloadEngine):
+        general = 0
+
+        def _offload(self, t: torch.Tensor, dst: str, group: Any) -> Any:
+            self.general += 1
+            return super()._offload(t, dst, group)
 
     def saves() -> list[torch.Tensor]:
         torch.manual_seed(0)
         a = torch.randn(6, 8)
         b = torch.randn(4, 4)
+        c = torch.randn(32)
         m = torch.randn(5, 3) > 0
         big = torch.randn(64)
-        return [a, a[1:], m, big[:4], b.t(), b, a.view(8, 6), torch.randn(3, dtype=torch.float64)]
+        return [a, a[1:], m, big[:4], b.t(), b, c[2:5], c, a.view(8, 6), torch.randn(3, dtype=torch.float64)]
 
     got = {}
     for how in ("saved", "general"):
-        eng = OffloadEngine()
+        eng = Spy()
         key = Key()
         grp = eng.group(key)
         ts = saves()
         dec = Offloadable(None, "cpu", 0)
         handles = []
-        for i, t in enumerate(ts):
-            if i == 6:
-                ts[0].add_(1)  # a write between saves: the later view of the same storage gets a copy of its own
-            h = eng.offload_saved(t, dec, grp) if how == "saved" else eng.offload_below_modes(t, "cpu", grp)
-            assert h is not None
-            handles.append(h)
+        with torch.set_grad_enabled(grad):
+            for i, t in enumerate(ts):
+                if i == 8:
+                    ts[0].add_(1)  # a write between saves: the later view of the same storage gets a copy of its own
+                h = eng.offload_saved(t, dec, grp) if how == "saved" else eng.offload_below_modes(t, "cpu", grp)
+                assert h is not None
+                handles.append(h)
         for h in handles[:2]:  # (saved before the write)
             with pytest.raises(RematError, match="modified in place after it was saved"):
                 eng.fetch(h)
-        got[how] = ([eng.fetch(h).clone() for h in handles[2:]], dict(eng.stats))
-        assert all(torch.equal(v, t) for v, t in zip(got[how][0], ts[2:]))
+        back = [eng.fetch(h) for h in handles[2:]]
+        got[how] = ([(v.stride(), v.clone()) for v in back], dict(eng.stats), eng.general)
+        assert all(torch.equal(v, t) and v.stride() == t.stride() for v, t in zip(back, ts[2:]))
     assert got["saved"][1] == got["general"][1] and got["saved"][1]["shared"] > 0
-    assert all(torch.equal(x, y) for x, y in zip(got["saved"][0], got["general"][0]))
+    assert all(x[0] == y[0] and torch.equal(x[1], y[1]) for x, y in zip(got["saved"][0], got["general"][0]))
+    # the whole storages copied first (a, c, the float64 tensor) took offload_saved's own copy; c's slice, saved
+    # before it as a span, reads c's whole copy (the same copies back as on the general path, above)
+    assert (got["saved"][2], got["general"][2]) == (len(saves()) - 3, len(saves()))
 
 
 def test_offload_saved_keeps_what_the_decision_does_not_move() -> None:
