@@ -751,7 +751,7 @@ class FastFrame:
         offload (a call that offloads nothing makes none: a new group lets older calls' kept copies go, NOTE [keep
         last] in ``_offload.py``)."""
         grp = self._offload_group
-        o = self.engine.offload_saved(t, decision, group=self if grp is None else grp)
+        o = self.engine.offload_saved(t, decision, self if grp is None else grp)
         if o is not None:
             self._offloaded = True
             if grp is None:
@@ -778,7 +778,10 @@ class FastFrame:
             return kept
         decision = self.offload.get(pos) if self.offload else None
         if decision is not None:
-            o = self._offload_saved(t, decision)  # (unpack tells an Offloaded by type)
+            grp = self._offload_group
+            # (unpack tells an Offloaded by type; once the call has a group, the engine directly: a Python call
+            # less per saved tensor)
+            o = self._offload_saved(t, decision) if grp is None else self.engine.offload_saved(t, decision, grp)
             if o is not None:
                 return o
         node = t.grad_fn

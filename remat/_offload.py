@@ -369,11 +369,11 @@ class _StorageReads:
 
     def __init__(self, origin: Any) -> None:
         self.origin = origin  # (the weak reference whose id keys it: held, so that the id is not reused)
-        self.copies: list[weakref.ref[_HostCopy]] = []
+        self.copies: list[weakref.ref[_Copy]] = []
         self.written: list[_Geometry] = []
 
 
-def _note_written(c: _HostCopy, weakly: bool = False) -> None:
+def _note_written(c: _Copy, weakly: bool = False) -> None:
     """NOTE [reads of one device copy]: keep, with its storage's reads, the bytes that tensors ``c`` handed out
     wrote (they may die, or ``c`` may, before a later read of those bytes); ``weakly``: hold them weakly from now
     on."""
@@ -445,14 +445,14 @@ class _Group:
 
     def __init__(self, gid: int) -> None:
         self.gid = gid
-        self.copies: list[weakref.ref[_HostCopy]] = []
-        self.deferred: list[weakref.ref[_HostCopy]] = []  # copies not started yet (NOTE [keep last])
+        self.copies: list[weakref.ref[_Copy]] = []
+        self.deferred: list[weakref.ref[_Copy]] = []  # copies not started yet (NOTE [keep last])
         # per storage (data pointer), its whole copy in this call: the storage, its version then, the copy, and the
         # tensor whose version counter the copied tensor shares (it, or the base it is a view of)
-        self.by_storage: dict[int, tuple[Any, int, weakref.ref[_HostCopy], weakref.ref[torch.Tensor]]] = {}
+        self.by_storage: dict[int, tuple[Any, int, weakref.ref[_Copy], weakref.ref[torch.Tensor]]] = {}
         # per storage (data pointer), the span copies of small slices made before any whole copy: each with the
         # storage's version then and its handle, to move to a whole copy made later (NOTE [one copy per storage])
-        self.spans: dict[int, list[tuple[int, weakref.ref[_HostCopy], weakref.ref[Offloaded], Any]]] = {}
+        self.spans: dict[int, list[tuple[int, weakref.ref[_Copy], weakref.ref[Offloaded], Any]]] = {}
         # per saved storage (by the id of the weak reference its copies hold), how many copies it has, and, for
         # one with more than one, the reads of all of them (NOTE [reads of one device copy])
         self.origins: dict[int, int] = {}
@@ -464,24 +464,36 @@ class _Group:
 _NOTHING_GIVEN: Any = types.MappingProxyType({})
 
 
-class _HostCopy:
-    """One storage's bytes on the host, and its device copy while the backward pass needs it."""
+class _Copy:
+    """One storage's bytes on the host, and its device copy while the backward pass needs it: a :class:`_HostCopy`,
+    which handles read, or a solo handle's own (NOTE [solo handles])."""
 
     __slots__ = ("engine", "cid", "group", "src", "nbytes", "host", "buf", "d2h_done", "dev", "dev_weak",
                  "h2d_done", "live", "pending", "round", "deferred", "vsrc", "saved_version", "given",
                  "origin", "origin_lo", "reads", "__weakref__")
 
+    engine: OffloadEngine
+    cid: int
+    group: _Group | None
+    src: torch.device
+    nbytes: int
     host: torch.Tensor | None
     buf: torch.Tensor | None  # the pool buffer behind host (pinned path only)
     d2h_done: Any
     dev: torch.Tensor | None  # device bytes, held strongly until every handle read them
     dev_weak: weakref.ref[Any] | None  # ...then weakly (the device storage)
     h2d_done: Any
+    live: int
+    pending: int
+    round: int
     deferred: tuple[torch.Tensor, torch.device] | None  # kept on the device (NOTE [keep last])
     # NOTE [written while copied]: until the copy has read the bytes (kept, or a copy still running), an alias of the
     # saved tensor (same version counter, same storage: no extra memory), to see writes
     vsrc: torch.Tensor | None
     saved_version: int | None  # if the bytes were written before their copy had read them: raise
+    given: dict[int, tuple[Any, int, int]]
+    origin: Any
+    origin_lo: int
     reads: _StorageReads | None
 
     def __init__(self, engine: OffloadEngine, cid: int, group: _Group | None, src: torch.device, nbytes: int,
@@ -495,7 +507,7 @@ class _HostCopy:
         # strongly then weakly), its version then, and the byte of its storage where the saved storage's first
         # would be; origin: the saved storage (a weak reference: a token for it), origin_lo: its byte where this
         # copy starts; reads: the reads of all the storage's copies in this call, once this one has been read
-        self.given: dict[int, tuple[Any, int, int]] = _NOTHING_GIVEN  # (one dict for all until a handle is read)
+        self.given = _NOTHING_GIVEN  # (one dict for all until a handle is read)
         # live handles; handles not yet read since the last host-to-device copy; host-to-device copies started
         self.live = self.pending = self.round = 0
 
@@ -506,7 +518,31 @@ class _HostCopy:
             _note_written(self)  # its handles died after their reads: what these wrote stays known to the others
 
 
-class Offloaded:
+class _HostCopy(_Copy):
+    """A copy handles read (every copy but a solo handle's own)."""
+
+    __slots__ = ()
+
+
+# NOTE [solo handles]: the common case of an offload on the forward pass's hot path (OffloadEngine.offload_saved: no
+# dispatch mode, not CUDA, a synchronous copy of a tensor that is all of its storage's bytes, their first copy in the
+# call) makes one object, not two: a handle that is its own copy (an Offloaded whose _copy is None, with the copy's
+# fields). A later tensor of the call saved from the same storage gets a handle of its own that reads the solo's copy,
+# as it would read a _HostCopy. The solo counts itself among its copy's live handles until it dies; if autograd lets
+# it go unread while such another handle lives, its count stays (the object lives on as the copy), so the device copy
+# is held strongly until those handles die rather than until they have read it; solos are never CUDA copies (each
+# Python object costs ~3 k instructions made and let go, per saved tensor).
+_new_object = object.__new__
+_CPU = torch.device("cpu")
+# (the probes of the offload engine's hot path, as module globals: ~0.1 us less each than through _ti's attributes)
+_dispatch_modes_pushed = _ti.dispatch_modes_pushed
+_pre_dispatch_modes_pushed = _ti.pre_dispatch_modes_pushed
+_is_zero_tensor = _ti.is_zero_tensor
+_is_grad_enabled = torch.is_grad_enabled
+_Tensor, _STRIDED, _BOOL = torch.Tensor, torch.strided, torch.bool
+
+
+class Offloaded(_Copy):
     """What autograd holds instead of an offloaded tensor: a view (dtype, shape, strides) of a host copy.
 
     Made by :meth:`OffloadEngine.offload`; :meth:`OffloadEngine.fetch` gives the tensor back.
@@ -523,46 +559,64 @@ class Offloaded:
         True
     """
 
-    __slots__ = ("engine", "copy", "_layout", "offset", "version", "orig", "round", "key", "__weakref__")
+    __slots__ = ("_copy", "_layout", "offset", "version", "orig", "seen", "key")
 
-    def __init__(self, engine: OffloadEngine, copy: _HostCopy, t: torch.Tensor, offset: int, version: int,
-                 as_host: bool = False) -> None:
+    _copy: _Copy | None  # None: a solo, its own copy
+    _layout: tuple[torch.dtype, torch.Size, tuple[int, ...]] | None
+    offset: int
+    version: int
+    orig: weakref.ref[torch.Tensor]
+    seen: int
+    key: int
+
+    def __init__(self, engine: OffloadEngine, copy: _Copy, t: torch.Tensor, offset: int, version: int) -> None:
+        # (a handle of copy: none of _Copy's fields is its own; a solo is made by OffloadEngine.offload_saved)
         # key: names the handle in its copy's table of reads for as long as the engine lives (an id is reused once
         # the handle dies, and a later handle of the same copy must not be given the dead one's tensor); one is
         # drawn only for a handle that is read
-        self.engine, self.copy, self.key = engine, copy, -1  # (given by _view, at its first read)
+        self.engine, self._copy, self.key = engine, copy, -1  # (given by _view, at its first read)
         # offset: t's first element, counted from the first copied byte (a copy of the span of a small view starts
         # at t's); version: t's (both read by the caller already: a call into torch each, per saved tensor).
-        # _layout: t's dtype, shape and strides; None where the copy's host tensor has them (as_host: a copy of t
-        # itself, synchronous, never moved to another copy: offload_saved's common case, which spares the three
-        # calls into torch per saved tensor)
-        self._layout = None if as_host else (t.dtype, t.shape, t.stride())
+        # _layout: t's dtype, shape and strides; None for a solo, whose host tensor has them (a copy of t itself,
+        # which spares the three calls into torch per saved tensor)
+        self._layout = (t.dtype, t.shape, t.stride())
         self.offset, self.version = offset, version
         self.orig = weakref.ref(t)  # to catch in-place writes after saving, as autograd does
-        self.round = 0
+        self.seen = 0  # the copy's round this handle last read
         copy.live += 1
+
+    @property
+    def copy(self) -> _Copy:
+        """The host copy this handle reads: another object's, or its own (a solo: NOTE [solo handles])."""
+        return self._copy or self
 
     @property
     def dtype(self) -> torch.dtype:
         lay = self._layout
-        return lay[0] if lay is not None else self.copy.host.dtype  # type: ignore[union-attr]
+        return lay[0] if lay is not None else self.host.dtype  # type: ignore[union-attr]
 
     @property
     def shape(self) -> torch.Size:
         lay = self._layout
-        return lay[1] if lay is not None else self.copy.host.shape  # type: ignore[union-attr]
+        return lay[1] if lay is not None else self.host.shape  # type: ignore[union-attr]
 
     @property
     def stride(self) -> tuple[int, ...]:
         lay = self._layout
-        return lay[2] if lay is not None else self.copy.host.stride()  # type: ignore[union-attr]
+        return lay[2] if lay is not None else self.host.stride()  # type: ignore[union-attr]
 
     def __del__(self) -> None:
-        c = getattr(self, "copy", None)
-        if c is not None:
-            c.live -= 1
-            if self.round != c.round:
-                c.engine._read(c)
+        try:
+            c = self._copy
+        except AttributeError:  # (its __init__ raised)
+            return
+        if c is None:  # a solo: its copy goes with it (_Copy.__del__, inline: a solo has no pool buffer, never CUDA)
+            if self.given and self.group is not None and self.group.origins.get(id(self.origin), 1) > 1:
+                _note_written(self)
+            return
+        c.live -= 1
+        if self.seen != c.round:
+            c.engine._read(c)
 
 
 # dtypes no tensor of which is quantized or has its conjugate bit (torch sets the bit on complex tensors only): the
@@ -652,13 +706,28 @@ class OffloadEngine:
         self._next_gid = 0
         self._next_cid = 0
         self._handle_keys = itertools.count()  # (Offloaded.key)
-        self._devices: dict[str, torch.device] = {}  # (a policy's device strings, parsed once)
+        self._devices: dict[str, torch.device] = {"cpu": _CPU}  # (a policy's device strings, parsed once)
         self._kinds: dict[str, str] = {}  # (a policy's device strings: the type of device each names)
         # (a device's type, looked up: torch.device.type makes a new string, ~0.4 us, on the hot path of both passes)
         self._types: dict[torch.device, str] = {}
         # (a plain dict, every key present: a Counter's += costs ~0.25 us against a dict's ~0.07, several per saved
         # tensor on the forward pass's hot path)
-        self.stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
+        self._stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
+        # the solo handles made since stats was last read, and their bytes (NOTE [solo handles]: two attributes
+        # counted, ~0.4 us less per saved tensor than three counters of the dict, which stats adds them to)
+        self._solos = self._solo_bytes = 0
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """The counters (see the class's docstring)."""
+        with self._lock:
+            stats = self._stats
+            if self._solos:
+                stats["copies"] += self._solos
+                stats["offloaded"] += self._solos
+                stats["offloaded_bytes"] += self._solo_bytes
+                self._solos = self._solo_bytes = 0
+            return stats
 
     @property
     def pin_memory(self) -> bool:
@@ -734,52 +803,74 @@ class OffloadEngine:
         a tensor that is all of its storage's bytes, in order, their first copy in the call) runs here, the steps
         of :meth:`_offload`, :meth:`_copy_out`, :meth:`_copy_raw` and :meth:`_register` inline (each Python call
         costs ~0.1-0.2 us, per saved tensor); every other case runs through them."""
-        nbytes = self._bytes_moved(t, decision)
-        if not nbytes:
+        grp = group
+        src_kind = decision.src
+        if not t.is_cpu or type(grp) is not _Group or type(t) is not _Tensor \
+                or (src_kind is not None and self._kinds.get(src_kind) != "cpu") or _dispatch_modes_pushed() \
+                or _pre_dispatch_modes_pushed():
+            # (not the CPU: graph capture, asynchronous copies, kept storages; a mode to pop; a group to look up)
+            nbytes = self._bytes_moved(t, decision)
+            return self.offload_below_modes(t, decision.dst, group) if nbytes else None
+        # _bytes_moved's questions, of a plain CPU tensor (never meta) from a decision that moves CPU tensors
+        dtype = t.dtype
+        if t.layout is not _STRIDED or t.is_neg() or t.is_nested or _is_zero_tensor(t) \
+                or dtype not in _REAL_DTYPES:
+            nbytes = self._bytes_moved(t, decision)
+            return self.offload_below_modes(t, decision.dst, group) if nbytes else None
+        nbytes = t.nbytes
+        if nbytes < decision.min_bytes:
             return None
         dst = decision.dst
-        grp = group
-        if t.is_cuda or type(grp) is not _Group or _ti.dispatch_modes_pushed() or _ti.pre_dispatch_modes_pushed():
-            # (CUDA: graph capture, asynchronous copies, kept storages; a mode to pop; a group to look up)
-            return self.offload_below_modes(t, dst, group)
         with self._lock:
             storage = t.untyped_storage()
             total = storage.nbytes()
             key = storage.data_ptr()
-            device = t.device
+            device = _CPU
             route = self._routes.get((device, dst)) or self._route(device, dst)
             # (not a bool: its copy writes 1 for every nonzero byte, and a view of another dtype may share it)
             if route[0] or route[1] or key in grp.by_storage or nbytes != total or t.storage_offset() \
-                    or not t.is_contiguous() or t.dtype is torch.bool:
+                    or not t.is_contiguous() or dtype is _BOOL:
                 return self._offload(t, dst, grp)
             # copied synchronously (not kept: NOTE [keep last]), the copy has read the bytes when it returns (NOTE
             # [written while copied] holds nothing); it copies t itself, so the host copy is of t's dtype, which fetch
             # never reads (only the storage). A pack hook runs without grad mode: t's own copy holds no graph, where
             # elsewhere its detached alias's must not
             origin = weakref.ref(storage)
-            c = _HostCopy(self, self._next_cid, grp, device, total, origin, 0)
+            o = _new_object(Offloaded)  # NOTE [solo handles]: a handle that is its own copy
+            # (the copy's fields, as _Copy.__init__ sets them: a Python call costs ~0.2 us, per saved tensor)
+            o.engine, o.cid, o.group, o.src, o.nbytes, o.origin, o.origin_lo = \
+                self, self._next_cid, grp, device, total, origin, 0
+            o.buf = o.d2h_done = o.dev = o.dev_weak = o.h2d_done = o.deferred = o.vsrc = o.saved_version = \
+                o.reads = None
+            o.given = _NOTHING_GIVEN
+            o.pending = o.round = 0
             self._next_cid += 1
-            src = t if not torch.is_grad_enabled() else t.detach()
+            src = t if not _is_grad_enabled() else t.detach()
             to = route[2]
-            c.host = src.clone() if device == to else src.to(to, copy=True)
-            stats = self.stats
-            stats["copies"] += 1
-            stats["offloaded_bytes"] += total
-            stats["offloaded"] += 1
+            o.host = src.clone() if to is device or device == to else src.to(to, copy=True)
+            self._solos += 1
+            self._solo_bytes += total
             if self.trace is not None:
-                self._log("d2h", c)
+                self._log("d2h", o)
             # (weakref.ref gives the storage's one weak reference while it lives: a token shared by its copies)
             origins = grp.origins
-            origins[id(origin)] = origins.get(id(origin), 0) + 1
-            cref = weakref.ref(c)
-            grp.copies.append(cref)
+            oid = id(origin)
+            origins[oid] = origins.get(oid, 0) + 1
+            oref: weakref.ref[_Copy] = weakref.ref(o)
+            grp.copies.append(oref)
             base = t._base
-            root = t if base is None else base
             version = t._version
-            grp.by_storage[key] = (origin, version, cref, weakref.ref(root))
+            # (the handle's fields: Offloaded.__init__'s, its layout the host copy's)
+            o._copy = o._layout = None
+            o.key = -1
+            o.offset = o.seen = 0
+            o.live = 1
+            o.version = version
+            o.orig = orig = weakref.ref(t)
+            grp.by_storage[key] = (origin, version, oref, orig if base is None else weakref.ref(base))
             if grp.spans:
-                self._take_spans(grp, key, c, root)
-            return Offloaded(self, c, t, 0, version, as_host=True)
+                self._take_spans(grp, key, o, t if base is None else base)
+            return o
 
     def group(self, key: Any) -> _Group:
         """The group of the remat call ``key`` (made now if it has none), to pass as ``group`` to
@@ -821,7 +912,7 @@ class OffloadEngine:
             copy = self._copy_out(t, storage, dst, grp, 0, total, whole=t.dtype is not torch.bool)
             if grp is not None:
                 self._register(grp, key, copy, version, t)
-            self.stats["offloaded"] += 1
+            self._stats["offloaded"] += 1
             return Offloaded(self, copy, t, 0, version)
         return self._offload_part(t, storage, grp, total, key, version, dst)
 
@@ -836,8 +927,8 @@ class OffloadEngine:
         if grp is not None and key in grp.by_storage:
             copy = self._shared_copy(grp, storage, key, root, t, version)
             if copy is not None:  # (a whole copy starts at byte 0: t's bytes need not be worked out)
-                self.stats["shared"] += 1
-                self.stats["offloaded"] += 1
+                self._stats["shared"] += 1
+                self._stats["offloaded"] += 1
                 return Offloaded(self, copy, t, t.storage_offset(), version)  # type: ignore[arg-type]
         contiguous = t.is_contiguous()
         es = t.element_size()
@@ -851,7 +942,7 @@ class OffloadEngine:
             lo, hi = _span(t, es, offset)
         if 2 * (hi - lo) < total:  # a small slice: a copy of the bytes it spans
             span = self._copy_out(t, storage, dst, grp, lo, hi)
-            self.stats["offloaded"] += 1
+            self._stats["offloaded"] += 1
             o = Offloaded(self, span, t, offset - lo // es, version)
             if grp is not None:
                 sref = weakref.ref(span)
@@ -862,10 +953,10 @@ class OffloadEngine:
         copy = self._copy_out(t, storage, dst, grp, 0, total, whole=whole)
         if grp is not None:
             self._register(grp, key, copy, version, t)
-        self.stats["offloaded"] += 1
+        self._stats["offloaded"] += 1
         return Offloaded(self, copy, t, offset, version)
 
-    def _register(self, grp: _Group, key: int, copy: _HostCopy, version: int, t: torch.Tensor) -> None:
+    def _register(self, grp: _Group, key: int, copy: _Copy, version: int, t: torch.Tensor) -> None:
         """``copy`` is of the whole storage ``key`` that ``t`` (at ``version``) is saved from: later tensors of the
         call saved from it share it while it is unchanged (NOTE [one copy per storage])."""
         cref = weakref.ref(copy)
@@ -877,7 +968,7 @@ class OffloadEngine:
             self._take_spans(grp, key, copy, root)
 
     @staticmethod
-    def _take_spans(grp: _Group, key: int, whole: _HostCopy, root: torch.Tensor) -> None:
+    def _take_spans(grp: _Group, key: int, whole: _Copy, root: torch.Tensor) -> None:
         """NOTE [one copy per storage]: the handles of slices of this storage, copied as spans before its whole copy
         ``whole`` was made, read the whole copy instead, if no span was read and the slice's version counter (its
         ``_base``'s, or its own) has not moved since its span was copied; of a counter other than ``root``'s (the
@@ -886,12 +977,12 @@ class OffloadEngine:
         for ver, sref, oref, rref in grp.spans.pop(key, ()):
             span, o = sref(), oref()
             r = rref()
-            if (span is None or o is None or o.copy is not span or r is None or r._version != ver
+            if (span is None or o is None or o._copy is not span or r is None or r._version != ver
                     or (r is not root and whole.vsrc is not None)
                     or span.origin is not whole.origin or span.round or span.given):
                 continue
             o.offset += span.origin_lo // o.dtype.itemsize
-            o.copy = whole
+            o._copy = whole
             span.live -= 1
             whole.live += 1
 
@@ -921,7 +1012,7 @@ class OffloadEngine:
 
     @staticmethod
     def _shared_copy(grp: _Group, storage: Any, key: int, root: torch.Tensor, t: torch.Tensor,
-                     version: int) -> _HostCopy | None:
+                     version: int) -> _Copy | None:
         """The copy already made of this storage (data pointer ``key``) in this call, if the version counter of the
         tensor it was made of has not moved since (NOTE [one copy per storage]): not ``t``'s version, which may be
         another counter's (``y.add_(1)`` after ``d = y.data``: ``d`` still at the version ``y`` was copied at)."""
@@ -949,7 +1040,7 @@ class OffloadEngine:
         return c if 2 * (hi - lo) >= c.nbytes else None
 
     def _copy_out(self, t: torch.Tensor, storage: Any, dst: str, grp: _Group | None,
-                  lo: int, hi: int, whole: bool = False) -> _HostCopy:
+                  lo: int, hi: int, whole: bool = False) -> _Copy:
         """Copy bytes ``[lo, hi)`` of ``storage``, ``t``'s (``whole``: they are ``t``'s own, all of them, in order)."""
         nbytes = hi - lo
         device = t.device
@@ -976,7 +1067,7 @@ class OffloadEngine:
         if keep:
             c.dev, c.deferred = raw, (raw, to)  # NOTE [keep last]: copied when a later call offloads
             grp.deferred.append(weakref.ref(c))  # type: ignore[union-attr]
-            self.stats["kept_on_device"] += 1
+            self._stats["kept_on_device"] += 1
             self._log("keep", c)
             return c
         self._copy_raw(c, raw, to, asynchronous)
@@ -996,7 +1087,7 @@ class OffloadEngine:
         done when :meth:`_copy_raw` returns)."""
         return self.pin_memory and self._type(src) == "cuda" and self._type(dst) == "cpu"
 
-    def _copy_raw(self, c: _HostCopy, raw: torch.Tensor, dst: torch.device, asynchronous: bool) -> None:
+    def _copy_raw(self, c: _Copy, raw: torch.Tensor, dst: torch.device, asynchronous: bool) -> None:
         """Start the copy of ``raw`` (uint8 bytes; on the synchronous path also a tensor that is exactly its
         storage) to ``dst`` (``asynchronous``: what :meth:`_asynchronous` says of the pair); :meth:`_settle` once it
         has read the bytes."""
@@ -1006,13 +1097,13 @@ class OffloadEngine:
             c.host = raw.clone() if c.src == dst else raw.to(dst, copy=True)
             if c.vsrc is not None:
                 self._settle(c)
-        stats = self.stats
+        stats = self._stats
         stats["copies"] += 1
         stats["offloaded_bytes"] += c.nbytes
         if self.trace is not None:
             self._log("d2h", c)
 
-    def _flush(self, c: _HostCopy) -> None:
+    def _flush(self, c: _Copy) -> None:
         """Start the copy of a kept storage (NOTE [keep last]) and let go of the device bytes."""
         assert c.deferred is not None
         raw, dst = c.deferred
@@ -1022,7 +1113,7 @@ class OffloadEngine:
         c.dev = None
 
     @staticmethod
-    def _settle(c: _HostCopy | None) -> None:
+    def _settle(c: _Copy | None) -> None:
         """NOTE [written while copied]: ``c``'s copy has read its bytes, or work queued from now on on the compute
         stream runs after it: whether the bytes were written since they were saved is known now, and final."""
         if c is not None and c.vsrc is not None:
@@ -1048,7 +1139,7 @@ class OffloadEngine:
             s = table[dev] = torch.cuda.Stream(device=dev)
         return s
 
-    def _d2h_async(self, c: _HostCopy, raw: torch.Tensor) -> None:
+    def _d2h_async(self, c: _Copy, raw: torch.Tensor) -> None:
         self._bound_inflight(c.nbytes, raw.device)
         buf = self._pool.acquire(c.nbytes)
         try:
@@ -1057,7 +1148,7 @@ class OffloadEngine:
             self._pool.release(buf, None)  # nothing was queued into it: back to the pool
             raise
 
-    def _d2h_start(self, c: _HostCopy, raw: torch.Tensor, buf: torch.Tensor) -> None:
+    def _d2h_start(self, c: _Copy, raw: torch.Tensor, buf: torch.Tensor) -> None:
         cur = torch.cuda.current_stream(raw.device)
         side = self._stream(self._d2h, raw.device)
         produced = torch.cuda.Event()
@@ -1073,7 +1164,7 @@ class OffloadEngine:
         c.buf = buf
         self._running(c, raw, done)
 
-    def _running(self, c: _HostCopy, raw: torch.Tensor, done: Any) -> None:
+    def _running(self, c: _Copy, raw: torch.Tensor, done: Any) -> None:
         """``c``'s copy from ``raw`` was queued; ``done`` completes when it has read the bytes."""
         c.d2h_done = done
         self._inflight[raw.device].append((done, c.nbytes, raw, weakref.ref(c)))
@@ -1089,7 +1180,7 @@ class OffloadEngine:
                 if self._inflight_bytes[device] + nbytes <= self.max_inflight_bytes:
                     return
                 self._stream_wait(device, ev)
-                self.stats["stream_waits"] += 1
+                self._stats["stream_waits"] += 1
             queue.popleft()
             self._inflight_bytes[device] -= n
             self._settle(cref())
@@ -1121,7 +1212,7 @@ class OffloadEngine:
         caller's tensors does not move: ``t`` is the same tensor, seen from above). ``version``: ``t``'s when ``o``
         was made (a write since then raises at the copy's reads)."""
         with self._lock:
-            c = o.copy
+            c = o._copy or o
             if c.vsrc is None:
                 return  # the copy has the bytes: what o's reader reads is what was saved
             c.vsrc, c.saved_version = t.detach(), version
@@ -1132,14 +1223,14 @@ class OffloadEngine:
         copy has not read the bytes (kept, or copying), its alias of them answers (NOTE [written while copied]): the
         tensor itself may be gone (a product only written through ``unsafe_chunk`` pieces, as ``nn.GRUCell`` does
         on the CPU), and a write must still wait for the copy, or be copied after it."""
-        src = o.copy.vsrc
+        src = (o._copy or o).vsrc
         if src is None:
             src = o.orig()
         return src is not None and int(src.untyped_storage().data_ptr()) in storage_keys
 
     def before_write(self, o: Offloaded) -> None:
         """An op is about to write into ``o``'s source tensor: it must wait until the copy has read it."""
-        c = o.copy
+        c = o._copy or o
         if c.deferred is not None:
             with self._lock:
                 if c.deferred is not None:
@@ -1152,7 +1243,7 @@ class OffloadEngine:
     def fetch(self, o: Offloaded) -> torch.Tensor:
         """The tensor back on its source device; the current stream waits for its copy if still running."""
         with self._lock, internal():  # (no torch.no_grad(): fresh tensors over remat's own bytes)
-            c = o.copy
+            c = o._copy or o
             orig = c.vsrc if c.vsrc is not None else o.orig()
             now = orig._version if orig is not None else (-1 if c.saved_version is not None else o.version)
             if now != o.version:
@@ -1190,16 +1281,16 @@ class OffloadEngine:
             if c.h2d_done is not None:
                 torch.cuda.current_stream(c.src).wait_event(c.h2d_done)
                 self._poll(c.src)
-            if o.round != c.round:
-                o.round = c.round
+            if o.seen != c.round:
+                o.seen = c.round
                 self._read(c)
-            self.stats["fetched"] += 1
+            self._stats["fetched"] += 1
             if self.trace is not None:
                 self._log("use", c)
             return out
 
     @staticmethod
-    def _view(c: _HostCopy, o: Offloaded, dev: torch.Tensor) -> torch.Tensor:
+    def _view(c: _Copy, o: Offloaded, dev: torch.Tensor) -> torch.Tensor:
         """``o``'s tensor over the device bytes ``dev``: what it was given before if that lives over them (its
         version is checked with the others'), else a new one, noted (NOTE [reads of one device copy])."""
         if o.key < 0:
@@ -1226,7 +1317,7 @@ class OffloadEngine:
         return out
 
     @staticmethod
-    def _written(c: _HostCopy, out: torch.Tensor, dev: torch.Tensor) -> bool:
+    def _written(c: _Copy, out: torch.Tensor, dev: torch.Tensor) -> bool:
         """NOTE [reads of one device copy]: whether bytes ``out`` (over ``dev``, ``c``'s device bytes) reads were
         written through a tensor handed out over a copy of the same saved storage in this call (a tensor of
         ``c``'s that died was put on record by the copy's last read, or its bytes were copied again: fetch)."""
@@ -1256,12 +1347,12 @@ class OffloadEngine:
                 return True
         return False
 
-    def _read(self, c: _HostCopy) -> None:
+    def _read(self, c: _Copy) -> None:
         """One more handle of ``c`` has been read (or died unread): past the last, hold the device copy weakly."""
         with self._lock:
             self._read_locked(c)
 
-    def _read_locked(self, c: _HostCopy) -> None:
+    def _read_locked(self, c: _Copy) -> None:
         if c.deferred is not None:
             return  # never copied: the device bytes are all there is, held until the handles die
         c.pending -= 1
@@ -1272,7 +1363,7 @@ class OffloadEngine:
             c.dev = None
             _note_written(c, weakly=True)
 
-    def _start_h2d(self, c: _HostCopy, ahead: bool = False) -> None:
+    def _start_h2d(self, c: _Copy, ahead: bool = False) -> None:
         assert c.host is not None
         if c.d2h_done is not None and self._type(c.src) == "cuda" and self._type(c.host.device) == "cpu":
             # NOTE [stream-ordered reuse]: the device bytes belong to the compute stream (which reads them,
@@ -1295,13 +1386,13 @@ class OffloadEngine:
         c.given = _NOTHING_GIVEN
         c.round += 1
         c.pending = c.live
-        self.stats["h2d"] += 1
-        self.stats["h2d_bytes"] += c.nbytes
+        self._stats["h2d"] += 1
+        self._stats["h2d_bytes"] += c.nbytes
         if ahead:
-            self.stats["prefetched"] += 1
+            self._stats["prefetched"] += 1
         self._log("h2d", c)
 
-    def _reach(self, grp: _Group, needed: _HostCopy) -> None:
+    def _reach(self, grp: _Group, needed: _Copy) -> None:
         """The backward pass reached ``grp``: fetch all of it and the group it reaches next (NOTE [prefetch])."""
         grp.reached = True
         if not self.prefetch:
@@ -1315,7 +1406,7 @@ class OffloadEngine:
             assert nxt is not None
             self._start_group(nxt)
 
-    def _start_group(self, grp: _Group, needed: _HostCopy | None = None) -> None:
+    def _start_group(self, grp: _Group, needed: _Copy | None = None) -> None:
         """Start the copies back of ``grp`` (``needed``: the one being read now, not ahead of need)."""
         # the backward pass reads a call's tensors in the reverse of the order they were saved: copy the
         # last-saved first, so the first one needed arrives first
@@ -1326,11 +1417,11 @@ class OffloadEngine:
                     self._start_h2d(c, ahead=c is not needed)
                 except torch.OutOfMemoryError:
                     # no room to copy ahead: the rest of this group is copied back when read
-                    self.stats["prefetch_oom"] += 1
+                    self._stats["prefetch_oom"] += 1
                     return
 
     # ---- inspection ------------------------------------------------------------
-    def _log(self, what: str, c: _HostCopy) -> None:
+    def _log(self, what: str, c: _Copy) -> None:
         if self.trace is not None:
             self.trace.append((what, -1 if c.group is None else c.group.gid, c.cid))
 
