@@ -537,9 +537,8 @@ _CPU = torch.device("cpu")
 # (the probes of the offload engine's hot path, as module globals: ~0.1 us less each than through _ti's attributes)
 _dispatch_modes_pushed = _ti.dispatch_modes_pushed
 _pre_dispatch_modes_pushed = _ti.pre_dispatch_modes_pushed
-_is_zero_tensor = _ti.is_zero_tensor
 _is_grad_enabled = torch.is_grad_enabled
-_Tensor, _STRIDED, _BOOL = torch.Tensor, torch.strided, torch.bool
+_Tensor, _BOOL = torch.Tensor, torch.bool
 
 
 class Offloaded(_Copy):
@@ -686,6 +685,7 @@ class OffloadEngine:
         # (per source device and destination name: whether the source keeps (NOTE [keep last]), whether the copy runs
         # asynchronously (_asynchronous), the destination device; looked up once per copy (_route))
         self._routes: dict[tuple[torch.device, str], tuple[bool, bool, torch.device]] = {}
+        self._from_cpu: dict[str, torch.device | None] = {}  # (per destination name: _plain_from_cpu)
         self._keep_devices = frozenset({"cuda"})  # (tests add "cpu")
         self.max_inflight_bytes = max_inflight_bytes
         self.prefetch = prefetch
@@ -737,6 +737,7 @@ class OffloadEngine:
     def pin_memory(self, value: bool) -> None:
         self._pin_memory = value
         self._routes.clear()  # (each copy's route is looked up: _route)
+        self._from_cpu.clear()
 
     @property
     def _keep_devices(self) -> frozenset[str]:
@@ -747,6 +748,7 @@ class OffloadEngine:
     def _keep_devices(self, value: frozenset[str]) -> None:
         self._keep_types = value
         self._routes.clear()
+        self._from_cpu.clear()
 
     # ---- forward ---------------------------------------------------------------
     def applies(self, t: torch.Tensor, decision: Any) -> bool:
@@ -800,35 +802,42 @@ class OffloadEngine:
         """:meth:`applies`, then :meth:`offload_below_modes`, in one call: ``t``'s handle, or None where
         ``decision`` (an Offloadable) does not move it (the caller keeps it). The saved-tensor hooks' entry, once
         per saved tensor on the forward pass's hot path: its common case (no dispatch mode, a synchronous copy of
-        a tensor that is all of its storage's bytes, in order, their first copy in the call) runs here, the steps
-        of :meth:`_offload`, :meth:`_copy_out`, :meth:`_copy_raw` and :meth:`_register` inline (each Python call
-        costs ~0.1-0.2 us, per saved tensor); every other case runs through them."""
+        a plain CPU tensor that is all of its storage's bytes, in order, their first copy in the call) runs here,
+        the steps of :meth:`_offload`, :meth:`_copy_out`, :meth:`_copy_raw` and :meth:`_register` inline (each Python
+        call costs ~0.1-0.2 us, per saved tensor), and makes one object, a solo handle (NOTE [solo handles]); every
+        other case runs through them."""
         grp = group
         src_kind = decision.src
         if not t.is_cpu or type(grp) is not _Group or type(t) is not _Tensor \
                 or (src_kind is not None and self._kinds.get(src_kind) != "cpu") or _dispatch_modes_pushed() \
                 or _pre_dispatch_modes_pushed():
             # (not the CPU: graph capture, asynchronous copies, kept storages; a mode to pop; a group to look up)
-            nbytes = self._bytes_moved(t, decision)
-            return self.offload_below_modes(t, decision.dst, group) if nbytes else None
+            return self._offload_saved_slowly(t, decision, group)
         # _bytes_moved's questions, of a plain CPU tensor (never meta) from a decision that moves CPU tensors
         dtype = t.dtype
-        if t.layout is not _STRIDED or t.is_neg() or t.is_nested or _is_zero_tensor(t) \
-                or dtype not in _REAL_DTYPES:
-            nbytes = self._bytes_moved(t, decision)
-            return self.offload_below_modes(t, decision.dst, group) if nbytes else None
-        nbytes = t.nbytes
+        # (a zero tensor, forward AD's, and a layout other than strided are told by their storage below)
+        if t.is_neg() or t.is_nested or dtype not in _REAL_DTYPES:
+            return self._offload_saved_slowly(t, decision, group)
+        try:
+            nbytes = t.nbytes
+        except RuntimeError:  # (a sparse tensor: below)
+            return self._offload_saved_slowly(t, decision, group)
         if nbytes < decision.min_bytes:
             return None
         dst = decision.dst
         with self._lock:
-            storage = t.untyped_storage()
+            try:
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+            except RuntimeError:
+                # (no storage to copy: sparse or mkldnn tensors raise NotImplementedError, a RuntimeError; a zero
+                # tensor, forward AD's, has no data pointer; _bytes_moved keeps them all)
+                return self._offload_saved_slowly(t, decision, group)
             total = storage.nbytes()
-            key = storage.data_ptr()
             device = _CPU
-            route = self._routes.get((device, dst)) or self._route(device, dst)
+            to = self._from_cpu.get(dst) or self._plain_from_cpu(dst)
             # (not a bool: its copy writes 1 for every nonzero byte, and a view of another dtype may share it)
-            if route[0] or route[1] or key in grp.by_storage or nbytes != total or t.storage_offset() \
+            if to is None or key in grp.by_storage or nbytes != total or t.storage_offset() \
                     or not t.is_contiguous() or dtype is _BOOL:
                 return self._offload(t, dst, grp)
             # copied synchronously (not kept: NOTE [keep last]), the copy has read the bytes when it returns (NOTE
@@ -846,7 +855,6 @@ class OffloadEngine:
             o.pending = o.round = 0
             self._next_cid += 1
             src = t if not _is_grad_enabled() else t.detach()
-            to = route[2]
             o.host = src.clone() if to is device or device == to else src.to(to, copy=True)
             self._solos += 1
             self._solo_bytes += total
@@ -855,7 +863,10 @@ class OffloadEngine:
             # (weakref.ref gives the storage's one weak reference while it lives: a token shared by its copies)
             origins = grp.origins
             oid = id(origin)
-            origins[oid] = origins.get(oid, 0) + 1
+            if oid in origins:  # (a storage copied before, written since: NOTE [one copy per storage])
+                origins[oid] += 1
+            else:
+                origins[oid] = 1
             oref: weakref.ref[_Copy] = weakref.ref(o)
             grp.copies.append(oref)
             base = t._base
@@ -871,6 +882,10 @@ class OffloadEngine:
             if grp.spans:
                 self._take_spans(grp, key, o, t if base is None else base)
             return o
+
+    def _offload_saved_slowly(self, t: torch.Tensor, decision: Any, group: Any) -> Offloaded | None:
+        """:meth:`offload_saved` of a tensor its common case does not take."""
+        return self.offload_below_modes(t, decision.dst, group) if self._bytes_moved(t, decision) else None
 
     def group(self, key: Any) -> _Group:
         """The group of the remat call ``key`` (made now if it has none), to pass as ``group`` to
@@ -1081,6 +1096,15 @@ class OffloadEngine:
         route = self._routes[(device, dst)] = (self._type(device) in self._keep_devices,
                                                self._asynchronous(device, to), to)
         return route
+
+    def _plain_from_cpu(self, dst: str) -> torch.device | None:
+        """The device ``dst`` names if a copy from the CPU there is synchronous and kept nowhere (:meth:`_route`),
+        else None: ``offload_saved``'s common case looks it up once per saved tensor (a route's lookup and two of its
+        fields cost ~0.15 us more)."""
+        keep, asynchronous, to = self._routes.get((_CPU, dst)) or self._route(_CPU, dst)
+        plain = None if keep or asynchronous else to
+        self._from_cpu[dst] = plain
+        return plain
 
     def _asynchronous(self, src: torch.device, dst: torch.device) -> bool:
         """Whether a copy from ``src`` to ``dst`` runs asynchronously, into a pinned buffer (else: synchronously,

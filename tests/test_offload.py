@@ -1723,19 +1723,44 @@ def test_offload_saved_matches_the_general_path_tensor_for_tensor(grad: bool) ->
     assert (got["saved"][2], got["general"][2]) == (len(saves()) - 3, len(saves()))
 
 
-def test_offload_saved_keeps_what_the_decision_does_not_move() -> None:
+@pytest.mark.parametrize("grouped", [False, True], ids=["no-group", "a-calls-group"])
+def test_offload_saved_keeps_what_the_decision_does_not_move(grouped: bool) -> None:
     """offload_saved returns None (the caller keeps the tensor) where applies says no: too small, another device,
-    a conjugate or negative view, a quantized tensor, forward AD's zero tensor."""
+    a conjugate or negative view, a quantized tensor, forward AD's zero tensor, a nested tensor, a sparse or mkldnn
+    one. With a call's group, the CPU's common case asks its own questions first (it tells a zero tensor and a
+    layout other than strided by their storage): this runs them all through it."""
     eng = OffloadEngine()
-    assert eng.offload_saved(torch.randn(4), Offloadable(None, "cpu", 1 << 20)) is None
-    assert eng.offload_saved(torch.randn(4), Offloadable("cuda", "cpu", 0)) is None
+
+    class Call:
+        pass
+
+    call = Call()
+    grp = eng.group(call) if grouped else None
+
+    def moved(t: torch.Tensor, decision: Offloadable) -> bool:
+        return eng.offload_saved(t, decision, grp) is not None
+
     every = Offloadable(None, "cpu", 0)
-    assert eng.offload_saved(torch.randn(4, dtype=torch.complex64).conj(), every) is None
-    assert eng.offload_saved(torch._neg_view(torch.randn(4)), every) is None
-    assert eng.offload_saved(torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8), every) is None
-    assert eng.offload_saved(torch._efficientzerotensor(4), every) is None
+    kept = {
+        "too small": (torch.randn(4), Offloadable(None, "cpu", 1 << 20)),
+        "another device": (torch.randn(4), Offloadable("cuda", "cpu", 0)),
+        "conjugate": (torch.randn(4, dtype=torch.complex64).conj(), every),
+        "negative": (torch._neg_view(torch.randn(4)), every),
+        "quantized": (torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8), every),
+        "zero tensor": (torch._efficientzerotensor(4), every),
+        "nested": (torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)]), every),
+        "sparse coo": (torch.randn(3, 3).to_sparse(), every),
+        "sparse csr": (torch.randn(3, 3).to_sparse_csr(), every),
+        "sparse csc": (torch.randn(3, 3).to_sparse_csc(), every),
+    }
+    if torch.backends.mkldnn.is_available():
+        kept["mkldnn"] = (torch.randn(3, 3).to_mkldnn(), every)
+    for what, (t, decision) in kept.items():
+        assert not moved(t, decision), what
     assert eng.stats["offloaded"] == 0
-    assert eng.offload_saved(torch.randn(4, dtype=torch.complex64), every) is not None  # (no bit: moved)
+    assert moved(torch.randn(4, dtype=torch.complex64), every)  # (no bit: moved)
+    assert moved(torch.randn(4), every) and moved(torch.arange(4), every)
+    assert eng.stats["offloaded"] == 3
 
 
 def test_a_planned_calls_whole_tensors_take_offload_saveds_common_case() -> None:
