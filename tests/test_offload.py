@@ -1791,3 +1791,35 @@ def test_a_planned_calls_whole_tensors_take_offload_saveds_common_case() -> None
             assert eng.stats["copies"] - copies == 4  # the three exps' and tanh's outputs (sin saves x, held)
             if call > 0:
                 assert Spy.general == 1, (call, Spy.general)
+
+
+def test_a_solo_handle_is_its_own_copy_shared_by_later_views_and_freed_with_them() -> None:
+    """NOTE [solo handles]: the common case's handle is its own host copy; a view of the same storage saved later
+    reads that copy through a handle of its own, before and after autograd lets the solo go unread; once both die,
+    nothing holds the copy; the counters count the solo once each, whenever stats is read."""
+    eng = OffloadEngine()
+
+    class Call:
+        pass
+
+    call = Call()
+    grp = eng.group(call)
+    every = Offloadable(None, "cpu", 0)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    solo = eng.offload_saved(x, every, grp)
+    assert solo is not None and solo.copy is solo and solo.host is not None  # (one object: the handle is the copy)
+    assert eng.stats["copies"] == 1 and eng.stats["offloaded"] == 1 and eng.stats["offloaded_bytes"] == x.nbytes
+    view = eng.offload_saved(x.t(), every, grp)
+    assert view is not None and view.copy is solo and solo.live == 2  # (shares the solo's bytes, not a new copy)
+    assert eng.stats["copies"] == 1 and eng.stats["offloaded"] == 2 and eng.stats["shared"] == 1
+    expected = x.clone()
+    del x
+    assert torch.equal(eng.fetch(solo), expected)
+    solo_ref = weakref.ref(solo)
+    del solo  # (read, then let go: the view's handle holds the copy)
+    assert solo_ref() is not None
+    got = eng.fetch(view)
+    assert torch.equal(got, expected.t()) and got.stride() == expected.t().stride()
+    del view, got
+    gc.collect()
+    assert solo_ref() is None  # (nothing else held the copy: not the group, not the engine)
