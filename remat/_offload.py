@@ -836,9 +836,9 @@ class OffloadEngine:
             total = storage.nbytes()
             device = _CPU
             to = self._from_cpu.get(dst) or self._plain_from_cpu(dst)
-            # (not a bool: its copy writes 1 for every nonzero byte, and a view of another dtype may share it)
-            if to is None or key in grp.by_storage or nbytes != total or t.storage_offset() \
-                    or not t.is_contiguous() or dtype is _BOOL:
+            # (contiguous, as many bytes as its storage: it starts at byte 0, no storage offset to ask. Not a bool:
+            # its copy writes 1 for every nonzero byte, and a view of another dtype may share it)
+            if to is None or key in grp.by_storage or nbytes != total or not t.is_contiguous() or dtype is _BOOL:
                 return self._offload(t, dst, grp)
             # copied synchronously (not kept: NOTE [keep last]), the copy has read the bytes when it returns (NOTE
             # [written while copied] holds nothing); it copies t itself, so the host copy is of t's dtype, which fetch
