@@ -820,7 +820,7 @@ class OffloadEngine:
             return self._offload_saved_slowly(t, decision, group)
         try:
             nbytes = t.nbytes
-        except RuntimeError:  # (a sparse tensor: below)
+        except RuntimeError:  # (a sparse tensor has no nbytes; _bytes_moved keeps it)
             return self._offload_saved_slowly(t, decision, group)
         if nbytes < decision.min_bytes:
             return None
