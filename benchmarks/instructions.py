@@ -1,4 +1,4 @@
-"""Instructions per op of remat's forward pass against torch's checkpointing, counted by callgrind, not timed.
+"""Instructions per op of remat's forward and backward passes against torch's checkpointing, counted by callgrind.
 
 ``overhead.py``'s wall-clock ratios move with the machine: on one 2-core machine
 remat's ``dots_saveable`` cost 0.42-0.46 of torch's selective checkpointing per op,
@@ -6,16 +6,26 @@ on a faster one 0.50-0.54. An instruction count does not depend on the machine's
 load or clock, so it tells a change in remat's own work from the machine's noise,
 and a ratio that holds on every machine from one that holds on the one it ran on.
 
-Each configuration of ``overhead.py`` (the ``block`` workload) runs in four
-processes under ``valgrind --tool=callgrind``: 1 and ``--long`` blocks, each with
-``--warm`` forward and backward steps, then ``--warm`` or ``--warm + --calls``
-forward calls with the garbage collector off (each output let go at once). The
-per-op count is ``((I[long, more] - I[long, fewer]) - (I[1, more] - I[1, fewer]))``
-over ``--calls`` and the ops between the two lengths: imports, warm-up and the
-per-call cost cancel. Plain autograd's count is subtracted from every row.
+Each configuration of ``overhead.py`` (the ``block`` workload; the names row with
+its matmuls tagged, as there) runs in six processes under
+``valgrind --tool=callgrind``: 1 and ``--long`` blocks, each with ``--warm`` forward
+and backward steps, then, with the garbage collector off:
 
-    python benchmarks/instructions.py                  # needs valgrind; ~30 min on 2 cores
+- ``--warm`` forward calls (each output let go at once);
+- ``--warm + --calls`` forward calls;
+- ``--warm + --calls`` forward calls, the last ``--calls`` of them each followed by
+  its backward pass (``torch.autograd.grad`` of the output's sum).
+
+The forward count per op is ``((I[long, more] - I[long, fewer]) - (I[1, more] -
+I[1, fewer]))`` over ``--calls`` and the ops between the two lengths; the backward's
+is the same difference between the third and second processes (the recompute, the
+hooks and the backward's own kernels, less what letting a graph go unread costs:
+the forward's count has that). Imports, warm-up and the per-call cost cancel, and
+plain autograd's count is subtracted from every row.
+
+    python benchmarks/instructions.py                  # needs valgrind; ~1 h on 2 cores
     python benchmarks/instructions.py --configs "plain,remat dots_saveable" --jobs 2
+    python benchmarks/instructions.py --passes backward --configs "plain,torch SAC (matmuls),remat names('mm')"
 """
 
 from __future__ import annotations
@@ -35,7 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overhead  # noqa: E402
 
 DEFAULT = ["plain", "empty dispatch mode", "torch checkpoint", "torch SAC (matmuls)", "remat save-nothing",
-           "remat dots_saveable", "remat offload (min_bytes=0)"]
+           "remat dots_saveable", "remat names('mm')", "remat custom callable", "remat offload (min_bytes=0)"]
+PASSES = ("forward", "backward")
 
 
 def inputs() -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,28 +55,32 @@ def inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 16, requires_grad=True), torch.randn(4, 16)
 
 
-def child(config: str, blocks: int, warm: int, calls: int) -> torch.Tensor | None:
-    """The process callgrind counts: warm up, then ``calls`` forward calls (the last one's output returned)."""
+def child(config: str, blocks: int, warm: int, calls: int, grads: int = 0) -> torch.Tensor | None:
+    """The process callgrind counts: warm up, then ``calls`` forward calls, the last ``grads`` of them each followed
+    by its backward pass (the last call's output returned)."""
     torch.set_num_threads(1)
-    f = overhead.configs()[config](overhead.block(blocks))
+    f = overhead.configs()[config](overhead.block(blocks, "names" in config))
     W, x = inputs()
     for _ in range(warm):
         torch.autograd.grad(f(W, x).sum(), (W,))
     gc.collect()
     gc.disable()
     out = None
-    for _ in range(calls):
+    for i in range(calls):
         out = f(W, x)
+        if i >= calls - grads:
+            torch.autograd.grad(out.sum(), (W,))
     return out
 
 
-def count(config: str, blocks: int, warm: int, calls: int) -> int:
+def count(config: str, blocks: int, warm: int, calls: int, grads: int) -> int:
     """Instructions of one child process, from callgrind's totals."""
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "cg.out")
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        # (a fixed hash seed: with a random one, the same process's count moves by a few per cent from run to run)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
         subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
-                        os.path.abspath(__file__), "--child", config, str(blocks), str(warm), str(calls)],
+                        os.path.abspath(__file__), "--child", config, str(blocks), str(warm), str(calls), str(grads)],
                        check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with open(out) as fh:
             for line in fh:
@@ -74,16 +89,28 @@ def count(config: str, blocks: int, warm: int, calls: int) -> int:
     raise RuntimeError(f"no totals in callgrind's output for {config!r}")
 
 
-def per_op(got: dict[tuple[str, int, int], int], configs: list[str], long: int, warm: int, calls: int,
-           d_ops: int) -> dict[str, float]:
-    """Instructions per op above plain autograd's, per configuration, from the counts ``got[config, blocks, calls
-    made]`` of the four processes each (``d_ops``: the ops between 1 and ``long`` blocks)."""
-    def of(c: str) -> float:
-        more = (got[c, long, warm + calls] - got[c, long, warm]) - (got[c, 1, warm + calls] - got[c, 1, warm])
-        return more / calls / d_ops
+def runs(configs: list[str], long: int, warm: int, calls: int, passes: list[str]) -> list[tuple[str, int, int, int]]:
+    """The processes to count: ``(config, blocks, forward calls, backward passes)``."""
+    made = [(warm, 0), (warm + calls, 0)] if "forward" in passes else [(warm + calls, 0)]
+    if "backward" in passes:
+        made.append((warm + calls, calls))
+    return [(c, b, n, g) for c in configs for b in (1, long) for n, g in made]
+
+
+def costs(got: dict[tuple[str, int, int, int], int], configs: list[str], long: int, warm: int, calls: int,
+          n_ops: dict[int, int], pass_: str = "forward") -> dict[str, tuple[float, float]]:
+    """Instructions per op and per call of one pass above plain autograd's, per configuration, from the counts
+    ``got[config, blocks, forward calls, backward passes]`` (``n_ops``: the ops a call of 1 and ``long`` blocks
+    dispatches). Per op: the slope between the two lengths; per call: what is left at 1 block."""
+    fewer, more = ((warm, 0), (warm + calls, 0)) if pass_ == "forward" else ((warm + calls, 0), (warm + calls, calls))
+
+    def of(c: str) -> tuple[float, float]:
+        short, big = ((got[(c, b, *more)] - got[(c, b, *fewer)]) / calls for b in (1, long))
+        op = (big - short) / (n_ops[long] - n_ops[1])
+        return op, short - op * n_ops[1]
 
     plain = of("plain")
-    return {c: of(c) - plain for c in configs}
+    return {c: (op - plain[0], call - plain[1]) for c in configs for op, call in [of(c)]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,12 +120,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warm", type=int, default=10)
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--jobs", type=int, default=2, help="processes under valgrind at once")
-    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--passes", default=",".join(PASSES), help="forward, backward or both (comma-separated)")
+    ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        c, b, w, n = args.child
-        child(c, int(b), int(w), int(n))
+        c, b, w, n, g = args.child
+        child(c, int(b), int(w), int(n), int(g))
         return
+    passes = [p.strip() for p in args.passes.split(",") if p.strip()]
+    if not passes or set(passes) - set(PASSES):
+        sys.exit(f"--passes takes forward, backward or both, comma-separated; got {args.passes!r}")
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if "plain" not in configs:
         configs.insert(0, "plain")
@@ -108,22 +139,28 @@ def main(argv: list[str] | None = None) -> None:
     if shutil.which("valgrind") is None:
         sys.exit("instructions.py needs valgrind (apt install valgrind)")
     n_ops = {b: overhead.count_ops(overhead.block(b), *inputs()) for b in (1, args.long)}
-    runs = [(c, b, n) for c in configs for b in (1, args.long) for n in (args.warm, args.warm + args.calls)]
+    todo = runs(configs, args.long, args.warm, args.calls, passes)
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        got = dict(zip(runs, pool.map(lambda r: count(r[0], r[1], args.warm, r[2]), runs)))
+        got = dict(zip(todo, pool.map(lambda r: count(r[0], r[1], args.warm, r[2], r[3]), todo)))
 
-    rows = per_op(got, configs, args.long, args.warm, args.calls, n_ops[args.long] - n_ops[1])
-    print(f"block: {n_ops[1]} and {n_ops[args.long]} ATen ops per call, forward only, {args.calls} calls after "
-          f"{args.warm} steps, gc off; callgrind instructions; torch {torch.__version__}, Python "
+    table = {p: costs(got, configs, args.long, args.warm, args.calls, n_ops, p) for p in passes}
+    print(f"block: {n_ops[1]} and {n_ops[args.long]} ATen ops per call (the plain blocks' forward), {args.calls} "
+          f"calls after {args.warm} steps, gc off; callgrind instructions; torch {torch.__version__}, Python "
           f"{sys.version.split()[0]}")
-    print("instructions per op above plain autograd; vs torch: over the peer's (save-nothing: torch checkpoint; "
-          "every other policy: torch SAC)")
-    print(f"{'configuration':<28} {'instr/op':>9}  {'vs torch':>8}")
-    print(f"{'-' * 28} {'-' * 9}  {'-' * 8}")
-    for c, v in rows.items():
+    print("instructions above plain autograd, per op and per call (backward: the recompute, the hooks and the "
+          "backward's kernels); vs torch: over the peer's (save-nothing: torch checkpoint; every other policy: "
+          "torch SAC), " + " / ".join(passes))
+    short = {"forward": "fwd", "backward": "bwd"}
+    cols = [f"{short[p]}/op" for p in passes] + [f"{short[p]}/call" for p in passes] + ["vs torch/op", "vs torch/call"]
+    print(f"{'configuration':<28} " + "  ".join(f"{h:>13}" for h in cols))
+    print(f"{'-' * 28} " + "  ".join("-" * 13 for _ in cols))
+    for c in configs:
         peer = "torch checkpoint" if c == "remat save-nothing" else "torch SAC (matmuls)"
-        ratio = f"{v / rows[peer]:.2f}" if c.startswith("remat ") and rows.get(peer, 0) > 0 else ""
-        print(f"{c:<28} {v:>9.0f}  {ratio:>8}")
+        cells = [f"{table[p][c][k]:.0f}" for k in (0, 1) for p in passes]
+        for k in (0, 1):
+            ratios = [f"{table[p][c][k] / table[p][peer][k]:.2f}" if table[p][peer][k] > 0 else "-" for p in passes]
+            cells.append("/".join(ratios) if c.startswith("remat ") and peer in table[passes[0]] else "")
+        print(f"{c:<28} " + "  ".join(f"{v:>13}" for v in cells))
 
 
 if __name__ == "__main__":

@@ -247,16 +247,52 @@ def test_measure_shuffles_the_order_of_each_round():
 
 def test_instruction_counts_per_op_cancel_imports_warmup_and_the_call() -> None:
     """benchmarks/instructions.py: per op = the long call's extra instructions over the short one's, per extra
-    op and call, plain autograd's subtracted (counts made up: imports 1000, warm-up 50, 7 a call, ops 3/2/1 each)."""
+    op and call; per call = what is left at 1 block; plain autograd's subtracted; for the forward (more calls against
+    fewer) and the backward (as many calls, with and without their backward passes). Counts made up: imports 1000,
+    warm-up 50; a call costs 7 + 2 * cost forward and 11 + 5 * cost backward, each of its 10 ops a block 1 + cost
+    forward and 2 + 3 * cost backward."""
     mod = _load_benchmark("instructions")
     cost = {"plain": 1, "torch SAC (matmuls)": 9, "remat dots_saveable": 4}
+    configs = list(cost)
 
-    def total(c: str, blocks: int, calls: int) -> int:
-        return 1000 + 50 * blocks + calls * (7 + 10 * blocks * (1 + cost[c]))  # (10 ops a block)
+    def total(c: str, blocks: int, calls: int, grads: int) -> int:
+        fwd = calls * (7 + 2 * cost[c] + 10 * blocks * (1 + cost[c]))
+        bwd = grads * (11 + 5 * cost[c] + 10 * blocks * (2 + 3 * cost[c]))
+        return 1000 + 50 * blocks + fwd + bwd
 
-    got = {(c, b, n): total(c, b, n) for c in cost for b in (1, 4) for n in (10, 110)}
-    rows = mod.per_op(got, list(cost), 4, 10, 100, 30)
-    assert rows == {"plain": 0.0, "torch SAC (matmuls)": 8.0, "remat dots_saveable": 3.0}
+    todo = mod.runs(configs, 4, 10, 100, ["forward", "backward"])
+    assert len(todo) == len(set(todo)) == 3 * 2 * 3
+    got = {r: total(*r) for r in todo}
+    n_ops = {1: 10, 4: 40}
+    assert mod.costs(got, configs, 4, 10, 100, n_ops) == {
+        "plain": (0.0, 0.0), "torch SAC (matmuls)": (8.0, 16.0), "remat dots_saveable": (3.0, 6.0)}
+    assert mod.costs(got, configs, 4, 10, 100, n_ops, "backward") == {
+        "plain": (0.0, 0.0), "torch SAC (matmuls)": (24.0, 40.0), "remat dots_saveable": (9.0, 15.0)}
+    # one pass asks for its processes only
+    assert len(mod.runs(configs, 4, 10, 100, ["backward"])) == 3 * 2 * 2
+    assert len(mod.runs(configs, 4, 10, 100, ["forward"])) == 3 * 2 * 2
+
+
+def test_instruction_count_table(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/instructions.py's table from counts made up as above (no valgrind run): per op and per call, each
+    pass, and each remat row over its peer's, forward/backward."""
+    mod = _load_benchmark("instructions")
+    cost = {"plain": 1, "torch checkpoint": 5, "torch SAC (matmuls)": 9, "remat save-nothing": 3,
+            "remat dots_saveable": 4}
+    ops = mod.overhead.count_ops(mod.overhead.block(1), *mod.inputs())
+
+    def fake(c: str, blocks: int, warm: int, calls: int, grads: int) -> int:
+        return (1000 + calls * (7 + 2 * cost[c] + ops * blocks * (1 + cost[c]))
+                + grads * (11 + 5 * cost[c] + ops * blocks * (2 + 3 * cost[c])))
+
+    monkeypatch.setattr(mod, "count", fake)
+    monkeypatch.setattr(mod.shutil, "which", lambda _: "/usr/bin/valgrind")
+    mod.main(["--configs", ",".join(cost), "--jobs", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    row = {line.split("  ")[0].strip(): line.split() for line in lines if line.startswith(("torch", "remat"))}
+    assert row["remat dots_saveable"][-6:] == ["3", "9", "6", "15", "0.38/0.38", "0.38/0.38"], lines
+    assert row["remat save-nothing"][-6:] == ["2", "6", "4", "10", "0.50/0.50", "0.50/0.50"], lines
+    assert row["torch SAC (matmuls)"][-4:] == ["8", "24", "16", "40"], lines
 
 
 def test_instruction_count_child_runs_each_configuration_and_unknown_ones_are_refused() -> None:
@@ -266,9 +302,13 @@ def test_instruction_count_child_runs_each_configuration_and_unknown_ones_are_re
     W, x = mod.inputs()
     want = mod.overhead.block(2)(W, x)
     for config in mod.DEFAULT:
-        out = mod.child(config, 2, 1, 2)
-        assert out is not None and out.requires_grad, config
-        torch.testing.assert_close(out, want, rtol=0, atol=0, msg=config)
+        for grads in (0, 1):
+            out = mod.child(config, 2, 1, 2, grads)
+            assert out is not None and out.requires_grad, config
+            torch.testing.assert_close(out, want, rtol=0, atol=0, msg=config)
     with pytest.raises(SystemExit) as e:
         mod.main(["--configs", "remat dots"])
     assert "unknown configuration(s) ['remat dots']" in str(e.value) and "remat dots_saveable" in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--passes", "backwards"])
+    assert "--passes takes forward, backward or both" in str(e.value)
