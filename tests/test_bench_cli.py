@@ -245,32 +245,42 @@ def test_measure_shuffles_the_order_of_each_round():
     assert orders() == first
 
 
+def _made_up_count(cost: dict[str, int], ops: int) -> Any:
+    """Instructions of a counted process, made up: imports 1000; a call costs 7 + 2 * cost forward and 11 + 5 * cost
+    backward, each of its ``ops`` ops a block 1 + cost forward and 2 + 3 * cost backward; a call of ``two_ops``
+    (0 blocks) 20 * cost forward and 30 * cost backward."""
+    def total(c: str, blocks: int, calls: int, grads: int) -> int:
+        if blocks == 0:
+            return 1000 + calls * 20 * cost[c] + grads * 30 * cost[c]
+        fwd = calls * (7 + 2 * cost[c] + ops * blocks * (1 + cost[c]))
+        bwd = grads * (11 + 5 * cost[c] + ops * blocks * (2 + 3 * cost[c]))
+        return 1000 + 50 * blocks + fwd + bwd
+
+    return total
+
+
 def test_instruction_counts_per_op_cancel_imports_warmup_and_the_call() -> None:
     """benchmarks/instructions.py: per op = the long call's extra instructions over the short one's, per extra
-    op and call; per call = what is left at 1 block; plain autograd's subtracted; for the forward (more calls against
-    fewer) and the backward (as many calls, with and without their backward passes). Counts made up: imports 1000,
-    warm-up 50; a call costs 7 + 2 * cost forward and 11 + 5 * cost backward, each of its 10 ops a block 1 + cost
-    forward and 2 + 3 * cost backward."""
+    op and call; per call = a call of two_ops; plain autograd's subtracted; for the forward (more calls against
+    fewer) and the backward (as many calls, with and without their backward passes)."""
     mod = _load_benchmark("instructions")
     cost = {"plain": 1, "torch SAC (matmuls)": 9, "remat dots_saveable": 4}
     configs = list(cost)
-
-    def total(c: str, blocks: int, calls: int, grads: int) -> int:
-        fwd = calls * (7 + 2 * cost[c] + 10 * blocks * (1 + cost[c]))
-        bwd = grads * (11 + 5 * cost[c] + 10 * blocks * (2 + 3 * cost[c]))
-        return 1000 + 50 * blocks + fwd + bwd
-
+    total = _made_up_count(cost, 10)
     todo = mod.runs(configs, 4, 10, 100, ["forward", "backward"])
-    assert len(todo) == len(set(todo)) == 3 * 2 * 3
+    assert len(todo) == len(set(todo)) == 3 * 3 * 3
     got = {r: total(*r) for r in todo}
     n_ops = {1: 10, 4: 40}
     assert mod.costs(got, configs, 4, 10, 100, n_ops) == {
-        "plain": (0.0, 0.0), "torch SAC (matmuls)": (8.0, 16.0), "remat dots_saveable": (3.0, 6.0)}
+        "plain": (0.0, 0.0), "torch SAC (matmuls)": (8.0, 160.0), "remat dots_saveable": (3.0, 60.0)}
     assert mod.costs(got, configs, 4, 10, 100, n_ops, "backward") == {
-        "plain": (0.0, 0.0), "torch SAC (matmuls)": (24.0, 40.0), "remat dots_saveable": (9.0, 15.0)}
-    # one pass asks for its processes only
-    assert len(mod.runs(configs, 4, 10, 100, ["backward"])) == 3 * 2 * 2
-    assert len(mod.runs(configs, 4, 10, 100, ["forward"])) == 3 * 2 * 2
+        "plain": (0.0, 0.0), "torch SAC (matmuls)": (24.0, 240.0), "remat dots_saveable": (9.0, 90.0)}
+    # one pass, or one of the costs, asks for its processes only, and the other cost is not made up
+    assert len(mod.runs(configs, 4, 10, 100, ["backward"])) == 3 * 3 * 2
+    assert len(mod.runs(configs, 4, 10, 100, ["forward"])) == 3 * 3 * 2
+    calls = mod.runs(configs, 4, 10, 100, ["forward", "backward"], ("call",))
+    assert {r[1] for r in calls} == {0} and len(calls) == 3 * 3
+    assert mod.costs({r: total(*r) for r in calls}, configs, 4, 10, 100, n_ops)["remat dots_saveable"] == (None, 60.0)
 
 
 def test_instruction_count_table(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -279,20 +289,22 @@ def test_instruction_count_table(monkeypatch: pytest.MonkeyPatch, capsys: pytest
     mod = _load_benchmark("instructions")
     cost = {"plain": 1, "torch checkpoint": 5, "torch SAC (matmuls)": 9, "remat save-nothing": 3,
             "remat dots_saveable": 4}
-    ops = mod.overhead.count_ops(mod.overhead.block(1), *mod.inputs())
-
-    def fake(c: str, blocks: int, warm: int, calls: int, grads: int) -> int:
-        return (1000 + calls * (7 + 2 * cost[c] + ops * blocks * (1 + cost[c]))
-                + grads * (11 + 5 * cost[c] + ops * blocks * (2 + 3 * cost[c])))
-
-    monkeypatch.setattr(mod, "count", fake)
+    total = _made_up_count(cost, mod.overhead.count_ops(mod.overhead.block(1), *mod.inputs()))
+    monkeypatch.setattr(mod, "count", lambda c, b, w, n, g: total(c, b, n, g))
     monkeypatch.setattr(mod.shutil, "which", lambda _: "/usr/bin/valgrind")
     mod.main(["--configs", ",".join(cost), "--jobs", "1"])
     lines = capsys.readouterr().out.splitlines()
     row = {line.split("  ")[0].strip(): line.split() for line in lines if line.startswith(("torch", "remat"))}
-    assert row["remat dots_saveable"][-6:] == ["3", "9", "6", "15", "0.38/0.38", "0.38/0.38"], lines
-    assert row["remat save-nothing"][-6:] == ["2", "6", "4", "10", "0.50/0.50", "0.50/0.50"], lines
-    assert row["torch SAC (matmuls)"][-4:] == ["8", "24", "16", "40"], lines
+    assert row["remat dots_saveable"][-6:] == ["3", "9", "60", "90", "0.38/0.38", "0.38/0.38"], lines
+    assert row["remat save-nothing"][-6:] == ["2", "6", "40", "60", "0.50/0.50", "0.50/0.50"], lines
+    assert row["torch SAC (matmuls)"][-4:] == ["8", "24", "160", "240"], lines
+    mod.main(["--configs", ",".join(cost), "--jobs", "1", "--per", "call", "--passes", "backward"])
+    lines = capsys.readouterr().out.splitlines()
+    row = {line.split("  ")[0].strip(): line.split() for line in lines if line.startswith(("torch", "remat"))}
+    assert row["remat dots_saveable"][-2:] == ["90", "0.38"], lines
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--per", "calls"])
+    assert "--per takes op, call or both" in str(e.value)
 
 
 def test_instruction_count_child_runs_each_configuration_and_unknown_ones_are_refused() -> None:
@@ -306,6 +318,9 @@ def test_instruction_count_child_runs_each_configuration_and_unknown_ones_are_re
             out = mod.child(config, 2, 1, 2, grads)
             assert out is not None and out.requires_grad, config
             torch.testing.assert_close(out, want, rtol=0, atol=0, msg=config)
+            out = mod.child(config, 0, 1, 2, grads)  # (a call of two_ops)
+            assert out is not None and out.requires_grad, config
+            torch.testing.assert_close(out, torch.sin(torch.sin(W)), rtol=0, atol=0, msg=config)
     with pytest.raises(SystemExit) as e:
         mod.main(["--configs", "remat dots"])
     assert "unknown configuration(s) ['remat dots']" in str(e.value) and "remat dots_saveable" in str(e.value)
