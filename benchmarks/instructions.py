@@ -1,4 +1,4 @@
-"""Instructions per op of remat's forward and backward passes against torch's checkpointing, counted by callgrind.
+"""Instructions per op and per call of remat's forward and backward passes against torch's checkpointing (callgrind).
 
 ``overhead.py``'s wall-clock ratios move with the machine: on one 2-core machine
 remat's ``dots_saveable`` cost 0.42-0.46 of torch's selective checkpointing per op,
@@ -32,7 +32,7 @@ costs more per op on the 4-block call than on the 1-block one (its per-op slope
 from 1 to 4 blocks puts its per-call intercept at ~31 k instructions forward and
 below zero backward), so an intercept tells little of what a call costs.
 
-    python benchmarks/instructions.py                  # needs valgrind; ~1 h on 2 cores
+    python benchmarks/instructions.py                  # needs valgrind; ~1.5 h on 2 cores
     python benchmarks/instructions.py --configs "plain,remat dots_saveable" --jobs 2
     python benchmarks/instructions.py --passes backward --configs "plain,torch SAC (matmuls),remat names('mm')"
     python benchmarks/instructions.py --per call        # the cost per call only; ~20 min
