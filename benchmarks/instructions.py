@@ -72,9 +72,11 @@ def two_ops(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.sin(torch.sin(W))
 
 
-def child(config: str, blocks: int, warm: int, calls: int, grads: int = 0) -> torch.Tensor | None:
+def child(config: str, blocks: int, warm: int, calls: int,
+          grads: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The process callgrind counts: warm up, then ``calls`` forward calls of ``blocks`` blocks (0: :func:`two_ops`),
-    the last ``grads`` of them each followed by its backward pass (the last call's output returned)."""
+    the last ``grads`` of them each followed by its backward pass (the last call's output and the last backward
+    pass's gradient returned)."""
     torch.set_num_threads(1)
     f = overhead.configs()[config](overhead.block(blocks, "names" in config) if blocks else two_ops)
     W, x = inputs()
@@ -82,12 +84,12 @@ def child(config: str, blocks: int, warm: int, calls: int, grads: int = 0) -> to
         torch.autograd.grad(f(W, x).sum(), (W,))
     gc.collect()
     gc.disable()
-    out = None
+    out = grad = None
     for i in range(calls):
         out = f(W, x)
         if i >= calls - grads:
-            torch.autograd.grad(out.sum(), (W,))
-    return out
+            (grad,) = torch.autograd.grad(out.sum(), (W,))
+    return out, grad
 
 
 def count(config: str, blocks: int, warm: int, calls: int, grads: int) -> int:

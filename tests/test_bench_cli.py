@@ -312,15 +312,19 @@ def test_instruction_count_child_runs_each_configuration_and_unknown_ones_are_re
     a misspelt one is named, with the known ones, before anything runs (valgrind or not)."""
     mod = _load_benchmark("instructions")
     W, x = mod.inputs()
-    want = mod.overhead.block(2)(W, x)
-    for config in mod.DEFAULT:
-        for grads in (0, 1):
-            out = mod.child(config, 2, 1, 2, grads)
-            assert out is not None and out.requires_grad, config
-            torch.testing.assert_close(out, want, rtol=0, atol=0, msg=config)
-            out = mod.child(config, 0, 1, 2, grads)  # (a call of two_ops)
-            assert out is not None and out.requires_grad, config
-            torch.testing.assert_close(out, torch.sin(torch.sin(W)), rtol=0, atol=0, msg=config)
+    for blocks, f in ((2, mod.overhead.block(2)), (0, mod.two_ops)):  # (0: a call of two_ops)
+        want = f(W, x)
+        (want_grad,) = torch.autograd.grad(want.sum(), (W,))
+        for config in mod.DEFAULT:
+            for grads in (0, 1):
+                out, grad = mod.child(config, blocks, 1, 2, grads)
+                assert out is not None and out.requires_grad, config
+                torch.testing.assert_close(out, want, rtol=0, atol=0, msg=config)
+                if grads:  # (the backward pass ran, and its gradient is plain autograd's)
+                    assert grad is not None, config
+                    torch.testing.assert_close(grad, want_grad, msg=config)
+                else:
+                    assert grad is None, config
     with pytest.raises(SystemExit) as e:
         mod.main(["--configs", "remat dots"])
     assert "unknown configuration(s) ['remat dots']" in str(e.value) and "remat dots_saveable" in str(e.value)
