@@ -27,7 +27,8 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["INTERNAL", "PENDING_NAME", "NAMING", "INSPECTOR", "COMPILED_REGIONS", "internal", "naming", "active_context", "activated"]
+__all__ = ["INTERNAL", "PENDING_NAME", "NAMING", "INSPECTOR", "COMPILED_REGIONS", "ACTIVE", "internal", "naming",
+           "active_context", "activated"]
 
 INTERNAL: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_internal", default=False)
 PENDING_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("remat_name", default=None)
@@ -38,7 +39,9 @@ INSPECTOR: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_inspector
 # _compile.py): checkpoint_name tags only inside one. A list, not a ContextVar: Dynamo traces a list's
 # mutation as a side effect of the trace, and reads the new value inside the region it speculates.
 COMPILED_REGIONS: list[int] = [0]
-_ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_active", default=None)
+# the innermost remat context of this thread (active_context(); read as is on hot paths, a frame less)
+ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_active", default=None)
+_ACTIVE = ACTIVE
 
 
 class _Flag:

@@ -211,7 +211,13 @@ from . import _torch_internals as ti
 from ._ambient import AmbientState, no_accumulation
 from ._context import INSPECTOR, INTERNAL, active_context, internal, naming
 from ._dispatch import LIFTS, OpRecord, arg_tensors, dead_value, ignored, storage_key, tensor_leaves, traits
-from ._errors import RematError, input_written_before_backward, input_written_in_forward, saved_shape_differs
+from ._errors import (
+    RematError,
+    input_written_before_backward,
+    input_written_in_forward,
+    saved_shape_differs,
+    saved_written_after_save,
+)
 from ._offload import Offloaded
 from ._packed import DROP, KEEP, OFFLOAD, Made
 from ._policies import Offloadable
@@ -357,7 +363,7 @@ class _Values:
     """NOTE [value recompute]: per op index, the dropped save positions its outputs are (which tensor of the op's,
     which position); per position, how many ops had run when it was saved, and per such count, the positions."""
 
-    __slots__ = ("at_op", "stop", "saved_at", "inputs_at_op", "checked")
+    __slots__ = ("at_op", "one", "stop", "saved_at", "inputs_at_op", "checked")
 
     def __init__(self, sources: dict[int, tuple[int, int, int]]) -> None:
         self.at_op: dict[int, list[tuple[int, int]]] = {}
@@ -370,6 +376,7 @@ class _Values:
             self.saved_at.setdefault(n, []).append(pos)
             if i != n - 1:  # (saved when n ops had run: by op n - 1)
                 self.inputs_at_op.setdefault(i, []).append((k, pos))
+        self.one = {i: want[0][1] for i, want in self.at_op.items() if len(want) == 1 and want[0][0] == 0}
         self.checked = frozenset(pos for want in self.inputs_at_op.values() for _, pos in want)
         self.stop = {pos: src[2] for pos, src in sources.items()}
 
@@ -534,7 +541,7 @@ class FastFrame:
         self.n = 0  # tensors saved so far
         self.drops: dict[int, tuple[Any, ...]] = {}  # position -> shape, dtype, class of the node that made it
         self.last_drop = -1
-        self.cache: dict[int, torch.Tensor] = {}  # recomputed, not read yet (a Made once a recompute ran)
+        self.cache = Made({}, {})  # recomputed, not read yet
         self.forwarding = False
         self.recomputes = 0
         self.held: dict[int, list[Any]] = {}  # op index -> its outputs, detached or offloaded (NOTE [planned calls])
@@ -584,7 +591,7 @@ class FastFrame:
             if self.kept_raw:
                 self._detach_kept()
             self.sources.clear()  # (the positions that saved another tensor, or were not reached)
-            self.cache = {}  # what a backward pass inside the forward pass recomputed
+            self.cache = Made({}, {})  # what a backward pass inside the forward pass recomputed
         if self.diverged:
             self.refuse()
         for i, vals in list(self.held.items()):
@@ -805,16 +812,24 @@ class FastFrame:
 
     def unpack(self, p: Any) -> torch.Tensor:
         if type(p) is int:
+            # (each position has one reader, its node: a recomputed one is taken without the lock; Made.take inline,
+            # on the hot path: every dropped tensor passes here)
             cache = self.cache
-            if p in cache:  # (each position has one reader, its node: a recomputed one is taken without the lock)
-                return cache.take(self.fn_name, p)  # type: ignore[no-any-return,attr-defined]
+            t = cache.pop(p, None)
+            if t is not None:
+                v0 = cache.versions.get(p)
+                if v0 is not None and v0 != (t._version if cache.plain else ti.unwrap_all(t)._version):
+                    raise saved_written_after_save(self.fn_name, p, t, v0, ti.unwrap_all(t)._version)
+                return t
             with self._lock:
-                if p not in self.cache:
-                    # not recomputed yet in this backward pass, or read once already (a second backward pass)
-                    self.cache = self._recompute()
-                    if not self.forwarding:
-                        ti.queue_backward_callback(_release(self))
-                return self.cache.take(self.fn_name, p)  # type: ignore[union-attr]
+                t = self.cache.take_if_made(self.fn_name, p)
+                if t is not None:
+                    return t
+                # not recomputed yet in this backward pass, or read once already (a second backward pass)
+                self.cache = self._recompute()
+                if not self.forwarding:
+                    ti.queue_backward_callback(_release(self))
+                return self.cache.take(self.fn_name, p)
         if type(p) is _In:
             t = self.flat[p.slot]
             if t._version != p.version:
@@ -972,13 +987,6 @@ def _version_of(v: Any) -> int | None:
     return v._version if isinstance(v, torch.Tensor) else None
 
 
-def _lets_go(mode: Any) -> bool:
-    """NOTE [skipped tags]: whether planned mode ``mode`` (a tap or a replay) lets the tag at its next op index go."""
-    i = mode.i
-    return (i < mode.limit and i in mode.skip_names and threading.get_ident() == mode.thread
-            and ti.no_levels_open())
-
-
 class _Tap(TorchDispatchMode):
     """A planned call's forward pass: count the ops, check each is the plan's, hold the planned outputs."""
 
@@ -1003,8 +1011,9 @@ class _Tap(TorchDispatchMode):
     def skip_name(self) -> bool:
         """NOTE [skipped tags]: whether the tag ``checkpoint_name`` is about to dispatch is one the plan lets go; if
         so, it counts as run."""
-        if _lets_go(self):
-            self.i += 1
+        i = self.i  # (asked once per tag, on a tagged function's hot path: no helper frame)
+        if i < self.limit and i in self.skip_names and threading.get_ident() == self.thread and ti.no_levels_open():
+            self.i = i + 1
             return True
         return False
 
@@ -1132,12 +1141,16 @@ class _ValueReplay(_Replay):
     def __init__(self, frame: FastFrame, skip_dead: bool, values: _Values, stop: int) -> None:
         super().__init__(frame, skip_dead)
         self.at_op = values.at_op  # op index -> (which of its tensors, dropped position)
+        self.one = values.one  # op index -> the dropped position its only tensor is, where it returns one
         self.saved_at = values.saved_at  # ops run -> the dropped positions saved then
         self.stop = stop
         self.made: dict[int, torch.Tensor] = {}
         self.versions: dict[int, int] = {}  # position -> version when saved (NOTE [written after saved])
         self.pending: list[tuple[int, weakref.ref[torch.Tensor]]] = []
         self.drops = frame.drops
+        # the plan's ops that this call followed, then one that is no op: the handler's index never passes the limit
+        # (it stops there), so comparing with the padded entry stands for the bounds check
+        self.ops = (*self.ops[:self.limit], None)
 
     def settle(self, n: int) -> None:
         """``n`` ops have run, and returned through autograd's layers too (an in-place op's version moves above
@@ -1146,21 +1159,27 @@ class _ValueReplay(_Replay):
         that Python holds when it returns, and the function would get another tensor than the one taken (an
         extra ``detach``, taken for the function's own if one comes next)."""
         made = self.made
-        for pos, ref in self.pending:
-            t = ref()
-            if t is None:
-                raise _NeedsGraph  # died before its save (a tensor only an autograd.Function's ctx held)
-            made[pos] = t
-        self.pending = []
-        for pos in self.saved_at.get(n, ()):
-            t = made.get(pos)
-            if t is not None:
-                self.versions[pos] = t._version
+        pending = self.pending
+        if pending:
+            for pos, ref in pending:
+                t = ref()
+                if t is None:
+                    raise _NeedsGraph  # died before its save (a tensor only an autograd.Function's ctx held)
+                made[pos] = t
+            pending.clear()
+        saved = self.saved_at.get(n)
+        if saved is not None:
+            versions = self.versions
+            for pos in saved:
+                t = made.get(pos)
+                if t is not None:
+                    versions[pos] = t._version
 
     def skip_name(self) -> bool:
-        if not _lets_go(self):
+        i = self.i  # (as in _Tap.skip_name)
+        if not (i < self.limit and i in self.skip_names and threading.get_ident() == self.thread
+                and ti.no_levels_open()):
             return False
-        i = self.i
         if self.pending or i in self.saved_at:  # (as for an op, below)
             self.settle(i)
         if i >= self.stop:
@@ -1170,7 +1189,7 @@ class _ValueReplay(_Replay):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         i = self.i
-        if i < self.limit and self.ops[i] is func and not INTERNAL.get():
+        if self.ops[i] is func and not INTERNAL.get():  # (ops is padded: i < limit)
             if self.pending or i in self.saved_at:  # (most ops neither return nor follow a save)
                 self.settle(i)
             if i >= self.stop:
@@ -1188,11 +1207,20 @@ class _ValueReplay(_Replay):
                 else:
                     call = self.calls[i]
                     out = call(*args, **kwargs) if kwargs else call(*args)
-            want = self.at_op.get(i)
-            if want is not None:
-                if len(want) == 1 and type(out) is torch.Tensor and want[0][0] == 0:
-                    self._take_one(out, want[0][1])  # (one tensor, the common case)
-                else:
+            pos = self.one.get(i)
+            if pos is not None and type(out) is torch.Tensor:
+                # (the common case, _take_one inlined: the op returned one tensor, dropped at ``pos``)
+                meta = self.drops.get(pos)
+                if meta is not None:
+                    ph = self.placeholders
+                    if ph and id(out) in ph and _is_placeholder(ph, out):
+                        raise _PlanWrong
+                    if out.shape != meta[0] or out.dtype != meta[1]:
+                        raise _NeedsGraph
+                    self.pending.append((pos, weakref.ref(out)))
+            else:
+                want = self.at_op.get(i)
+                if want is not None:
                     self._take(out, want)
             return out
         if INTERNAL.get() or ignored(func):
@@ -1274,7 +1302,7 @@ def _release(frame: FastFrame) -> Callable[[], None]:
     def release() -> None:
         f = wself()
         if f is not None and not f.forwarding:
-            f.cache = {}
+            f.cache = Made({}, {})
 
     return release
 

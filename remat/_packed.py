@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from . import _torch_internals as ti
-from ._errors import saved_written_after_save
+from ._errors import internal_error, saved_written_after_save
 
 __all__ = ["KEEP", "OFFLOAD", "DROP", "INPUT", "ROUTED", "Packed", "Nested", "ParentHandle", "made_anew",
            "Made"]
@@ -103,7 +103,16 @@ class Made(dict):  # type: ignore[type-arg]
 
     def take(self, fn_name: str, pos: int) -> torch.Tensor:
         """Hand saved tensor ``pos`` to the backward pass, once, checked unwritten since it was made."""
-        t: torch.Tensor = self.pop(pos)
+        t = self.take_if_made(fn_name, pos)
+        if t is None:
+            raise internal_error(f"the recompute of {fn_name} did not make saved tensor #{pos}")
+        return t
+
+    def take_if_made(self, fn_name: str, pos: int) -> torch.Tensor | None:
+        """:meth:`take`, or None where tensor ``pos`` was not made (or was taken already)."""
+        t: torch.Tensor | None = self.pop(pos, None)
+        if t is None:
+            return None
         v0 = self.versions.get(pos)
         if v0 is not None:
             now = t._version if self.plain else ti.unwrap_all(t)._version
