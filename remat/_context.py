@@ -41,7 +41,6 @@ INSPECTOR: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_inspector
 COMPILED_REGIONS: list[int] = [0]
 # the innermost remat context of this thread (active_context(); read as is on hot paths, a frame less)
 ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_active", default=None)
-_ACTIVE = ACTIVE
 
 
 class _Flag:
@@ -73,14 +72,14 @@ def naming(mode: Any = True) -> _Flag:
 
 def active_context() -> Any:
     """The innermost remat context of this thread (None outside remat)."""
-    return _ACTIVE.get()
+    return ACTIVE.get()
 
 
 @contextlib.contextmanager
 def activated(ctx: Any) -> Iterator[None]:
     """Make ``ctx`` the active context for the body."""
-    tok = _ACTIVE.set(ctx)
+    tok = ACTIVE.set(ctx)
     try:
         yield
     finally:
-        _ACTIVE.reset(tok)
+        ACTIVE.reset(tok)

@@ -231,3 +231,23 @@ def test_compile_helpers_work_on_this_torch() -> None:
     torch._dynamo.reset()
     torch.compile(f, backend=backend, fullgraph=True)(torch.ones(2))
     assert {"remat_checkpoint_name": "h"} in seen
+
+
+def test_made_hands_each_recomputed_tensor_back_once_and_refuses_one_it_did_not_make() -> None:
+    import pytest
+
+    from remat import RematError
+    from remat._packed import Made
+
+    t = torch.zeros(2)
+    made = Made({0: t}, {0: t._version}, plain=True)
+    assert made.take_if_made("f", 1) is None  # never made
+    assert made.take("f", 0) is t
+    assert made.take_if_made("f", 0) is None  # taken already
+    with pytest.raises(RematError, match="did not make saved tensor #0"):
+        made.take("f", 0)
+    written = torch.zeros(2)
+    made = Made({3: written}, {3: written._version}, plain=True)
+    written.add_(1)
+    with pytest.raises(RematError, match="modified|written"):
+        made.take_if_made("f", 3)
