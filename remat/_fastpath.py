@@ -257,13 +257,24 @@ class _Hold:
 class _Dead:
     """An op a planned recompute skips: the shapes of its outputs, for placeholders."""
 
-    __slots__ = ("out_meta", "out_spec", "consts")
+    __slots__ = ("out_meta", "out_spec", "consts", "made", "versions")
 
     def __init__(self, rec: OpRecord) -> None:
         self.out_meta, self.out_spec, self.consts = rec.out_meta, rec.out_spec, rec.consts
+        self.made: list[Any] | None = None
+        self.versions: list[int] = []
 
     def placeholders(self) -> Any:
-        return OpRecord.rebuild(self, [dead_value(m) for m in self.out_meta])  # type: ignore[arg-type]
+        """The op's outputs as NaN placeholders: each recompute gets tensors of its own (a tensor that Python holds
+        elsewhere when a handler returns it comes back detached, an op the plan does not have), made as aliases of
+        NaN tensors kept by the plan. Making those costs ~4 us a tensor (~17 us between the ops of a recompute),
+        where an alias costs ~1 and the op a placeholder stands for may cost less. No recompute writes one (a write
+        stops it: NOTE [dead ops]); one written since it was made (by code that kept a placeholder) is made again."""
+        made = self.made
+        if made is None or any(t._version != v for t, v in zip(made, self.versions)):
+            made = self.made = [dead_value(m) for m in self.out_meta]
+            self.versions = [t._version for t in made]
+        return OpRecord.rebuild(self, [ti.detach_below_modes(t) for t in made])  # type: ignore[arg-type]
 
 
 class Plan:
