@@ -436,7 +436,24 @@ def plan_of_call(frame: Any, out: Any) -> Plan | None:
     if all(p in frame.plan_sources for p in dropped):
         plan.values = _Values({p: frame.plan_sources[p] for p in dropped})
     plan.skip_names = _skippable_tags(rec.ops, plan)
+    _kept_through_tags(plan, rec.ops, frame.plan_kept)
     return plan
+
+
+def _kept_through_tags(plan: Plan, ops: list[OpRecord], kept: dict[int, int]) -> None:
+    """NOTE [skipped tags]: a tag a planned call lets go hands on its input itself, so a kept output of such a tag
+    whose input a dead op made is, in a planned call, that dead op's output, and the recompute hands it back
+    instead of a placeholder (``_hand_back``, checked by identity: a call that runs the tag keeps the placeholder).
+    A names plan's tagged matmul whose product only the tag's reader saved, say."""
+    if not kept or not plan.skip_names or not plan.dead:
+        return
+    made_by = {vid: j for j, r in enumerate(ops) for vid in r.out_vids}
+    for pos, k in kept.items():
+        if k in plan.skip_names and len(ops[k].in_vids) == 1:
+            j = made_by.get(ops[k].in_vids[0])
+            if j is not None and j in plan.dead and not ops[j].cow and len(ops[j].out_vids) == 1:
+                plan.kept_dead[pos] = j
+    plan.kept_dead_ops = frozenset(plan.kept_dead.values())
 
 
 def _skippable_tags(ops: list[OpRecord], plan: Plan) -> frozenset[int]:
@@ -946,7 +963,13 @@ class FastFrame:
             if any(v is not None and v != v0 for v, v0 in zip((_version_of(o) for o in origins), held_at)):
                 return _RUN
         if h.single and h.offload is None:  # (one tensor held, the common case: on the hot path)
-            val = self._held_value(i, self.held[i][0], v0s[0] if v0s else None, origins[0])
+            v, orig, v0 = self.held[i][0], origins[0], v0s[0] if v0s else None
+            if type(v) is torch.Tensor and type(orig) is torch.Tensor:  # (held strongly: _held_value inline)
+                if v0 is not None and orig._version != v0:
+                    raise self._written(i, v0, orig._version)
+                val = ti.detach_below_modes(v)
+            else:
+                val = self._held_value(i, v, v0, orig)
             if i in self.copied:
                 del self.held[i]  # a copy the recompute writes: handed over once, a later recompute runs the op
             return val

@@ -1796,6 +1796,33 @@ def test_a_planned_call_lets_the_tags_it_does_not_need_go(policy):
         assert plan.values is not None and plan.skip_names == {2}
 
 
+def _tagged_chain(W, x):
+    q = checkpoint_name(x @ W, "mm")  # kept (the next matmul saves the tag's value); in the recompute its op is dead
+    s = checkpoint_name(q @ W, "mm")  # held: nothing in the recompute reads q
+    return torch.tanh(s * 2).sum()  # tanh's output dropped, recomputed
+
+
+def test_a_kept_tag_of_a_dead_op_is_handed_back_not_recomputed_nor_a_placeholder():
+    """A tag a planned call lets go hands on its input: the tensor kept for the tag is then the dead matmul's output,
+    and the recompute hands it back instead of running the matmul or making a placeholder (counted from outside,
+    against plain autograd's backward); gradients bitwise equal to plain autograd's."""
+    W, x = leaf(6, 6), leaf(4, 6, seed=1)
+    g = remat(_tagged_chain, policy=policies.save_only_these_names("mm"))
+    counted = {torch.ops.aten.mm.default, torch.ops.aten.empty_strided.default, torch.ops.aten.fill_.Scalar}
+    plain = _tagged_chain(W, x)
+    with OpCounter(counted) as ref_count:
+        ref = torch.autograd.grad(plain, (W, x))
+    for call in range(3):
+        out = g(W, x)
+        with OpCounter(counted) as c:
+            got = torch.autograd.grad(out, (W, x))
+        assert_tree_close(got, ref, rtol=0, atol=0)
+        if call > 0:  # (planned calls; the first records)
+            assert c.count == ref_count.count
+    (plan,) = g._plans.values()
+    assert plan is not None and plan.values is not None and set(plan.kept_dead.values()) == {0}
+
+
 @pytest.mark.parametrize("policy", ["dots", "custom"])
 def test_a_dropped_tensor_chosen_by_the_data_is_recomputed_from_its_own_op(policy):
     """Which of two tensors of one shape a node saves depends on the data. The value recompute took each dropped
