@@ -257,24 +257,15 @@ class _Hold:
 class _Dead:
     """An op a planned recompute skips: the shapes of its outputs, for placeholders."""
 
-    __slots__ = ("out_meta", "out_spec", "consts", "made", "versions")
+    __slots__ = ("out_meta", "out_spec", "consts")
 
     def __init__(self, rec: OpRecord) -> None:
         self.out_meta, self.out_spec, self.consts = rec.out_meta, rec.out_spec, rec.consts
-        self.made: list[Any] | None = None
-        self.versions: list[int] = []
 
     def placeholders(self) -> Any:
-        """The op's outputs as NaN placeholders: each recompute gets tensors of its own (a tensor that Python holds
-        elsewhere when a handler returns it comes back detached, an op the plan does not have), made as aliases of
-        NaN tensors kept by the plan. Making those costs ~4 us a tensor (~17 us between the ops of a recompute),
-        where an alias costs ~1 and the op a placeholder stands for may cost less. No recompute writes one (a write
-        stops it: NOTE [dead ops]); one written since it was made (by code that kept a placeholder) is made again."""
-        made = self.made
-        if made is None or any(t._version != v for t, v in zip(made, self.versions)):
-            made = self.made = [dead_value(m) for m in self.out_meta]
-            self.versions = [t._version for t in made]
-        return OpRecord.rebuild(self, [ti.detach_below_modes(t) for t in made])  # type: ignore[arg-type]
+        # (new tensors for each recompute, let go with it: a plan that kept them would hold a dead output's memory
+        # for as long as it lives, on the device too)
+        return OpRecord.rebuild(self, [dead_value(m) for m in self.out_meta])  # type: ignore[arg-type]
 
 
 class Plan:
@@ -741,7 +732,7 @@ class FastFrame:
         (NOTE [one copy per storage] in ``_offload.py``): a tensor saved later gets a copy of its own."""
         written = {storage_key(t) for t in arg_tensors(args, kwargs or {})}
         written.discard(0)
-        if self.held:
+        if self.held or self.dead_outs:
             self._let_go_written(i, written)
         if self._offload_group is not None:
             self.engine.storage_written(self, written)
@@ -757,6 +748,14 @@ class FastFrame:
                 if isinstance(t, torch.Tensor) and storage_key(t) in written:
                     del self.held[k]
                     break
+        # a dead op's output kept for a save and handed back to the recompute (_hand_back), or noted to be: the same.
+        # The recompute replays the write, into the tensor handed back, which the node reads (written twice).
+        for k in [k for k in self.held if k not in self.plan.hold]:
+            kept = self.held[k][0]()
+            if kept is not None and storage_key(kept.t) in written:
+                del self.held[k]  # (a placeholder: the replayed write into it reruns the recompute with the op)
+        for k in [k for k, (ref, _) in self.dead_outs.items() if (t := ref()) is not None and storage_key(t) in written]:
+            del self.dead_outs[k]
 
     def _note_sources(self, out: Any, want: list[tuple[int, int]]) -> None:
         """NOTE [value recompute]: the tensors an op returned (several) that the plan takes for save positions."""

@@ -1823,6 +1823,32 @@ def test_a_kept_tag_of_a_dead_op_is_handed_back_not_recomputed_nor_a_placeholder
     assert plan is not None and plan.values is not None and set(plan.kept_dead.values()) == {0}
 
 
+@pytest.mark.parametrize("policy", ["dots", "names"])
+def test_a_write_the_data_aims_at_a_dead_ops_kept_output_is_not_handed_back_written_twice(policy):
+    """A dead op's output kept for a save is handed back to the recompute; a planned call that writes it through
+    ``.data`` (no version moves; the recorded call wrote another tensor) lets go of it, or the recompute would
+    replay the write into the tensor the node reads: written twice, a wrong gradient without an error."""
+    name = (lambda t: checkpoint_name(t, "mm")) if policy == "names" else (lambda t: t)
+
+    def f(W, x):
+        q = x @ W  # dead in the recompute: only the held matmul below reads it
+        s = name(name(q) @ W)
+        scratch = torch.zeros_like(s)
+        target = q.data if bool(x.sum() > 0) else scratch.data  # which tensor is written is data
+        target.mul_(2)
+        return torch.tanh(s * 2).sum() + scratch.sum()
+
+    g = remat(f, policy=policies.dots_saveable if policy == "dots" else policies.save_only_these_names("mm"))
+    W = leaf(6, 6)
+    below, above = -leaf(4, 6, seed=1, grad=False).abs(), leaf(4, 6, seed=2, grad=False).abs()
+    x0, x1 = below.requires_grad_(), above.requires_grad_()
+    assert_tree_close(grads(g, (W, x0), (W, x0)), grads(f, (W, x0), (W, x0)))  # records: the write is scratch's
+    (plan,) = g._plans.values()
+    assert plan is not None and plan.kept_dead  # (what the test is about: a kept dead op's output handed back)
+    for _ in range(3):
+        assert_tree_close(grads(g, (W, x1), (W, x1)), grads(f, (W, x1), (W, x1)), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("policy", ["dots", "custom"])
 def test_a_dropped_tensor_chosen_by_the_data_is_recomputed_from_its_own_op(policy):
     """Which of two tensors of one shape a node saves depends on the data. The value recompute took each dropped
