@@ -211,13 +211,7 @@ from . import _torch_internals as ti
 from ._ambient import AmbientState, no_accumulation
 from ._context import INSPECTOR, INTERNAL, active_context, internal, naming
 from ._dispatch import LIFTS, OpRecord, arg_tensors, dead_value, ignored, storage_key, tensor_leaves, traits
-from ._errors import (
-    RematError,
-    input_written_before_backward,
-    input_written_in_forward,
-    saved_shape_differs,
-    saved_written_after_save,
-)
+from ._errors import RematError, input_written_before_backward, input_written_in_forward, saved_shape_differs
 from ._offload import Offloaded
 from ._packed import DROP, KEEP, OFFLOAD, Made
 from ._policies import Offloadable
@@ -839,14 +833,9 @@ class FastFrame:
 
     def unpack(self, p: Any) -> torch.Tensor:
         if type(p) is int:
-            # (each position has one reader, its node: a recomputed one is taken without the lock; Made.take inline,
-            # on the hot path: every dropped tensor passes here)
-            cache = self.cache
-            t = cache.pop(p, None)
+            # (each position has one reader, its node: a recomputed one is taken without the lock)
+            t = self.cache.take_if_made(self.fn_name, p)
             if t is not None:
-                v0 = cache.versions.get(p)
-                if v0 is not None and v0 != (t._version if cache.plain else ti.unwrap_all(t)._version):
-                    raise saved_written_after_save(self.fn_name, p, t, v0, ti.unwrap_all(t)._version)
                 return t
             with self._lock:
                 t = self.cache.take_if_made(self.fn_name, p)
