@@ -218,6 +218,7 @@ from ._policies import Offloadable
 from ._reentrant import NeedsRegion
 from ._state import Snapshot
 from ._torch_internals import TorchDispatchMode, saved_tensors_hooks
+from ._wiring import Wiring, describe_difference, first_value, known_tokens, same_key
 
 __all__ = ["Plan", "plan_of_call", "FastFrame", "signature", "fast_path_applies", "plans_for", "MAX_PLANS"]
 
@@ -414,9 +415,9 @@ def plan_of_call(frame: Any, out: Any) -> Plan | None:
     if dropped and (rec.offloaded_written or frame.wrote_offloaded):
         return None  # NOTE [offloaded and written]: the full engine replays what a plan's recompute would run again
     plan = Plan.of_ops(keep, offload, rec.ops, frame.plan_kept)
-    if not plan.hold or not dropped:
-        # nothing to hand back in the recompute, or no recompute (nothing dropped): no dispatch mode at all (such a
-        # call copies saved tensors only, at their saves: NOTE [offloaded and written])
+    if not dropped:
+        # no recompute: no dispatch mode at all (such a call copies saved tensors only, at their saves: NOTE
+        # [offloaded and written]). A call that recomputes has one even with nothing to hand back: NOTE [same reads]
         return Plan(keep, offload)
     if all(p in frame.plan_sources for p in dropped):
         plan.values = _Values({p: frame.plan_sources[p] for p in dropped})
@@ -578,6 +579,10 @@ class FastFrame:
         self._offload_group: Any = None  # this call's group in the offload engine, looked up once
         self._lock = threading.RLock()
         self.kept_raw: list[_Kept] = []  # kept saves holding their tensor itself until the forward pass ends
+        # NOTE [same reads] in _wiring.py: the tokens of the inputs and module state, and the key of each planned op's
+        # arguments in the forward pass (None: a tag the forward pass let go), which every recompute compares
+        self.known = known_tokens(flat, state.tensors) if plan.ops is not None else {}
+        self.keys: list[Any] = [None] * self.limit
 
     # ---- forward ---------------------------------------------------------------
     def forward(self) -> Any:
@@ -983,6 +988,27 @@ class FastFrame:
         # (no mode sees remat's own detach)
         return ti.detach_below_modes(v) if isinstance(v, torch.Tensor) else self.engine.fetch(v)
 
+    def read_other(self, i: int, func: Any, now: tuple[Any, ...], then: tuple[Any, ...]) -> RematError:
+        """NOTE [same reads]: the recompute's op ``i`` read other values than the forward pass's."""
+        state = self.state
+
+        def label(j: int) -> str | None:
+            return state.label_of(state.tensors[j]) if j < len(state.tensors) else None
+
+        what = describe_difference(now, then, label)
+        value = first_value(now, then)
+        holders = [f"{type(m).__name__}.{k}" for m in state.modules for k, v in vars(m).items()
+                   if type(v) in (int, float) and v == value] if value is not None else []
+        where = f" (the value of {', '.join(holders[:3])} now)" if holders else ""
+        return RematError(
+            f"remat: the recompute of {self.fn_name} read other values than its forward pass at op #{i} ({func}): "
+            f"{what}{where}. Python state the function reads (a module's attribute, a global, a closed-over value, "
+            "which submodule runs, Python's or NumPy's random numbers) changed between the forward and the backward "
+            "pass, and the gradient would be that of a computation the forward pass did not do. Change such state "
+            "after the backward pass (a schedule's step after loss.backward()), or pass the value to the function "
+            "as an argument (NOTE [same reads] in remat/_wiring.py)."
+        )
+
     def _written(self, i: int, v0: int, now: int) -> RematError:
         return RematError(
             f"remat: an output of op #{i} ({self.plan.ops[i]}) that {self.fn_name} kept for its "  # type: ignore[index]
@@ -1029,6 +1055,8 @@ class _Tap(TorchDispatchMode):
         self.thread = threading.get_ident()  # (a thread that copied the call's context has a mode stack of its own)
         self.limit = frame.limit
         self.i = 0
+        self.keys = frame.keys
+        self.wiring = Wiring(frame.known)  # NOTE [same reads]
 
     def skip_name(self) -> bool:
         """NOTE [skipped tags]: whether the tag ``checkpoint_name`` is about to dispatch is one the plan lets go; if
@@ -1042,16 +1070,22 @@ class _Tap(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         i = self.i
         if i < self.limit and self.ops[i] is func and not INTERNAL.get():
+            wiring = self.wiring
+            self.keys[i] = wiring.key(args, kwargs)  # NOTE [same reads]
             call = self.calls[i]
             if i in self.marked:
                 if i not in self.plain_holds:
-                    return self._marked(i, call, args, kwargs)
+                    out = self._marked(i, call, args, kwargs)
+                    wiring.note(i, out)
+                    return out
                 out = call(*args, **kwargs) if kwargs else call(*args)
                 self.i = i + 1
                 self.frame._hold_plain(i, out)
+                wiring.note(i, out)
                 return out
             out = call(*args, **kwargs) if kwargs else call(*args)
             self.i = i + 1
+            wiring.note(i, out)
             return out
         out = func(*args, **kwargs) if kwargs else func(*args)
         if not (INTERNAL.get() or ignored(func)):
@@ -1110,23 +1144,31 @@ class _Replay(TorchDispatchMode):
         self.thread = threading.get_ident()
         self.limit = frame.limit
         self.i = 0
+        self.keys = frame.keys
+        self.wiring = Wiring(frame.known)  # NOTE [same reads]
 
     skip_name = _Tap.skip_name  # (the recompute lets the forward pass's tags go: each saved nothing)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         i = self.i
-        call = func
         if i < self.limit and self.ops[i] is func and not INTERNAL.get():
             self.i = i + 1
-            call = self.calls[i]
+            self.check(i, func, args, kwargs)
+            out: Any = _RUN
             if i in self.held:
                 out = self.frame.replayed(i)
-                if out is not _RUN:
-                    return out
-            d = self.dead.get(i)
-            if d is not None:
-                return self._taint(d.placeholders())
-        elif not (INTERNAL.get() or ignored(func)):
+            if out is _RUN:
+                d = self.dead.get(i)
+                if d is not None:
+                    out = self._taint(d.placeholders())
+                elif self.placeholders and _reads_placeholder(self.placeholders, args, kwargs):
+                    out = self._run_tainted(func, args, kwargs)
+                else:
+                    call = self.calls[i]
+                    out = call(*args, **kwargs) if kwargs else call(*args)
+            self.wiring.note(i, out)
+            return out
+        if not (INTERNAL.get() or ignored(func)):
             self.i = i + 1
             if i < self.limit:
                 raise RematError(
@@ -1136,7 +1178,16 @@ class _Replay(TorchDispatchMode):
                 )
         if self.placeholders and _reads_placeholder(self.placeholders, args, kwargs):
             return self._run_tainted(func, args, kwargs)
-        return call(*args, **kwargs) if kwargs else call(*args)
+        return func(*args, **kwargs) if kwargs else func(*args)
+
+    def check(self, i: int, func: Any, args: Any, kwargs: Any) -> None:
+        """NOTE [same reads]: op ``i`` reads what it read in the forward pass (else ``RematError``)."""
+        then = self.keys[i]
+        if then is None:
+            return  # a tag the forward pass let go (NOTE [skipped tags]): an alias, the same value either way
+        now = self.wiring.key(args, kwargs)
+        if now != then and not same_key(now, then):
+            raise self.frame.read_other(i, func, now, then)
 
     def _run_tainted(self, func: Any, args: Any, kwargs: Any) -> Any:
         """An op that must run reads a placeholder (a view of a dead op's output, say): its outputs are placeholders
@@ -1217,6 +1268,7 @@ class _ValueReplay(_Replay):
             if i >= self.stop:
                 raise _Stop  # the op that saved the last dropped tensor has run: stop before the next one
             self.i = i + 1
+            self.check(i, func, args, kwargs)
             out: Any = _RUN
             if i in self.held:
                 out = self.frame.replayed(i)
@@ -1244,6 +1296,7 @@ class _ValueReplay(_Replay):
                 want = self.at_op.get(i)
                 if want is not None:
                     self._take(out, want)
+            self.wiring.note(i, out)
             return out
         if INTERNAL.get() or ignored(func):
             return func(*args, **kwargs) if kwargs else func(*args)

@@ -10,7 +10,7 @@ NOTE [state is an input]
     ``vjp``'s level has exited: reading them again would compute with other
     values. So each call takes a :class:`Snapshot` of the state it can reach
     (walking the function object: bound ``self``, partial arguments, closure
-    cells, nested functions, modules and their submodules, and the functions,
+    cells, default arguments (``def counted(*a, _fwd=blk.forward)``), nested functions, modules and their submodules, and the functions,
     partials and modules in the lists, tuples and dicts those hold: a list of
     ``functools.partial(block, params)``; not other callable objects, whose
     tensors the call may never read), holds those tensors
@@ -60,7 +60,8 @@ class _Slot:
     def __init__(self, owner: Any, kind: str, name: Any, label: str) -> None:
         # a module's _parameters or _buffers dict (kind "_parameters"/"_buffers": not the module, which the
         # cache of module slots must not hold), a cell ("cell"), an object ("attr") or a functools.partial's
-        # argument ("partial": name is its index, or its keyword)
+        # argument ("partial": name is its index, or its keyword), a function's default arguments ("defaults",
+        # "kwdefaults": the whole tuple or dict)
         self.owner = owner
         self.kind = kind
         self.name = name
@@ -74,6 +75,10 @@ class _Slot:
         if self.kind == "partial":
             p = self.owner
             return p.args[self.name] if isinstance(self.name, int) else p.keywords[self.name]
+        if self.kind == "defaults":
+            return self.owner.__defaults__
+        if self.kind == "kwdefaults":
+            return self.owner.__kwdefaults__
         return self.owner[self.name]
 
     def set(self, value: Any) -> None:
@@ -89,6 +94,10 @@ class _Slot:
             else:
                 keywords[self.name] = value
             p.__setstate__((p.func, tuple(args), keywords, p.__dict__ or None))
+        elif self.kind == "defaults":
+            self.owner.__defaults__ = value
+        elif self.kind == "kwdefaults":
+            self.owner.__kwdefaults__ = value
         else:  # what torch.func.functional_call does (nn.utils._named_member_accessor.swap_tensor)
             self.owner[self.name] = value
 
@@ -220,6 +229,11 @@ def _walk(obj: Any, snap: Snapshot, seen: set[int], label: str, depth: int) -> N
                 snap._add(_Slot(obj, "partial", name, f"{label}'s argument {name!r}"), a)
                 _walk_leaves(a, snap, seen, label, depth + 1)
     elif isinstance(obj, types.FunctionType):
+        # default arguments are state as closure cells are: def counted(*a, _fwd=blk.forward, **k) binds a module
+        # (or a loop variable) through a default; put back as a whole (the tuple or dict is the function's)
+        for kind, defaults in (("defaults", obj.__defaults__), ("kwdefaults", obj.__kwdefaults__)):
+            if defaults:
+                _walk_defaults(obj, kind, defaults, snap, seen, label, depth)
         for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
             try:
                 value = cell.cell_contents
@@ -236,6 +250,22 @@ def _walk(obj: Any, snap: Snapshot, seen: set[int], label: str, depth: int) -> N
         _walk(obj.__remat_target__, snap, seen, label, depth)
     elif not isinstance(obj, type) and callable(obj):
         _walk_attrs(obj, snap, seen, label, depth)
+
+
+def _walk_defaults(fn: types.FunctionType, kind: str, defaults: Any, snap: Snapshot, seen: set[int], label: str,
+                   depth: int) -> None:
+    """A function's ``__defaults__`` (a tuple) or ``__kwdefaults__`` (a dict): the modules and functions in it are
+    walked, its tensors (and containers of them) are state, held and put back like a closure's."""
+    items = enumerate(defaults) if kind == "defaults" else defaults.items()
+    holds = False
+    for name, value in items:
+        if isinstance(value, nn.Module) or isinstance(value, (types.FunctionType, types.MethodType, functools.partial)):
+            _walk(value, snap, seen, f"{label}:{name}", depth + 1)
+        elif isinstance(value, (torch.Tensor, list, tuple, dict)):
+            holds = True
+            _walk_leaves(value, snap, seen, f"{label}:{name}", depth + 1)
+    if holds:
+        snap._add(_Slot(fn, kind, kind, f"the default arguments of {label}"), defaults)
 
 
 def _walkable(x: Any) -> bool:

@@ -1,9 +1,10 @@
 """The save-nothing fast path (NOTE [fast path] in ``remat/_fastpath.py``): exact, really dropping, re-planned when it must.
 
 A signature's first call runs the full engine and records; later calls run with
-saved-tensor hooks only. Whether a call ran fast is observed from inside the
-function, independently of remat's bookkeeping: the full engine's recorder is a
-``TorchDispatchMode`` on the stack, the fast path has none. Gradients are compared
+saved-tensor hooks and the planned call's small dispatch mode (NOTE [same reads]).
+Whether a call ran fast is observed from inside the function, independently of
+remat's bookkeeping: the full engine's recorder is a ``TorchDispatchMode`` of
+``remat._dispatch`` on the stack, the fast path's are of ``remat._fastpath``. Gradients are compared
 with the plain function under the same inputs (float64 tight, float32 bitwise);
 what is dropped is observed with weak references and call counts.
 """
@@ -39,7 +40,8 @@ class Probe:
         self.modes: list[bool] = []
 
     def __call__(self) -> None:
-        self.modes.append(_get_current_dispatch_mode() is not None)
+        mode = _get_current_dispatch_mode()
+        self.modes.append(mode is not None and type(mode).__module__ != "remat._fastpath")
 
     def fast_calls(self) -> list[bool]:
         return [not m for m in self.modes]
@@ -293,7 +295,7 @@ def test_flag_flipped_between_forward_and_backward_is_caught():
     g(W, x).sum().backward()
     out = g(W, x)
     flag["cos"] = True
-    with pytest.raises(RematError, match="made by CosBackward0 where its forward pass saved one made by SinBackward0"):
+    with pytest.raises(RematError, match="op #0 was aten.sin.default in the forward pass but aten.cos.default now"):
         out.sum().backward()
 
 
@@ -308,7 +310,7 @@ def test_recompute_shape_divergence_is_caught():
     g(W, x).sum().backward()
     out = g(W, x)
     n[0] = 3
-    with pytest.raises(RematError, match="saved a tensor of shape"):
+    with pytest.raises(RematError, match="diverged from its forward pass: op #0 was aten.alias.default"):
         out.sum().backward()
 
 
@@ -694,7 +696,7 @@ def test_plans_are_shared_by_every_remat_of_a_function_and_policy():
     probe.modes.clear()
     for _ in range(3):
         assert_tree_close(grads(remat(block, policy=policies.dots_saveable), (W, x), (W, x)), ref)
-    assert probe.modes == [True, True, True, True, True, True]  # recorder, then planned tap and replay
+    assert probe.fast_calls() == [False, False, True, True, True, True]  # recorder, then planned tap and replay
     assert remat(block, policy=policies.dots_saveable)._plans is remat(block, policy=policies.dots_saveable)._plans
     assert remat(block, policy=policies.dots_saveable)._plans is not remat(block)._plans
     (plan,) = remat(block, policy=policies.dots_saveable)._plans.values()
@@ -806,7 +808,9 @@ def test_debug_runs_every_call_on_the_full_engine():
 
 def test_a_branch_that_shifts_save_positions_keeps_nothing_extra():
     """save-nothing holds inputs and module state by identity, never by position: a data-dependent extra op
-    early in the function does not make it hold activations."""
+    early in the function does not make it hold activations, but on the one planned call where it first appears:
+    that call's later saves are held (its recompute checks only the plan's ops: NOTE [same reads]), and the
+    signature runs on the full engine from then on, dropping on every call."""
 
     def f(W, x):
         if bool(x.abs().amax() > 1.5):
@@ -824,7 +828,7 @@ def test_a_branch_that_shifts_save_positions_keeps_nothing_extra():
         loss, n = live_bytes_after(lambda: g(W, x))  # noqa: B023
         held.append(n)
         assert_tree_close(torch.autograd.grad(loss, (W, x)), torch.autograd.grad(f(W, x), (W, x)))
-    assert held == [0, 0, 0, 0], held
+    assert held[0] == held[2] == held[3] == 0 and held[1] > 0, held
 
 
 def test_a_module_passed_as_an_argument_is_not_kept_alive():
@@ -2086,7 +2090,9 @@ def test_a_backward_that_accumulates_inside_the_function_is_never_accumulated_tw
         f(Wp, xp).sum().backward()
         assert_tree_close((W.grad, x.grad), (Wp.grad, xp.grad))
     if policy == "names":  # (everything recomputed: the backward pass inside runs again, and is caught)
-        assert len(raised) == 2 and all("accumulates into .grad" in m for m in raised), raised
+        # (the first on the planned call; after it the signature runs on the full engine, which may see the inner
+        # backward pass's ops as a divergence first: loud either way)
+        assert raised and "accumulates into .grad" in raised[0], raised
 
 
 @pytest.mark.parametrize("name", ["dots", "custom"])

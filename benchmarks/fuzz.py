@@ -1,0 +1,271 @@
+"""State-mutation fuzzer (issue 38): Python state changed between a call's forward and backward pass.
+
+Each program is a seeded little model whose forward pass reads Python state besides its inputs: a number on the
+module, a module-level global, a closure cell, a default argument, which expert of a ModuleList or ModuleDict runs,
+the order of a list of experts, Python's and NumPy's random numbers, a dict in a closure, a buffer replaced by a
+same-shaped one. Its first call is clean; every later call mutates some of that state before its forward pass and
+some between its forward and its backward pass. The outcome of each call is plain autograd's gradient (float64,
+1e-10; plain autograd differentiates what its forward pass computed) or a ``RematError``; anything else is a
+*silent mismatch*, the one outcome remat never allows (NOTE [same reads] in ``remat/_wiring.py``).
+
+Run: ``python benchmarks/fuzz.py --programs 2000 --calls 8`` prints, per policy and wrapping, the number of calls,
+how many matched, raised, and mismatched silently. ``tests/test_state_fuzz.py`` runs a slice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import remat
+from remat import RematError, policies
+
+D = torch.float64
+TOL = 1e-10
+GLOBAL = {"scale": 1.0}  # read through a module-level global (rebound, not mutated: see _set_global)
+_GLOBAL_SCALE = 1.0
+
+STEPS = ["attr", "global", "cell", "default", "expert", "moddict", "order", "random", "nprandom", "cfg", "buffer",
+         "tanh", "sin", "lin"]
+MUTATIONS = ["attr", "global", "cell", "default", "expert", "moddict", "order", "cfg", "buffer"]
+
+POLICIES: dict[str, Any] = {
+    "save-nothing": policies.nothing_saveable,
+    "save-matmuls": policies.dots_saveable,
+    "names": policies.save_only_these_names("h"),
+    "offload": policies.offload_dot_with_no_batch_dims("cpu", "cpu"),
+    "budget": policies.memory_budget(0.5),
+    "custom": lambda op, *a, **k: str(op).startswith("aten.mm"),
+}
+WRAPS = ["function", "method", "module"]
+
+
+def _read_global() -> float:
+    return _GLOBAL_SCALE
+
+
+def _set_global(v: float) -> None:
+    global _GLOBAL_SCALE
+    _GLOBAL_SCALE = v
+
+
+class Program(nn.Module):
+    """A seeded program: a list of steps over one (4, 8) activation, each reading one kind of state."""
+
+    def __init__(self, seed: int, n_steps: int = 6) -> None:
+        super().__init__()
+        rng = random.Random(seed)
+        torch.manual_seed(seed)
+        # (a draw from Python's or NumPy's random numbers in the forward pass differs in the recompute, which raises
+        # on every call, the first included, so that no call runs on a plan: one program in five has them)
+        menu = STEPS if seed % 5 == 0 else [s for s in STEPS if s not in ("random", "nprandom")]
+        self.steps = [rng.choice(menu) for _ in range(n_steps)]
+        self.lin = nn.Linear(8, 8).to(D)
+        self.experts = nn.ModuleList([nn.Linear(8, 8).to(D) for _ in range(3)])
+        self.table = nn.ModuleDict({k: nn.Linear(8, 8).to(D) for k in ("a", "b")})
+        self.register_buffer("gain", torch.rand(8, dtype=D) + 0.5)
+        self.temperature = 1.0
+        self.active = 0
+        self.key = "a"
+        self.order = [0, 1, 2]
+        cell = [1.0]  # (a closure cell's value, rebound through the setter)
+        cfg = {"shift": 0.0}
+        scale = 1.0
+
+        def set_cell(v: float) -> None:
+            nonlocal scale
+            scale = v
+
+        def read_cell() -> float:
+            return scale
+
+        def read_default(_mult: float = 1.0) -> float:
+            return _mult
+
+        self.set_cell, self.read_cell, self.read_default, self.cfg, self._unused = set_cell, read_cell, read_default, \
+            cfg, cell
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for s in self.steps:
+            if s == "attr":
+                h = torch.tanh(h * self.temperature)
+            elif s == "global":
+                h = torch.sin(h * _read_global())
+            elif s == "cell":
+                h = torch.tanh(h + self.read_cell())
+            elif s == "default":
+                h = torch.sin(h * self.read_default())
+            elif s == "expert":
+                h = torch.tanh(self.experts[self.active](h))
+            elif s == "moddict":
+                h = torch.tanh(self.table[self.key](h))
+            elif s == "order":
+                for j in self.order[:2]:
+                    h = torch.sin(self.experts[j](h))
+            elif s == "random":
+                h = torch.tanh(random.choice(list(self.experts))(h))
+            elif s == "nprandom":
+                h = torch.tanh(self.experts[int(np.random.randint(3))](h))
+            elif s == "cfg":
+                h = torch.sin(h - self.cfg["shift"])
+            elif s == "buffer":
+                h = torch.tanh(h * self.gain)
+            elif s == "tanh":
+                h = torch.tanh(h)
+            elif s == "sin":
+                h = torch.sin(h) * 1.5
+            else:
+                h = remat.checkpoint_name(self.lin(h), "h")
+        return h
+
+
+def mutate(m: Program, what: str, rng: random.Random) -> None:
+    """Change one piece of the program's Python state (to another value, or the same: both happen in training)."""
+    if what == "attr":
+        m.temperature = rng.choice([1.0, 2.0, 3.0])
+    elif what == "global":
+        _set_global(rng.choice([1.0, 0.5, 2.0]))
+    elif what == "cell":
+        m.set_cell(rng.choice([1.0, 0.25, -1.0]))
+    elif what == "default":
+        m.read_default.__defaults__ = (rng.choice([1.0, 2.0, 0.5]),)
+    elif what == "expert":
+        m.active = rng.randrange(3)
+    elif what == "moddict":
+        m.key = rng.choice(["a", "b"])
+    elif what == "order":
+        rng.shuffle(m.order)
+    elif what == "cfg":
+        m.cfg["shift"] = rng.choice([0.0, 0.5, -0.5])
+    elif what == "buffer":
+        if rng.random() < 0.5:
+            m.gain = torch.rand(8, dtype=D) + 0.5  # replaced by a same-shaped tensor
+        else:
+            m.gain = m.gain  # (unchanged)
+
+
+def _grads(m: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in m.parameters()]
+
+
+def _wrapped(m: Program, policy: Any, wrap: str) -> Any:
+    """The program's forward remat'd as a function, a bound method, or in place through remat_module."""
+    if wrap == "function":
+        return remat.remat(lambda x: Program.forward(m, x), policy=policy)
+    if wrap == "method":
+        return remat.remat(m.forward, policy=policy)
+    remat.remat_module(m, policy=policy)
+    return m
+
+
+def run_program(seed: int, policy_name: str, wrap: str, calls: int = 6) -> Counter[str]:
+    """One program, its first call clean and ``calls`` mutated ones: a count of the outcomes."""
+    rng = random.Random(seed * 7919 + 1)
+    m = Program(seed)
+    ref = Program(seed)
+    ref.load_state_dict(m.state_dict())
+    f = _wrapped(m, POLICIES[policy_name], wrap)
+    out: Counter[str] = Counter()
+    saved_global = _GLOBAL_SCALE
+    try:
+        for call in range(calls + 1):
+            x = torch.randn(4, 8, dtype=D, generator=torch.Generator().manual_seed(seed + call)).requires_grad_()
+            before = [] if call == 0 else rng.sample(MUTATIONS, rng.randrange(0, 3))
+            between = [] if call == 0 else rng.sample(MUTATIONS, rng.randrange(0, 3))
+            for w in before:
+                mutate(m, w, rng)
+            state = _state_of(m)
+            draw = rng.randrange(1 << 30)
+            random.seed(draw)
+            np.random.seed(draw % (1 << 31))
+            m.zero_grad(set_to_none=True)
+            try:
+                y = f(x)
+                for w in between:
+                    mutate(m, w, rng)
+                y.sum().backward()
+            except RematError:
+                out["raised"] += 1
+                continue
+            got = [*_grads(m), x.grad]
+            x.grad = None
+            # plain autograd, with the state the forward pass read and the same random draws
+            after = _state_of(m)
+            _set_state(ref, m, state)
+            random.seed(draw)
+            np.random.seed(draw % (1 << 31))
+            ref.zero_grad(set_to_none=True)
+            Program.forward(ref, x).sum().backward()
+            _set_state(ref, m, after)
+            want = [*_grads(ref), x.grad]
+            ok = all(torch.allclose(a, b, rtol=TOL, atol=TOL) for a, b in zip(got, want))
+            out["equal" if ok else "silent"] += 1
+    finally:
+        _set_global(saved_global)
+    return out
+
+
+def _state_of(m: Program) -> tuple[Any, ...]:
+    return (m.temperature, _GLOBAL_SCALE, m.read_cell(), m.read_default.__defaults__, m.active, m.key, list(m.order),
+            dict(m.cfg), m.gain)
+
+
+def _set_state(ref: Program, m: Program, state: tuple[Any, ...]) -> None:
+    """``ref`` takes the Python state ``state``; module-level and shared pieces (the global) are set once."""
+    ref.temperature, g, c, d, ref.active, ref.key, order, cfg, gain = state
+    _set_global(g)
+    ref.set_cell(c)
+    ref.read_default.__defaults__ = d
+    ref.order[:] = order
+    ref.cfg.clear()
+    ref.cfg.update(cfg)
+    ref.gain = gain
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--programs", type=int, default=200)
+    ap.add_argument("--calls", type=int, default=6, help="mutated calls per program, after one clean call")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--wraps", default=",".join(WRAPS))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    names = args.policies.split(",")
+    wraps = args.wraps.split(",")
+    for n in names:
+        if n not in POLICIES:
+            ap.error(f"unknown policy {n!r}; choose from {', '.join(POLICIES)}")
+    for w in wraps:
+        if w not in WRAPS:
+            ap.error(f"unknown wrapping {w!r}; choose from {', '.join(WRAPS)}")
+    t0 = time.perf_counter()
+    total: Counter[str] = Counter()
+    print("| policy | wrapping | programs | mutated calls | equal | RematError | silent |")
+    print("|---|---|--:|--:|--:|--:|--:|")
+    for n in names:
+        for w in wraps:
+            c: Counter[str] = Counter()
+            for p in range(args.programs):
+                c += run_program(args.seed + p, n, w, args.calls)
+            calls = c["equal"] + c["raised"] + c["silent"]
+            print(f"| {n} | {w} | {args.programs} | {calls} | {c['equal']} | {c['raised']} | {c['silent']} |",
+                  flush=True)
+            total += c
+    calls = total["equal"] + total["raised"] + total["silent"]
+    print(f"\n{calls} calls ({args.programs} programs x {args.calls + 1} calls x {len(names)} policies x "
+          f"{len(wraps)} wrappings, first calls included): {total['equal']} equal to plain autograd, "
+          f"{total['raised']} RematError, {total['silent']} silent mismatches; {time.perf_counter() - t0:.0f} s")
+    return 1 if total["silent"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

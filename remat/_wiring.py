@@ -1,0 +1,190 @@
+"""What each op of a call read: its Python values, and which tensor each argument was.
+
+NOTE [same reads]
+    A recompute runs the function's Python again. Whatever that Python reads
+    besides the call's inputs and module state (a module's ``temperature``, a
+    global float, the index of the expert to run, ``random.choice``) may have
+    changed since the forward pass, and the recompute would then compute other
+    values: the gradient of a computation the forward pass never did, without
+    an error (``torch.utils.checkpoint`` has this too). JAX cannot: its backward
+    pass replays a trace. remat holds the same line by checking, on every call:
+    the forward pass notes, per op, a *key* of its arguments, and each recompute
+    compares the key of the op it runs at the same index. A key is the op's
+    arguments with every tensor replaced by what it is in that pass:
+
+    * an input of the call, or a tensor of the module state it reads (NOTE
+      [state is an input] in ``_state.py``): which one (by slot; both passes
+      read the same objects, the recompute with the state put back);
+    * an output of an earlier op of the same pass: which op, which output (the
+      wiring, ``h = [a, b][self.idx]``);
+    * anything else (a tensor no op of the call made, such as a global): that
+      very tensor, held until the backward pass and compared by identity.
+
+    Everything else (numbers, sizes, dtypes, ``reduction`` strings, lists of
+    them) is compared by value, NaN equal to NaN. If the inputs and state are
+    unwritten (checked by version, NOTE [fast path]), the random state is put
+    back, and every op reads the same as in the forward pass, the recompute
+    computes what the forward pass computed, op by op: whatever Python state
+    changed, it changed nothing the recompute reads. If a key differs, the
+    recompute raises ``RematError`` naming the op, the argument, both values
+    and the module attributes that now hold the new one. An op whose output the
+    recompute hands back (held, or dead) is checked too: a stricter rule than
+    needed, and one that never needs the analysis of what feeds what.
+
+    What it costs: building a key is a loop over the op's arguments with a
+    dictionary lookup per tensor, and noting its outputs a weak reference
+    each, per op, in both passes (~1-2 us an op on the CPU of
+    docs/benchmarks.md), plus, under ``nothing_saveable``, the planned call's
+    dispatch mode itself, which a call that saves nothing needed before only
+    to hand back what it held (NOTE [fast path] in ``_fastpath.py``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["Wiring", "known_tokens", "same_key", "describe_difference", "first_value"]
+
+
+
+class _Kind:
+    """What a tensor argument was (the first item of its token): equal only to itself."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+_INPUT, _STATE, _MADE, _STORAGE = _Kind("input"), _Kind("state"), _Kind("op"), _Kind("storage")
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_Storage = torch.UntypedStorage
+
+
+class _Same:
+    """A tensor no op of the call made: equal only to a key holding the very same tensor."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Same and other.t is self.t
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"a tensor of shape {list(self.t.shape)} that no op of the call made"
+
+
+class Wiring:
+    """One pass (the forward pass, or one recompute) of one call: the key of each op's arguments (NOTE [same reads]).
+
+    ``known``: id -> token of the call's inputs and module state (held by the frame for the whole call, so their ids
+    name no other object); each pass notes the outputs of its ops with :meth:`note`.
+    """
+
+    __slots__ = ("known", "made")
+
+    def __init__(self, known: dict[int, Any]) -> None:
+        self.known = known
+        self.made: dict[int, tuple[Any, weakref.ref[torch.Tensor]]] = {}
+
+    def key(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> tuple[Any, ...]:
+        tok = self._token
+        if kwargs:
+            return (*[tok(a) for a in args], tuple([(n, tok(v)) for n, v in kwargs.items()]))
+        return tuple([tok(a) for a in args])
+
+    def _token(self, a: Any) -> Any:
+        ta = type(a)
+        if ta is _Tensor or ta is _Parameter or isinstance(a, _Tensor):
+            i = id(a)
+            t = self.known.get(i)
+            if t is not None:
+                return t
+            m = self.made.get(i)
+            if m is not None and m[1]() is a:
+                return m[0]
+            return _Same(a)
+        if ta is list or ta is tuple:
+            return tuple([self._token(x) for x in a])
+        if ta is _Storage:  # (``set_``: a storage of the pass's own tensors, made anew by each pass)
+            return (_STORAGE, a.nbytes())
+        return a
+
+    def note(self, i: int, out: Any) -> None:
+        """Op ``i`` returned ``out``: its tensors are that op's outputs in this pass."""
+        if type(out) is _Tensor:
+            self.made[id(out)] = ((_MADE, i, 0), weakref.ref(out))
+        elif type(out) is tuple or type(out) is list:
+            for k, t in enumerate(out):
+                if isinstance(t, _Tensor):
+                    self.made[id(t)] = ((_MADE, i, k), weakref.ref(t))
+        elif isinstance(out, _Tensor):
+            self.made[id(out)] = ((_MADE, i, 0), weakref.ref(out))
+
+
+def known_tokens(inputs: list[Any], state: list[torch.Tensor]) -> dict[int, Any]:
+    """The tokens of a call's inputs (by position among its leaves) and module state tensors (by slot)."""
+    known: dict[int, Any] = {}
+    for j, t in enumerate(state):
+        known.setdefault(id(t), (_STATE, j))
+    for j, a in enumerate(inputs):
+        if isinstance(a, torch.Tensor):
+            known[id(a)] = (_INPUT, j)
+    return known
+
+
+def same_key(now: Any, then: Any) -> bool:
+    """Whether two keys are equal, NaN equal to NaN (``==`` first: the common case, done in C)."""
+    if now == then:
+        return True
+    if type(now) is float and type(then) is float:
+        return now != now and then != then
+    if type(now) is tuple and type(then) is tuple and len(now) == len(then):
+        return all(same_key(a, b) for a, b in zip(now, then))
+    return False
+
+
+def _say(tok: Any, label: Any) -> str:
+    if type(tok) is tuple and len(tok) == 2 and tok[0] is _INPUT:
+        return f"argument #{tok[1]} of the call (a leaf of its inputs)"
+    if type(tok) is tuple and len(tok) == 2 and tok[0] is _STATE:
+        where = label(tok[1])
+        return f"the module state tensor {where}" if where else f"module state tensor #{tok[1]}"
+    if type(tok) is tuple and len(tok) == 3 and tok[0] is _MADE:
+        return f"output #{tok[2]} of op #{tok[1]}"
+    return repr(tok)
+
+
+def describe_difference(now: tuple[Any, ...], then: tuple[Any, ...], label: Any) -> str:
+    """The first argument where two keys differ, in words (``label``: state slot -> its name, or None)."""
+    for j, (a, b) in enumerate(zip(now, then)):
+        if not same_key(a, b):
+            return f"argument #{j} is {_say(a, label)} in the recompute but {_say(b, label)} in the forward pass"
+    return f"it has {len(now)} arguments in the recompute but {len(then)} in the forward pass"
+
+
+def first_value(now: Any, then: Any) -> Any:
+    """The first plain value (not a tensor's token) where two keys differ, or None."""
+    if same_key(now, then):
+        return None
+    if type(now) is tuple and type(then) is tuple and len(now) == len(then) and not (
+            now and type(now[0]) is _Kind):
+        for a, b in zip(now, then):
+            v = first_value(a, b)
+            if v is not None:
+                return v
+        return None
+    if isinstance(now, (int, float, complex, str)) and not isinstance(now, bool):
+        return now
+    return None
