@@ -2090,9 +2090,10 @@ def test_a_backward_that_accumulates_inside_the_function_is_never_accumulated_tw
         f(Wp, xp).sum().backward()
         assert_tree_close((W.grad, x.grad), (Wp.grad, xp.grad))
     if policy == "names":  # (everything recomputed: the backward pass inside runs again, and is caught)
-        # (the first on the planned call; after it the signature runs on the full engine, which may see the inner
-        # backward pass's ops as a divergence first: loud either way)
-        assert raised and "accumulates into .grad" in raised[0], raised
+        # (a planned call's recompute, which checks every op (NOTE [same reads]), may stop at the inner backward
+        # pass's ops first, and the full engine after it too: loud either way)
+        assert raised and all("accumulates into .grad" in m or "diverged from its forward pass" in m
+                              for m in raised), raised
 
 
 @pytest.mark.parametrize("name", ["dots", "custom"])

@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "remat"
 
 # Each module may import only from floors below its own (same floor: not at all).
 FLOORS = [
-    {"_context", "_errors", "_torch_internals", "_outside", "bench", "_schedules"},
+    {"_context", "_errors", "_torch_internals", "_outside", "_wiring", "bench", "_schedules"},
     {"_naming", "_functorch", "_offload", "_ambient", "bench.measure"},
     {"_policies", "offload", "bench.models"},
     {"_budget"},
