@@ -218,7 +218,7 @@ from ._policies import Offloadable
 from ._reentrant import NeedsRegion
 from ._state import Snapshot
 from ._torch_internals import TorchDispatchMode, saved_tensors_hooks
-from ._wiring import Wiring, describe_difference, first_value, known_tokens, same_key
+from ._wiring import Wiring, describe_difference, first_value, known_tokens, made_token, same_key
 
 __all__ = ["Plan", "plan_of_call", "FastFrame", "signature", "fast_path_applies", "plans_for", "MAX_PLANS"]
 
@@ -988,7 +988,7 @@ class FastFrame:
         # (no mode sees remat's own detach)
         return ti.detach_below_modes(v) if isinstance(v, torch.Tensor) else self.engine.fetch(v)
 
-    def read_other(self, i: int, func: Any, now: tuple[Any, ...], then: tuple[Any, ...]) -> RematError:
+    def read_other(self, i: int, func: Any, now: list[Any], then: list[Any]) -> RematError:
         """NOTE [same reads]: the recompute's op ``i`` read other values than the forward pass's."""
         state = self.state
 
@@ -1085,7 +1085,10 @@ class _Tap(TorchDispatchMode):
                 return out
             out = call(*args, **kwargs) if kwargs else call(*args)
             self.i = i + 1
-            wiring.note(i, out)
+            if type(out) is torch.Tensor:  # (Wiring.note's common case, inline)
+                wiring.made[id(out)] = (made_token(i), weakref.ref(out))
+            else:
+                wiring.note(i, out)
             return out
         out = func(*args, **kwargs) if kwargs else func(*args)
         if not (INTERNAL.get() or ignored(func)):
@@ -1153,7 +1156,13 @@ class _Replay(TorchDispatchMode):
         i = self.i
         if i < self.limit and self.ops[i] is func and not INTERNAL.get():
             self.i = i + 1
-            self.check(i, func, args, kwargs)
+            # NOTE [same reads]: the op reads what it read in the forward pass (None: a tag the forward pass let go,
+            # NOTE [skipped tags]: an alias, the same value either way)
+            then = self.keys[i]
+            if then is not None:
+                now = self.wiring.key(args, kwargs)
+                if now != then and not same_key(now, then):
+                    raise self.frame.read_other(i, func, now, then)
             out: Any = _RUN
             if i in self.held:
                 out = self.frame.replayed(i)
@@ -1179,15 +1188,6 @@ class _Replay(TorchDispatchMode):
         if self.placeholders and _reads_placeholder(self.placeholders, args, kwargs):
             return self._run_tainted(func, args, kwargs)
         return func(*args, **kwargs) if kwargs else func(*args)
-
-    def check(self, i: int, func: Any, args: Any, kwargs: Any) -> None:
-        """NOTE [same reads]: op ``i`` reads what it read in the forward pass (else ``RematError``)."""
-        then = self.keys[i]
-        if then is None:
-            return  # a tag the forward pass let go (NOTE [skipped tags]): an alias, the same value either way
-        now = self.wiring.key(args, kwargs)
-        if now != then and not same_key(now, then):
-            raise self.frame.read_other(i, func, now, then)
 
     def _run_tainted(self, func: Any, args: Any, kwargs: Any) -> Any:
         """An op that must run reads a placeholder (a view of a dead op's output, say): its outputs are placeholders
@@ -1268,7 +1268,13 @@ class _ValueReplay(_Replay):
             if i >= self.stop:
                 raise _Stop  # the op that saved the last dropped tensor has run: stop before the next one
             self.i = i + 1
-            self.check(i, func, args, kwargs)
+            # NOTE [same reads]: the op reads what it read in the forward pass (None: a tag the forward pass let go,
+            # NOTE [skipped tags]: an alias, the same value either way)
+            then = self.keys[i]
+            if then is not None:
+                now = self.wiring.key(args, kwargs)
+                if now != then and not same_key(now, then):
+                    raise self.frame.read_other(i, func, now, then)
             out: Any = _RUN
             if i in self.held:
                 out = self.frame.replayed(i)

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Wiring", "known_tokens", "same_key", "describe_difference", "first_value"]
+__all__ = ["Wiring", "made_token", "known_tokens", "same_key", "describe_difference", "first_value"]
 
 
 
@@ -98,11 +98,27 @@ class Wiring:
         self.known = known
         self.made: dict[int, tuple[Any, weakref.ref[torch.Tensor]]] = {}
 
-    def key(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> tuple[Any, ...]:
-        tok = self._token
+    def key(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> list[Any]:
+        """The key of an op's arguments: a list (compared with ``==``, in C), tensors replaced by their tokens.
+        (On every op of a planned call, both passes: the common cases inline, no frame per argument.)"""
+        known = self.known
+        made = self.made
+        key: list[Any] = []
+        for a in args:
+            ta = type(a)
+            if ta is _Tensor or ta is _Parameter:
+                t = known.get(id(a))
+                if t is None:
+                    m = made.get(id(a))
+                    t = m[0] if m is not None and m[1]() is a else _Same(a)
+                key.append(t)
+            elif ta is list or ta is tuple or ta is _Storage or isinstance(a, _Tensor):
+                key.append(self._token(a))
+            else:
+                key.append(a)
         if kwargs:
-            return (*[tok(a) for a in args], tuple([(n, tok(v)) for n, v in kwargs.items()]))
-        return tuple([tok(a) for a in args])
+            key.append([(n, self._token(v)) for n, v in kwargs.items()])
+        return key
 
     def _token(self, a: Any) -> Any:
         ta = type(a)
@@ -116,7 +132,7 @@ class Wiring:
                 return m[0]
             return _Same(a)
         if ta is list or ta is tuple:
-            return tuple([self._token(x) for x in a])
+            return [self._token(x) for x in a]
         if ta is _Storage:  # (``set_``: a storage of the pass's own tensors, made anew by each pass)
             return (_STORAGE, a.nbytes())
         return a
@@ -124,13 +140,18 @@ class Wiring:
     def note(self, i: int, out: Any) -> None:
         """Op ``i`` returned ``out``: its tensors are that op's outputs in this pass."""
         if type(out) is _Tensor:
-            self.made[id(out)] = ((_MADE, i, 0), weakref.ref(out))
+            self.made[id(out)] = (made_token(i), weakref.ref(out))
         elif type(out) is tuple or type(out) is list:
             for k, t in enumerate(out):
                 if isinstance(t, _Tensor):
                     self.made[id(t)] = ((_MADE, i, k), weakref.ref(t))
         elif isinstance(out, _Tensor):
             self.made[id(out)] = ((_MADE, i, 0), weakref.ref(out))
+
+
+def made_token(i: int) -> tuple[Any, ...]:
+    """The token of op ``i``'s only (or first) output."""
+    return (_MADE, i, 0)
 
 
 def known_tokens(inputs: list[Any], state: list[torch.Tensor]) -> dict[int, Any]:
@@ -150,7 +171,7 @@ def same_key(now: Any, then: Any) -> bool:
         return True
     if type(now) is float and type(then) is float:
         return now != now and then != then
-    if type(now) is tuple and type(then) is tuple and len(now) == len(then):
+    if type(now) in (tuple, list) and type(then) is type(now) and len(now) == len(then):
         return all(same_key(a, b) for a, b in zip(now, then))
     return False
 
@@ -166,7 +187,7 @@ def _say(tok: Any, label: Any) -> str:
     return repr(tok)
 
 
-def describe_difference(now: tuple[Any, ...], then: tuple[Any, ...], label: Any) -> str:
+def describe_difference(now: list[Any], then: list[Any], label: Any) -> str:
     """The first argument where two keys differ, in words (``label``: state slot -> its name, or None)."""
     for j, (a, b) in enumerate(zip(now, then)):
         if not same_key(a, b):
@@ -178,7 +199,7 @@ def first_value(now: Any, then: Any) -> Any:
     """The first plain value (not a tensor's token) where two keys differ, or None."""
     if same_key(now, then):
         return None
-    if type(now) is tuple and type(then) is tuple and len(now) == len(then) and not (
+    if type(now) in (tuple, list) and type(then) is type(now) and len(now) == len(then) and not (
             now and type(now[0]) is _Kind):
         for a, b in zip(now, then):
             v = first_value(a, b)
