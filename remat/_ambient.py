@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 
 from ._errors import RematError
 
-__all__ = ["AmbientState", "no_accumulation"]
+__all__ = ["AmbientState", "no_accumulation", "autocast_uncached"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -105,23 +106,63 @@ class _Restored:
 
 
 @contextlib.contextmanager
+def _uncached(dev: str) -> Iterator[None]:
+    with torch.autocast(dev, dtype=torch.get_autocast_dtype(dev), cache_enabled=False):
+        yield
+
+
+def autocast_uncached() -> contextlib.AbstractContextManager[None]:
+    """NOTE [autocast's cache]: run a remat'd function's body (its forward pass, and each recompute) with
+    autocast's cast cache off, where autocast is on.
+
+    Inside an autocast region, autocast caches the cast of a leaf that requires grad (a weight) and hands
+    the cached copy to every later cast of it in the region: the second of two remat'd calls reading one
+    weight (a shared or looped block) would read the cache in its forward pass and cast afresh in its
+    recompute, after the region: other ops, and other tensors. With the cache off in both, each casts for
+    itself: the same ops, and the same values (a cast is exact to repeat). What changes against plain
+    autograd with the cache on is only where a shared cast's gradients are summed: in the weight's dtype
+    after the cast's backward rather than in the low precision before it (``tests/test_python_state.py``:
+    bitwise equal to plain autograd with the cache off)."""
+    if not torch.is_autocast_cache_enabled():
+        return contextlib.nullcontext()
+    for dev in _AUTOCAST_DEVICES:
+        if torch.is_autocast_enabled(dev):
+            return _uncached(dev)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
 def no_accumulation(fn_name: str, tensors: Iterable[Any]) -> Iterator[None]:
-    """Raise if the body (a recompute) changed the ``.grad`` of one of ``tensors``'s leaves that require grad: a
-    function that runs a backward pass inside (``loss.backward()``) accumulates into ``.grad``, and its recompute
-    would run it again (``torch.utils.checkpoint`` adds the gradient twice, silently). Checked by the ``.grad``
-    tensors and their versions before and after (no hook: a few reads per leaf, per recompute): a replay that
-    writes a ``.grad`` back with the values it had raises too, and so would a backward pass accumulating into one
-    of them on another device's thread meanwhile."""
-    before = [(t, t.grad) for t in tensors
-              if type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_leaf and t.requires_grad]
-    versions = [-1 if g is None else g._version for _, g in before]
-    yield
-    for (t, g), v in zip(before, versions):
-        now = t.grad
-        if now is not g or (now is not None and now._version != v):
-            raise RematError(
-                f"remat: {fn_name} runs a backward pass that accumulates into .grad (loss.backward()) inside its "
-                f"forward pass, and its recompute ran it again: a leaf of shape {list(t.shape)} got its gradient "
-                "twice. Inside a remat'd function use torch.autograd.grad (it returns the gradients, "
-                "accumulating nothing), or run .backward() outside it."
-            )
+    """Raise if the body (a recompute) accumulated into the ``.grad`` of one of ``tensors``'s leaves that require
+    grad, on this thread: a function that runs a backward pass inside (``loss.backward()``) accumulates into
+    ``.grad``, and its recompute would run it again (``torch.utils.checkpoint`` adds the gradient twice, silently).
+
+    Seen by a post-accumulate-grad hook on each leaf for the recompute's duration, which notes the thread it runs
+    on: another thread's backward pass accumulating into a shared parameter meanwhile (autograd allows it on the
+    CPU) runs its hooks on its own thread, and is not this call's (issue 38: 2 to 9 of 40 calls of two threads
+    raised, when this compared ``.grad`` before and after). A backward pass the body runs is run by the thread
+    that runs the body (the engine runs a backward pass called from inside a backward pass on the caller's
+    thread). Only the full engine's recompute asks: a planned call's recompute checks every op it runs against
+    its forward pass (NOTE [same reads]), so a backward pass its function runs that its forward pass did not run
+    is an op that differs."""
+    me = threading.get_ident()
+    hit: list[torch.Tensor] = []
+
+    def seen(t: torch.Tensor) -> None:
+        if threading.get_ident() == me:
+            hit.append(t)
+
+    handles = [t.register_post_accumulate_grad_hook(seen) for t in tensors
+               if type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_leaf and t.requires_grad]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+    if hit:
+        raise RematError(
+            f"remat: {fn_name} runs a backward pass that accumulates into .grad (loss.backward()) inside its "
+            f"forward pass, and its recompute ran it again: a leaf of shape {list(hit[0].shape)} got its gradient "
+            "twice. Inside a remat'd function use torch.autograd.grad (it returns the gradients, "
+            "accumulating nothing), or run .backward() outside it."
+        )

@@ -4,11 +4,17 @@ NOTE [fast path]
     Under ``nothing_saveable`` with no ``torch.func`` level and no enclosing remat
     call, the recorder's per-op work buys nothing the backward pass needs: every
     saved tensor but the inputs is recomputed anyway. So, as
-    ``torch.utils.checkpoint`` does, a :class:`FastFrame` installs only
-    saved-tensor hooks: an input is held by reference, every other saved tensor
-    is dropped (its shape and dtype noted), and the recompute re-runs the function
-    under capture hooks that take the dropped positions in order and stop as soon
-    as the last one is made (the ops after it do not run).
+    ``torch.utils.checkpoint`` does, a :class:`FastFrame` drops every saved tensor
+    but an input (held by reference; the shape and dtype of each dropped one
+    noted), and the recompute re-runs the function, taking the dropped tensors
+    in order and stopping as soon as the last one is made (the ops after it do
+    not run). Unlike ``torch.utils.checkpoint`` it runs the forward pass under
+    the planned call's small dispatch mode (``_Tap``), which notes what each op
+    read, and the recompute under its replay, which checks it: NOTE [same reads]
+    in ``_wiring.py``. Until 2026-12-04 a save-nothing call had no mode at all
+    (half of torch's cost per op), and a Python number, an expert index or a
+    global changed between a call's forward and backward pass gave a wrong
+    gradient without an error from a signature's second call on.
 
     What the recorder would have checked is learnt once, per remat'd function and
     *signature* (the pytree structure, every input's shape, dtype, device and
@@ -38,15 +44,13 @@ NOTE [fast path]
     position, so a data-dependent extra op cannot make the call hold activations.
     A fast call that writes module state in place (data-dependent, unlike its
     signature's first call) cannot be replayed exactly: it raises ``RematError``
-    and the signature runs on the full engine from then on. What
-    only the full engine sees: the Python numbers each op gets (a step counter
-    read from state that changes between a call's forward pass and its recompute)
-    and outside tensors the state walk does not reach. A signature whose recorded
-    call fails the full engine's checks in its recompute is never planned (every
-    call keeps raising); ``remat(f, debug=True)`` runs every call on the full
-    engine. A function that changes behind both (a global Python number changed
-    between the forward and the backward pass of a later call) is outside what
-    remat guarantees, as it is for ``torch.utils.checkpoint``: it must be pure.
+    and the signature runs on the full engine from then on. What a plan cannot
+    know, because it changes between calls (a Python number, which expert
+    runs), every call checks for itself: its forward pass notes the key of each
+    op's arguments, and its recompute compares (NOTE [same reads]). A signature
+    whose recorded call fails the full engine's checks in its recompute is never
+    planned (every call keeps raising); ``remat(f, debug=True)`` runs every call
+    on the full engine.
 
 NOTE [planned calls]
     Every other policy (``dots_saveable``, names, offloading, a callable of your
@@ -63,7 +67,8 @@ NOTE [planned calls]
     mode (``_Replay``) hands those back at the same indices and runs every other
     op. The policy is consulted on a signature's first call only, as JAX's
     policies are consulted when a function is traced: policies are functions of
-    the op and its arguments. An op that is not the plan's (a data-dependent
+    the op and its arguments; what an op read on a later call is that call's,
+    checked by its recompute (NOTE [same reads]). An op that is not the plan's (a data-dependent
     branch) ends the plan for the rest of that call: every later save is held, as
     plain autograd would, and the signature runs on the full engine from then on,
     which drops what the policy drops on every call (so a branch that alternates
@@ -208,7 +213,7 @@ import optree
 import torch
 
 from . import _torch_internals as ti
-from ._ambient import AmbientState, no_accumulation
+from ._ambient import AmbientState
 from ._context import INSPECTOR, INTERNAL, active_context, internal, naming
 from ._dispatch import LIFTS, OpRecord, arg_tensors, dead_value, ignored, storage_key, tensor_leaves, traits
 from ._errors import RematError, input_written_before_backward, input_written_in_forward, saved_shape_differs
@@ -267,8 +272,8 @@ class Plan:
     """What the first (fully recorded) call of a signature showed (NOTE [fast path], NOTE [planned calls]).
 
     ``keep``: save positions held by reference; ``offload``: save positions offloaded, with the decision;
-    ``ops``: the op overloads in order (None: save-nothing, no dispatch mode at all); ``hold``: op index ->
-    the outputs to hold for the recompute.
+    ``ops``: the op overloads in order (None: a call that drops nothing, so runs no recompute, has no dispatch
+    mode at all); ``hold``: op index -> the outputs to hold for the recompute.
     """
 
     __slots__ = ("keep", "offload", "ops", "calls", "hold", "dead", "random", "values", "kept_dead", "kept_dead_ops",
@@ -868,12 +873,13 @@ class FastFrame:
         # (a backward pass inside the forward pass: an input written so far would be written again by the
         # recompute, into the caller's tensor, and read written: the end of the forward pass's error, raised first)
         self._check_versions(after_forward=self.forwarding)
-        with no_accumulation(self.fn_name, [*self.flat, *self.state.tensors]):
-            try:
-                return self._run_recompute(skip_dead=bool(self.plan.dead))
-            except _PlanWrong:
-                self.refuse()  # the recorded call's liveness does not hold for this one
-                return self._run_recompute(skip_dead=False)
+        # (no accumulation check, as the full engine's: an inner backward pass is ops the forward pass did not run,
+        # which the replay refuses: NOTE [same reads])
+        try:
+            return self._run_recompute(skip_dead=bool(self.plan.dead))
+        except _PlanWrong:
+            self.refuse()  # the recorded call's liveness does not hold for this one
+            return self._run_recompute(skip_dead=False)
 
     def _run_recompute(self, skip_dead: bool) -> Made:
         values = self.plan.values

@@ -229,3 +229,130 @@ def test_state_fuzzer_slice(policy: str, wrap: str) -> None:
             total[k] = total.get(k, 0) + v
     assert total.get("silent", 0) == 0, total
     assert total.get("equal", 0) > total.get("raised", 0) > 0, total
+
+
+def _temperature_block_grads(checkpoint: Callable[..., Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tanh(x @ W * t)``: the forward pass with t = 2, the backward pass after t was set to 3; plain autograd's
+    gradient of W (t = 2 throughout), and ``checkpoint``'s."""
+    state = {"t": 2.0}
+    W = torch.randn(8, 8, dtype=D, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    x = torch.randn(4, 8, dtype=D, generator=torch.Generator().manual_seed(1))
+
+    def block(W: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ W * state["t"])
+
+    (want,) = torch.autograd.grad(block(W).sum(), W)
+    y = checkpoint(block, W)
+    state["t"] = 3.0
+    (got,) = torch.autograd.grad(y.sum(), W)
+    return got, want
+
+
+def test_peer_torch_checkpoint_is_silently_wrong_when_state_changes_before_backward() -> None:
+    """docs/comparison.md, "Python state changed between forward and backward": torch.utils.checkpoint recomputes
+    with the new value, without an error (measured here, so that the row stays true)."""
+    got, want = _temperature_block_grads(lambda f, W: torch.utils.checkpoint.checkpoint(f, W, use_reentrant=False))
+    assert (got - want).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("calls", [1, 3])
+def test_remat_raises_when_state_changes_before_backward(calls: int) -> None:
+    """The same block under remat: on the first call (the full engine) and on a later, planned one."""
+    state = {"t": 2.0}
+    W = torch.randn(8, 8, dtype=D, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    x = torch.randn(4, 8, dtype=D, generator=torch.Generator().manual_seed(1))
+
+    def block(W: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ W * state["t"])
+
+    g = remat.remat(block)
+    (want,) = torch.autograd.grad(block(W).sum(), W)
+    for _ in range(calls - 1):  # (clean calls first: the last one runs on the plan they left)
+        assert_tree_close(torch.autograd.grad(g(W).sum(), W), (want,), rtol=1e-10, atol=1e-10)
+    y = g(W)
+    state["t"] = 3.0
+    with pytest.raises(RematError):
+        torch.autograd.grad(y.sum(), W)
+
+
+def test_peer_jax_checkpoint_replays_its_trace() -> None:
+    """jax.checkpoint: the backward pass replays the trace made in the forward pass; Python state read while
+    tracing cannot change it (exact). Skipped where JAX is not installed (it is no dependency of remat)."""
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    jax.config.update("jax_enable_x64", True)
+    state = {"t": 2.0}
+    W = jnp.asarray(torch.randn(8, 8, dtype=D, generator=torch.Generator().manual_seed(0)).numpy())
+    x = jnp.asarray(torch.randn(4, 8, dtype=D, generator=torch.Generator().manual_seed(1)).numpy())
+
+    def block(W: Any) -> Any:
+        return jnp.tanh(x @ W * state["t"]).sum()
+
+    want = jax.grad(block)(W)
+    y, vjp = jax.vjp(jax.checkpoint(block), W)
+    state["t"] = 3.0
+    (got,) = vjp(jnp.ones_like(y))
+    assert float(jnp.abs(got - want).max()) < 1e-12
+
+
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls"])
+@pytest.mark.parametrize("calls", ["first", "planned"])
+def test_threads_accumulating_into_shared_parameters_are_not_a_backward_inside(policy: str, calls: str) -> None:
+    """Two threads each running ``f(W, x).backward()`` on one shared ``W`` (autograd allows it on the CPU): the other
+    thread's accumulation into ``W.grad`` during a recompute is not this call's (issue 38: 2 to 9 of 40 calls
+    raised), on the full engine (``debug=True``: every call) and on planned calls."""
+    import threading
+
+    W = torch.randn(32, 32, dtype=D, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    xs = [torch.randn(16, 32, dtype=D, generator=torch.Generator().manual_seed(k)) for k in range(2)]
+
+    def f(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(6):
+            x = torch.tanh(x @ W)
+        return x.sum()
+
+    g = remat.remat(f, policy=POLICIES[policy], debug=calls == "first")
+    errors: list[BaseException] = []
+    n = 20
+
+    def work(x: torch.Tensor) -> None:
+        try:
+            for _ in range(n):
+                g(W, x).backward()
+        except BaseException as e:  # (reported below: an error in a thread does not fail the test by itself)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(x,)) for x in xs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    want = sum(n * torch.autograd.grad(f(W, x), W)[0] for x in xs)
+    assert_tree_close(W.grad, want, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", "names"])
+def test_shared_weights_in_one_autocast_region(policy: str) -> None:
+    """``f(W, f(W, x))`` under CPU bfloat16 autocast (issue 38: every call raised, the second call's forward pass read
+    autocast's cached cast of W and its recompute cast again): remat runs its calls with the cache off (NOTE
+    [autocast's cache] in remat/_ambient.py): bitwise plain autograd's gradient with the cache off, and with it on
+    within the rounding of the shared cast's bfloat16 gradient sum. First and later calls."""
+    W = torch.randn(16, 16, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+
+    def f(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(remat.checkpoint_name(x @ W, "h"))
+
+    g = remat.remat(f, policy=POLICIES[policy])
+
+    def grad_of(fn: Callable[..., Any], cache: bool) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
+            y = fn(W, fn(W, x)).float().sum()
+        return torch.autograd.grad(y, W)[0]
+
+    uncached, cached = grad_of(f, False), grad_of(f, True)
+    for _ in range(3):
+        got = grad_of(g, True)
+        assert torch.equal(got, uncached)
+        assert_tree_close(got, cached, exact_float32=False, rtol=1e-2, atol=5e-2)
