@@ -189,6 +189,25 @@ NOTE [value recompute]
     values depend on a global is not); ``remat(f, debug=True)`` runs it on the
     full engine.
 
+NOTE [written after dropped]
+    A write into a tensor after an op saved it, through an alias whose version
+    counter is its own (``t.data.mul_(3)`` after ``sin(t)`` saved ``t``), is
+    invisible to autograd's check: plain autograd's backward pass reads the
+    written bytes. A dropped tensor is made again by the recompute, which must
+    then write it again: a planned recompute runs through the last op of the
+    plan that writes in place (``_last_write``; the capture does not stop it
+    before, the replay stops after), and the write, the same Python on the
+    recomputed tensor, lands where it did in the forward pass. Before
+    (2026-12-04), the recompute stopped at the last dropped tensor's save, and
+    every call after a signature's first read the unwritten value: a wrong
+    gradient without an error (the first call, on the full engine, replays
+    every op). A call that left its plan (a data-dependent branch) and then
+    wrote into the storage of a tensor it dropped (watched through weak
+    references) cannot replay the write, which its plan does not have: its
+    recompute raises ``RematError``, and the signature runs on the full engine
+    from then on. A write through the tensor's own counter (``t.detach().mul_``)
+    moves its version: ``RematError`` on every call, as plain autograd raises.
+
 NOTE [kept until the forward pass ends]
     A tensor a planned call keeps for the backward pass must be held without its
     graph: held as it is, an op's own output saved by its node would make a cycle
@@ -588,6 +607,10 @@ class FastFrame:
         # arguments in the forward pass (None: a tag the forward pass let go), which every recompute compares
         self.known = known_tokens(flat, state.tensors) if plan.ops is not None else {}
         self.keys: list[Any] = [None] * self.limit
+        # NOTE [written after dropped]: the tensors this call dropped (weakly), and whether an op past the plan wrote
+        # into the storage of one
+        self.dropped_refs: list[weakref.ref[torch.Tensor]] = []
+        self.wrote_dropped = False
 
     # ---- forward ---------------------------------------------------------------
     def forward(self) -> Any:
@@ -741,6 +764,18 @@ class FastFrame:
         if self._offload_group is not None:
             self.engine.storage_written(self, written)
 
+    def note_write_past_plan(self, args: Any, kwargs: Any) -> None:
+        """NOTE [written after dropped]: an op past the plan wrote in place; if into the storage of a tensor this
+        call dropped (alive: another reference holds it), the recompute, which runs the plan's ops only, cannot
+        replay the write into its copy."""
+        written = {storage_key(t) for t in arg_tensors(args, kwargs or {})}
+        written.discard(0)
+        for ref in self.dropped_refs:
+            t = ref()
+            if t is not None and storage_key(t) in written:
+                self.wrote_dropped = True
+                return
+
     def _let_go_written(self, i: int, written: set[int]) -> None:
         """:meth:`_wrote`: a held output of another op whose storage op ``i`` wrote is not that op's value any more:
         let go of it, the recompute runs the op again. (A write the recorded call made into a held output has the
@@ -825,6 +860,7 @@ class FastFrame:
         node = t.grad_fn
         self.drops[pos] = (t.shape, t.dtype, None if node is None else type(node))
         self.last_drop = pos
+        self.dropped_refs.append(weakref.ref(t))  # NOTE [written after dropped]
         if self.values_ok and pos in self.checked:
             ref = self.sources.get(pos)
             if ref is None or ref() is not t:
@@ -870,6 +906,14 @@ class FastFrame:
     # ---- recompute -------------------------------------------------------------
     def _recompute(self) -> Made:
         self.recomputes += 1
+        if self.wrote_dropped:
+            raise RematError(
+                f"remat: {self.fn_name} wrote in place into a tensor it had saved for the backward pass, through an "
+                "alias with a version counter of its own (.data, or detach()), after an op its signature's first "
+                "call did not run (a data-dependent branch): the recompute, which follows that call, cannot replay "
+                "the write. The signature runs on the full engine from the next call on (it replays every op); "
+                "or write into a clone (NOTE [written after dropped] in remat/_fastpath.py)."
+            )
         # (a backward pass inside the forward pass: an input written so far would be written again by the
         # recompute, into the caller's tensor, and read written: the end of the forward pass's error, raised first)
         self._check_versions(after_forward=self.forwarding)
@@ -895,6 +939,8 @@ class FastFrame:
         capture = _Capture(self.drops, self.last_drop + 1, self.fn_name,
                            detach=not torch.is_grad_enabled(), placeholders=self.placeholders,
                            mode=self.plan.ops is not None)
+        run_to = self._last_write()  # NOTE [written after dropped]: the replay stops after it, not the capture
+        capture.hold_stop = run_to >= 0
         with ti.saved_tensors_hooks_enabled(), torch.enable_grad(), self.state.restored(self.state.tensors), \
                 self.ambient.restored(), saved_tensors_hooks(capture.pack, _identity):
             try:
@@ -902,6 +948,7 @@ class FastFrame:
                     self.run(self.flat)
                 else:
                     replay = _Replay(self, skip_dead)
+                    replay.run_to, replay.capture = run_to, capture
                     with naming(replay), replay:
                         self.run(self.flat)
             except _Stop:
@@ -915,11 +962,20 @@ class FastFrame:
             )
         return capture.finish()
 
+    def _last_write(self) -> int:
+        """NOTE [written after dropped]: the index of the last op of the plan this call followed that writes in
+        place (-1: none), which the recompute runs; inside the forward pass, none: it stops where the forward pass
+        has got (an op it has not run has no key to check)."""
+        if self.forwarding or not self.plan.writes:
+            return -1
+        return max((i for i in self.plan.writes if i < self.limit), default=-1)
+
     def _value_recompute(self, values: _Values, skip_dead: bool) -> Made:
         """NOTE [value recompute]: the recompute under ``torch.no_grad()``, the dropped tensors taken as the ops
         return them. It stops once the op that saved the last of them has run."""
         self.placeholders = {}
-        mode = _ValueReplay(self, skip_dead, values, values.stop[self.last_drop])
+        # (NOTE [written after dropped]: through the plan's last write, which may write a dropped tensor's storage)
+        mode = _ValueReplay(self, skip_dead, values, max(values.stop[self.last_drop], self._last_write() + 1))
         try:
             with torch.no_grad(), self.state.restored(self.state.tensors), self.ambient.restored(), naming(mode), mode:
                 out = None
@@ -1102,8 +1158,11 @@ class _Tap(TorchDispatchMode):
             self.i = i + 1
             self.limit = self.frame.limit = min(self.limit, i)
             self.frame.diverged = True
-            if (self.frame.held or self.frame._offload_group is not None) and traits(func)[0]:
-                self.frame._wrote(-1, args, kwargs)
+            if traits(func)[0]:
+                if self.frame.held or self.frame._offload_group is not None:
+                    self.frame._wrote(-1, args, kwargs)
+                if self.frame.drops:
+                    self.frame.note_write_past_plan(args, kwargs)
         return out
 
     def _marked(self, i: int, call: Any, args: Any, kwargs: Any) -> Any:
@@ -1155,12 +1214,16 @@ class _Replay(TorchDispatchMode):
         self.i = 0
         self.keys = frame.keys
         self.wiring = Wiring(frame.known)  # NOTE [same reads]
+        self.run_to = -1  # NOTE [written after dropped]: the last op to run, if the capture does not stop it
+        self.capture: _Capture | None = None
 
     skip_name = _Tap.skip_name  # (the recompute lets the forward pass's tags go: each saved nothing)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         i = self.i
         if i < self.limit and self.ops[i] is func and not INTERNAL.get():
+            if i > self.run_to >= 0 and self.capture is not None and self.capture.n >= self.capture.stop_after:
+                raise _Stop  # NOTE [written after dropped]: every dropped tensor made, the last write run
             self.i = i + 1
             # NOTE [same reads]: the op reads what it read in the forward pass (None: a tag the forward pass let go,
             # NOTE [skipped tags]: an alias, the same value either way)
@@ -1403,7 +1466,8 @@ def _identity(x: Any) -> Any:
 
 
 class _Capture:
-    __slots__ = ("wanted", "stop_after", "fn_name", "detach", "n", "captured", "placeholders", "mode", "versions")
+    __slots__ = ("wanted", "stop_after", "fn_name", "detach", "n", "captured", "placeholders", "mode", "versions",
+                 "hold_stop")
 
     def __init__(self, wanted: dict[int, tuple[Any, ...]], stop_after: int, fn_name: str,
                  detach: bool, placeholders: dict[int, weakref.ref[torch.Tensor]], mode: bool) -> None:
@@ -1416,6 +1480,7 @@ class _Capture:
         self.n = 0
         self.captured: dict[int, torch.Tensor] = {}
         self.versions: dict[int, int] = {}  # position -> version when made (NOTE [written after saved])
+        self.hold_stop = False  # NOTE [written after dropped]: the replay stops the recompute, after the last write
 
     def pack(self, t: torch.Tensor) -> Any:
         pos = self.n
@@ -1442,7 +1507,7 @@ class _Capture:
             held = t  # an input, a parameter, a replayed output: no node of its own to make a cycle with
         else:
             held = _holdable(t, self.mode)
-        if self.n >= self.stop_after:
+        if self.n >= self.stop_after and not self.hold_stop:
             raise _Stop
         return held  # (the recompute's own graph: the function may run a backward pass of its own through it)
 
