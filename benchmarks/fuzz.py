@@ -3,7 +3,7 @@
 Each program is a seeded little model whose forward pass reads Python state besides its inputs: a number on the
 module, a module-level global, a closure cell, a default argument, which expert of a ModuleList or ModuleDict runs,
 the order of a list of experts, Python's and NumPy's random numbers, a dict in a closure, a buffer replaced by a
-same-shaped one. Its first call is clean; every later call mutates some of that state before its forward pass and
+same-shaped one, an op's list argument (``roll``'s shifts). Its first call is clean; every later call mutates some of that state before its forward pass and
 some between its forward and its backward pass. The outcome of each call is plain autograd's gradient (float64,
 1e-10; plain autograd differentiates what its forward pass computed) or a ``RematError``; anything else is a
 *silent mismatch*, the one outcome remat never allows (NOTE [same reads] in ``remat/_wiring.py``).
@@ -34,8 +34,8 @@ GLOBAL = {"scale": 1.0}  # read through a module-level global (rebound, not muta
 _GLOBAL_SCALE = 1.0
 
 STEPS = ["attr", "global", "cell", "default", "expert", "moddict", "order", "random", "nprandom", "cfg", "buffer",
-         "tanh", "sin", "lin"]
-MUTATIONS = ["attr", "global", "cell", "default", "expert", "moddict", "order", "cfg", "buffer"]
+         "roll", "tanh", "sin", "lin"]
+MUTATIONS = ["attr", "global", "cell", "default", "expert", "moddict", "order", "cfg", "buffer", "roll"]
 
 POLICIES: dict[str, Any] = {
     "save-nothing": policies.nothing_saveable,
@@ -45,7 +45,7 @@ POLICIES: dict[str, Any] = {
     "budget": policies.memory_budget(0.5),
     "custom": lambda op, *a, **k: str(op).startswith("aten.mm"),
 }
-WRAPS = ["function", "method", "module"]
+WRAPS = ["function", "method", "module", "debug", "vjp"]
 
 
 def _read_global() -> float:
@@ -76,6 +76,7 @@ class Program(nn.Module):
         self.active = 0
         self.key = "a"
         self.order = [0, 1, 2]
+        self.shift = 1  # (an op's list argument: roll's shifts)
         cell = [1.0]  # (a closure cell's value, rebound through the setter)
         cfg = {"shift": 0.0}
         scale = 1.0
@@ -119,6 +120,8 @@ class Program(nn.Module):
                 h = torch.sin(h - self.cfg["shift"])
             elif s == "buffer":
                 h = torch.tanh(h * self.gain)
+            elif s == "roll":
+                h = torch.sin(torch.roll(h, shifts=self.shift, dims=1) * h)
             elif s == "tanh":
                 h = torch.tanh(h)
             elif s == "sin":
@@ -146,6 +149,8 @@ def mutate(m: Program, what: str, rng: random.Random) -> None:
         rng.shuffle(m.order)
     elif what == "cfg":
         m.cfg["shift"] = rng.choice([0.0, 0.5, -0.5])
+    elif what == "roll":
+        m.shift = rng.choice([1, 2, -1])
     elif what == "buffer":
         if rng.random() < 0.5:
             m.gain = torch.rand(8, dtype=D) + 0.5  # replaced by a same-shaped tensor
@@ -163,6 +168,8 @@ def _wrapped(m: Program, policy: Any, wrap: str) -> Any:
         return remat.remat(lambda x: Program.forward(m, x), policy=policy)
     if wrap == "method":
         return remat.remat(m.forward, policy=policy)
+    if wrap == "debug":  # the full engine on every call
+        return remat.remat(m.forward, policy=policy, debug=True)
     remat.remat_module(m, policy=policy)
     return m
 
@@ -189,15 +196,23 @@ def run_program(seed: int, policy_name: str, wrap: str, calls: int = 6) -> Count
             np.random.seed(draw % (1 << 31))
             m.zero_grad(set_to_none=True)
             try:
-                y = f(x)
-                for w in between:
-                    mutate(m, w, rng)
-                y.sum().backward()
+                if wrap == "vjp":  # torch.func.vjp over functional_call: the mutation between vjp and its function
+                    params = {k: v.detach() for k, v in m.named_parameters()}
+                    y, pull = torch.func.vjp(lambda p, x: torch.func.functional_call(m, p, (x,)), params, x)
+                    for w in between:
+                        mutate(m, w, rng)
+                    gp, gx = pull(torch.ones_like(y))
+                    got = [gp[k] for k, _ in m.named_parameters()] + [gx]
+                else:
+                    y = f(x)
+                    for w in between:
+                        mutate(m, w, rng)
+                    y.sum().backward()
+                    got = [*_grads(m), x.grad]
+                    x.grad = None
             except RematError:
                 out["raised"] += 1
                 continue
-            got = [*_grads(m), x.grad]
-            x.grad = None
             # plain autograd, with the state the forward pass read and the same random draws
             after = _state_of(m)
             _set_state(ref, m, state)
@@ -216,12 +231,12 @@ def run_program(seed: int, policy_name: str, wrap: str, calls: int = 6) -> Count
 
 def _state_of(m: Program) -> tuple[Any, ...]:
     return (m.temperature, _GLOBAL_SCALE, m.read_cell(), m.read_default.__defaults__, m.active, m.key, list(m.order),
-            dict(m.cfg), m.gain)
+            dict(m.cfg), m.gain, m.shift)
 
 
 def _set_state(ref: Program, m: Program, state: tuple[Any, ...]) -> None:
     """``ref`` takes the Python state ``state``; module-level and shared pieces (the global) are set once."""
-    ref.temperature, g, c, d, ref.active, ref.key, order, cfg, gain = state
+    ref.temperature, g, c, d, ref.active, ref.key, order, cfg, gain, ref.shift = state
     _set_global(g)
     ref.set_cell(c)
     ref.read_default.__defaults__ = d

@@ -21,7 +21,7 @@ import torch
 
 from ._errors import RematError
 
-__all__ = ["AmbientState", "no_accumulation", "autocast_uncached"]
+__all__ = ["AmbientState", "no_accumulation"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -103,32 +103,6 @@ class _Restored:
                 torch.cuda.set_rng_state(rng, d)
         while self.autocast:
             self.autocast.pop().__exit__(*exc)
-
-
-@contextlib.contextmanager
-def _uncached(dev: str) -> Iterator[None]:
-    with torch.autocast(dev, dtype=torch.get_autocast_dtype(dev), cache_enabled=False):
-        yield
-
-
-def autocast_uncached() -> contextlib.AbstractContextManager[None]:
-    """NOTE [autocast's cache]: run a remat'd function's body (its forward pass, and each recompute) with
-    autocast's cast cache off, where autocast is on.
-
-    Inside an autocast region, autocast caches the cast of a leaf that requires grad (a weight) and hands
-    the cached copy to every later cast of it in the region: the second of two remat'd calls reading one
-    weight (a shared or looped block) would read the cache in its forward pass and cast afresh in its
-    recompute, after the region: other ops, and other tensors. With the cache off in both, each casts for
-    itself: the same ops, and the same values (a cast is exact to repeat). What changes against plain
-    autograd with the cache on is only where a shared cast's gradients are summed: in the weight's dtype
-    after the cast's backward rather than in the low precision before it (``tests/test_python_state.py``:
-    bitwise equal to plain autograd with the cache off)."""
-    if not torch.is_autocast_cache_enabled():
-        return contextlib.nullcontext()
-    for dev in _AUTOCAST_DEVICES:
-        if torch.is_autocast_enabled(dev):
-            return _uncached(dev)
-    return contextlib.nullcontext()
 
 
 @contextlib.contextmanager

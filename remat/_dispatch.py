@@ -79,6 +79,7 @@ from ._errors import RematError
 from ._naming import checkpoint_name
 from ._policies import Decision, Offloadable, Recompute, Saveable, decide, decide_explicit
 from ._torch_internals import TorchDispatchMode
+from ._wiring import autocast_cast, cast_source, describe_difference, same_key, values_key
 
 __all__ = ["LIFTS", "ignored", "traits", "dead_value", "arg_tensors", "OpRecord", "OpTap", "Recorder", "Replayer"]
 
@@ -192,11 +193,12 @@ class OpRecord:
     # NOTE [outside tensors]: (position among the tensor args, tensor, its version when read)
     outside: list[tuple[int, torch.Tensor, int]] | None = None
     subst: dict[int, torch.Tensor] | None = None  # position -> copy the recompute reads or writes instead
-    scalars: tuple[Any, ...] = ()  # the op's Python number arguments: the recompute must pass the same
+    scalars: list[Any] = dataclasses.field(default_factory=list)  # the op's values (NOTE [same reads]): the recompute must pass the same
     lifted: tuple[Any, ...] | None = None  # a lift_fresh: the fingerprint of the value it lifted
     in_keys: list[int] = dataclasses.field(default_factory=list)  # storages of the tensor arguments
     out_keys: list[int] = dataclasses.field(default_factory=list)  # storages of the tensor outputs
     consts: list[Any] | None = None  # an output with non-tensor leaves (numbers): all its leaves, to replay
+    cast: bool = False  # autocast's cast of a leaf, which autocast caches (NOTE [autocast's cache] in _wiring.py)
 
     def rebuild(self, tensors: list[Any]) -> Any:
         """The op's output, its tensors replaced by ``tensors`` (its numbers as the forward pass returned them)."""
@@ -327,7 +329,7 @@ class Recorder(TorchDispatchMode):
                 outside, lifted = None, ox.fingerprint(ins[0])
             else:
                 outside, lifted = self._outside_reads(ins, keys, in_vids), None
-            scalars = ox.scalars(args, kwargs)
+            scalars = values_key(args, kwargs)  # NOTE [same reads] in _wiring.py
             if outside and func is _TO_COPY and isinstance(decision, Offloadable):
                 # a cast of a parameter (autocast's bf16 weights): moving a parameter-sized copy each step
                 # costs more than casting again in the recompute, and parameters are kept by reference anyway
@@ -346,6 +348,7 @@ class Recorder(TorchDispatchMode):
                 # the numbers, and a marker (not the tensor: the stash decides what is held) per tensor
                 rec.consts = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves] if rec.out_spec else None
             rec.outside, rec.subst, rec.scalars, rec.lifted = outside, subst, scalars, lifted
+            rec.cast = autocast_cast(func, args, kwargs) is not None
             for j, t, _ in outside or ():  # reads a later write in this call would invalidate
                 self._pending.setdefault(storage_key(t), []).append((rec, j, t))
             idx = len(self.ops)
@@ -721,6 +724,8 @@ class Replayer(TorchDispatchMode):
         self.pos = 0
         self.unused = unused  # ops feeding only outputs this backward pass does not differentiate
         self.unused_keys: set[int] = set()  # storages of the placeholders handed back for them
+        # NOTE [autocast's cache] in _wiring.py: id -> (leaf, weakref) of the casts the recompute ran past the ops
+        self.casts: dict[int, tuple[torch.Tensor, weakref.ref[torch.Tensor]]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -730,10 +735,21 @@ class Replayer(TorchDispatchMode):
             return func(*args, **kwargs)
         ops = self.rec.ops
         i = self.pos
-        self.pos += 1
-        if i >= len(ops):
+        rec = ops[i] if i < len(ops) else None
+        if rec is None or func is not rec.func:
+            leaf = autocast_cast(func, args, kwargs)
+            if leaf is not None:  # NOTE [autocast's cache] in _wiring.py: the forward pass read this from the cache
+                out = func(*args, **kwargs)
+                self.casts[id(out)] = (leaf, weakref.ref(out))
+                return out
+            j = i
+            while j < len(ops) and ops[j].cast and ops[j].func is not func:
+                j += 1  # (casts of the forward pass's this recompute read from autocast's cache)
+            if j > i and j < len(ops) and ops[j].func is func:
+                i, rec = j, ops[j]
+        self.pos = i + 1
+        if rec is None:
             raise self._diverged(f"it ran {func} after the {len(ops)} ops of the forward pass")
-        rec = ops[i]
         if func is not rec.func:
             raise self._diverged(f"op #{i} was {rec.describe()} in the forward pass but {func} now")
         if rec.skippable and i in self.unused:
@@ -746,12 +762,14 @@ class Replayer(TorchDispatchMode):
         if not rec.live and rec.skippable:
             with internal():  # dead: nothing needed reads it (NOTE [dead ops])
                 return rec.rebuild([dead_value(m) for m in rec.out_meta])
-        if rec.scalars and not ox.same_scalars(ox.scalars(args, kwargs), rec.scalars):
-            raise self._diverged(
-                f"op #{i} {func} was called with the numbers {list(ox.scalars(args, kwargs))} in the recompute "
-                f"but {list(rec.scalars)} in the forward pass (a Python number computed from state that "
-                "changed, such as a step counter)"
-            )
+        if rec.scalars:  # NOTE [same reads] in _wiring.py: the values an op gets, the same checks as a planned call's
+            values = values_key(args, kwargs)
+            if values != rec.scalars and not same_key(values, rec.scalars):
+                raise self._diverged(
+                    f"op #{i} {func} read other values than in the forward pass: "
+                    f"{describe_difference(values, list(rec.scalars), lambda j: None)} (a Python value computed from state "
+                    "that changed, such as a step counter, a module's attribute or a global)"
+                )
         if rec.outside is not None or rec.subst is not None:
             args, kwargs = self._outside_args(i, rec, args, kwargs)
         if rec.random and self.unused_keys:
@@ -831,6 +849,8 @@ class Replayer(TorchDispatchMode):
                 if cur is None:
                     raise self._diverged(f"op #{i} {rec.describe()} has fewer tensor arguments than in the forward pass")
                 same = cur is t0 or (storage_key(cur) == storage_key(t0) and ox.geometry(cur) == ox.geometry(t0))
+                if not same and self._same_cast(cur, t0):
+                    continue  # NOTE [autocast's cache]: autocast's cast of one leaf, cached in the forward pass
                 if same:
                     if cur._version != version:
                         raise RematError(
@@ -859,6 +879,17 @@ class Replayer(TorchDispatchMode):
             if rec.subst is not None:
                 args, kwargs = ox.replace_tensors(args, kwargs, {j: c.clone() for j, c in rec.subst.items()})
         return args, kwargs
+
+    def _same_cast(self, cur: torch.Tensor, t0: torch.Tensor) -> bool:
+        """NOTE [autocast's cache]: ``t0`` (read in the forward pass) is autocast's cast of a leaf, and ``cur``
+        (read now) the cast of the same leaf to the same dtype, made by this recompute or cached."""
+        leaf = cast_source(t0)
+        if leaf is None or cur.dtype != t0.dtype or cur.shape != t0.shape:
+            return False
+        made = self.casts.get(id(cur))
+        if made is not None and made[1]() is cur:
+            return made[0] is leaf
+        return cast_source(cur) is leaf
 
     def finish(self) -> None:
         if self.pos != len(self.rec.ops):

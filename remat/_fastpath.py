@@ -242,7 +242,7 @@ from ._policies import Offloadable
 from ._reentrant import NeedsRegion
 from ._state import Snapshot
 from ._torch_internals import TorchDispatchMode, saved_tensors_hooks
-from ._wiring import Wiring, describe_difference, first_value, known_tokens, made_token, same_key
+from ._wiring import Wiring, autocast_cast, describe_difference, first_value, known_tokens, made_token, same_key
 
 __all__ = ["Plan", "plan_of_call", "FastFrame", "signature", "fast_path_applies", "plans_for", "MAX_PLANS"]
 
@@ -296,7 +296,7 @@ class Plan:
     """
 
     __slots__ = ("keep", "offload", "ops", "calls", "hold", "dead", "random", "values", "kept_dead", "kept_dead_ops",
-                 "skip_names", "copy_before", "writes", "_marked", "_plain_holds")
+                 "skip_names", "copy_before", "writes", "casts", "_marked", "_plain_holds")
 
     def __init__(self, keep: frozenset[int] | None, offload: dict[int, Offloadable] | None = None,
                  ops: tuple[Any, ...] | None = None, hold: dict[int, _Hold] | None = None,
@@ -322,6 +322,7 @@ class Plan:
         # the op indices of ops that write in place: which tensors one writes may differ from the recorded call's (a
         # data-dependent target), through an alias whose version counter is its own (FastFrame._wrote)
         self.writes: frozenset[int] = frozenset(i for i, f in enumerate(ops or ()) if traits(f)[0])
+        self.casts: frozenset[int] = frozenset()  # NOTE [autocast's cache] in _wiring.py: autocast's casts of leaves
         self._marked: frozenset[int] | None = None
         self._plain_holds: frozenset[int] | None = None
 
@@ -333,7 +334,7 @@ class Plan:
         if self._marked is None:
             at_op = self.values.inputs_at_op if self.values is not None else {}
             self._marked = (frozenset(self.hold) | self.kept_dead_ops | frozenset(self.copy_before) | frozenset(at_op)
-                            | self.writes)
+                            | self.writes | self.casts)
         return self._marked
 
     @property
@@ -344,7 +345,8 @@ class Plan:
             at_op = self.values.inputs_at_op if self.values is not None else {}
             self._plain_holds = frozenset(
                 i for i, h in self.hold.items() if h.single and not h.weak and h.offload is None and not h.cow
-                and i not in self.kept_dead_ops and i not in self.copy_before and i not in at_op and i not in self.writes)
+                and i not in self.kept_dead_ops and i not in self.copy_before and i not in at_op and i not in self.writes
+                and i not in self.casts)
         return self._plain_holds
 
     @classmethod
@@ -372,6 +374,7 @@ class Plan:
             if all(x is not None and (not w or x() is not None) for x, w in zip(rec.stash, weak)):
                 hold[i] = _Hold(rec, all(weak))
         plan = cls(keep, offload, tuple(r.func for r in ops), hold, dead, any(r.random for r in ops))
+        plan.casts = frozenset(i for i, r in enumerate(ops) if r.cast)
         for i, h in hold.items():
             if h.cow:
                 plan.copy_before.setdefault(ops[i].cow_at, []).append(i)  # type: ignore[arg-type]
@@ -1119,6 +1122,7 @@ class _Tap(TorchDispatchMode):
         self.i = 0
         self.keys = frame.keys
         self.wiring = Wiring(frame.known)  # NOTE [same reads]
+        self.casts = frame.plan.casts
 
     def skip_name(self) -> bool:
         """NOTE [skipped tags]: whether the tag ``checkpoint_name`` is about to dispatch is one the plan lets go; if
@@ -1138,7 +1142,10 @@ class _Tap(TorchDispatchMode):
             if i in self.marked:
                 if i not in self.plain_holds:
                     out = self._marked(i, call, args, kwargs)
-                    wiring.note(i, out)
+                    if i in self.casts:
+                        wiring.note_cast(out, args[0])  # NOTE [autocast's cache]
+                    else:
+                        wiring.note(i, out)
                     return out
                 out = call(*args, **kwargs) if kwargs else call(*args)
                 self.i = i + 1
@@ -1152,6 +1159,16 @@ class _Tap(TorchDispatchMode):
             else:
                 wiring.note(i, out)
             return out
+        if not INTERNAL.get():
+            leaf = autocast_cast(func, args, kwargs)
+            if leaf is not None:  # NOTE [autocast's cache]: a cast the plan's call read from autocast's cache
+                out = func(*args, **kwargs)
+                self.wiring.note_cast(out, leaf)
+                return out
+            j = _after_cached_casts(self.ops, self.casts, i, self.limit, func)
+            if j > i:  # NOTE [autocast's cache]: casts of the plan's this call read from the cache
+                self.i = j
+                return self.__torch_dispatch__(func, types, args, kwargs)
         out = func(*args, **kwargs) if kwargs else func(*args)
         if not (INTERNAL.get() or ignored(func)):
             # not the plan's op (a data-dependent branch), or more ops than the plan has: the plan ends here
@@ -1214,6 +1231,7 @@ class _Replay(TorchDispatchMode):
         self.i = 0
         self.keys = frame.keys
         self.wiring = Wiring(frame.known)  # NOTE [same reads]
+        self.casts = frame.plan.casts
         self.run_to = -1  # NOTE [written after dropped]: the last op to run, if the capture does not stop it
         self.capture: _Capture | None = None
 
@@ -1244,8 +1262,21 @@ class _Replay(TorchDispatchMode):
                 else:
                     call = self.calls[i]
                     out = call(*args, **kwargs) if kwargs else call(*args)
-            self.wiring.note(i, out)
+            if i in self.casts:
+                self.wiring.note_cast(out, args[0])  # NOTE [autocast's cache]
+            else:
+                self.wiring.note(i, out)
             return out
+        if not INTERNAL.get():
+            leaf = autocast_cast(func, args, kwargs)
+            if leaf is not None:  # NOTE [autocast's cache]: a cast the forward pass read from autocast's cache
+                out = func(*args, **kwargs)
+                self.wiring.note_cast(out, leaf)
+                return out
+            j = _after_cached_casts(self.ops, self.casts, i, self.limit, func)
+            if j > i:  # NOTE [autocast's cache]: casts of the forward pass's this recompute read from the cache
+                self.i = j
+                return self.__torch_dispatch__(func, types, args, kwargs)
         if not (INTERNAL.get() or ignored(func)):
             self.i = i + 1
             if i < self.limit:
@@ -1371,10 +1402,18 @@ class _ValueReplay(_Replay):
                 want = self.at_op.get(i)
                 if want is not None:
                     self._take(out, want)
-            self.wiring.note(i, out)
+            if i in self.casts:
+                self.wiring.note_cast(out, args[0])  # NOTE [autocast's cache]
+            else:
+                self.wiring.note(i, out)
             return out
         if INTERNAL.get() or ignored(func):
             return func(*args, **kwargs) if kwargs else func(*args)
+        leaf = autocast_cast(func, args, kwargs)
+        if leaf is not None:  # NOTE [autocast's cache]: a cast the forward pass read from autocast's cache
+            out = func(*args, **kwargs)
+            self.wiring.note_cast(out, leaf)
+            return out
         if i >= self.stop:
             self.settle(i)
             raise _Stop  # (stop <= limit: the ops past the plan come after the last save)
@@ -1410,6 +1449,15 @@ class _ValueReplay(_Replay):
         for k, pos in want:
             if self._dropped(outs[k], pos):
                 self.made[pos] = outs[k]
+
+
+def _after_cached_casts(ops: tuple[Any, ...], casts: frozenset[int], i: int, limit: int, func: Any) -> int:
+    """NOTE [autocast's cache]: where ``func`` is the plan's op once the casts of leaves at ``i``, ``i + 1``, ...
+    are skipped (read from autocast's cache instead), or ``i`` if it is not."""
+    j = i
+    while j < limit and j in casts and ops[j] is not func:
+        j += 1
+    return j if j > i and j < limit and ops[j] is func else i
 
 
 def _reads_placeholder(placeholders: dict[int, weakref.ref[torch.Tensor]], args: tuple[Any, ...],

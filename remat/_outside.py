@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["HIDDEN_WRITES", "SMALL", "mutates", "written_positions", "replace_tensors", "nbytes", "scalars",
-           "same_scalars", "geometry", "fingerprint"]
+__all__ = ["HIDDEN_WRITES", "SMALL", "mutates", "written_positions", "replace_tensors", "nbytes",
+           "geometry", "fingerprint"]
 
 # Ops that write their running-statistics arguments (3 and 4) in training mode (argument 5)
 # although their schemas do not say so.
@@ -74,7 +74,6 @@ def replace_tensors(args: tuple[Any, ...], kwargs: dict[str, Any],
 
 
 SMALL = 64 * 1024  # bytes: outside tensors up to this size that need no gradient are copied, not checked
-NUMBERS = (int, float, bool, complex)
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -82,18 +81,6 @@ def nbytes(t: torch.Tensor) -> int:
         return int(t.untyped_storage().nbytes())
     except (RuntimeError, NotImplementedError):
         return 0
-
-
-def scalars(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """An op's Python number arguments (top level), in order."""
-    out = [a for a in args if type(a) in NUMBERS]
-    if kwargs:
-        out += [a for a in kwargs.values() if type(a) in NUMBERS]
-    return tuple(out)
-
-
-def same_scalars(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    return len(a) == len(b) and all(x == y or (x != x and y != y) for x, y in zip(a, b))  # NaN equals NaN
 
 
 def geometry(t: torch.Tensor) -> tuple[Any, ...]:

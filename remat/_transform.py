@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from . import _torch_internals as ti
-from ._ambient import autocast_uncached
 from ._budget import MemoryBudget
 from ._compile import compiled_call, context_fn
 from ._context import INSPECTOR, active_context
@@ -254,9 +253,6 @@ def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics
     def run(leaves: list[Any]) -> Any:
         dargs, kw = optree.tree_unflatten(spec, leaves)
         full = tuple(static_vals[i] if i in static_vals else a for i, a in enumerate(dargs))
-        if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
-            with autocast_uncached():  # NOTE [autocast's cache] in _ambient.py
-                return fn(*full, **kw)
         return fn(*full, **kw)
 
     if not torch.is_grad_enabled() and not ti.interpreter_stack():

@@ -31,6 +31,19 @@ NOTE [same reads]
     recompute hands back (held, or dead) is checked too: a stricter rule than
     needed, and one that never needs the analysis of what feeds what.
 
+    NOTE [autocast's cache]: inside an autocast region, autocast caches its cast
+    of a leaf that requires grad (a weight) and hands the cached copy to every
+    later cast of it in the region: the second of two remat'd calls reading one
+    weight (a shared or looped block) reads the cache in its forward pass, and
+    its recompute, after the region, casts again. The cast is exact to repeat,
+    and remat keeps no graph of a recompute: so an extra cast in a recompute,
+    or a missing one in a forward pass (against the plan), is run or skipped
+    without counting as an op, and the token of autocast's cast of a leaf is
+    the same whichever op made it, cached or not (``(cast, leaf's token,
+    dtype)``; a cached cast is known by its node, a ``ToCopyBackward0`` into the
+    leaf's accumulator). Plain autograd's gradient, bitwise: the forward pass
+    ran as it would have, and the recompute's values are equal.
+
     What it costs: building a key is a loop over the op's arguments with a
     dictionary lookup per tensor, and noting its outputs a weak reference
     each, per op, in both passes (~1-2 us an op on the CPU of
@@ -46,7 +59,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Wiring", "made_token", "known_tokens", "same_key", "describe_difference", "first_value"]
+__all__ = ["Wiring", "autocast_cast", "cast_source", "values_key", "made_token", "known_tokens", "same_key", "describe_difference", "first_value"]
 
 
 
@@ -63,6 +76,10 @@ class _Kind:
 
 
 _INPUT, _STATE, _MADE, _STORAGE = _Kind("input"), _Kind("state"), _Kind("op"), _Kind("storage")
+_TENSOR = _Kind("a tensor")
+_CAST = _Kind("autocast's cast of")
+_TO_COPY = torch.ops.aten._to_copy.default
+_LOW = (torch.bfloat16, torch.float16)
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _Storage = torch.UntypedStorage
@@ -110,7 +127,7 @@ class Wiring:
                 t = known.get(id(a))
                 if t is None:
                     m = made.get(id(a))
-                    t = m[0] if m is not None and m[1]() is a else _Same(a)
+                    t = m[0] if m is not None and m[1]() is a else self._unknown(a)
                 key.append(t)
             elif ta is list or ta is tuple or ta is _Storage or isinstance(a, _Tensor):
                 key.append(self._token(a))
@@ -130,12 +147,29 @@ class Wiring:
             m = self.made.get(i)
             if m is not None and m[1]() is a:
                 return m[0]
-            return _Same(a)
+            return self._unknown(a)
         if ta is list or ta is tuple:
             return [self._token(x) for x in a]
         if ta is _Storage:  # (``set_``: a storage of the pass's own tensors, made anew by each pass)
             return (_STORAGE, a.nbytes())
         return a
+
+    def _unknown(self, a: torch.Tensor) -> Any:
+        """A tensor no op of this pass made: autocast's cached cast of a leaf (NOTE [autocast's cache]), or itself."""
+        leaf = cast_source(a)
+        if leaf is not None:
+            return self.cast_token(leaf, a.dtype)
+        return _Same(a)
+
+    def cast_token(self, leaf: torch.Tensor, dtype: torch.dtype) -> tuple[Any, ...]:
+        """NOTE [autocast's cache]: the token of autocast's cast of ``leaf`` to ``dtype``, whichever op made it."""
+        tok = self.known.get(id(leaf))
+        return (_CAST, _Same(leaf) if tok is None else tok, dtype)
+
+    def note_cast(self, out: Any, leaf: torch.Tensor) -> None:
+        """NOTE [autocast's cache]: ``out`` is autocast's cast of ``leaf`` (cached or not: the same token)."""
+        if isinstance(out, _Tensor):
+            self.made[id(out)] = (self.cast_token(leaf, out.dtype), weakref.ref(out))
 
     def note(self, i: int, out: Any) -> None:
         """Op ``i`` returned ``out``: its tensors are that op's outputs in this pass."""
@@ -147,6 +181,56 @@ class Wiring:
                     self.made[id(t)] = ((_MADE, i, k), weakref.ref(t))
         elif isinstance(out, _Tensor):
             self.made[id(out)] = ((_MADE, i, 0), weakref.ref(out))
+
+
+def autocast_cast(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> torch.Tensor | None:
+    """NOTE [autocast's cache]: the leaf this op casts, if it is a cast that autocast caches (a float32 leaf that
+    requires grad, not a view, to a 16-bit float dtype and nothing else), else None. (Whether autocast is on cannot
+    be asked here: autocast's kernel turns itself off below it. A cast written by hand, ``W.to(torch.bfloat16)``,
+    passes too, and may: any cast of a leaf is exact to repeat.)"""
+    if func is not _TO_COPY or not args or not kwargs or len(kwargs) != 1:
+        return None
+    if kwargs.get("dtype") not in _LOW:
+        return None
+    a = args[0]
+    if type(a) is not _Tensor and type(a) is not _Parameter:
+        return None
+    if not (a.is_leaf and a.requires_grad) or a.dtype is not torch.float32 or a._is_view():
+        return None
+    return a
+
+
+def cast_source(t: torch.Tensor) -> torch.Tensor | None:
+    """NOTE [autocast's cache]: the leaf ``t`` is a cast of (its node a ``ToCopyBackward0`` whose one input is a
+    leaf's accumulator), else None."""
+    node = t.grad_fn
+    if node is None or type(node).__name__ != "ToCopyBackward0":
+        return None
+    nxt = node.next_functions
+    acc = nxt[0][0] if nxt else None
+    leaf = getattr(acc, "variable", None)
+    return leaf if isinstance(leaf, _Tensor) else None
+
+
+def values_key(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> list[Any]:
+    """The values an op got, every tensor replaced by one marker: the full engine's part of NOTE [same reads]
+    (it checks which tensor each op reads its own way, by storage: NOTE [outside tensors] in ``_dispatch.py``; its
+    tensors are those below the ``torch.func`` levels, which the recompute rebuilds)."""
+    key = [_value(a) for a in args]
+    if kwargs:
+        key.append([(n, _value(v)) for n, v in kwargs.items()])
+    return key
+
+
+def _value(a: Any) -> Any:
+    if isinstance(a, _Tensor):
+        return _TENSOR
+    ta = type(a)
+    if ta is list or ta is tuple:
+        return [_value(x) for x in a]
+    if ta is _Storage:
+        return (_STORAGE, a.nbytes())
+    return a
 
 
 def made_token(i: int) -> tuple[Any, ...]:

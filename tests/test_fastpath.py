@@ -788,7 +788,7 @@ def test_numbers_that_change_before_the_recompute_keep_the_full_engine():
     m = remat_module(Ramp().double())
     x = leaf(3, 4)
     for _ in range(3):
-        with pytest.raises(RematError, match="numbers"):
+        with pytest.raises(RematError, match="read other values than in the forward pass: argument #1 is"):
             m(x).sum().backward()
     assert list(m.forward._plans.values()) == [None]
 

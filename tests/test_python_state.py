@@ -102,7 +102,7 @@ def test_state_changed_between_forward_and_backward_is_exact_or_raises(case: str
                 y.sum().backward()
             except RematError as e:
                 # (the planned call's check, or the full engine's under memory_budget, which plans no call)
-                assert re.search("read other values than its forward pass|called with the numbers|read a "
+                assert re.search("read other values than (its|in the) forward pass|read a "
                                  "different tensor", str(e)), e
                 outcomes.append("raised")
                 continue
@@ -332,27 +332,30 @@ def test_threads_accumulating_into_shared_parameters_are_not_a_backward_inside(p
     assert_tree_close(W.grad, want, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", "names"])
-def test_shared_weights_in_one_autocast_region(policy: str) -> None:
-    """``f(W, f(W, x))`` under CPU bfloat16 autocast (issue 38: every call raised, the second call's forward pass read
-    autocast's cached cast of W and its recompute cast again): remat runs its calls with the cache off (NOTE
-    [autocast's cache] in remat/_ambient.py): bitwise plain autograd's gradient with the cache off, and with it on
-    within the rounding of the shared cast's bfloat16 gradient sum. First and later calls."""
+@pytest.mark.parametrize("debug", [False, True], ids=["planned", "full-engine"])
+@pytest.mark.parametrize("pattern", ["shared-block", "cast-before-the-call"])
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", "names", "offload"])
+def test_autocast_cached_casts_give_plain_autograds_gradient(policy: str, pattern: str, debug: bool) -> None:
+    """Autocast caches its cast of a leaf inside a region: ``f(W, f(W, x))`` (the second call's forward pass reads
+    the cast the first made), or the region's own code casting ``W`` before the call. The recompute, after the
+    region, casts again (issue 38: every call raised "the recompute diverged ... aten._to_copy"). NOTE [autocast's
+    cache] in remat/_wiring.py: bitwise plain autograd's gradient, first and later calls, on both engines."""
     W = torch.randn(16, 16, generator=torch.Generator().manual_seed(0), requires_grad=True)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
 
     def f(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(remat.checkpoint_name(x @ W, "h"))
+        return torch.tanh(remat.checkpoint_name(x @ W, "h")) @ W
 
-    g = remat.remat(f, policy=POLICIES[policy])
+    g = remat.remat(f, policy=POLICIES[policy], debug=debug)
 
-    def grad_of(fn: Callable[..., Any], cache: bool) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
-            y = fn(W, fn(W, x)).float().sum()
-        return torch.autograd.grad(y, W)[0]
+    def grad_of(fn: Callable[..., Any]) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if pattern == "shared-block":
+                y = fn(W, fn(W, x))
+            else:
+                y = fn(W, torch.sin(x @ W))
+        return torch.autograd.grad(y.float().sum(), W)[0]
 
-    uncached, cached = grad_of(f, False), grad_of(f, True)
+    want = grad_of(f)
     for _ in range(3):
-        got = grad_of(g, True)
-        assert torch.equal(got, uncached)
-        assert_tree_close(got, cached, exact_float32=False, rtol=1e-2, atol=5e-2)
+        assert torch.equal(grad_of(g), want)
