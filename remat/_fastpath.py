@@ -1243,29 +1243,8 @@ class _Replay(TorchDispatchMode):
             if i > self.run_to >= 0 and self.capture is not None and self.capture.n >= self.capture.stop_after:
                 raise _Stop  # NOTE [written after dropped]: every dropped tensor made, the last write run
             self.i = i + 1
-            # NOTE [same reads]: the op reads what it read in the forward pass (None: a tag the forward pass let go,
-            # NOTE [skipped tags]: an alias, the same value either way)
-            then = self.keys[i]
-            if then is not None:
-                now = self.wiring.key(args, kwargs)
-                if now != then and not same_key(now, then):
-                    raise self.frame.read_other(i, func, now, then)
-            out: Any = _RUN
-            if i in self.held:
-                out = self.frame.replayed(i)
-            if out is _RUN:
-                d = self.dead.get(i)
-                if d is not None:
-                    out = self._taint(d.placeholders())
-                elif self.placeholders and _reads_placeholder(self.placeholders, args, kwargs):
-                    out = self._run_tainted(func, args, kwargs)
-                else:
-                    call = self.calls[i]
-                    out = call(*args, **kwargs) if kwargs else call(*args)
-            if i in self.casts:
-                self.wiring.note_cast(out, args[0])  # NOTE [autocast's cache]
-            else:
-                self.wiring.note(i, out)
+            out = self._planned(i, func, args, kwargs)
+            self._note(i, out, args)
             return out
         if not INTERNAL.get():
             leaf = autocast_cast(func, args, kwargs)
@@ -1288,6 +1267,36 @@ class _Replay(TorchDispatchMode):
         if self.placeholders and _reads_placeholder(self.placeholders, args, kwargs):
             return self._run_tainted(func, args, kwargs)
         return func(*args, **kwargs) if kwargs else func(*args)
+
+    def _planned(self, i: int, func: Any, args: Any, kwargs: Any) -> Any:
+        """The plan's op ``i``, checked to read what it read in the forward pass (NOTE [same reads]; no key: a tag the
+        forward pass let go, NOTE [skipped tags], an alias, the same value either way), then its held outputs handed
+        back, a dead op's placeholders, or run."""
+        then = self.keys[i]
+        if then is not None:
+            now = self.wiring.key(args, kwargs)
+            if now != then and not same_key(now, then):
+                raise self.frame.read_other(i, func, now, then)
+        out: Any = _RUN
+        if i in self.held:
+            out = self.frame.replayed(i)
+        if out is _RUN:
+            d = self.dead.get(i)
+            if d is not None:
+                out = self._taint(d.placeholders())
+            elif self.placeholders and _reads_placeholder(self.placeholders, args, kwargs):
+                out = self._run_tainted(func, args, kwargs)
+            else:
+                call = self.calls[i]
+                out = call(*args, **kwargs) if kwargs else call(*args)
+        return out
+
+    def _note(self, i: int, out: Any, args: Any) -> None:
+        """NOTE [same reads]: op ``i``'s outputs are its own in this pass (autocast's cast of a leaf: the leaf's)."""
+        if i in self.casts:
+            self.wiring.note_cast(out, args[0])  # NOTE [autocast's cache]
+        else:
+            self.wiring.note(i, out)
 
     def _run_tainted(self, func: Any, args: Any, kwargs: Any) -> Any:
         """An op that must run reads a placeholder (a view of a dead op's output, say): its outputs are placeholders
@@ -1368,25 +1377,7 @@ class _ValueReplay(_Replay):
             if i >= self.stop:
                 raise _Stop  # the op that saved the last dropped tensor has run: stop before the next one
             self.i = i + 1
-            # NOTE [same reads]: the op reads what it read in the forward pass (None: a tag the forward pass let go,
-            # NOTE [skipped tags]: an alias, the same value either way)
-            then = self.keys[i]
-            if then is not None:
-                now = self.wiring.key(args, kwargs)
-                if now != then and not same_key(now, then):
-                    raise self.frame.read_other(i, func, now, then)
-            out: Any = _RUN
-            if i in self.held:
-                out = self.frame.replayed(i)
-            if out is _RUN:
-                d = self.dead.get(i)
-                if d is not None:
-                    out = self._taint(d.placeholders())
-                elif self.placeholders and _reads_placeholder(self.placeholders, args, kwargs):
-                    out = self._run_tainted(func, args, kwargs)
-                else:
-                    call = self.calls[i]
-                    out = call(*args, **kwargs) if kwargs else call(*args)
+            out = self._planned(i, func, args, kwargs)
             pos = self.one.get(i)
             if pos is not None and type(out) is torch.Tensor:
                 # (the common case, _take_one inlined: the op returned one tensor, dropped at ``pos``)
@@ -1402,10 +1393,7 @@ class _ValueReplay(_Replay):
                 want = self.at_op.get(i)
                 if want is not None:
                     self._take(out, want)
-            if i in self.casts:
-                self.wiring.note_cast(out, args[0])  # NOTE [autocast's cache]
-            else:
-                self.wiring.note(i, out)
+            self._note(i, out, args)
             return out
         if INTERNAL.get() or ignored(func):
             return func(*args, **kwargs) if kwargs else func(*args)

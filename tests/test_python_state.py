@@ -20,19 +20,24 @@ import torch
 from torch import nn
 
 import remat
-from remat import RematError, policies
+from remat import RematError
 
 from .helpers import assert_tree_close
 
+
+def _fuzz() -> Any:
+    """benchmarks/fuzz.py, the state-mutation fuzzer (its policies are the ones these tests run)."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "fuzz.py"
+    spec = importlib.util.spec_from_file_location("remat_state_fuzz", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+FUZZ = _fuzz()
 D = torch.float64
-POLICIES = {
-    "save-nothing": policies.nothing_saveable,
-    "save-matmuls": policies.dots_saveable,
-    "names": policies.save_only_these_names("h"),
-    "offload": policies.offload_dot_with_no_batch_dims("cpu", "cpu"),
-    "budget": policies.memory_budget(0.5),
-    "custom": lambda op, *a, **k: str(op).startswith("aten.mm"),
-}
+POLICIES = FUZZ.POLICIES
 SCALE = 1.0  # a module-level global the block reads
 
 
@@ -209,20 +214,12 @@ def test_a_default_argument_reaches_the_module() -> None:
                           rtol=1e-10, atol=1e-10)
 
 
-def _fuzz() -> Any:
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "fuzz.py"
-    spec = importlib.util.spec_from_file_location("remat_state_fuzz", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
-
-@pytest.mark.parametrize("wrap", ["function", "method", "module"])
+@pytest.mark.parametrize("wrap", ["function", "method", "module", "debug", "vjp"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_state_fuzzer_slice(policy: str, wrap: str) -> None:
     """A slice of benchmarks/fuzz.py: no silent mismatch; most calls exact (planned calls among them)."""
-    fuzz = _fuzz()
+    fuzz = FUZZ
     total: dict[str, int] = {}
     for seed in range(8):
         for k, v in fuzz.run_program(seed, policy, wrap, calls=4).items():
