@@ -356,3 +356,41 @@ def test_autocast_cached_casts_give_plain_autograds_gradient(policy: str, patter
     want = grad_of(f)
     for _ in range(3):
         assert torch.equal(grad_of(g), want)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap-grad"])
+def test_a_batchnorm_cnn_wrapped_through_default_arguments(transform: str) -> None:
+    """Issue 38's CNN: conv + BatchNorm blocks, each forward replaced by a remat'd function that reaches the block
+    through a default argument; functional_call with swapped parameters under grad (training mode: BatchNorm
+    writes its running statistics, put back for the recompute) and vmap(grad) (eval mode) is exact."""
+
+    def cnn() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU())
+                               for _ in range(3)]).to(D)
+
+    ref, model = cnn(), cnn()
+    for blk in model:
+        def counted(*a: Any, _fwd: Any = blk.forward, **k: Any) -> Any:
+            return _fwd(*a, **k)
+
+        blk.forward = remat.remat(counted)  # type: ignore[method-assign]
+    if transform == "vmap-grad":
+        ref.eval()
+        model.eval()
+    params = {k: v.detach() + 0.05 for k, v in ref.named_parameters()}
+    x = torch.randn(4, 3, 6, 6, dtype=D, generator=torch.Generator().manual_seed(1))
+
+    def loss(m: nn.Module) -> Callable[..., Any]:
+        def run(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            state = {**p, **{k: v.clone() for k, v in m.named_buffers()}}
+            return torch.func.functional_call(m, state, (x,)).pow(2).sum()
+        return run
+
+    for _ in range(2):  # (the first call records, the second is planned)
+        if transform == "grad":
+            got, want = torch.func.grad(loss(model))(params, x), torch.func.grad(loss(ref))(params, x)
+        else:
+            per = torch.func.vmap(torch.func.grad(lambda p, x, m: loss(m)(p, x[None])), in_dims=(None, 0, None))
+            got, want = per(params, x, model), per(params, x, ref)
+        assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
