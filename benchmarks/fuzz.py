@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown wrapping {w!r}; choose from {', '.join(WRAPS)}")
     t0 = time.perf_counter()
     total: Counter[str] = Counter()
-    print("| policy | wrapping | programs | mutated calls | equal | RematError | silent |")
+    print("| policy | wrapping | programs | calls (first ones included) | equal | RematError | silent |")
     print("|---|---|--:|--:|--:|--:|--:|")
     for n in names:
         for w in wraps:

@@ -46,10 +46,14 @@ NOTE [same reads]
 
     What it costs: building a key is a loop over the op's arguments with a
     dictionary lookup per tensor, and noting its outputs a weak reference
-    each, per op, in both passes (~1-2 us an op on the CPU of
-    docs/benchmarks.md), plus, under ``nothing_saveable``, the planned call's
-    dispatch mode itself, which a call that saves nothing needed before only
-    to hand back what it held (NOTE [fast path] in ``_fastpath.py``).
+    each, per op, in both passes (1.5-2.5 us an op of tiny blocks on the CPU
+    of docs/benchmarks.md), plus, under ``nothing_saveable``, the planned
+    call's dispatch mode itself (~8 us an op there), which a call that saves
+    nothing did without before: it could not see what an op read, and was
+    silently wrong when that changed (NOTE [fast path] in ``_fastpath.py``).
+    The full engine compares the values of every op the same way
+    (:func:`values_key`); which tensor each op reads it checks by storage
+    (NOTE [outside tensors] in ``_dispatch.py``).
 """
 
 from __future__ import annotations
