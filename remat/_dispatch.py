@@ -749,9 +749,9 @@ class Replayer(TorchDispatchMode):
                 i, rec = j, ops[j]
         self.pos = i + 1
         if rec is None:
-            raise self._diverged(f"it ran {func} after the {len(ops)} ops of the forward pass")
+            raise self._diverged(f"it ran {func} after the {len(ops)} ops of the forward pass", cache_hint=True)
         if func is not rec.func:
-            raise self._diverged(f"op #{i} was {rec.describe()} in the forward pass but {func} now")
+            raise self._diverged(f"op #{i} was {rec.describe()} in the forward pass but {func} now", cache_hint=True)
         if rec.skippable and i in self.unused:
             with internal():  # NOTE [unused outputs]
                 dead = [dead_value(m) for m in rec.out_meta]
@@ -795,7 +795,7 @@ class Replayer(TorchDispatchMode):
         if got != want:
             raise self._diverged(
                 f"op #{i} {func} produced {', '.join(_fmt(m) for m in got)} in the recompute but "
-                f"{', '.join(_fmt(m) for m in want)} in the forward pass"
+                f"{', '.join(_fmt(m) for m in want)} in the forward pass", cache_hint=True
             )
         return out
 
@@ -872,9 +872,10 @@ class Replayer(TorchDispatchMode):
                     "module's parameter or buffer, a closed-over or global tensor) was replaced between "
                     "the forward and the backward pass, and gradients would be wrong. Pass it to the "
                     "function as an argument, or keep it in place until the backward pass; for modules, "
-                    "use remat.remat_module(module), whose parameters and buffers remat puts back. A key/value "
-                    "cache updated by the call is such a tensor: for a Hugging Face model pass use_cache=False "
-                    "(model.config.use_cache = False)."
+                    "use remat.remat_module(module), whose parameters and buffers remat puts back."
+                    + (f" Its shape was {list(t0.shape)} in the forward pass: a key/value cache updated by the call "
+                       "is such a tensor (for a Hugging Face model pass use_cache=False, model.config.use_cache = "
+                       "False)." if cur.shape != t0.shape else "")
                 )
             if rec.subst is not None:
                 args, kwargs = ox.replace_tensors(args, kwargs, {j: c.clone() for j, c in rec.subst.items()})
@@ -898,15 +899,18 @@ class Replayer(TorchDispatchMode):
                 f"it stopped after {self.pos} ops; the forward pass went on with {nxt.describe()}"
             )
 
-    def _diverged(self, what: str) -> RematError:
+    def _diverged(self, what: str, cache_hint: bool = False) -> RematError:
+        """``cache_hint``: the difference is one of ops or shapes, which a key/value cache makes (a message about a
+        value or a tensor of the same shape suggests none: issue 38, a hint at a cache the caller had turned off was
+        wrong advice)."""
         return RematError(
             f"remat: the recompute of {self.rec.fn_name} diverged from its forward pass: {what}. "
             "The wrapped function must run the same ops on the same shapes every time it is "
             "called with the same inputs: avoid data-dependent Python branches on values that "
             "change between forward and backward, global state that changes (counters, caches, "
-            "a module switched between train() and eval()), and in-place mutation of inputs. A key/value "
-            "cache that grows on every call changes the shapes: for a Hugging Face model pass "
-            "use_cache=False (model.config.use_cache = False)."
+            "a module switched between train() and eval()), and in-place mutation of inputs."
+            + (" A key/value cache that grows on every call changes the shapes: for a Hugging Face model pass "
+               "use_cache=False (model.config.use_cache = False)." if cache_hint else "")
         )
 
 
