@@ -872,10 +872,10 @@ class Replayer(TorchDispatchMode):
                     "module's parameter or buffer, a closed-over or global tensor) was replaced between "
                     "the forward and the backward pass, and gradients would be wrong. Pass it to the "
                     "function as an argument, or keep it in place until the backward pass; for modules, "
-                    "use remat.remat_module(module), whose parameters and buffers remat puts back."
-                    + (f" Its shape was {list(t0.shape)} in the forward pass: a key/value cache updated by the call "
-                       "is such a tensor (for a Hugging Face model pass use_cache=False, model.config.use_cache = "
-                       "False)." if cur.shape != t0.shape else "")
+                    "use remat.remat_module(module), whose parameters and buffers remat puts back. A cache the "
+                    "call itself updates (a key/value cache, a rolling buffer) is such a tensor: for a Hugging Face "
+                    "model pass use_cache=False (model.config.use_cache = False)."
+                    + (f" (Its shape was {list(t0.shape)} in the forward pass.)" if cur.shape != t0.shape else "")
                 )
             if rec.subst is not None:
                 args, kwargs = ox.replace_tensors(args, kwargs, {j: c.clone() for j, c in rec.subst.items()})
