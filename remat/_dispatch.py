@@ -198,7 +198,8 @@ class OpRecord:
     in_keys: list[int] = dataclasses.field(default_factory=list)  # storages of the tensor arguments
     out_keys: list[int] = dataclasses.field(default_factory=list)  # storages of the tensor outputs
     consts: list[Any] | None = None  # an output with non-tensor leaves (numbers): all its leaves, to replay
-    cast: bool = False  # autocast's cast of a leaf, which autocast caches (NOTE [autocast's cache] in _wiring.py)
+    # autocast's cast of a leaf, which autocast caches: the leaf, weakly (NOTE [autocast's cache] in _wiring.py)
+    cast_leaf: weakref.ref[torch.Tensor] | None = None
 
     def rebuild(self, tensors: list[Any]) -> Any:
         """The op's output, its tensors replaced by ``tensors`` (its numbers as the forward pass returned them)."""
@@ -348,7 +349,8 @@ class Recorder(TorchDispatchMode):
                 # the numbers, and a marker (not the tensor: the stash decides what is held) per tensor
                 rec.consts = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves] if rec.out_spec else None
             rec.outside, rec.subst, rec.scalars, rec.lifted = outside, subst, scalars, lifted
-            rec.cast = autocast_cast(func, args, kwargs) is not None
+            leaf = autocast_cast(func, args, kwargs)
+            rec.cast_leaf = None if leaf is None else weakref.ref(leaf)
             for j, t, _ in outside or ():  # reads a later write in this call would invalidate
                 self._pending.setdefault(storage_key(t), []).append((rec, j, t))
             idx = len(self.ops)
@@ -736,14 +738,15 @@ class Replayer(TorchDispatchMode):
         ops = self.rec.ops
         i = self.pos
         rec = ops[i] if i < len(ops) else None
-        if rec is None or func is not rec.func:
-            leaf = autocast_cast(func, args, kwargs)
-            if leaf is not None:  # NOTE [autocast's cache] in _wiring.py: the forward pass read this from the cache
+        # NOTE [autocast's cache] in _wiring.py: a cast of a leaf matches the forward pass's cast of that leaf only
+        leaf = autocast_cast(func, args, kwargs) if func is _TO_COPY else None
+        if rec is None or func is not rec.func or (func is _TO_COPY and _cast_of(rec) is not leaf):
+            if leaf is not None:  # a cast the forward pass read from autocast's cache: run, not counted
                 out = func(*args, **kwargs)
                 self.casts[id(out)] = (leaf, weakref.ref(out))
                 return out
             j = i
-            while j < len(ops) and ops[j].cast and ops[j].func is not func:
+            while j < len(ops) and ops[j].cast_leaf is not None and (ops[j].func is not func or func is _TO_COPY):
                 j += 1  # (casts of the forward pass's this recompute read from autocast's cache)
             if j > i and j < len(ops) and ops[j].func is func:
                 i, rec = j, ops[j]
@@ -936,6 +939,11 @@ class OpTap(TorchDispatchMode):
             self.outputs[self.pos] = tensor_leaves(out)
         self.pos += 1
         return out
+
+
+def _cast_of(rec: OpRecord) -> torch.Tensor | None:
+    """The leaf ``rec`` cast (NOTE [autocast's cache] in _wiring.py), or None (not such a cast, or the leaf died)."""
+    return None if rec.cast_leaf is None else rec.cast_leaf()
 
 
 def dead_value(meta: tuple[Any, ...] | None) -> Any:

@@ -322,7 +322,8 @@ class Plan:
         # the op indices of ops that write in place: which tensors one writes may differ from the recorded call's (a
         # data-dependent target), through an alias whose version counter is its own (FastFrame._wrote)
         self.writes: frozenset[int] = frozenset(i for i, f in enumerate(ops or ()) if traits(f)[0])
-        self.casts: frozenset[int] = frozenset()  # NOTE [autocast's cache] in _wiring.py: autocast's casts of leaves
+        # NOTE [autocast's cache] in _wiring.py: op index -> the token of the leaf that autocast's cast there cast
+        self.casts: dict[int, Any] = {}
         self._marked: frozenset[int] | None = None
         self._plain_holds: frozenset[int] | None = None
 
@@ -334,7 +335,7 @@ class Plan:
         if self._marked is None:
             at_op = self.values.inputs_at_op if self.values is not None else {}
             self._marked = (frozenset(self.hold) | self.kept_dead_ops | frozenset(self.copy_before) | frozenset(at_op)
-                            | self.writes | self.casts)
+                            | self.writes | frozenset(self.casts))
         return self._marked
 
     @property
@@ -374,7 +375,6 @@ class Plan:
             if all(x is not None and (not w or x() is not None) for x, w in zip(rec.stash, weak)):
                 hold[i] = _Hold(rec, all(weak))
         plan = cls(keep, offload, tuple(r.func for r in ops), hold, dead, any(r.random for r in ops))
-        plan.casts = frozenset(i for i, r in enumerate(ops) if r.cast)
         for i, h in hold.items():
             if h.cow:
                 plan.copy_before.setdefault(ops[i].cow_at, []).append(i)  # type: ignore[arg-type]
@@ -407,6 +407,7 @@ class _Values:
 
 _ONE_LEAF = optree.tree_structure(0)  # type: ignore[arg-type]
 _ALIAS = torch.ops.aten.alias.default  # what checkpoint_name dispatches (_naming.py)
+_TO_COPY = torch.ops.aten._to_copy.default  # NOTE [autocast's cache]: autocast's casts
 
 
 def plan_of_call(frame: Any, out: Any) -> Plan | None:
@@ -442,6 +443,11 @@ def plan_of_call(frame: Any, out: Any) -> Plan | None:
     if dropped and (rec.offloaded_written or frame.wrote_offloaded):
         return None  # NOTE [offloaded and written]: the full engine replays what a plan's recompute would run again
     plan = Plan.of_ops(keep, offload, rec.ops, frame.plan_kept)
+    known = known_tokens(frame.flat, frame.state.tensors)  # NOTE [autocast's cache]: each cast's leaf, by its token
+    for i, r in enumerate(rec.ops):
+        leaf = None if r.cast_leaf is None else r.cast_leaf()
+        if leaf is not None and id(leaf) in known:
+            plan.casts[i] = known[id(leaf)]
     if not dropped:
         # no recompute: no dispatch mode at all (such a call copies saved tensors only, at their saves: NOTE
         # [offloaded and written]). A call that recomputes has one even with nothing to hand back: NOTE [same reads]
@@ -1135,7 +1141,8 @@ class _Tap(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         i = self.i
-        if i < self.limit and self.ops[i] is func and not INTERNAL.get():
+        if (i < self.limit and self.ops[i] is func and not INTERNAL.get()
+                and (func is not _TO_COPY or _cast_agrees(self.casts, self.wiring, i, args, kwargs))):
             wiring = self.wiring
             self.keys[i] = wiring.key(args, kwargs)  # NOTE [same reads]
             call = self.calls[i]
@@ -1239,7 +1246,8 @@ class _Replay(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         i = self.i
-        if i < self.limit and self.ops[i] is func and not INTERNAL.get():
+        if (i < self.limit and self.ops[i] is func and not INTERNAL.get()
+                and (func is not _TO_COPY or _cast_agrees(self.casts, self.wiring, i, args, kwargs))):
             if i > self.run_to >= 0 and self.capture is not None and self.capture.n >= self.capture.stop_after:
                 raise _Stop  # NOTE [written after dropped]: every dropped tensor made, the last write run
             self.i = i + 1
@@ -1264,6 +1272,10 @@ class _Replay(TorchDispatchMode):
                     f"{self.ops[i]} in the forward pass but {func} now; the function must do the same work every "
                     "time it is called (no data-dependent branches or changing global state)."
                 )
+            if self.run_to >= 0 and self.capture is not None and self.capture.n >= self.capture.stop_after:
+                # NOTE [written after dropped]: past the plan a call followed (it left it), with every dropped
+                # tensor made and the plan's last write run: no op past the plan runs unchecked in the recompute
+                raise _Stop
         if self.placeholders and _reads_placeholder(self.placeholders, args, kwargs):
             return self._run_tainted(func, args, kwargs)
         return func(*args, **kwargs) if kwargs else func(*args)
@@ -1371,7 +1383,8 @@ class _ValueReplay(_Replay):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         i = self.i
-        if self.ops[i] is func and not INTERNAL.get():  # (ops is padded: i < limit)
+        if self.ops[i] is func and not INTERNAL.get() and (
+                func is not _TO_COPY or _cast_agrees(self.casts, self.wiring, i, args, kwargs)):  # (padded: i < limit)
             if self.pending or i in self.saved_at:  # (most ops neither return nor follow a save)
                 self.settle(i)
             if i >= self.stop:
@@ -1439,11 +1452,23 @@ class _ValueReplay(_Replay):
                 self.made[pos] = outs[k]
 
 
-def _after_cached_casts(ops: tuple[Any, ...], casts: frozenset[int], i: int, limit: int, func: Any) -> int:
-    """NOTE [autocast's cache]: where ``func`` is the plan's op once the casts of leaves at ``i``, ``i + 1``, ...
-    are skipped (read from autocast's cache instead), or ``i`` if it is not."""
+def _cast_agrees(casts: dict[int, Any], wiring: Wiring, i: int, args: Any, kwargs: Any) -> bool:
+    """NOTE [autocast's cache]: a ``_to_copy`` at the plan's index ``i`` is the plan's op there only if both cast
+    the same leaf (by its token) or neither casts a leaf: autocast casts a block's leaves before its activation, and
+    a cast of a leaf one pass read from the cache shifts the others."""
+    leaf = autocast_cast(_TO_COPY, args, kwargs)
+    got = None if leaf is None else wiring.known.get(id(leaf), _UNKNOWN)
+    return casts.get(i) == got
+
+
+_UNKNOWN = object()  # (a leaf that is neither an input nor module state: matches no plan's cast)
+
+
+def _after_cached_casts(ops: tuple[Any, ...], casts: dict[int, Any], i: int, limit: int, func: Any) -> int:
+    """NOTE [autocast's cache]: where ``func`` (not a cast of a leaf) is the plan's op once the casts of leaves at
+    ``i``, ``i + 1``, ... are skipped (read from autocast's cache instead), or ``i`` if it is not."""
     j = i
-    while j < limit and j in casts and ops[j] is not func:
+    while j < limit and j in casts and (ops[j] is not func or func is _TO_COPY):
         j += 1
     return j if j > i and j < limit and ops[j] is func else i
 

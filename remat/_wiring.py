@@ -58,6 +58,7 @@ NOTE [same reads]
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any
 
@@ -81,6 +82,7 @@ class _Kind:
 
 _INPUT, _STATE, _MADE, _STORAGE = _Kind("input"), _Kind("state"), _Kind("op"), _Kind("storage")
 _TENSOR = _Kind("a tensor")
+_ZERO = _Kind("a float zero of sign")
 _CAST = _Kind("autocast's cast of")
 _TO_COPY = torch.ops.aten._to_copy.default
 _LOW = (torch.bfloat16, torch.float16)
@@ -135,6 +137,8 @@ class Wiring:
                 key.append(t)
             elif ta is list or ta is tuple or ta is _Storage or isinstance(a, _Tensor):
                 key.append(self._token(a))
+            elif ta is float and a == 0.0:
+                key.append((_ZERO, math.copysign(1.0, a)))  # (0.0 == -0.0, but copysign tells them apart)
             else:
                 key.append(a)
         if kwargs:
@@ -156,6 +160,8 @@ class Wiring:
             return [self._token(x) for x in a]
         if ta is _Storage:  # (``set_``: a storage of the pass's own tensors, made anew by each pass)
             return (_STORAGE, a.nbytes())
+        if ta is float and a == 0.0:
+            return (_ZERO, math.copysign(1.0, a))
         return a
 
     def _unknown(self, a: torch.Tensor) -> Any:
@@ -234,6 +240,8 @@ def _value(a: Any) -> Any:
         return [_value(x) for x in a]
     if ta is _Storage:
         return (_STORAGE, a.nbytes())
+    if ta is float and a == 0.0:
+        return (_ZERO, math.copysign(1.0, a))
     return a
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import pytest
@@ -332,3 +333,31 @@ def test_a_data_write_into_a_dropped_tensor_past_the_plan_raises():
         torch.autograd.grad(g(W, x), W)
     for _ in range(2):
         assert_tree_close(torch.autograd.grad(g(W, x), W), torch.autograd.grad(f(W, x), W), rtol=1e-10, atol=1e-10)
+
+
+def test_the_recompute_runs_no_op_past_the_plan_after_its_last_write():
+    """NOTE [written after dropped]: the recompute runs through the plan's last in-place write; when that write is
+    the last op a call that left its plan followed, the ops past the plan (a branch writing a counter outside the
+    call) do not run again in the backward pass (found in review: the counter was written twice)."""
+    box = types.SimpleNamespace(counter=torch.zeros(()))  # (outside the state walk, as a global would be)
+    branch = {"on": False}
+
+    def f(x):
+        h = torch.cos(x)
+        y = torch.sin(h)  # saves h (dropped)
+        h.data.mul_(3.0)  # the plan's last in-place op
+        if branch["on"]:
+            box.counter.add_(1)  # past the plan
+            y = y * 2
+        return y
+
+    g = remat(f)
+    x = torch.randn(8, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    for _ in range(2):
+        g(x).sum().backward()
+    branch["on"] = True
+    (want,) = torch.autograd.grad(f(x).sum(), x)
+    box.counter.zero_()
+    (got,) = torch.autograd.grad(g(x).sum(), x)
+    assert box.counter.item() == 1.0
+    assert_tree_close(got, want, rtol=1e-10, atol=1e-10)

@@ -334,7 +334,7 @@ def test_threads_accumulating_into_shared_parameters_are_not_a_backward_inside(p
 
 
 @pytest.mark.parametrize("debug", [False, True], ids=["planned", "full-engine"])
-@pytest.mark.parametrize("pattern", ["shared-block", "cast-before-the-call"])
+@pytest.mark.parametrize("pattern", ["shared-block", "cast-before-the-call", "layernorm-linear"])
 @pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", "names", "offload"])
 def test_autocast_cached_casts_give_plain_autograds_gradient(policy: str, pattern: str, debug: bool) -> None:
     """Autocast caches its cast of a leaf inside a region: ``f(W, f(W, x))`` (the second call's forward pass reads
@@ -347,12 +347,19 @@ def test_autocast_cached_casts_give_plain_autograds_gradient(policy: str, patter
     def f(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(remat.checkpoint_name(x @ W, "h")) @ W
 
+    torch.manual_seed(0)
+    blk = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16), nn.GELU())
+    if pattern == "layernorm-linear":  # (a float32 activation: autocast casts the bias, the weight, then it)
+        W = blk[1].weight
+        f = blk  # type: ignore[assignment]
     g = remat.remat(f, policy=POLICIES[policy], debug=debug)
 
     def grad_of(fn: Callable[..., Any]) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             if pattern == "shared-block":
                 y = fn(W, fn(W, x))
+            elif pattern == "layernorm-linear":
+                y = fn(fn(x).float())
             else:
                 y = fn(W, torch.sin(x @ W))
         return torch.autograd.grad(y.float().sum(), W)[0]
