@@ -79,7 +79,7 @@ from ._errors import RematError
 from ._naming import checkpoint_name
 from ._policies import Decision, Offloadable, Recompute, Saveable, decide, decide_explicit
 from ._torch_internals import TorchDispatchMode
-from ._wiring import autocast_cast, cast_source, describe_difference, same_key, values_key
+from ._wiring import Wiring, autocast_cast, cast_source, describe_difference, same_key, values_key
 
 __all__ = ["LIFTS", "ignored", "traits", "dead_value", "arg_tensors", "OpRecord", "OpTap", "Recorder", "Replayer"]
 
@@ -200,6 +200,7 @@ class OpRecord:
     consts: list[Any] | None = None  # an output with non-tensor leaves (numbers): all its leaves, to replay
     # autocast's cast of a leaf, which autocast caches: the leaf, weakly (NOTE [autocast's cache] in _wiring.py)
     cast_leaf: weakref.ref[torch.Tensor] | None = None
+    wkey: list[Any] | None = None  # NOTE [same reads] in _wiring.py: the key of the op's arguments (no levels)
 
     def rebuild(self, tensors: list[Any]) -> Any:
         """The op's output, its tensors replaced by ``tensors`` (its numbers as the forward pass returned them)."""
@@ -240,6 +241,9 @@ class Recorder(TorchDispatchMode):
         self.describe_tensor: Callable[[torch.Tensor], str | None] = lambda t: None
         # NOTE [generators of your own] (_ambient.py): the call's AmbientState.generators, set by its engine
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+        # NOTE [same reads] in _wiring.py: set by a frame without torch.func levels that is not nested (its tensors are
+        # the call's own objects): the key of each op's arguments, which the Replayer compares
+        self.wiring: Wiring | None = None
         self._paused = False
         # a reentrant region (_reentrant.py): what the policy saves is held at once, and detach is not an op
         self.region = False
@@ -355,6 +359,12 @@ class Recorder(TorchDispatchMode):
                 self._pending.setdefault(storage_key(t), []).append((rec, j, t))
             idx = len(self.ops)
             self.ops.append(rec)
+            if self.wiring is not None:  # NOTE [same reads] in _wiring.py
+                rec.wkey = self.wiring.key(args, kwargs)
+                if leaf is not None:
+                    self.wiring.note_cast(out, leaf)
+                else:
+                    self.wiring.note(idx, out)
             rec.refs = [weakref.ref(t) for t in outs]
             for t, v in zip(outs, rec.out_vids):
                 # an in-place write returns the outside tensor it wrote: that stays outside
@@ -728,6 +738,7 @@ class Replayer(TorchDispatchMode):
         self.unused_keys: set[int] = set()  # storages of the placeholders handed back for them
         # NOTE [autocast's cache] in _wiring.py: id -> (leaf, weakref) of the casts the recompute ran past the ops
         self.casts: dict[int, tuple[torch.Tensor, weakref.ref[torch.Tensor]]] = {}
+        self.wiring = None if recorder.wiring is None else Wiring(recorder.wiring.known, loose=True)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -744,6 +755,8 @@ class Replayer(TorchDispatchMode):
             if leaf is not None:  # a cast the forward pass read from autocast's cache: run, not counted
                 out = func(*args, **kwargs)
                 self.casts[id(out)] = (leaf, weakref.ref(out))
+                if self.wiring is not None:
+                    self.wiring.note_cast(out, leaf)
                 return out
             j = i
             while j < len(ops) and ops[j].cast_leaf is not None and (ops[j].func is not func or func is _TO_COPY):
@@ -755,6 +768,26 @@ class Replayer(TorchDispatchMode):
             raise self._diverged(f"it ran {func} after the {len(ops)} ops of the forward pass", cache_hint=True)
         if func is not rec.func:
             raise self._diverged(f"op #{i} was {rec.describe()} in the forward pass but {func} now", cache_hint=True)
+        wiring = self.wiring
+        if wiring is None or rec.wkey is None:
+            return self._run(i, rec, func, args, kwargs)
+        now = wiring.key(args, kwargs)  # NOTE [same reads] in _wiring.py: the values and which tensor each is
+        if now != rec.wkey and not same_key(now, rec.wkey, loose=True):
+            raise self._diverged(
+                f"op #{i} {func} read other values than in the forward pass: "
+                f"{describe_difference(now, rec.wkey, lambda j: None)} (a Python value computed from state that "
+                "changed, such as a step counter, a module's attribute or a global, or another tensor picked by it)"
+            )
+        out = self._run(i, rec, func, args, kwargs)
+        leaf = _cast_of(rec)
+        if leaf is not None:
+            wiring.note_cast(out, leaf)
+        else:
+            wiring.note(i, out)
+        return out
+
+    def _run(self, i: int, rec: OpRecord, func: Any, args: Any, kwargs: Any) -> Any:
+        """The recorded op ``i`` in the recompute: a placeholder, its stashed outputs, or run (checked)."""
         if rec.skippable and i in self.unused:
             with internal():  # NOTE [unused outputs]
                 dead = [dead_value(m) for m in rec.out_meta]
@@ -765,7 +798,7 @@ class Replayer(TorchDispatchMode):
         if not rec.live and rec.skippable:
             with internal():  # dead: nothing needed reads it (NOTE [dead ops])
                 return rec.rebuild([dead_value(m) for m in rec.out_meta])
-        if rec.scalars:  # NOTE [same reads] in _wiring.py: the values an op gets, the same checks as a planned call's
+        if rec.scalars and rec.wkey is None:  # NOTE [same reads] in _wiring.py: the values, where no key was noted
             values = values_key(args, kwargs)
             if values != rec.scalars and not same_key(values, rec.scalars):
                 raise self._diverged(

@@ -134,6 +134,7 @@ from ._recompute import holdable, run_recompute
 from ._reentrant import NeedsRegion, forward_pass, rewind_attempt
 from ._state import Snapshot
 from ._torch_internals import saved_tensors_hooks
+from ._wiring import Wiring, known_tokens
 
 __all__ = ["Frame"]
 
@@ -222,6 +223,10 @@ class Frame:
             # forward's input required grad: the parent hands inputs back detached
             self._routed_slots = {i: a.requires_grad for i, a in enumerate(flat) if isinstance(a, torch.Tensor)}
         self._forward_inputs = flat
+        if not self.levels and not self.routed:  # NOTE [same reads] in _wiring.py: the tensors are the call's own
+            # (module state is read as outside tensors here, checked by storage, and its recompute may read copies
+            # of what the call wrote: NOTE [outside tensors]; so one marker like them, not tokens of their own)
+            self.recorder.wiring = Wiring(known_tokens(flat, []), loose=True)
         with internal():
             self.recorder.input_keys = {storage_key(ti.unwrap_all(a)) for a in flat if isinstance(a, torch.Tensor)}
         self.forwarding = True

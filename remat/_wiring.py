@@ -51,9 +51,11 @@ NOTE [same reads]
     call's dispatch mode itself (~8 us an op there), which a call that saves
     nothing did without before: it could not see what an op read, and was
     silently wrong when that changed (NOTE [fast path] in ``_fastpath.py``).
-    The full engine compares the values of every op the same way
-    (:func:`values_key`); which tensor each op reads it checks by storage
-    (NOTE [outside tensors] in ``_dispatch.py``).
+    The full engine compares the same keys (without ``torch.func`` levels and
+    outside nested calls, whose tensors are not the call's own objects: there
+    the values only, :func:`values_key`), with a tensor no op of the call made
+    as one marker: it checks those by storage (NOTE [outside tensors] in
+    ``_dispatch.py``).
 """
 
 from __future__ import annotations
@@ -115,11 +117,14 @@ class Wiring:
     name no other object); each pass notes the outputs of its ops with :meth:`note`.
     """
 
-    __slots__ = ("known", "made")
+    __slots__ = ("known", "made", "loose")
 
-    def __init__(self, known: dict[int, Any]) -> None:
+    def __init__(self, known: dict[int, Any], loose: bool = False) -> None:
         self.known = known
         self.made: dict[int, tuple[Any, weakref.ref[torch.Tensor]]] = {}
+        # the full engine's: a tensor no op made is one marker (its outside-tensor check compares those by storage,
+        # and lets a constant made afresh with the same value pass: NOTE [outside tensors] in _dispatch.py)
+        self.loose = loose
 
     def key(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> list[Any]:
         """The key of an op's arguments: a list (compared with ``==``, in C), tensors replaced by their tokens.
@@ -169,7 +174,7 @@ class Wiring:
         leaf = cast_source(a)
         if leaf is not None:
             return self.cast_token(leaf, a.dtype)
-        return _Same(a)
+        return _TENSOR if self.loose else _Same(a)
 
     def cast_token(self, leaf: torch.Tensor, dtype: torch.dtype) -> tuple[Any, ...]:
         """NOTE [autocast's cache]: the token of autocast's cast of ``leaf`` to ``dtype``, whichever op made it."""
@@ -261,18 +266,31 @@ def known_tokens(inputs: list[Any], state: list[torch.Tensor]) -> dict[int, Any]
     return known
 
 
-def same_key(now: Any, then: Any) -> bool:
-    """Whether two keys are equal, NaN equal to NaN (``==`` first: the common case, done in C)."""
+def same_key(now: Any, then: Any, loose: bool = False) -> bool:
+    """Whether two keys are equal, NaN equal to NaN (``==`` first: the common case, done in C). ``loose`` (the full
+    engine's): a tensor no op of the call made, on either side, matches any tensor (its reads of tensors it did not
+    make, a backward pass's inside it included, are checked by storage: NOTE [outside tensors] in _dispatch.py)."""
     if now == then:
         return True
     if type(now) is float and type(then) is float:
         return now != now and then != then
-    if type(now) in (tuple, list) and type(then) is type(now) and len(now) == len(then):
-        return all(same_key(a, b) for a, b in zip(now, then))
+    if loose and (now is _TENSOR and _is_token(then) or then is _TENSOR and _is_token(now)):
+        return True
+    if type(now) in (tuple, list) and type(then) is type(now) and len(now) == len(then) and not _is_token(now):
+        return all(same_key(a, b, loose) for a, b in zip(now, then))
     return False
 
 
+def _is_token(x: Any) -> bool:
+    """A tensor's token (input, state, an op's output, a cast, the marker)."""
+    return x is _TENSOR or (type(x) is tuple and bool(x) and type(x[0]) is _Kind and x[0] is not _ZERO)
+
+
 def _say(tok: Any, label: Any) -> str:
+    if type(tok) is list:
+        return "[" + ", ".join(_say(x, label) for x in tok) + "]"
+    if tok is _TENSOR:
+        return "a tensor"
     if type(tok) is tuple and len(tok) == 2 and tok[0] is _INPUT:
         return f"argument #{tok[1]} of the call (a leaf of its inputs)"
     if type(tok) is tuple and len(tok) == 2 and tok[0] is _STATE:
@@ -280,6 +298,10 @@ def _say(tok: Any, label: Any) -> str:
         return f"the module state tensor {where}" if where else f"module state tensor #{tok[1]}"
     if type(tok) is tuple and len(tok) == 3 and tok[0] is _MADE:
         return f"output #{tok[2]} of op #{tok[1]}"
+    if type(tok) is tuple and len(tok) == 3 and tok[0] is _CAST:
+        return f"autocast's {tok[2]} cast of {_say(tok[1], label)}"
+    if type(tok) is tuple and len(tok) == 2 and tok[0] is _ZERO:
+        return "-0.0" if tok[1] < 0 else "0.0"
     return repr(tok)
 
 

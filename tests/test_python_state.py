@@ -71,6 +71,20 @@ class RandomExpert(Experts):
         return torch.tanh(random.choice(list(self.experts))(x))
 
 
+class Pick(nn.Module):
+    """Which intermediate feeds the next op, picked by a Python index (the wiring, not a value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8).to(D)
+        self.idx = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        a, b = torch.tanh(h), torch.sin(h)
+        return torch.tanh([a, b][self.idx] @ self.lin.weight)
+
+
 def _set_scale(v: float) -> None:
     global SCALE
     SCALE = v
@@ -81,6 +95,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module, Any], None]
     "module-number": (Temperature, lambda m, v: setattr(m, "temperature", v), [1.0, (2.0, 3.0), (3.0, 3.0)]),
     "global-number": (Global, lambda m, v: _set_scale(v), [1.0, (2.0, 3.0), (0.5, 0.5)]),
     "expert-index": (Experts, lambda m, v: setattr(m, "active", v), [0, (1, 2), (2, 2)]),
+    "picked-intermediate": (Pick, lambda m, v: setattr(m, "idx", v), [0, (0, 1), (1, 1)]),
 }
 
 
@@ -88,12 +103,14 @@ def _grads(m: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in m.parameters()] + [x.grad]
 
 
+@pytest.mark.parametrize("debug", [False, True], ids=["planned", "full-engine"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("case", CASES)
-def test_state_changed_between_forward_and_backward_is_exact_or_raises(case: str, policy: str) -> None:
+def test_state_changed_between_forward_and_backward_is_exact_or_raises(case: str, policy: str, debug: bool) -> None:
+    """Each case on planned calls (the first call records) and on the full engine every call (``debug=True``)."""
     make, set_state, values = CASES[case]
     m = make()
-    f = remat.remat(m.forward, policy=POLICIES[policy])
+    f = remat.remat(m.forward, policy=POLICIES[policy], debug=debug)
     outcomes = []
     try:
         for k, v in enumerate(values):
