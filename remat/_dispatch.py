@@ -878,6 +878,7 @@ class Replayer(TorchDispatchMode):
         """Check the op reads the forward's outside tensors; hand it copies where recorded (NOTE [outside tensors])."""
         with internal():
             ins = arg_tensors(args, kwargs)
+            casts: dict[int, torch.Tensor] = {}
             for j, t0, version in rec.outside or ():
                 if rec.subst is not None and j in rec.subst:
                     continue  # served from a copy taken before a write (not yet settled: a partial recompute)
@@ -886,7 +887,10 @@ class Replayer(TorchDispatchMode):
                     raise self._diverged(f"op #{i} {rec.describe()} has fewer tensor arguments than in the forward pass")
                 same = cur is t0 or (storage_key(cur) == storage_key(t0) and ox.geometry(cur) == ox.geometry(t0))
                 if not same and self._same_cast(cur, t0):
-                    continue  # NOTE [autocast's cache]: autocast's cast of one leaf, cached in the forward pass
+                    # NOTE [autocast's cache]: the cast of one leaf the forward pass read from the cache: the very
+                    # tensor it read (the cache may hold a cast of the leaf's value before a write since)
+                    casts[j] = t0
+                    continue
                 if same:
                     if cur._version != version:
                         raise RematError(
@@ -915,6 +919,8 @@ class Replayer(TorchDispatchMode):
                 )
             if rec.subst is not None:
                 args, kwargs = ox.replace_tensors(args, kwargs, {j: c.clone() for j, c in rec.subst.items()})
+            if casts:
+                args, kwargs = ox.replace_tensors(args, kwargs, casts)
         return args, kwargs
 
     def _same_cast(self, cur: torch.Tensor, t0: torch.Tensor) -> bool:

@@ -201,11 +201,16 @@ NOTE [written after dropped]
     (2026-12-04), the recompute stopped at the last dropped tensor's save, and
     every call after a signature's first read the unwritten value: a wrong
     gradient without an error (the first call, on the full engine, replays
-    every op). A call that left its plan (a data-dependent branch) and then
+    every op). The recompute stops there, and runs no op past the plan a call
+    followed. A call that left its plan (a data-dependent branch) and then
     wrote into the storage of a tensor it dropped (watched through weak
-    references) cannot replay the write, which its plan does not have: its
-    recompute raises ``RematError``, and the signature runs on the full engine
-    from then on. A write through the tensor's own counter (``t.detach().mul_``)
+    references to the dropped tensors) cannot replay the write, which its plan
+    does not have: its recompute raises ``RematError``, and the signature runs
+    on the full engine from then on. Not seen: such a write through a ``.data``
+    alias of a dropped tensor whose own object is gone (its storage lives on in
+    the alias); watching storages instead costs a storage lookup per saved
+    tensor, and a rule that refuses every write past the plan into a tensor made
+    before it refuses ordinary code (an inner backward pass's accumulation). A write through the tensor's own counter (``t.detach().mul_``)
     moves its version: ``RematError`` on every call, as plain autograd raises.
 
 NOTE [kept until the forward pass ends]
@@ -616,6 +621,7 @@ class FastFrame:
         # arguments in the forward pass (None: a tag the forward pass let go), which every recompute compares
         self.known = known_tokens(flat, state.tensors) if plan.ops is not None else {}
         self.keys: list[Any] = [None] * self.limit
+        self.cached_casts: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # NOTE [autocast's cache]
         # NOTE [written after dropped]: the tensors this call dropped (weakly), and whether an op past the plan wrote
         # into the storage of one
         self.dropped_refs: list[weakref.ref[torch.Tensor]] = []
@@ -1127,7 +1133,7 @@ class _Tap(TorchDispatchMode):
         self.limit = frame.limit
         self.i = 0
         self.keys = frame.keys
-        self.wiring = Wiring(frame.known)  # NOTE [same reads]
+        self.wiring = Wiring(frame.known, cached=frame.cached_casts)  # NOTE [same reads]
         self.casts = frame.plan.casts
 
     def skip_name(self) -> bool:
@@ -1257,7 +1263,9 @@ class _Replay(TorchDispatchMode):
         if not INTERNAL.get():
             leaf = autocast_cast(func, args, kwargs)
             if leaf is not None:  # NOTE [autocast's cache]: a cast the forward pass read from autocast's cache
-                out = func(*args, **kwargs)
+                out = self.frame.cached_casts.get((id(leaf), kwargs["dtype"]))
+                if out is None:
+                    out = func(*args, **kwargs)
                 self.wiring.note_cast(out, leaf)
                 return out
             j = _after_cached_casts(self.ops, self.casts, i, self.limit, func)
@@ -1412,7 +1420,9 @@ class _ValueReplay(_Replay):
             return func(*args, **kwargs) if kwargs else func(*args)
         leaf = autocast_cast(func, args, kwargs)
         if leaf is not None:  # NOTE [autocast's cache]: a cast the forward pass read from autocast's cache
-            out = func(*args, **kwargs)
+            out = self.frame.cached_casts.get((id(leaf), kwargs["dtype"]))
+            if out is None:
+                out = func(*args, **kwargs)
             self.wiring.note_cast(out, leaf)
             return out
         if i >= self.stop:

@@ -117,10 +117,14 @@ class Wiring:
     name no other object); each pass notes the outputs of its ops with :meth:`note`.
     """
 
-    __slots__ = ("known", "made", "loose")
+    __slots__ = ("known", "made", "loose", "cached")
 
-    def __init__(self, known: dict[int, Any], loose: bool = False) -> None:
+    def __init__(self, known: dict[int, Any], loose: bool = False,
+                 cached: dict[tuple[int, torch.dtype], torch.Tensor] | None = None) -> None:
         self.known = known
+        # NOTE [autocast's cache]: a forward pass's: (id of the leaf, dtype) -> the cached cast an op read, which the
+        # recompute hands back rather than casting the leaf again (its value may have changed since the cache's cast)
+        self.cached = cached
         self.made: dict[int, tuple[Any, weakref.ref[torch.Tensor]]] = {}
         # the full engine's: a tensor no op made is one marker (its outside-tensor check compares those by storage,
         # and lets a constant made afresh with the same value pass: NOTE [outside tensors] in _dispatch.py)
@@ -173,6 +177,8 @@ class Wiring:
         """A tensor no op of this pass made: autocast's cached cast of a leaf (NOTE [autocast's cache]), or itself."""
         leaf = cast_source(a)
         if leaf is not None:
+            if self.cached is not None:
+                self.cached[(id(leaf), a.dtype)] = a
             return self.cast_token(leaf, a.dtype)
         return _TENSOR if self.loose else _Same(a)
 

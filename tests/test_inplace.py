@@ -361,3 +361,4 @@ def test_the_recompute_runs_no_op_past_the_plan_after_its_last_write():
     (got,) = torch.autograd.grad(g(x).sum(), x)
     assert box.counter.item() == 1.0
     assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
+
