@@ -1173,15 +1173,9 @@ class _Tap(TorchDispatchMode):
                 wiring.note(i, out)
             return out
         if not INTERNAL.get():
-            leaf = autocast_cast(func, args, kwargs)
-            if leaf is not None:  # NOTE [autocast's cache]: a cast the plan's call read from autocast's cache
-                out = func(*args, **kwargs)
-                self.wiring.note_cast(out, leaf)
+            out = _cast_off_the_plan(self, i, func, types, args, kwargs, None)  # NOTE [autocast's cache]
+            if out is not _RUN:
                 return out
-            j = _after_cached_casts(self.ops, self.casts, i, self.limit, func)
-            if j > i:  # NOTE [autocast's cache]: casts of the plan's this call read from the cache
-                self.i = j
-                return self.__torch_dispatch__(func, types, args, kwargs)
         out = func(*args, **kwargs) if kwargs else func(*args)
         if not (INTERNAL.get() or ignored(func)):
             # not the plan's op (a data-dependent branch), or more ops than the plan has: the plan ends here
@@ -1261,17 +1255,9 @@ class _Replay(TorchDispatchMode):
             self._note(i, out, args)
             return out
         if not INTERNAL.get():
-            leaf = autocast_cast(func, args, kwargs)
-            if leaf is not None:  # NOTE [autocast's cache]: a cast the forward pass read from autocast's cache
-                out = self.frame.cached_casts.get((id(leaf), kwargs["dtype"]))
-                if out is None:
-                    out = func(*args, **kwargs)
-                self.wiring.note_cast(out, leaf)
+            out = _cast_off_the_plan(self, i, func, types, args, kwargs, self.frame.cached_casts)
+            if out is not _RUN:
                 return out
-            j = _after_cached_casts(self.ops, self.casts, i, self.limit, func)
-            if j > i:  # NOTE [autocast's cache]: casts of the forward pass's this recompute read from the cache
-                self.i = j
-                return self.__torch_dispatch__(func, types, args, kwargs)
         if not (INTERNAL.get() or ignored(func)):
             self.i = i + 1
             if i < self.limit:
@@ -1460,6 +1446,26 @@ class _ValueReplay(_Replay):
         for k, pos in want:
             if self._dropped(outs[k], pos):
                 self.made[pos] = outs[k]
+
+
+def _cast_off_the_plan(mode: Any, i: int, func: Any, types: Any, args: Any, kwargs: Any,
+                       cached: dict[tuple[int, torch.dtype], torch.Tensor] | None) -> Any:
+    """NOTE [autocast's cache]: an op that is not the plan's op ``i`` of a planned mode (``_Tap``, ``_Replay``):
+    autocast's cast of a leaf the other pass read from the cache (run, or in a recompute the cached tensor the
+    forward pass read handed back, and not counted), or the plan's op past casts of leaves this pass read from the
+    cache (those skipped). ``_RUN``: neither."""
+    leaf = autocast_cast(func, args, kwargs)
+    if leaf is not None:
+        out = cached.get((id(leaf), kwargs["dtype"])) if cached is not None else None
+        if out is None:
+            out = func(*args, **kwargs)
+        mode.wiring.note_cast(out, leaf)
+        return out
+    j = _after_cached_casts(mode.ops, mode.casts, i, mode.limit, func)
+    if j > i:
+        mode.i = j
+        return mode.__torch_dispatch__(func, types, args, kwargs)
+    return _RUN
 
 
 def _cast_agrees(casts: dict[int, Any], wiring: Wiring, i: int, args: Any, kwargs: Any) -> bool:
