@@ -35,14 +35,18 @@ NOTE [same reads]
     of a leaf that requires grad (a weight) and hands the cached copy to every
     later cast of it in the region: the second of two remat'd calls reading one
     weight (a shared or looped block) reads the cache in its forward pass, and
-    its recompute, after the region, casts again. The cast is exact to repeat,
-    and remat keeps no graph of a recompute: so an extra cast in a recompute,
-    or a missing one in a forward pass (against the plan), is run or skipped
-    without counting as an op, and the token of autocast's cast of a leaf is
-    the same whichever op made it, cached or not (``(cast, leaf's token,
-    dtype)``; a cached cast is known by its node, a ``ToCopyBackward0`` into the
-    leaf's accumulator). Plain autograd's gradient, bitwise: the forward pass
-    ran as it would have, and the recompute's values are equal.
+    its recompute, after the region, casts again. remat keeps no graph of a
+    recompute: so an extra cast in a recompute, or a missing one in a forward
+    pass (against the plan), is run or skipped without counting as an op, and
+    the token of autocast's cast of a leaf is the same whichever op made it,
+    cached or not (``(cast, leaf's token, dtype)``; a cached cast is known by
+    its node, a ``ToCopyBackward0`` into the leaf's accumulator). Casts are
+    matched by the leaf they cast, not by the op alone (autocast casts a
+    block's bias and weight before its float32 activation, and a cached one
+    shifts the others). A cast the forward pass read from the cache is handed
+    back to the recompute as that very tensor (the cache may hold the cast of
+    the leaf's value before an in-place write since; the full engine reads it
+    as an outside tensor it recorded). Plain autograd's gradient, bitwise.
 
     What it costs: building a key is a loop over the op's arguments with a
     dictionary lookup per tensor, and noting its outputs a weak reference
