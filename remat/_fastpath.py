@@ -184,10 +184,12 @@ NOTE [value recompute]
     the plan's at its index, a dropped tensor of another shape or dtype, one that
     died before its save, or any error gives way to the recompute that builds
     the graph, for that call and the signature's later ones, which checks as
-    before and raises if the function really diverged. A function whose values
-    depend on grad mode with the same ops is not pure (as a function whose
-    values depend on a global is not); ``remat(f, debug=True)`` runs it on the
-    full engine.
+    before and raises if the function really diverged. So does an op that
+    reads another Python value than the forward pass did (NOTE [same reads]):
+    a value computed from grad mode (``2.0 if torch.is_grad_enabled() else
+    1.0``) is the forward pass's again with the graph, and exact; one computed
+    from state that changed raises there. (Before 2026-12-04 such a value gave
+    a wrong gradient without an error.)
 
 NOTE [written after dropped]
     A write into a tensor after an op saved it, through an alias whose version
@@ -1243,6 +1245,7 @@ class _Replay(TorchDispatchMode):
         self.capture: _Capture | None = None
 
     skip_name = _Tap.skip_name  # (the recompute lets the forward pass's tags go: each saved nothing)
+    no_grad = False  # (the recompute that builds the graph)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         i = self.i
@@ -1282,6 +1285,11 @@ class _Replay(TorchDispatchMode):
         if then is not None:
             now = self.wiring.key(args, kwargs)
             if now != then and not same_key(now, then):
+                if self.no_grad:
+                    # (under no_grad: a value may depend on grad mode, torch.is_grad_enabled(); the recompute that
+                    # builds the graph, under grad mode as the forward pass ran, checks again and raises if it still
+                    # differs: NOTE [value recompute])
+                    raise _NeedsGraph
                 raise self.frame.read_other(i, func, now, then)
         out: Any = _RUN
         if i in self.held:
@@ -1325,6 +1333,8 @@ class _Replay(TorchDispatchMode):
 class _ValueReplay(_Replay):
     """NOTE [value recompute]: :class:`_Replay` under no_grad, taking each dropped tensor as its op returns it, and
     stopping before the op after the one that saved the last of them."""
+
+    no_grad = True
 
     def __init__(self, frame: FastFrame, skip_dead: bool, values: _Values, stop: int) -> None:
         super().__init__(frame, skip_dead)

@@ -448,3 +448,21 @@ def test_a_stale_autocast_cached_cast_is_read_again_not_cast_again(policy: str, 
     want = grads(f)
     for _ in range(3):
         assert all(torch.equal(a, b) for a, b in zip(grads(g), want))
+
+
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", "names"])
+def test_a_value_computed_from_grad_mode_is_exact(policy: str) -> None:
+    """A Python value that depends on grad mode: the recompute without a graph (under no_grad, NOTE [value
+    recompute]) reads another one, and gives way to the recompute under grad mode, which reads the forward pass's
+    (before: a wrong gradient without an error on planned calls; found by reading the change once more)."""
+
+    def f(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        s = 2.0 if torch.is_grad_enabled() else 1.0
+        return torch.tanh(remat.checkpoint_name(torch.sin(x @ W), "h") * s)
+
+    g = remat.remat(f, policy=POLICIES[policy])
+    W = torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    x = torch.randn(2, 4, dtype=D, generator=torch.Generator().manual_seed(1))
+    (want,) = torch.autograd.grad(f(W, x).sum(), W)
+    for _ in range(3):
+        assert_tree_close(torch.autograd.grad(g(W, x).sum(), W), (want,), rtol=1e-10, atol=1e-10)
