@@ -148,12 +148,10 @@ class Wiring:
                     m = made.get(id(a))
                     t = m[0] if m is not None and m[1]() is a else self._unknown(a)
                 key.append(t)
-            elif ta is list or ta is tuple or ta is _Storage or isinstance(a, _Tensor):
-                key.append(self._token(a))
-            elif ta is float and a == 0.0:
-                key.append((_ZERO, math.copysign(1.0, a)))  # (0.0 == -0.0, but copysign tells them apart)
+            elif ta is int or ta is bool or (ta is float and a != 0.0):
+                key.append(a)  # (the common plain values, inline)
             else:
-                key.append(a)
+                key.append(self._token(a))
         if kwargs:
             key.append([(n, self._token(v)) for n, v in kwargs.items()])
         return key
@@ -169,13 +167,7 @@ class Wiring:
             if m is not None and m[1]() is a:
                 return m[0]
             return self._unknown(a)
-        if ta is list or ta is tuple:
-            return [self._token(x) for x in a]
-        if ta is _Storage:  # (``set_``: a storage of the pass's own tensors, made anew by each pass)
-            return (_STORAGE, a.nbytes())
-        if ta is float and a == 0.0:
-            return (_ZERO, math.copysign(1.0, a))
-        return a
+        return _plain(a, self._token)
 
     def _unknown(self, a: torch.Tensor) -> Any:
         """A tensor no op of this pass made: autocast's cached cast of a leaf (NOTE [autocast's cache]), or itself."""
@@ -248,11 +240,16 @@ def values_key(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> list[Any
 
 
 def _value(a: Any) -> Any:
-    if isinstance(a, _Tensor):
-        return _TENSOR
+    return _TENSOR if isinstance(a, _Tensor) else _plain(a, _value)
+
+
+def _plain(a: Any, each: Any) -> Any:
+    """A non-tensor argument's part of a key (both kinds of key): a list or tuple item by item (``each``), a storage
+    by its size (``set_``: a storage of the pass's own tensors, made anew by each pass), a float zero with its sign
+    (0.0 == -0.0, but ``copysign`` tells them apart), anything else as it is."""
     ta = type(a)
     if ta is list or ta is tuple:
-        return [_value(x) for x in a]
+        return [each(x) for x in a]
     if ta is _Storage:
         return (_STORAGE, a.nbytes())
     if ta is float and a == 0.0:
