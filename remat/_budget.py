@@ -343,8 +343,9 @@ class _Saved:
     def on_save(self, t: torch.Tensor, decision: str, frame: Any) -> None:
         if frame is self.frame:
             with internal():
-                s = ti.unwrap_all(t).untyped_storage()
-                self.saved.append((int(s.data_ptr()), len(frame.recorder.ops), int(s.nbytes())))
+                s = ti.storage_of(ti.unwrap_all(t))
+                if s is not None:
+                    self.saved.append((int(s.data_ptr()), len(frame.recorder.ops), int(s.nbytes())))
         if self.previous is not None:
             self.previous.on_save(t, decision, frame)
 
@@ -395,7 +396,9 @@ def _save(g: Graph, current: dict[int, int], entry: tuple[int, int, int]) -> Non
 
 
 def _bytes(meta: tuple[Any, ...]) -> int:
-    shape, dtype, _, stride = meta
+    if len(meta) > 4:  # a wrapper subclass: the bytes of its inner tensors on this process (a DTensor's shard)
+        return sum(_bytes(m) for _, m in meta[5] if type(m) is tuple)
+    shape, dtype, _, stride = meta[:4]
     if any(d == 0 for d in shape):
         return 0
     return (1 + sum((d - 1) * abs(st) for d, st in zip(shape, stride))) * dtype.itemsize

@@ -30,6 +30,40 @@ NOTE [dead ops]
     gets the same from dead-code elimination; torch.utils.checkpoint runs the
     whole function again. Random, in-place and view ops always run.
 
+NOTE [wrapper subclasses]
+    A tensor subclass that wraps others (DTensor and its local shard, the
+    AsyncCollectiveTensor a collective returns) is made and taken apart in
+    Python: ``DTensor.from_local`` and ``to_local`` run no op this mode sees,
+    so a DTensor op's output and the local tensor the next plain op reads
+    looked unrelated. Under tensor parallel the liveness walk then found the
+    GELU between ``up`` and ``down`` dead, and its NaN placeholder became the
+    row-wise weight's gradient, no error (issue 39). So a wrapper and the
+    tensors it wraps (named by ``__tensor_flatten__``) are one value of the
+    call (``Recorder.vid``), its storage is its first inner tensor's
+    (``storage_key``: a DTensor op's output is fresh, a view of one is a view,
+    as for plain tensors, so the policy's decisions, the stash and dead ops
+    work on DTensor ops as on plain ones), and a placeholder for a wrapper is
+    one of its class and layout around placeholders (``__tensor_unflatten__``),
+    so that a dead DTensor op hands the code after it a DTensor.
+
+NOTE [hooks' aliases]
+    Code that is not the function's runs inside it and may differ between the
+    forward pass and the recompute: under any dispatch mode ``param.data`` of a
+    parameter dispatches a ``detach``, which ``CommDebugMode``'s module hooks do
+    in the forward pass only; a global full backward hook (module trackers)
+    wraps each module's inputs and outputs in ``BackwardHookFunction``, whose
+    outputs are ``view``s of the same shape, under grad mode only (not in a
+    recompute without a graph, nor in one run after the mode left). Each is an
+    *identity alias*: its one argument again, the same value, shape and strides
+    (``identity_alias``). A pass may make more of them or fewer: one the other
+    pass lacks is run and not counted, the other pass's are skipped, and its
+    output's token (NOTE [same reads] in ``_wiring.py``) is its argument's, so
+    the ops after it read the same values whichever pass made it.
+    ``torch.utils.checkpoint`` does not compare ops and so never minded them;
+    here ``CommDebugMode`` around a remat'd call raised a divergence on every
+    call. Other ops the function does not make in both passes are still a
+    divergence: only an identity alias is the same value by construction.
+
 NOTE [outside tensors]
     An op may read a tensor that is neither an input of the call nor made by an
     op of the call: a parameter, a buffer, a closed-over or global tensor, a
@@ -143,7 +177,25 @@ def _constants(leaves: list[Any]) -> bool:
 
 
 def _meta(t: torch.Tensor) -> tuple[Any, ...]:
-    return (tuple(t.shape), t.dtype, t.device, tuple(t.stride()))
+    """Shape, dtype, device, strides; for a wrapper subclass also its layout and its inner tensors' metas, so that
+    a placeholder for it is of its class (NOTE [wrapper subclasses])."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return (tuple(t.shape), t.dtype, t.device, tuple(t.stride()))
+    layout = ti.wrapper_layout(t)
+    if layout is None:
+        return (tuple(t.shape), t.dtype, t.device, tuple(t.stride()))
+    inner = tuple((n, _meta(x) if isinstance(x, torch.Tensor) else _Opaque(x))
+                  for n, x in ((n, getattr(t, n)) for n in layout[1]))
+    return (tuple(t.shape), t.dtype, t.device, tuple(t.stride()), layout, inner)
+
+
+class _Opaque:
+    """A wrapper subclass's inner value that is no tensor (a DTensor's device mesh): handed back as it is."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
 
 
 def _fmt(meta: tuple[Any, ...] | None) -> str:
@@ -153,11 +205,27 @@ def _fmt(meta: tuple[Any, ...] | None) -> str:
     return f"{list(shape)} {str(dtype).replace('torch.', '')}"
 
 
+_VIEW = torch.ops.aten.view.default
+
+
+def identity_alias(func: Any, args: Any, kwargs: Any) -> bool:
+    """Whether the op returns its one argument again under another name, the same value, shape and strides
+    (``detach``, ``view`` to the same shape: ``view_as(x)`` of x): NOTE [hooks' aliases]. Not ``alias``, which
+    ``checkpoint_name`` dispatches: a name is the policy's business."""
+    if func is _DETACH:
+        return not kwargs and len(args) == 1
+    return (func is _VIEW and not kwargs and len(args) == 2 and isinstance(args[0], torch.Tensor)
+            and tuple(args[1]) == tuple(args[0].shape))
+
+
 def storage_key(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage, which it shares with its views; a wrapper subclass's is its first inner
+    tensor's (a DTensor's: its local shard's), 0 if it has none (NOTE [wrapper subclasses])."""
     try:
         return int(t.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):
-        return 0
+        inner = ti.inner_tensors(t)
+        return storage_key(inner[0]) if inner else 0
 
 
 class _Alias:
@@ -201,6 +269,7 @@ class OpRecord:
     # autocast's cast of a leaf, which autocast caches: the leaf, weakly (NOTE [autocast's cache] in _wiring.py)
     cast_leaf: weakref.ref[torch.Tensor] | None = None
     wkey: list[Any] | None = None  # NOTE [same reads] in _wiring.py: the key of the op's arguments (no levels)
+    alias: bool = False  # an identity alias (NOTE [hooks' aliases]): a recompute may lack it, or have more
 
     def rebuild(self, tensors: list[Any]) -> Any:
         """The op's output, its tensors replaced by ``tensors`` (its numbers as the forward pass returned them)."""
@@ -282,9 +351,16 @@ class Recorder(TorchDispatchMode):
         e = self._vid_of.get(id(t))
         if e is not None and e[0]() is t:
             return e[1]
-        v = self.next_vid
-        self.next_vid += 1
+        inner = ti.inner_tensors(t)
+        # NOTE [wrapper subclasses]: a wrapper and the tensors it wraps are one value of the call
+        v = next((x for x in map(self.known_vid, inner) if x is not None), None)
+        if v is None:
+            v = self.next_vid
+            self.next_vid += 1
         self._vid_of[id(t)] = (weakref.ref(t), v)
+        for x in inner:
+            if self.known_vid(x) is None:
+                self._vid_of[id(x)] = (weakref.ref(x), v)
         return v
 
     def known_vid(self, t: torch.Tensor) -> int | None:
@@ -359,10 +435,13 @@ class Recorder(TorchDispatchMode):
                 self._pending.setdefault(storage_key(t), []).append((rec, j, t))
             idx = len(self.ops)
             self.ops.append(rec)
+            rec.alias = identity_alias(func, args, kwargs)  # NOTE [hooks' aliases]
             if self.wiring is not None:  # NOTE [same reads] in _wiring.py
                 rec.wkey = self.wiring.key(args, kwargs)
                 if leaf is not None:
                     self.wiring.note_cast(out, leaf)
+                elif rec.alias:
+                    self.wiring.note_alias(out, args[0])
                 else:
                     self.wiring.note(idx, out)
             rec.refs = [weakref.ref(t) for t in outs]
@@ -751,6 +830,13 @@ class Replayer(TorchDispatchMode):
         rec = ops[i] if i < len(ops) else None
         # NOTE [autocast's cache] in _wiring.py: a cast of a leaf matches the forward pass's cast of that leaf only
         leaf = autocast_cast(func, args, kwargs) if func is _TO_COPY else None
+        alias = (func is _VIEW or func is _DETACH) and identity_alias(func, args, kwargs)
+        if alias and (rec is None or not rec.alias or func is not rec.func):
+            # NOTE [hooks' aliases]: one the forward pass did not make here: run, not counted
+            out = func(*args, **kwargs)
+            if self.wiring is not None:
+                self.wiring.note_alias(out, args[0])
+            return out
         if rec is None or func is not rec.func or (func is _TO_COPY and _cast_of(rec) is not leaf):
             if leaf is not None:  # a cast the forward pass read from autocast's cache: run, not counted
                 out = func(*args, **kwargs)
@@ -759,9 +845,18 @@ class Replayer(TorchDispatchMode):
                     self.wiring.note_cast(out, leaf)
                 return out
             j = i
-            while j < len(ops) and ops[j].cast_leaf is not None and (ops[j].func is not func or func is _TO_COPY):
-                j += 1  # (casts of the forward pass's this recompute read from autocast's cache)
+            while j < len(ops) and (ops[j].alias or ops[j].cast_leaf is not None and (
+                    ops[j].func is not func or func is _TO_COPY)):
+                # (casts of the forward pass's this recompute read from autocast's cache; identity aliases it lacks)
+                j += 1
             if j > i and j < len(ops) and ops[j].func is func:
+                i, rec = j, ops[j]
+        elif rec.alias and not alias:
+            # NOTE [hooks' aliases]: the forward pass's identity aliases this recompute does not make
+            j = i
+            while j < len(ops) and ops[j].alias:
+                j += 1
+            if j < len(ops) and ops[j].func is func:
                 i, rec = j, ops[j]
         self.pos = i + 1
         if rec is None:
@@ -782,6 +877,8 @@ class Replayer(TorchDispatchMode):
         leaf = _cast_of(rec)
         if leaf is not None:
             wiring.note_cast(out, leaf)
+        elif rec.alias:
+            wiring.note_alias(out, args[0])
         else:
             wiring.note(i, out)
         return out
@@ -935,6 +1032,8 @@ class Replayer(TorchDispatchMode):
         return cast_source(cur) is leaf
 
     def finish(self) -> None:
+        while self.pos < len(self.rec.ops) and self.rec.ops[self.pos].alias:
+            self.pos += 1  # NOTE [hooks' aliases]
         if self.pos != len(self.rec.ops):
             nxt = self.rec.ops[self.pos]
             raise self._diverged(
@@ -987,6 +1086,8 @@ def _cast_of(rec: OpRecord) -> torch.Tensor | None:
 
 def dead_value(meta: tuple[Any, ...] | None) -> Any:
     assert meta is not None
+    if len(meta) > 4:  # a wrapper subclass: one of its class around placeholders (NOTE [wrapper subclasses])
+        return ti.rewrap(meta[4], {n: m.value if type(m) is _Opaque else dead_value(m) for n, m in meta[5]}, meta[0], meta[3])
     shape, dtype, device, stride = meta
     t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
     if dtype.is_floating_point or dtype.is_complex:

@@ -241,7 +241,17 @@ import torch
 from . import _torch_internals as ti
 from ._ambient import AmbientState
 from ._context import INSPECTOR, INTERNAL, active_context, internal, naming
-from ._dispatch import LIFTS, OpRecord, arg_tensors, dead_value, ignored, storage_key, tensor_leaves, traits
+from ._dispatch import (
+    LIFTS,
+    OpRecord,
+    arg_tensors,
+    dead_value,
+    identity_alias,
+    ignored,
+    storage_key,
+    tensor_leaves,
+    traits,
+)
 from ._errors import RematError, input_written_before_backward, input_written_in_forward, saved_shape_differs
 from ._offload import Offloaded
 from ._packed import DROP, KEEP, OFFLOAD, Made
@@ -303,7 +313,7 @@ class Plan:
     """
 
     __slots__ = ("keep", "offload", "ops", "calls", "hold", "dead", "random", "values", "kept_dead", "kept_dead_ops",
-                 "skip_names", "copy_before", "writes", "casts", "_marked", "_plain_holds")
+                 "skip_names", "copy_before", "writes", "casts", "aliases", "identity", "_marked", "_plain_holds")
 
     def __init__(self, keep: frozenset[int] | None, offload: dict[int, Offloadable] | None = None,
                  ops: tuple[Any, ...] | None = None, hold: dict[int, _Hold] | None = None,
@@ -331,6 +341,10 @@ class Plan:
         self.writes: frozenset[int] = frozenset(i for i, f in enumerate(ops or ()) if traits(f)[0])
         # NOTE [autocast's cache] in _wiring.py: op index -> the token of the leaf that autocast's cast there cast
         self.casts: dict[int, Any] = {}
+        # NOTE [hooks' aliases] in _dispatch.py: op indices of identity aliases a pass may lack (their outputs take
+        # their argument's token)
+        self.aliases: frozenset[int] = frozenset()
+        self.identity: frozenset[int] = frozenset()  # every identity alias's op index (a pass matches them as such)
         self._marked: frozenset[int] | None = None
         self._plain_holds: frozenset[int] | None = None
 
@@ -342,7 +356,7 @@ class Plan:
         if self._marked is None:
             at_op = self.values.inputs_at_op if self.values is not None else {}
             self._marked = (frozenset(self.hold) | self.kept_dead_ops | frozenset(self.copy_before) | frozenset(at_op)
-                            | self.writes | frozenset(self.casts))
+                            | self.writes | frozenset(self.casts) | self.aliases)
         return self._marked
 
     @property
@@ -354,7 +368,7 @@ class Plan:
             self._plain_holds = frozenset(
                 i for i, h in self.hold.items() if h.single and not h.weak and h.offload is None and not h.cow
                 and i not in self.kept_dead_ops and i not in self.copy_before and i not in at_op and i not in self.writes
-                and i not in self.casts)
+                and i not in self.casts and i not in self.aliases)
         return self._plain_holds
 
     @classmethod
@@ -414,6 +428,8 @@ class _Values:
 
 _ONE_LEAF = optree.tree_structure(0)  # type: ignore[arg-type]
 _ALIAS = torch.ops.aten.alias.default  # what checkpoint_name dispatches (_naming.py)
+# the ops an identity alias may be (NOTE [hooks' aliases] in _dispatch.py): only these are asked whether they are one
+_ALIASING = frozenset({torch.ops.aten.view.default, torch.ops.aten.detach.default})
 _TO_COPY = torch.ops.aten._to_copy.default  # NOTE [autocast's cache]: autocast's casts
 
 
@@ -463,6 +479,12 @@ def plan_of_call(frame: Any, out: Any) -> Plan | None:
         plan.values = _Values({p: frame.plan_sources[p] for p in dropped})
     plan.skip_names = _skippable_tags(rec.ops, plan)
     _kept_through_tags(plan, rec.ops, frame.plan_kept)
+    # NOTE [hooks' aliases] in _dispatch.py: an identity alias a pass may lack is one the plan needs nothing of
+    taken = plan.values.at_op if plan.values is not None else {}
+    plan.identity = frozenset(i for i, r in enumerate(rec.ops) if r.alias)
+    plan.aliases = frozenset(i for i in plan.identity if i not in plan.hold and i not in taken
+                             and i not in plan.kept_dead_ops and i not in plan.copy_before and i not in plan.casts
+                             and i not in plan.dead)
     return plan
 
 
@@ -1137,6 +1159,8 @@ class _Tap(TorchDispatchMode):
         self.keys = frame.keys
         self.wiring = Wiring(frame.known, cached=frame.cached_casts)  # NOTE [same reads]
         self.casts = frame.plan.casts
+        self.aliases = frame.plan.aliases
+        self.identity = frame.plan.identity  # NOTE [hooks' aliases]: matched only as such, either way
 
     def skip_name(self) -> bool:
         """NOTE [skipped tags]: whether the tag ``checkpoint_name`` is about to dispatch is one the plan lets go; if
@@ -1150,7 +1174,8 @@ class _Tap(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         i = self.i
         if (i < self.limit and self.ops[i] is func and not INTERNAL.get()
-                and (func is not _TO_COPY or _cast_agrees(self.casts, self.wiring, i, args, kwargs))):
+                and (func is not _TO_COPY or _cast_agrees(self.casts, self.wiring, i, args, kwargs))
+                and (func not in _ALIASING or (i in self.identity) is identity_alias(func, args, kwargs))):
             wiring = self.wiring
             self.keys[i] = wiring.key(args, kwargs)  # NOTE [same reads]
             call = self.calls[i]
@@ -1159,6 +1184,8 @@ class _Tap(TorchDispatchMode):
                     out = self._marked(i, call, args, kwargs)
                     if i in self.casts:
                         wiring.note_cast(out, args[0])  # NOTE [autocast's cache]
+                    elif i in self.aliases:
+                        wiring.note_alias(out, args[0])  # NOTE [hooks' aliases]
                     else:
                         wiring.note(i, out)
                     return out
@@ -1241,6 +1268,8 @@ class _Replay(TorchDispatchMode):
         self.keys = frame.keys
         self.wiring = Wiring(frame.known)  # NOTE [same reads]
         self.casts = frame.plan.casts
+        self.aliases = frame.plan.aliases
+        self.identity = frame.plan.identity  # NOTE [hooks' aliases]: matched only as such, either way
         self.run_to = -1  # NOTE [written after dropped]: the last op to run, if the capture does not stop it
         self.capture: _Capture | None = None
 
@@ -1250,7 +1279,8 @@ class _Replay(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         i = self.i
         if (i < self.limit and self.ops[i] is func and not INTERNAL.get()
-                and (func is not _TO_COPY or _cast_agrees(self.casts, self.wiring, i, args, kwargs))):
+                and (func is not _TO_COPY or _cast_agrees(self.casts, self.wiring, i, args, kwargs))
+                and (func not in _ALIASING or (i in self.identity) is identity_alias(func, args, kwargs))):
             if i > self.run_to >= 0 and self.capture is not None and self.capture.n >= self.capture.stop_after:
                 raise _Stop  # NOTE [written after dropped]: every dropped tensor made, the last write run
             self.i = i + 1
@@ -1309,6 +1339,8 @@ class _Replay(TorchDispatchMode):
         """NOTE [same reads]: op ``i``'s outputs are its own in this pass (autocast's cast of a leaf: the leaf's)."""
         if i in self.casts:
             self.wiring.note_cast(out, args[0])  # NOTE [autocast's cache]
+        elif i in self.aliases:
+            self.wiring.note_alias(out, args[0])  # NOTE [hooks' aliases]
         else:
             self.wiring.note(i, out)
 
@@ -1388,7 +1420,8 @@ class _ValueReplay(_Replay):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         i = self.i
         if self.ops[i] is func and not INTERNAL.get() and (
-                func is not _TO_COPY or _cast_agrees(self.casts, self.wiring, i, args, kwargs)):  # (padded: i < limit)
+                func is not _TO_COPY or _cast_agrees(self.casts, self.wiring, i, args, kwargs)) and (
+                func not in _ALIASING or (i in self.identity) is identity_alias(func, args, kwargs)):  # (padded)
             if self.pending or i in self.saved_at:  # (most ops neither return nor follow a save)
                 self.settle(i)
             if i >= self.stop:
@@ -1421,6 +1454,21 @@ class _ValueReplay(_Replay):
                 out = func(*args, **kwargs)
             self.wiring.note_cast(out, leaf)
             return out
+        if identity_alias(func, args, kwargs):  # NOTE [hooks' aliases] in _dispatch.py: not the plan's: not counted
+            out = func(*args, **kwargs)
+            self.wiring.note_alias(out, args[0])
+            return out
+        j = i
+        while j < self.limit and j in self.aliases:
+            j += 1  # (the forward pass's identity aliases this pass does not make: a hook's, under grad mode only)
+        if j > i and self.ops[j] is func:
+            for k in range(i, j):
+                if self.pending or k in self.saved_at:
+                    self.settle(k)
+                if k >= self.stop:
+                    raise _Stop
+            self.i = j
+            return self.__torch_dispatch__(func, types, args, kwargs)
         if i >= self.stop:
             self.settle(i)
             raise _Stop  # (stop <= limit: the ops past the plan come after the last save)
@@ -1471,7 +1519,15 @@ def _cast_off_the_plan(mode: Any, i: int, func: Any, types: Any, args: Any, kwar
             out = func(*args, **kwargs)
         mode.wiring.note_cast(out, leaf)
         return out
-    j = _after_cached_casts(mode.ops, mode.casts, i, mode.limit, func)
+    if identity_alias(func, args, kwargs) and not ignored(func):
+        # NOTE [hooks' aliases] in _dispatch.py: an identity alias the plan does not have here: run, not counted
+        placeholders = getattr(mode, "placeholders", None)
+        if placeholders and _reads_placeholder(placeholders, args, kwargs):
+            return mode._run_tainted(func, args, kwargs)
+        out = func(*args, **kwargs)
+        mode.wiring.note_alias(out, args[0])
+        return out
+    j = _after_cached_casts(mode.ops, mode.casts, i, mode.limit, func, mode.aliases)
     if j > i:
         mode.i = j
         return mode.__torch_dispatch__(func, types, args, kwargs)
@@ -1490,11 +1546,13 @@ def _cast_agrees(casts: dict[int, Any], wiring: Wiring, i: int, args: Any, kwarg
 _UNKNOWN = object()  # (a leaf that is neither an input nor module state: matches no plan's cast)
 
 
-def _after_cached_casts(ops: tuple[Any, ...], casts: dict[int, Any], i: int, limit: int, func: Any) -> int:
+def _after_cached_casts(ops: tuple[Any, ...], casts: dict[int, Any], i: int, limit: int, func: Any,
+                        aliases: frozenset[int] = frozenset()) -> int:
     """NOTE [autocast's cache]: where ``func`` (not a cast of a leaf) is the plan's op once the casts of leaves at
-    ``i``, ``i + 1``, ... are skipped (read from autocast's cache instead), or ``i`` if it is not."""
+    ``i``, ``i + 1``, ... are skipped (read from autocast's cache instead), or ``i`` if it is not. So are identity
+    aliases this pass does not make (NOTE [hooks' aliases] in _dispatch.py)."""
     j = i
-    while j < limit and j in casts and (ops[j] is not func or func is _TO_COPY):
+    while j < limit and (j in aliases or j in casts and (ops[j] is not func or func is _TO_COPY)):
         j += 1
     return j if j > i and j < limit and ops[j] is func else i
 

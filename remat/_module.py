@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from . import _torch_internals as ti
 from ._transform import Rematted, remat
 
 __all__ = ["remat_module", "remat_modules", "unremat_module", "unremat_modules"]
@@ -59,6 +60,12 @@ def remat_module(module: nn.Module, *, policy: Any = None, preserve_rng_state: b
             f"remat_module: expected an nn.Module, got {type(module).__name__}; for a function use "
             "remat(f, policy=...)."
         )
+    parts = ti.compiled_parts(module) if ti.is_compiled_callable(module) else None
+    if parts is not None:
+        # torch.compile(block): its original module is rematerialized in place and compiled with it (the compiled
+        # module calls it), as remat_module(block) before torch.compile(block)
+        remat_module(parts[0], policy=policy, preserve_rng_state=preserve_rng_state, debug=debug)
+        return module
     unremat_module(module)
     module.forward = remat(module.forward, policy=policy, preserve_rng_state=preserve_rng_state, debug=debug)
     return module

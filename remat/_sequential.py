@@ -57,6 +57,7 @@ import torch
 
 from . import _torch_internals as ti
 from ._context import INSPECTOR, internal
+from ._dispatch import storage_key
 from ._schedules import Schedule, cost, equal_segments, nested_segments, solve, solve_nested
 from ._transform import remat
 from .bench.measure import FlopCount
@@ -82,7 +83,9 @@ class _Kept:
 
     def on_save(self, t: torch.Tensor, decision: str, frame: Any) -> None:
         with internal():
-            s = ti.unwrap_all(t).untyped_storage()
+            s = ti.storage_of(ti.unwrap_all(t))
+            if s is None:
+                return
             p = s.data_ptr()
             if (decision == "recomputed" or p in self._input) and p not in self._carried and p not in self.held:
                 self.held[p] = s
@@ -91,10 +94,7 @@ class _Kept:
 
 def _ptr(t: torch.Tensor) -> int:
     with internal():
-        try:
-            return int(ti.unwrap_all(t).untyped_storage().data_ptr())
-        except (RuntimeError, NotImplementedError):
-            return 0
+        return storage_key(ti.unwrap_all(t))
 
 
 def _nbytes(x: Any) -> int:
@@ -142,8 +142,11 @@ class Sequential:
         self._runs: dict[Any, Any] = {}
 
     def _key(self, x: Any) -> Any:
-        return tuple((tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else t
-                     for t in optree.tree_leaves(x, none_is_leaf=True))
+        """The input's signature: shapes, dtypes, devices, values, and whether a tensor of it requires grad (the
+        first block saves its input only then: the measured sizes differ)."""
+        leaves = optree.tree_leaves(x, none_is_leaf=True)
+        return (tuple((tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else t for t in leaves),
+                any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves))
 
     def schedule(self, x: Any) -> Schedule | None:
         """The schedule for input ``x``: equal segments, or under a budget the one solved on the first call
@@ -213,6 +216,13 @@ class Sequential:
         return x
 
     def __call__(self, x: Any) -> Any:
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            # no graph, so nothing saved, nothing to recompute: the plain loop, and no schedule solved from a call that
+            # keeps nothing (a validation pass or a warm-up before training solved one that remat'd nothing, kept by
+            # every training step of that shape after it: issue 39)
+            for b in self.blocks:
+                x = b(x)
+            return x
         sched = self.schedule(x)
         if sched is None:
             return self._first_call(x, self._key(x))

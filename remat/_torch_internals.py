@@ -93,6 +93,54 @@ def is_grad_wrapper(t: torch.Tensor) -> bool:
 is_zero_tensor: Callable[[torch.Tensor], bool] = torch.Tensor._is_zerotensor
 
 
+# A tensor subclass that wraps other tensors (DTensor, the AsyncCollectiveTensor a collective returns) names them
+# through ``__tensor_flatten__``, the protocol by which torch.compile traces subclasses; torch has no public function
+# that lists a wrapper's inner tensors. remat needs them because such wrappers are made and taken apart in Python
+# (``DTensor.from_local``, ``to_local``), where no dispatch mode sees it: NOTE [wrapper subclasses] in _dispatch.py.
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a wrapper subclass holds (its local shard, for a DTensor); [] for any other tensor."""
+    if type(t) in _PLAIN_TYPES or not hasattr(type(t), "__tensor_flatten__"):
+        return []
+    try:
+        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    except Exception:  # (a subclass whose flatten needs a tracing context): no inner tensors known
+        return []
+    return [x for x in (getattr(t, n, None) for n in names) if isinstance(x, torch.Tensor)]
+
+
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage that holds ``t``'s bytes on this process: its own, or its first inner tensor's for a wrapper
+    subclass (a DTensor's local shard); None if it has none."""
+    try:
+        s = t.untyped_storage()
+        s.data_ptr()
+        return s
+    except (RuntimeError, NotImplementedError):
+        inner = inner_tensors(t)
+        return storage_of(inner[0]) if inner else None
+
+
+def wrapper_layout(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What :func:`rewrap` needs to make a tensor of ``t``'s subclass and layout (a DTensor's mesh and placements)
+    around other inner tensors: (class, inner names, flatten context); None for a tensor that wraps none."""
+    if type(t) in _PLAIN_TYPES or not hasattr(type(t), "__tensor_flatten__"):
+        return None
+    try:
+        names, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    except Exception:
+        return None
+    return type(t), tuple(names), ctx
+
+
+def rewrap(layout: tuple[Any, ...], inner: dict[str, torch.Tensor], size: Any, stride: Any) -> torch.Tensor:
+    """A tensor of ``layout``'s subclass around ``inner`` (``__tensor_unflatten__``, the protocol's other half)."""
+    cls, _, ctx = layout
+    return cls.__tensor_unflatten__(inner, ctx, torch.Size(size), tuple(stride))
+
+
 def is_dead_wrapper(t: torch.Tensor) -> bool:
     return bool(_F.is_dead_tensor_wrapper(t))
 
@@ -431,6 +479,36 @@ def is_compiled_callable(fn: Any) -> bool:
         fn = getattr(fn, "__func__", None) or getattr(fn, "func", None)
         seen += 1
     return False
+
+
+def compiled_parts(fn: Any) -> tuple[Any, Callable[[Any], Any]] | None:
+    """For what ``torch.compile`` returned: the original callable, and a function that compiles another callable
+    with the same backend, mode and options (the context ``torch.compile`` made); None if either cannot be found.
+
+    No public API returns them: a compiled module keeps both (``_orig_mod``, ``dynamo_ctx``), a compiled function
+    keeps the original as ``_torchdynamo_orig_callable`` and the context in its closure, set by
+    torch._dynamo.eval_frame. ``remat(torch.compile(f))`` uses them to mean ``torch.compile(remat(f))``."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return None
+    context_type = getattr(eval_frame, "_TorchDynamoContext", None)
+    if isinstance(fn, eval_frame.OptimizedModule):
+        ctx = getattr(fn, "dynamo_ctx", None)
+        orig = getattr(fn, "_orig_mod", None)
+    else:
+        orig = getattr(fn, "_torchdynamo_orig_callable", None)
+        ctx = None
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # (an empty cell)
+                continue
+            if context_type is not None and isinstance(value, context_type):
+                ctx = value
+                break
+    if orig is None or not callable(orig) or ctx is None or not callable(ctx):
+        return None
+    return orig, ctx
 
 
 def activation_memory_budget(fraction: float) -> contextlib.AbstractContextManager[Any]:

@@ -115,6 +115,14 @@ def remat(fn: Any = None, *, policy: Any = None, static_argnums: int | Sequence[
             "remat(f, policy=...) or use @remat(policy=...) as a decorator."
         )
     if ti.is_compiled_callable(fn):
+        parts = ti.compiled_parts(fn)
+        if parts is not None:
+            # remat(torch.compile(f)) means torch.compile(remat(f)), with the same backend and options: remat cannot
+            # see inside compiled code, and under torch.compile remat lowers to torch's checkpoint region, which the
+            # compiler honours (NOTE [compiled remat] in _compile.py)
+            orig, recompile = parts
+            return recompile(remat(orig, policy=policy, static_argnums=static_argnums,
+                                   preserve_rng_state=preserve_rng_state, debug=debug))
         raise TypeError(
             f"remat: {brief_name(fn)} was compiled by torch.compile, and remat cannot see inside compiled code "
             "(it would run eagerly, or keep everything). Compile outside remat instead: "

@@ -188,6 +188,11 @@ class Wiring:
         if isinstance(out, _Tensor):
             self.made[id(out)] = (self.cast_token(leaf, out.dtype), weakref.ref(out))
 
+    def note_alias(self, out: Any, src: torch.Tensor) -> None:
+        """``out`` is ``src`` under another name (NOTE [hooks' aliases] in _dispatch.py): the same token."""
+        if isinstance(out, _Tensor):
+            self.made[id(out)] = (self._token(src), weakref.ref(out))
+
     def note(self, i: int, out: Any) -> None:
         """Op ``i`` returned ``out``: its tensors are that op's outputs in this pass."""
         if type(out) is _Tensor:

@@ -39,23 +39,17 @@ blocking CI.
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import os
-import socket
-import time
-import traceback
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from remat import policies, remat_module, remat_modules
 
 from .helpers import CountCalls, OpCounter, assert_tree_close
+from .spawned import result, spawn
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(),
@@ -65,7 +59,6 @@ pytestmark = pytest.mark.skipif(
 WORLD = 2
 DIM, HIDDEN, BLOCKS, BATCH, STEPS, LR = 8, 16, 3, 8, 2, 0.1
 SPAWN_TIMEOUT_S = 90  # the whole spawn, every case; a hang fails the tests instead of blocking CI
-COLLECTIVE_TIMEOUT_S = 20  # one collective; a rank stuck in a failed case gives up and moves on
 POLICIES: dict[str, Any] = {"none": None, "save-nothing": "save-nothing", "dots_saveable": policies.dots_saveable}
 # per step, beyond the plain backward pass: save-nothing recomputes each block's `up` product (GELU's backward
 # reads its output) but not `down`'s, whose output the backward pass never reads (NOTE [dead ops]);
@@ -220,57 +213,9 @@ def run_case(case: Case, rank: int, group: dist.ProcessGroup) -> dict[str, Any]:
     return train(net, net, x, y, full_loss, lambda g: g.full_tensor() if isinstance(g, DTensor) else g)
 
 
-def worker(rank: int, port: int, cases: list[Case], out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # two processes on two cores
-    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timeout)
-    try:
-        results: dict[str, Any] = {}
-        for case in cases:
-            group = dist.new_group(backend="gloo", timeout=timeout)  # a failed case leaves the next one alone
-            try:
-                results[case.id] = run_case(case, rank, group)
-            except Exception:
-                results[case.id] = {"error": traceback.format_exc()}
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def spawn(cases: list[Case], out_dir: Path) -> list[dict[str, Any]]:
-    """Run ``cases`` on WORLD processes; each rank's results, or an error if a rank failed or the time ran out."""
-    ctx = mp.spawn(worker, args=(free_port(), cases, str(out_dir)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"the distributed run did not finish in {SPAWN_TIMEOUT_S} s (a hang?)")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-            p.join()
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn([*CASES, SHARDED_CHILDREN], tmp_path_factory.mktemp("distributed"))
-
-
-def result(runs: list[dict[str, Any]], case: Case, rank: int) -> dict[str, Any]:
-    """One rank's results for ``case``; fails the test with every rank's traceback if any rank raised."""
-    errors = [f"rank {r}:\n{run[case.id]['error']}" for r, run in enumerate(runs) if "error" in run[case.id]]
-    if errors:
-        pytest.fail(f"{case.id} raised\n" + "\n".join(errors))
-    return runs[rank][case.id]
+    return spawn(run_case, [*CASES, SHARDED_CHILDREN], tmp_path_factory.mktemp("distributed"), WORLD, SPAWN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -233,6 +233,48 @@ def test_compile_helpers_work_on_this_torch() -> None:
     assert {"remat_checkpoint_name": "h"} in seen
 
 
+def test_compiled_parts_give_the_original_and_its_compile_context() -> None:
+    """What remat(torch.compile(f)) takes apart: the original callable, and a context that compiles another callable
+    with the same backend (counted); None for a callable torch.compile did not return."""
+    seen = []
+
+    def backend(gm: Any, example_inputs: Any) -> Any:
+        seen.append(gm)
+        return gm
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x.sin()
+
+    torch._dynamo.reset()
+    parts = ti.compiled_parts(torch.compile(f, backend=backend))
+    assert parts is not None and parts[0] is f
+    assert torch.equal(parts[1](lambda x: x.cos())(torch.ones(2)), torch.ones(2).cos()) and len(seen) == 1
+    lin = torch.nn.Linear(1, 1)
+    parts = ti.compiled_parts(torch.compile(lin, backend=backend))
+    assert parts is not None and parts[0] is lin
+    assert ti.compiled_parts(f) is None and ti.compiled_parts(lin) is None
+
+
+def test_wrapper_subclass_helpers_work_on_this_torch() -> None:
+    """NOTE [wrapper subclasses] in _dispatch.py: a wrapper's inner tensors, its storage, and one of its class and
+    layout rebuilt around other inner tensors (torch's own two-tensor test subclass)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from remat._dispatch import dead_value, storage_key
+    from remat._dispatch import _meta as meta
+
+    a, b = torch.randn(3, 2), torch.randn(3, 2)
+    t = TwoTensor(a, b)
+    assert ti.inner_tensors(t) == [a, b] and ti.inner_tensors(a) == []
+    assert storage_key(t) == a.untyped_storage().data_ptr() and ti.storage_of(t).data_ptr() == storage_key(t)
+    assert ti.wrapper_layout(a) is None
+    placeholder = dead_value(meta(t))
+    assert type(placeholder) is TwoTensor and placeholder.shape == t.shape
+    assert all(x.isnan().all() for x in ti.inner_tensors(placeholder))
+    again = ti.rewrap(ti.wrapper_layout(t), {"a": b, "b": a}, t.shape, t.stride())
+    assert type(again) is TwoTensor and again.a is b and again.b is a
+
+
 def test_made_hands_each_recomputed_tensor_back_once_and_refuses_one_it_did_not_make() -> None:
     import pytest
 

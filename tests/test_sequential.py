@@ -314,3 +314,27 @@ def test_nested_solver_matches_brute_force(seed: int) -> None:
         assert cost(got, act, inp, flops) == (got.memory, got.recompute)
     assert remat._sequential.solve_nested(act, inp, flops, min(m for m, _ in costs) - 1,
                                           units=max(1, min(m for m, _ in costs) - 1)) is None
+
+
+@pytest.mark.parametrize("first", ["no_grad", "inference_mode", "input-needs-no-grad"])
+def test_a_first_call_without_a_graph_plans_nothing(first: str) -> None:
+    """Issue 39: a first call under no_grad or inference_mode (a validation pass, a warm-up) solved a schedule that
+    kept everything (nothing is saved there), used by every training step of that shape after it. Such calls run
+    the plain loop and solve nothing; a call whose input needs no grad has a signature of its own. Measured from
+    outside: a training step after it keeps what the budget allows."""
+    blocks = chain(n=8, d=32, dtype=torch.float32)
+    x = torch.randn(64, 32, requires_grad=True)
+    _, full = live_bytes_after(lambda: plain(blocks, x).pow(2).sum())
+    seq = remat.sequential(blocks, budget=0.25)
+    ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(first)
+    if ctx is not None:
+        with ctx():
+            assert_tree_close(seq(x), plain(blocks, x), rtol=0, atol=0)
+        assert seq.solves == 0
+    else:
+        seq(x.detach()).sum().backward()
+    seq(x).pow(2).sum().backward()  # (the training signature's first call: measures and solves)
+    _, held = live_bytes_after(lambda: seq(x).pow(2).sum())
+    assert held <= 0.25 * full + 64 * 1024, (held, full)
+    assert_tree_close(torch.autograd.grad(seq(x).pow(2).sum(), x), torch.autograd.grad(plain(blocks, x).pow(2).sum(), x),
+                      rtol=0, atol=0)

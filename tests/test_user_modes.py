@@ -1,0 +1,167 @@
+"""A user's dispatch mode or module hooks around a remat'd call leave it exact, and still remat'd.
+
+Profilers and debuggers install a ``TorchDispatchMode`` (torch's own
+``CommDebugMode`` counts collectives) and global module hooks. Under a mode,
+``param.data`` dispatches a ``detach``; a global full backward hook wraps every
+module's inputs and outputs in ``BackwardHookFunction``, whose outputs are
+``view``s of the same shape. Both happen in the forward pass and not in a
+recompute that runs outside the mode, or the other way round. Before (issue
+39), ``CommDebugMode`` around a remat'd call raised "the recompute diverged: op
+#0 was aten.detach.default ... but aten.view.default now" on every policy,
+where ``torch.utils.checkpoint`` runs. NOTE [hooks' aliases] in
+``remat/_dispatch.py``: such identity aliases are the same value under another
+name; a pass may lack them or have more.
+
+Every case compares ``remat(block, policy=p)`` with the plain block under the same
+mode, on three calls (the first on the full engine, the later ones planned),
+float64 and float32, bitwise; and checks from outside that the recompute ran
+(the block's forward runs twice per step under a policy that drops something).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from remat import policies, remat_module
+
+from .helpers import CountCalls, assert_tree_close
+
+POLICIES: dict[str, Any] = {
+    "save-nothing": "save-nothing",
+    "dots_saveable": policies.dots_saveable,
+    "memory_budget": policies.memory_budget(0.3),
+    "offload": policies.offload_to_cpu(min_bytes=0),
+}
+RECOMPUTES = {"save-nothing": True, "dots_saveable": True, "memory_budget": True, "offload": False}
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+        self.count = CountCalls()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(self.norm(self.count(x)))))
+
+
+class Counting(TorchDispatchMode):
+    """A mode that counts ops and runs ops of its own in its handler (a profiler taking statistics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.n += 1
+        if isinstance(out, torch.Tensor) and out.is_floating_point():
+            out.detach().abs().sum()  # (its own op, inside its handler)
+        return out
+
+
+@contextlib.contextmanager
+def full_backward_hooks() -> Iterator[None]:
+    """A global full backward hook on every module (what torch's module trackers install)."""
+    handle = nn.modules.module.register_module_full_backward_hook(lambda m, gi, go: None)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def comm_debug() -> Any:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    return CommDebugMode()
+
+
+MODES: dict[str, Callable[[], Any]] = {"comm-debug": comm_debug, "counting": Counting,
+                                       "backward-hooks": full_backward_hooks}
+
+
+def step(model: nn.Module, x: torch.Tensor, mode: Callable[[], Any] | None, where: str) -> tuple[Any, ...]:
+    """One forward and backward pass, with the mode around both, the forward pass only or the backward pass only."""
+    fwd = mode() if mode is not None and where in ("both", "forward") else contextlib.nullcontext()
+    bwd = mode() if mode is not None and where == "backward" else contextlib.nullcontext()
+    with fwd:
+        out = model(x)
+        if where == "both":
+            out.pow(2).sum().backward()
+    if where != "both":
+        with bwd:
+            out.pow(2).sum().backward()
+    grads = tuple(p.grad.clone() for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    return (out.detach(), *grads)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("where", ["both", "forward", "backward"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_mode_or_hooks_around_the_call_leave_it_exact(policy, mode, where, dtype):
+    torch.manual_seed(0)
+    plain = Block().to(dtype)
+    torch.manual_seed(0)
+    model = remat_module(Block().to(dtype), policy=POLICIES[policy])
+    x = torch.randn(2, 3, 8, dtype=dtype)
+    for call in range(3):
+        before = model.count.calls
+        got = step(model, x, MODES[mode], where)
+        assert model.count.calls - before == (2 if RECOMPUTES[policy] else 1), f"call {call}: not remat'd"
+        assert_tree_close(got, step(plain, x, MODES[mode], where), rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_a_mode_between_calls_changes_nothing():
+    """Calls with and without a mode alternate on one signature (its plan made under the mode, or not)."""
+    torch.manual_seed(0)
+    plain = Block().double()
+    torch.manual_seed(0)
+    model = remat_module(Block().double(), policy=policies.dots_saveable)
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    for mode, where in [(comm_debug, "forward"), (None, "both"), (comm_debug, "both"), (full_backward_hooks, "forward"),
+                        (None, "both"), (comm_debug, "backward"), (full_backward_hooks, "both")]:
+        assert_tree_close(step(model, x, mode, where), step(plain, x, mode, where), rtol=0, atol=0)
+
+
+def test_a_detach_made_in_the_forward_pass_only_is_the_same_value():
+    """A function whose forward pass alone detaches a tensor (an identity alias, the same value) recomputes the
+    forward's values; one that reads another value there still raises (NOTE [same reads])."""
+    from remat import RematError, remat
+
+    W = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+
+    def f(x):
+        h = torch.tanh(x @ W)
+        if torch.is_grad_enabled():
+            h = h.view_as(h)  # the same value under another name, made under grad mode only
+        return torch.sin(h @ W).sum()
+
+    x = torch.randn(4, 8, dtype=torch.float64)
+    g = remat(f, policy="save-nothing")
+    for _ in range(3):
+        assert_tree_close(torch.autograd.grad(g(x), W), torch.autograd.grad(f(x), W), rtol=0, atol=0)
+
+    scale = {"s": 1.0}
+
+    def h(x):
+        return torch.sin(torch.tanh(x @ W) * scale["s"] @ W).sum()
+
+    gh = remat(h, policy="save-nothing")
+    for _ in range(2):
+        y = gh(x)
+        scale["s"] += 1.0
+        with pytest.raises(RematError, match="read other values"):
+            torch.autograd.grad(y, W)
