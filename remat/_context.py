@@ -27,10 +27,13 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["INTERNAL", "PENDING_NAME", "NAMING", "INSPECTOR", "COMPILED_REGIONS", "ACTIVE", "internal", "naming",
+__all__ = ["INTERNAL", "HOOK_RANGE", "PENDING_NAME", "NAMING", "INSPECTOR", "COMPILED_REGIONS", "ACTIVE", "internal", "naming",
            "active_context", "activated"]
 
 INTERNAL: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_internal", default=False)
+# NOTE [FSDP's hooks] in _dispatch.py: the profiler range of FSDP2's hook that runs now (its handle, and the token that
+# set INTERNAL for it), or None
+HOOK_RANGE: contextvars.ContextVar[tuple[Any, Any] | None] = contextvars.ContextVar("remat_hook_range", default=None)
 PENDING_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("remat_name", default=None)
 # (True, or a planned call's dispatch mode, which may let a tag go without its op: NOTE [skipped tags] in _fastpath.py)
 NAMING: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_naming", default=False)

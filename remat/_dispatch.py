@@ -64,6 +64,35 @@ NOTE [hooks' aliases]
     call. Other ops the function does not make in both passes are still a
     divergence: only an identity alias is the same value by construction.
 
+NOTE [FSDP's hooks]
+    A remat'd function that calls a ``fully_shard``'ed module runs FSDP2's hooks
+    inside the call (``remat(lambda x: block(x))``, ``checkpoint(layer.__call__)``,
+    a block whose submodules are sharded): in the forward pass its pre-forward
+    hook all-gathers the parameters and registers the gathered ones, its
+    post-forward hook reshards; in the recompute, which runs in the module's
+    backward pass, both return at once (FSDP2's pre-backward hook has gathered
+    the parameters already). The ops differ, and until issue 39 remat raised "the
+    recompute diverged: op #0 was aten.empty.memory_format". FSDP2 runs each hook
+    inside a profiler range named ``FSDP::...``, whose markers every mode sees
+    (``profiler_op``): the ops inside one are not the call's (``INTERNAL``), in
+    every pass and every mode. The sharded parameters FSDP2 registers between
+    calls are not the call's state (``_state.py``): the forward pass reads the
+    gathered ones, which are outside tensors, held and checked by identity and
+    version (NOTE [outside tensors]); FSDP2 gathers them into the same tensors
+    for the backward pass. Its hooks also wrap a module's inputs in an
+    ``autograd.Function`` that returns them, inside the range, so the module's
+    first op reads an alias no op of the call made: an argument whose storage an
+    op of the call made is that op's value (``Recorder.vid(read=True)``), for the
+    liveness walk; the planned calls' keys take it for that tensor
+    (``Wiring._unknown``). A step all-gathers and reduce-scatters as often as
+    without remat, as ``torch.utils.checkpoint`` (``tests/test_distributed.py``).
+
+    Should the liveness walk still miss a value made where no mode sees, the
+    recompute does not hand a placeholder on: an op it needs that reads one, or a
+    saved tensor that shares one's storage, raises ``DeadRead``, and the
+    recompute runs again without skipping any op, and the signature is never
+    planned (``_recompute.py``; the planned recompute's ``_PlanWrong``).
+
 NOTE [outside tensors]
     An op may read a tensor that is neither an input of the call nor made by an
     op of the call: a parameter, a buffer, a closed-over or global tensor, a
@@ -108,7 +137,7 @@ import torch
 
 from . import _outside as ox
 from . import _torch_internals as ti
-from ._context import INTERNAL, PENDING_NAME, internal
+from ._context import HOOK_RANGE, INTERNAL, PENDING_NAME, internal
 from ._errors import RematError
 from ._naming import checkpoint_name
 from ._policies import Decision, Offloadable, Recompute, Saveable, decide, decide_explicit
@@ -155,6 +184,29 @@ def traits(func: Any) -> tuple[bool, bool]:
 
 _METADATA = frozenset({torch.ops.aten.sym_size, torch.ops.aten.sym_stride, torch.ops.aten.sym_numel,
                        torch.ops.aten.sym_storage_offset})
+
+
+_RANGE_ENTER = torch.ops.profiler._record_function_enter_new.default
+_RANGE_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
+RANGE_OPS = frozenset({_RANGE_ENTER, _RANGE_EXIT})
+_HOOK_RANGES = ("FSDP::",)  # the profiler ranges FSDP2 runs its hooks in (pre/post forward, all-gather, reshard)
+
+
+def profiler_op(func: Any, args: Any, kwargs: Any) -> Any:
+    """Run a profiler marker (``RANGE_OPS``). NOTE [FSDP's hooks]: one that opens a range of FSDP2's hooks makes every
+    op until it closes remat's own (``INTERNAL``: every mode lets it through unrecorded); its close ends that."""
+    out = func(*args, **kwargs)
+    # (the range's handle is a TorchScript object, which crosses into Python as a new wrapper each time: its hash is
+    # the object's, the same for the handle the close is given)
+    if func is _RANGE_ENTER:
+        if HOOK_RANGE.get() is None and args and isinstance(args[0], str) and args[0].startswith(_HOOK_RANGES):
+            HOOK_RANGE.set((hash(out), INTERNAL.set(True)))
+    else:
+        hook = HOOK_RANGE.get()
+        if hook is not None and args and hash(args[0]) == hook[0]:
+            HOOK_RANGE.set(None)
+            INTERNAL.reset(hook[1])
+    return out
 
 
 @functools.cache
@@ -346,14 +398,20 @@ class Recorder(TorchDispatchMode):
         finally:
             self._paused = False
 
-    def vid(self, t: torch.Tensor) -> int:
-        """A number naming this tensor object for the call (never reused, unlike ``id``)."""
+    def vid(self, t: torch.Tensor, read: bool = False) -> int:
+        """A number naming this tensor object for the call (never reused, unlike ``id``). ``read``: ``t`` is an op's
+        argument, which an op of the call may have made under another name that no mode saw."""
         e = self._vid_of.get(id(t))
         if e is not None and e[0]() is t:
             return e[1]
         inner = ti.inner_tensors(t)
         # NOTE [wrapper subclasses]: a wrapper and the tensors it wraps are one value of the call
         v = next((x for x in map(self.known_vid, inner) if x is not None), None)
+        if v is None and read:
+            # NOTE [FSDP's hooks]: an alias made where no mode records (a hook's autograd.Function returning its
+            # input, FSDP2's around a module's inputs) of a storage an op of the call made: that op's value
+            s = ti.storage_of(t)
+            v = None if s is None else self._storage_vid(s)
         if v is None:
             v = self.next_vid
             self.next_vid += 1
@@ -363,6 +421,18 @@ class Recorder(TorchDispatchMode):
                 self._vid_of[id(x)] = (weakref.ref(x), v)
         return v
 
+    def _storage_vid(self, storage: Any) -> int | None:
+        """The value of the op of the call whose output lives in ``storage`` (None: none made it)."""
+        try:
+            k = int(storage.data_ptr())
+        except (RuntimeError, NotImplementedError):
+            return None
+        idx = self.producers.get(k) if k else None
+        if idx is None:
+            return None
+        rec = self.ops[idx]
+        return next((ov for ov, ok in zip(rec.out_vids, rec.out_keys) if ok == k), None)
+
     def known_vid(self, t: torch.Tensor) -> int | None:
         e = self._vid_of.get(id(t))
         return e[1] if e is not None and e[0]() is t else None
@@ -370,7 +440,7 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if INTERNAL.get() or self._paused or ignored(func):
-            return func(*args, **kwargs)
+            return profiler_op(func, args, kwargs) if func in RANGE_OPS else func(*args, **kwargs)
         if func is _DETACH and self.region:
             # (a reentrant region: how many detaches torch.func runs depends on the grad mode, which differs
             # between the region's forward and its backward) the same value under another name
@@ -402,7 +472,14 @@ class Recorder(TorchDispatchMode):
         with internal():
             keys = [storage_key(t) for t in ins]
             in_keys = set(keys)
-            in_vids = [self.vid(t) for t in ins]
+            in_vids = [self.vid(t, read=True) for t in ins]
+            for a in args:
+                if isinstance(a, (torch.UntypedStorage, torch.TypedStorage)):
+                    # a storage argument (``set_``, what ``untyped_storage().copy_`` runs): the value of the op of the
+                    # call that made it, if one did (after the tensors: in_vids' positions are the tensors')
+                    v = self._storage_vid(a)
+                    if v is not None:
+                        in_vids.append(v)
             if func in LIFTS and ins and ox.nbytes(ins[0]) > ox.SMALL:
                 # a large tensor built from Python data in the call, made afresh by the recompute: not held,
                 # the recompute checks it built the same value (a small one is copied like an outside tensor:
@@ -806,12 +883,34 @@ class Recorder(TorchDispatchMode):
                 self.promote(rec)
 
 
+class DeadRead(Exception):
+    """NOTE [dead ops]: an op the recompute needs read a placeholder, or the backward pass would: the liveness walk
+    missed a value (made where no dispatch mode sees it). The recompute runs again without skipping ops."""
+
+
+def is_tainted(tainted: dict[int, Any], t: torch.Tensor) -> bool:
+    """Whether ``t`` shares a storage with a placeholder (NOTE [dead ops]): an alias made where no mode saw does. By
+    the storage object (torch keeps one Python object per live storage; a freed one's address may be reused)."""
+    with internal():
+        s = ti.storage_of(t)
+        if s is None:
+            return False
+        ref = tainted.get(s.data_ptr())
+        return ref is not None and ref() is s
+
+
 class Replayer(TorchDispatchMode):
     """Recompute: the same ops in the same order; stashed outputs handed back, not recomputed."""
 
-    def __init__(self, recorder: Recorder, unused: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    def __init__(self, recorder: Recorder, unused: set[int] = frozenset(),  # type: ignore[assignment]
+                 skip_dead: bool = True) -> None:
         super().__init__()
         self.rec = recorder
+        self.skip_dead = skip_dead
+        # NOTE [dead ops]: the storages of the placeholders handed back for dead ops, and of what ops computed from
+        # them: an op the recompute needs reading one, or one saved for the backward pass, is DeadRead (by storage:
+        # an alias of one made where no mode sees is one too)
+        self.tainted: dict[int, Any] = {}
         self.pos = 0
         self.unused = unused  # ops feeding only outputs this backward pass does not differentiate
         self.unused_keys: set[int] = set()  # storages of the placeholders handed back for them
@@ -822,7 +921,7 @@ class Replayer(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if INTERNAL.get() or ignored(func):
-            return func(*args, **kwargs)
+            return profiler_op(func, args, kwargs) if func in RANGE_OPS else func(*args, **kwargs)
         if func is _DETACH and self.rec.region:
             return func(*args, **kwargs)
         ops = self.rec.ops
@@ -832,11 +931,18 @@ class Replayer(TorchDispatchMode):
         leaf = autocast_cast(func, args, kwargs) if func is _TO_COPY else None
         alias = (func is _VIEW or func is _DETACH) and identity_alias(func, args, kwargs)
         if alias and (rec is None or not rec.alias or func is not rec.func):
-            # NOTE [hooks' aliases]: one the forward pass did not make here: run, not counted
-            out = func(*args, **kwargs)
-            if self.wiring is not None:
-                self.wiring.note_alias(out, args[0])
-            return out
+            # NOTE [hooks' aliases]: the forward pass's next alias of this op, past its aliases of others; or one the
+            # forward pass did not make here: run, not counted
+            j = i
+            while j < len(ops) and ops[j].alias and ops[j].func is not func:
+                j += 1
+            if j < len(ops) and ops[j].alias and ops[j].func is func:
+                i, rec = j, ops[j]
+            else:
+                out = func(*args, **kwargs)
+                if self.wiring is not None:
+                    self.wiring.note_alias(out, args[0])
+                return out
         if rec is None or func is not rec.func or (func is _TO_COPY and _cast_of(rec) is not leaf):
             if leaf is not None:  # a cast the forward pass read from autocast's cache: run, not counted
                 out = func(*args, **kwargs)
@@ -890,11 +996,15 @@ class Replayer(TorchDispatchMode):
                 dead = [dead_value(m) for m in rec.out_meta]
                 self.unused_keys.update(storage_key(t) for t in dead)
                 return rec.rebuild(dead)
-        if rec.stash is not None and not rec.random:
+        if rec.stash is not None and not rec.random and (self.skip_dead or all(
+                x is not None for x in rec.stash)):
             return self._replay(rec, func, args, kwargs)
-        if not rec.live and rec.skippable:
+        if not rec.live and rec.skippable and self.skip_dead:
             with internal():  # dead: nothing needed reads it (NOTE [dead ops])
-                return rec.rebuild([dead_value(m) for m in rec.out_meta])
+                return rec.rebuild(self._taint([dead_value(m) for m in rec.out_meta]))
+        tainted = bool(self.tainted) and any(is_tainted(self.tainted, t) for t in arg_tensors(args, kwargs))
+        if tainted and rec.live:
+            raise DeadRead
         if rec.scalars and rec.wkey is None:  # NOTE [same reads] in _wiring.py: the values, where no key was noted
             values = values_key(args, kwargs)
             if values != rec.scalars and not same_key(values, rec.scalars):
@@ -923,6 +1033,8 @@ class Replayer(TorchDispatchMode):
             with internal():
                 if any(storage_key(t) in self.unused_keys for t in arg_tensors(args, kwargs)):
                     self.unused_keys.update(storage_key(t) for t in outs)
+        if tainted:
+            self._taint(outs)  # (a view of a placeholder, run as views always are: a placeholder too)
         got = [_meta(t)[:2] for t in outs]
         want = [m[:2] if m is not None else None for m in rec.out_meta]
         if got != want:
@@ -931,6 +1043,15 @@ class Replayer(TorchDispatchMode):
                 f"{', '.join(_fmt(m) for m in want)} in the forward pass", cache_hint=True
             )
         return out
+
+    def _taint(self, ts: list[Any]) -> list[Any]:
+        with internal():
+            for t in ts:
+                if isinstance(t, torch.Tensor):
+                    s = ti.storage_of(t)
+                    if s is not None:
+                        self.tainted[s.data_ptr()] = weakref.ref(s)
+        return ts
 
     def _no_placeholders(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """A random op reading a placeholder (NOTE [unused outputs]) must still draw its numbers, on valid values
@@ -951,7 +1072,7 @@ class Replayer(TorchDispatchMode):
             for ref, meta, v0 in zip(rec.stash, rec.out_meta, versions):
                 t = ref() if isinstance(ref, weakref.ref) else ref
                 if t is None:
-                    t = dead_value(meta)
+                    t = self._taint([dead_value(meta)])[0]
                 elif getattr(t, "routed", False):
                     # held by the enclosing call (NOTE [nested remat] in _hooks.py), fetched before this recompute
                     # began (fetching may run the enclosing call's recompute, which cannot run inside a mode)
@@ -1070,6 +1191,8 @@ class OpTap(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func in RANGE_OPS:
+            return profiler_op(func, args, kwargs)
         out = func(*args, **kwargs)
         if INTERNAL.get() or ignored(func):
             return out

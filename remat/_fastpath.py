@@ -243,11 +243,13 @@ from ._ambient import AmbientState
 from ._context import INSPECTOR, INTERNAL, active_context, internal, naming
 from ._dispatch import (
     LIFTS,
+    RANGE_OPS,
     OpRecord,
     arg_tensors,
     dead_value,
     identity_alias,
     ignored,
+    profiler_op,
     storage_key,
     tensor_leaves,
     traits,
@@ -1201,6 +1203,8 @@ class _Tap(TorchDispatchMode):
             else:
                 wiring.note(i, out)
             return out
+        if func in RANGE_OPS:
+            return profiler_op(func, args, kwargs or {})  # NOTE [FSDP's hooks] in _dispatch.py
         if not INTERNAL.get():
             out = _cast_off_the_plan(self, i, func, types, args, kwargs, None)  # NOTE [autocast's cache]
             if out is not _RUN:
@@ -1287,6 +1291,8 @@ class _Replay(TorchDispatchMode):
             out = self._planned(i, func, args, kwargs)
             self._note(i, out, args)
             return out
+        if func in RANGE_OPS:
+            return profiler_op(func, args, kwargs or {})  # NOTE [FSDP's hooks] in _dispatch.py
         if not INTERNAL.get():
             out = _cast_off_the_plan(self, i, func, types, args, kwargs, self.frame.cached_casts)
             if out is not _RUN:
@@ -1446,6 +1452,11 @@ class _ValueReplay(_Replay):
             self._note(i, out, args)
             return out
         if INTERNAL.get() or ignored(func):
+            if func in RANGE_OPS:
+                return profiler_op(func, args, kwargs or {})  # NOTE [FSDP's hooks] in _dispatch.py
+            if self.placeholders and _reads_placeholder(self.placeholders, args, kwargs):
+                # (an op not of the call, a hook's alias of a placeholder, say: a placeholder too, as in _Replay)
+                return self._run_tainted(func, args, kwargs)
             return func(*args, **kwargs) if kwargs else func(*args)
         leaf = autocast_cast(func, args, kwargs)
         if leaf is not None:  # NOTE [autocast's cache]: a cast the forward pass read from autocast's cache
@@ -1519,6 +1530,10 @@ def _cast_off_the_plan(mode: Any, i: int, func: Any, types: Any, args: Any, kwar
             out = func(*args, **kwargs)
         mode.wiring.note_cast(out, leaf)
         return out
+    j = _after_cached_casts(mode.ops, mode.casts, i, mode.limit, func, mode.aliases)
+    if j > i:
+        mode.i = j
+        return mode.__torch_dispatch__(func, types, args, kwargs)
     if identity_alias(func, args, kwargs) and not ignored(func):
         # NOTE [hooks' aliases] in _dispatch.py: an identity alias the plan does not have here: run, not counted
         placeholders = getattr(mode, "placeholders", None)
@@ -1527,10 +1542,6 @@ def _cast_off_the_plan(mode: Any, i: int, func: Any, types: Any, args: Any, kwar
         out = func(*args, **kwargs)
         mode.wiring.note_alias(out, args[0])
         return out
-    j = _after_cached_casts(mode.ops, mode.casts, i, mode.limit, func, mode.aliases)
-    if j > i:
-        mode.i = j
-        return mode.__torch_dispatch__(func, types, args, kwargs)
     return _RUN
 
 
@@ -1552,7 +1563,7 @@ def _after_cached_casts(ops: tuple[Any, ...], casts: dict[int, Any], i: int, lim
     ``i``, ``i + 1``, ... are skipped (read from autocast's cache instead), or ``i`` if it is not. So are identity
     aliases this pass does not make (NOTE [hooks' aliases] in _dispatch.py)."""
     j = i
-    while j < limit and (j in aliases or j in casts and (ops[j] is not func or func is _TO_COPY)):
+    while j < limit and (j in aliases and ops[j] is not func or j in casts and (ops[j] is not func or func is _TO_COPY)):
         j += 1
     return j if j > i and j < limit and ops[j] is func else i
 

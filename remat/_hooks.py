@@ -594,7 +594,12 @@ class Frame:
                 with internal():
                     self._check_forward_mutation(self._forward_inputs)
             with no_accumulation(self.fn_name, [*self.flat, *self.state.tensors]):
-                return run_recompute(self, s, skip_unused, _forwarding_frames())
+                made = run_recompute(self, s, skip_unused, _forwarding_frames())
+            if getattr(self, "liveness_missed", False):
+                refuse = getattr(self, "_refuse_plan", None)
+                if refuse is not None:
+                    refuse()  # NOTE [dead ops]: this call's liveness walk missed a value; no plan takes it over
+            return made
         except RematError:
             refuse = getattr(self, "_refuse_plan", None)
             if refuse is not None:

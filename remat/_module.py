@@ -93,6 +93,34 @@ def unremat_module(module: nn.Module) -> nn.Module:
     return module
 
 
+def _declared_blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``where="auto"``: the modules whose class (or a base class) the model names in ``_no_split_modules``, outermost
+    first (a declared block inside another is not chosen again)."""
+    declared = None
+    for m in root.modules():
+        names = getattr(m, "_no_split_modules", None)
+        if names:
+            declared = set(names)
+            break
+    if not declared:
+        raise TypeError(
+            f"remat_modules(model, \"auto\"): {type(root).__name__} declares no block classes (Hugging Face models list "
+            "them in _no_split_modules); pass the block class instead: remat_modules(model, Block, policy=...)."
+        )
+    chosen: list[tuple[str, nn.Module]] = []
+    for name, m in root.named_modules():
+        if any(c.__name__ in declared for c in type(m).__mro__) and not any(
+                name.startswith(f"{outer}.") or outer == "" for outer, _ in chosen):
+            chosen.append((name, m))
+    if not chosen:
+        raise TypeError(
+            f"remat_modules(model, \"auto\"): no module of {type(root).__name__} is one of the block classes it "
+            f"declares ({', '.join(sorted(declared))}); pass the block class instead: "
+            "remat_modules(model, Block, policy=...)."
+        )
+    return chosen
+
+
 def _selector(where: Any) -> Callable[[str, nn.Module], bool]:
     if isinstance(where, type) and issubclass(where, nn.Module):
         return lambda name, m: isinstance(m, where)
@@ -101,8 +129,8 @@ def _selector(where: Any) -> Callable[[str, nn.Module], bool]:
     if callable(where) and not isinstance(where, type):
         return where  # type: ignore[no-any-return]
     raise TypeError(
-        f"remat_modules: where must be an nn.Module subclass, a tuple of them, or a predicate "
-        f"where(qualified_name, module) -> bool; got {where!r}."
+        f"remat_modules: where must be an nn.Module subclass, a tuple of them, a predicate "
+        f"where(qualified_name, module) -> bool, or \"auto\"; got {where!r}."
     )
 
 
@@ -115,8 +143,12 @@ def remat_modules(root: nn.Module, where: Any, *, policy: Any = None,
 
     Args:
         root: the model.
-        where: an ``nn.Module`` subclass (``GPT2Block``), a tuple of them, or a
-            predicate ``where(qualified_name, module) -> bool``.
+        where: an ``nn.Module`` subclass (``GPT2Block``), a tuple of them, a
+            predicate ``where(qualified_name, module) -> bool``, or ``"auto"``: the
+            block classes the model declares, as Hugging Face models do in
+            ``_no_split_modules`` (which accelerate's FSDP auto-wrap reads; a
+            subclass counts, so ``fully_shard``'s ``FSDPGPT2Block`` does), the
+            outermost ones only.
         policy, preserve_rng_state, debug: as for :func:`remat`.
 
     Returns:
@@ -130,8 +162,11 @@ def remat_modules(root: nn.Module, where: Any, *, policy: Any = None,
         >>> remat_modules(model, torch.nn.Linear, policy="save-nothing")
         ['0', '2']
     """
-    select = _selector(where)
-    chosen = [(name, m) for name, m in root.named_modules() if select(name, m)]
+    if isinstance(where, str) and where == "auto":
+        chosen = _declared_blocks(root)
+    else:
+        select = _selector(where)
+        chosen = [(name, m) for name, m in root.named_modules() if select(name, m)]
     for _, m in chosen:
         remat_module(m, policy=policy, preserve_rng_state=preserve_rng_state, debug=debug)
     return [name for name, _ in chosen]

@@ -20,7 +20,7 @@ import torch
 
 from . import _torch_internals as ti
 from ._context import activated, internal
-from ._dispatch import OpTap, Replayer, storage_key
+from ._dispatch import DeadRead, OpTap, Replayer, is_tainted, storage_key
 from ._errors import RematError, input_written_before_backward, saved_shape_differs
 from ._functorch import check_lower_levels, replay
 from ._packed import Made, Nested, ParentHandle, made_anew
@@ -42,14 +42,31 @@ def run_recompute(frame: Any, s: int, skip_unused: bool, forwarding: list[Any]) 
         if isinstance(a, torch.Tensor) and v0 is not None and ti.unwrap_all(a)._version != v0:
             raise input_written_before_backward(frame.fn_name, i, a)
     detach = s < 0 and not torch.is_grad_enabled()
-    capture = Capture(frame, s, detach)
     # the replay stash this call routed through its parent: fetched now, outside any mode (NOTE [nested remat])
     routed = [h for r in frame.recorder.ops for h in r.stash or () if isinstance(h, ParentHandle)]
     for h in routed:
         h.value = h.fetch()
+    try:
+        try:
+            return _attempt(frame, s, skip_unused, forwarding, detach, skip_dead=True)
+        except DeadRead:
+            # NOTE [dead ops]: an op the recompute needs read a placeholder, so the liveness walk missed a value
+            # made where no dispatch mode sees it: run the recompute again without skipping any op (exact), and
+            # leave no plan for the signature (its liveness came from this call's walk: NOTE [fast path])
+            frame.liveness_missed = True
+            return _attempt(frame, s, skip_unused, forwarding, detach, skip_dead=False)
+    finally:
+        for h in routed:
+            h.value = None
+
+
+def _attempt(frame: Any, s: int, skip_unused: bool, forwarding: list[Any], detach: bool, skip_dead: bool) -> Made:
+    """One run of the recompute (``run_recompute``); ``skip_dead``: dead ops hand back placeholders."""
+    flat = frame._inputs()
+    capture = Capture(frame, s, detach)
     # the backward pass of the outputs' own level (plain autograd, or a lone grad/vjp level)
-    unused = (unused_ops(frame, s) if skip_unused and not frame.forwarding and s == len(frame.levels) - 1
-              else set())
+    unused = (unused_ops(frame, s) if skip_unused and skip_dead and not frame.forwarding
+              and s == len(frame.levels) - 1 else set())
     # NOTE [backward inside the forward pass]
     partial = frame.forwarding
     if partial:
@@ -61,7 +78,8 @@ def run_recompute(frame: Any, s: int, skip_unused: bool, forwarding: list[Any]) 
                 "(policies.everything_saveable), or remat the function outside the transform."
             )
         capture.stop_after = frame.counts.get(s, 0)
-    replayer = Replayer(frame.recorder, unused)
+    replayer = Replayer(frame.recorder, unused, skip_dead)
+    capture.tainted = replayer.tainted
     with contextlib.ExitStack() as es:
         # every call still in its forward pass has its recorder on the mode stack: none of them may see
         # the recompute's ops (this call's, if it is forwarding, and its enclosing calls')
@@ -92,8 +110,6 @@ def run_recompute(frame: Any, s: int, skip_unused: bool, forwarding: list[Any]) 
         except StopRecompute:
             pass
     frame._skipped[s] = replayer.unused_keys
-    for h in routed:
-        h.value = None
     captured, capture.captured, capture.frame = capture.captured, {}, None  # no cycle via the hooks
     if partial and capture.n >= frame.counts.get(s, 0):
         pass  # stopped once it had made everything saved so far
@@ -162,6 +178,7 @@ class Capture:
         self.versions: dict[int, int] = {}  # position -> version when made (NOTE [written after saved])
         self._children = iter(frame.nested.children)
         self.stop_after: int | None = None  # a partial recompute: stop after this many saves
+        self.tainted: dict[int, Any] = {}  # the storages of the replayer's placeholders (NOTE [dead ops]): none saved
 
     def next_nested(self) -> Nested | None:
         """The routing of the next routed call this recompute re-runs (in forward order)."""
@@ -175,6 +192,8 @@ class Capture:
             self.n += 1
             meta = self.wanted.get(pos)
             if meta is not None:
+                if self.tainted and is_tainted(self.tainted, ti.unwrap_all(t)):
+                    raise DeadRead  # NOTE [dead ops]: the backward pass would read a placeholder
                 if (tuple(t.shape), t.dtype) != meta:
                     raise saved_shape_differs(self.fn_name, t, meta, pos)
                 held = holdable(t)

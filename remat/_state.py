@@ -43,6 +43,7 @@ import optree
 import torch
 from torch import nn
 
+from . import _torch_internals as ti
 from ._dispatch import storage_key
 from ._torch_internals import unwrap_all
 
@@ -105,13 +106,12 @@ class _Slot:
 class Snapshot:
     """The state one call read: slots, and per slot the value (a tensor, or a pytree of them for a cell)."""
 
-    __slots__ = ("slots", "values", "specs", "tensors", "sharded", "modules", "children")
+    __slots__ = ("slots", "values", "specs", "tensors", "modules", "children")
 
     def __init__(self) -> None:
         self.modules: list[nn.Module] = []  # every module walked (their training flags select a fast-path plan)
         # per module with submodules, its submodules at the forward pass (put back for the recompute)
         self.children: list[tuple[nn.Module, tuple[tuple[str, Any], ...]]] = []
-        self.sharded: list[str] = []  # submodules sharded by FSDP2 (fully_shard) below a module the call runs
         self.slots: list[_Slot] = []
         self.values: list[Any] = []  # the slot's value at the forward pass
         self.specs: list[Any] = []  # None: the value is a tensor; else the treespec of a container
@@ -296,7 +296,10 @@ def _walk_attrs(obj: Any, snap: Snapshot, seen: set[int], label: str, depth: int
 def _walk_module(root: nn.Module, snap: Snapshot, seen: set[int]) -> None:
     slots, values, specs, tensors = snap.slots, snap.values, snap.specs, snap.tensors
     mods, sharded = _module_slots(root)
-    snap.sharded += sharded
+    # NOTE [FSDP's hooks] in _dispatch.py: a parameter FSDP2 holds sharded between calls is not the call's state: its
+    # hooks, inside the call, register the gathered one, which the forward pass reads and FSDP2 gathers again for the
+    # recompute (each read checked by identity and version: NOTE [outside tensors])
+    skip = {id(t) for ref in sharded if (m := ref()) is not None for t in ti.fsdp_sharded_params(m)} if sharded else ()
     for mref, mslots in mods:
         m = mref()
         if m is None or (m is not root and id(m) in seen):
@@ -307,7 +310,7 @@ def _walk_module(root: nn.Module, snap: Snapshot, seen: set[int]) -> None:
             snap.children.append((m, tuple(m._modules.items())))
         for slot in mslots:
             t = slot.owner[slot.name]  # a parameter or buffer: a tensor, or None
-            if t is not None:
+            if t is not None and id(t) not in skip:
                 slots.append(slot)
                 values.append(t)
                 specs.append(None)
@@ -320,19 +323,19 @@ def _walk_module(root: nn.Module, snap: Snapshot, seen: set[int]) -> None:
 # every child module (one replaced); a slot missed by any other change would still be caught by the
 # recompute's check (NOTE [outside tensors]).
 _Mods = list[tuple[weakref.ref[nn.Module], list[_Slot]]]  # (weakly: the cache must not keep its key alive)
-_SLOTS: weakref.WeakKeyDictionary[nn.Module, tuple[list[Any], list[int], _Mods, list[str], list[Any]]] = (
+_SLOTS: weakref.WeakKeyDictionary[nn.Module, tuple[list[Any], list[int], _Mods, list[Any], list[Any]]] = (
     weakref.WeakKeyDictionary())
 
 
-def _module_slots(root: nn.Module) -> tuple[_Mods, list[str]]:
-    """The slots of every module in the tree, and the names of the submodules sharded by FSDP2."""
+def _module_slots(root: nn.Module) -> tuple[_Mods, list[weakref.ref[nn.Module]]]:
+    """The slots of every module in the tree, and the modules of it sharded by FSDP2 (weakly)."""
     cached = _SLOTS.get(root)
     if cached is not None and [len(d) for d in cached[0]] == cached[1] and all(
             a is b for a, b in zip(_children(cached[2]), cached[4])):
         return cached[2], cached[3]
     fsdp = sys.modules.get("torch.distributed.fsdp")  # nothing is sharded unless FSDP was imported
     fsdp_module = getattr(fsdp, "FSDPModule", None)
-    sharded: list[str] = []
+    sharded: list[weakref.ref[nn.Module]] = []
     dicts: list[Any] = []
     out: _Mods = []
     label = type(root).__name__
@@ -342,8 +345,8 @@ def _module_slots(root: nn.Module) -> tuple[_Mods, list[str]]:
                  for name in getattr(m, kind)]
         out.append((weakref.ref(m), slots))
         dicts += [m._parameters, m._buffers, m._modules]
-        if prefix and fsdp_module is not None and isinstance(m, fsdp_module):
-            sharded.append(where)
+        if fsdp_module is not None and isinstance(m, fsdp_module):
+            sharded.append(weakref.ref(m))
     _SLOTS[root] = (dicts, [len(d) for d in dicts], out, sharded, _children(out))
     return out, sharded
 

@@ -481,6 +481,33 @@ def is_compiled_callable(fn: Any) -> bool:
     return False
 
 
+# FSDP2 swaps a module's parameters between sharded DTensors and gathered tensors in its hooks, which run inside a
+# remat'd call that calls the sharded module (NOTE [FSDP's hooks] in _dispatch.py). Which parameters it manages has no
+# public API: its parameter groups' FSDPParams hold them (one group on torch 2.11, a list of groups since).
+def fsdp_sharded_params(module: Any) -> list[torch.Tensor]:
+    """The sharded parameters FSDP2 registers on the modules of ``module`` (a ``fully_shard``'ed module) between its
+    calls; [] for any other module."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return []
+    try:
+        state = get_state()
+    except Exception:
+        return []
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    out = []
+    for group in groups:
+        for fp in getattr(group, "fsdp_params", ()):
+            for name in ("sharded_param", "_sharded_post_forward_param"):
+                t = getattr(fp, name, None)
+                if isinstance(t, torch.Tensor):
+                    out.append(t)
+    return out
+
+
 def compiled_parts(fn: Any) -> tuple[Any, Callable[[Any], Any]] | None:
     """For what ``torch.compile`` returned: the original callable, and a function that compiles another callable
     with the same backend, mode and options (the context ``torch.compile`` made); None if either cannot be found.

@@ -271,14 +271,6 @@ def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics
         return call_nested_replay(ctx, run, flat)  # an outer recompute re-runs this call
     # NOTE [state is an input]: what fn reads besides its arguments, held like them
     state = snapshot(fn, [a for a in flat if not isinstance(a, torch.Tensor)] + list(static_vals.values()))
-    if state.sharded:
-        raise RematError(
-            f"remat: {name} runs submodules sharded with FSDP2's fully_shard ({', '.join(state.sharded[:3])}"
-            f"{', ...' if len(state.sharded) > 3 else ''}) inside the remat'd region; their all-gather hooks "
-            "do different work in the recompute, so remat cannot replay it. Rematerialize the sharded "
-            "modules themselves (remat.remat_modules(model, Block) where each Block is fully_shard'ed; "
-            "their hooks stay outside), or remat modules below them."
-        )
     outermost = not enclosed()
     frame: Any = None
     key = None

@@ -170,13 +170,27 @@ class Wiring:
         return _plain(a, self._token)
 
     def _unknown(self, a: torch.Tensor) -> Any:
-        """A tensor no op of this pass made: autocast's cached cast of a leaf (NOTE [autocast's cache]), or itself."""
+        """A tensor no op of this pass made: autocast's cached cast of a leaf (NOTE [autocast's cache]), an alias of a
+        tensor an op made, made where no mode sees (NOTE [FSDP's hooks] in _dispatch.py: that tensor's token), or
+        itself."""
         leaf = cast_source(a)
         if leaf is not None:
             if self.cached is not None:
                 self.cached[(id(leaf), a.dtype)] = a
             return self.cast_token(leaf, a.dtype)
-        return _TENSOR if self.loose else _Same(a)
+        if self.loose:
+            return _TENSOR
+        try:
+            key = a.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            key = 0
+        if key:
+            for tok, ref in reversed(self.made.values()):  # (rare: a hook's alias; the newest first)
+                t = ref()
+                if t is not None and t.untyped_storage().data_ptr() == key and t.shape == a.shape \
+                        and t.stride() == a.stride() and t.storage_offset() == a.storage_offset():
+                    return tok
+        return _Same(a)
 
     def cast_token(self, leaf: torch.Tensor, dtype: torch.dtype) -> tuple[Any, ...]:
         """NOTE [autocast's cache]: the token of autocast's cast of ``leaf`` to ``dtype``, whichever op made it."""

@@ -22,10 +22,16 @@ check, per case:
   parameters were sharded again between forward and backward, so the
   recompute read parameters FSDP2 had gathered anew.
 
-A block whose *submodules* are sharded (FSDP2's hooks would then run inside the
-remat'd region, doing other work in the recompute) raises a ``RematError`` that
-says to remat the sharded modules themselves
-(``test_fsdp_sharded_children_inside_remat_raise_a_clear_error``).
+FSDP2's hooks inside the remat'd region (issue 39; before, "the recompute
+diverged: op #0 was aten.empty.memory_format"): a block whose *submodules* are
+sharded, remat'd with ``remat_module``; a closure calling the sharded block
+(``remat(lambda x: block(x))``); the block's ``__call__`` (``checkpoint(layer.__call__, ...)``
+style, as Hugging Face's gradient-checkpointing hook calls it); and the peer,
+``torch.utils.checkpoint.checkpoint(block, x)``. These also count, from outside
+(``CommDebugMode``), the all-gathers and reduce-scatters of each step: remat
+gathers parameters no more often than the run without remat or
+``torch.utils.checkpoint`` (NOTE [FSDP's hooks] in ``remat/_dispatch.py``), and
+the parameters are sharded again after the backward pass.
 
 The second step runs with the parameters the first step's update wrote (into
 FSDP2's shards): a recompute that read stale or resharded parameters would
@@ -46,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from remat import policies, remat_module, remat_modules
+from remat import policies, remat, remat_module, remat_modules
 
 from .helpers import CountCalls, OpCounter, assert_tree_close
 from .spawned import result, spawn
@@ -73,6 +79,9 @@ class Case:
     reshard_after_forward: bool = True  # fsdp: the blocks' setting (True is fully_shard's default)
     remat_first: bool = False  # fsdp: remat_module before fully_shard instead of after
     shard_linears: bool = False  # fsdp: fully_shard each block's Linears instead of the block
+    # fsdp: how the sharded block is called with its hooks inside the region: "closure" (remat(lambda x: block(x))),
+    # "call" (remat(block.__call__)), "torch" (torch.utils.checkpoint.checkpoint(block, x), the peer); "" otherwise
+    inside: str = ""
 
     @property
     def id(self) -> str:
@@ -83,24 +92,28 @@ class Case:
                 parts.append("remat-first")
             if self.shard_linears:
                 parts.append("linears-sharded")
+            if self.inside:
+                parts.append(f"hooks-inside-{self.inside}")
         return "-".join([*parts, self.policy])
 
     @property
     def baseline(self) -> Case:
         """The same distributed run without remat."""
-        return dataclasses.replace(self, policy="none", remat_first=False)
+        return dataclasses.replace(self, policy="none", remat_first=False, inside="")
 
 
 CASES = [
     *(Case("ddp", p) for p in POLICIES),
     *(Case("fsdp", p, reshard_after_forward=r) for r in (True, False) for p in POLICIES),
     Case("fsdp", "save-nothing", remat_first=True),
-    Case("fsdp", "none", shard_linears=True),  # the baseline of SHARDED_CHILDREN
+    Case("fsdp", "none", shard_linears=True),
+    # FSDP2's hooks inside the remat'd region (NOTE [FSDP's hooks] in remat/_dispatch.py)
+    *(Case("fsdp", p, shard_linears=True) for p in ("save-nothing", "dots_saveable")),
+    *(Case("fsdp", p, inside=w) for w in ("closure", "call") for p in ("save-nothing", "dots_saveable")),
+    Case("fsdp", "none", inside="torch"),
 ]
 REMAT_CASES = [c for c in CASES if c.policy != "none"]
-# A remat'd block whose Linears are sharded: FSDP2's hooks of the Linears run inside the remat'd region
-# (test_fsdp_sharded_children_inside_remat).
-SHARDED_CHILDREN = Case("fsdp", "save-nothing", shard_linears=True)
+HOOKS_INSIDE = [c for c in CASES if c.inside or c.shard_linears]
 
 
 # ---- the model ---------------------------------------------------------------------
@@ -126,10 +139,12 @@ class Net(nn.Module):
         self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
         self.head = nn.Linear(DIM, 1)
 
+        self.wrap: Any = None  # how each block is called (Case.inside)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if self.wrap is None else self.wrap(block, x)
         return self.head(x)
 
 
@@ -149,19 +164,31 @@ def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def train(model: nn.Module, named: nn.Module, x: torch.Tensor, y: torch.Tensor, full_loss: Any,
-          full_grad: Any) -> dict[str, Any]:
-    """STEPS steps of SGD; per step the (global) loss, the full gradients, block calls and backward matmuls."""
+          full_grad: Any, count_collectives: bool = False) -> dict[str, Any]:
+    """STEPS steps of SGD; per step the (global) loss, the full gradients, block calls and backward matmuls (and
+    the collectives of the step, counted by CommDebugMode around it)."""
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
 
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    out: dict[str, Any] = {"loss": [], "grads": [], "calls": [], "matmuls": [], "sharded": []}
+    out: dict[str, Any] = {"loss": [], "grads": [], "calls": [], "matmuls": [], "sharded": [], "collectives": [],
+                           "sharded_after_backward": []}
     for _ in range(STEPS):
         counts = [b.count.calls for b in named.blocks]
-        loss = loss_fn(model, x, y)
-        # FSDP2 registers the sharded parameters again after a block's forward pass if it reshards
-        out["sharded"].append([isinstance(b.up.weight, DTensor) for b in named.blocks])
-        with OpCounter() as oc:
-            loss.backward()
+        comm = CommDebugMode()
+        if count_collectives:
+            comm.__enter__()
+        try:
+            loss = loss_fn(model, x, y)
+            # FSDP2 registers the sharded parameters again after a block's forward pass if it reshards
+            out["sharded"].append([isinstance(b.up.weight, DTensor) for b in named.blocks])
+            with OpCounter() as oc:
+                loss.backward()
+        finally:
+            if count_collectives:
+                comm.__exit__(None, None, None)
+                out["collectives"].append({str(k): v for k, v in comm.get_comm_counts().items()})
+        out["sharded_after_backward"].append([isinstance(b.up.weight, DTensor) for b in named.blocks])
         out["calls"].append([b.count.calls - c for b, c in zip(named.blocks, counts)])
         out["matmuls"].append(oc.count)
         out["loss"].append(full_loss(loss.detach()))
@@ -200,22 +227,30 @@ def run_case(case: Case, rank: int, group: dist.ProcessGroup) -> dict[str, Any]:
         return train(model, net, x, y, full_loss, lambda g: g)
 
     mesh = DeviceMesh.from_group(group, "cpu")
+    policy = POLICIES[case.policy]
+    if case.inside == "closure":
+        net.wrap = lambda block, x: remat(lambda y: block(y), policy=policy)(x)
+    elif case.inside == "call":
+        net.wrap = lambda block, x: remat(block.__call__, policy=policy)(x)
+    elif case.inside == "torch":
+        net.wrap = lambda block, x: torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
     if case.remat_first:
         remat_each_block()
     for b in net.blocks:
         for m in (b.up, b.down) if case.shard_linears else (b,):
             fully_shard(m, mesh=mesh, reshard_after_forward=case.reshard_after_forward)
     fully_shard(net, mesh=mesh)
-    if not case.remat_first and case.policy != "none":
+    if not case.remat_first and case.policy != "none" and not case.inside:
         # fully_shard changed the blocks' class to a subclass (FSDPBlock): selecting by Block still finds them
         names = remat_modules(net, Block, policy=POLICIES[case.policy])
         assert names == [f"blocks.{i}" for i in range(BLOCKS)], names
-    return train(net, net, x, y, full_loss, lambda g: g.full_tensor() if isinstance(g, DTensor) else g)
+    return train(net, net, x, y, full_loss, lambda g: g.full_tensor() if isinstance(g, DTensor) else g,
+                 count_collectives=case.parallel == "fsdp" and not case.remat_first)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn(run_case, [*CASES, SHARDED_CHILDREN], tmp_path_factory.mktemp("distributed"), WORLD, SPAWN_TIMEOUT_S)
+    return spawn(run_case, CASES, tmp_path_factory.mktemp("distributed"), WORLD, SPAWN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +286,7 @@ def test_fsdp_resharded_between_forward_and_backward(runs, case):
         assert result(runs, case, rank)["sharded"] == [[case.reshard_after_forward] * BLOCKS] * STEPS
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", [c for c in CASES if c.inside != "torch"], ids=lambda c: c.id)
 def test_recompute_ran(runs, case):
     calls_per_step = 1 if case.policy == "none" else 2
     for rank in range(WORLD):
@@ -260,10 +295,13 @@ def test_recompute_ran(runs, case):
         assert [m - p for m, p in zip(got["matmuls"], plain["matmuls"])] == [EXTRA_BACKWARD_MATMULS[case.policy]] * STEPS
 
 
-def test_fsdp_sharded_children_inside_remat_raise_a_clear_error(runs):
-    """A block whose submodules are sharded runs FSDP2's all-gather hooks inside the remat'd region, which
-    do other work in the recompute: remat refuses at the first call, saying what to remat instead."""
-    for run in runs:
-        error = run[SHARDED_CHILDREN.id].get("error", "")
-        assert "RematError" in error and "sharded with FSDP2's fully_shard" in error, error
-        assert "Rematerialize the sharded modules themselves" in error
+@pytest.mark.parametrize("case", HOOKS_INSIDE, ids=lambda c: c.id)
+def test_fsdp_hooks_inside_the_region_gather_no_more_and_reshard(runs, case):
+    """Counted from outside: a step with FSDP2's hooks inside the remat'd region all-gathers and reduce-scatters as
+    often as the same step without remat (and as torch.utils.checkpoint); the parameters are sharded again after
+    the backward pass."""
+    plain = Case("fsdp", "none", shard_linears=case.shard_linears)
+    for rank in range(WORLD):
+        got, want = result(runs, case, rank), result(runs, plain, rank)
+        assert got["collectives"] == want["collectives"] and got["collectives"][0], got["collectives"]
+        assert got["sharded_after_backward"] == [[True] * BLOCKS] * STEPS

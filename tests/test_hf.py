@@ -495,3 +495,22 @@ def test_blocks_reached_through_a_default_argument_are_exact_under_func(name: st
     params, ids = shifted_params(model), token_ids()
     assert_tree_close(func_grads(r, params, ids), func_grads(model, params, ids), **F64)
     assert_tree_close(per_example_grads(r, params, ids), per_example_grads(model, params, ids), **F64)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_auto_picks_the_blocks_the_model_declares(name: str) -> None:
+    """remat_modules(model, "auto") (issue 39): the outermost modules of the classes in _no_split_modules, the
+    blocks remat_modules(model, Block) picks (BERT also declares its embeddings); float32 gradients bitwise."""
+    model = make(name, dtype=torch.float32)
+    auto = copy.deepcopy(model)
+    names = remat.remat_modules(auto, "auto", policy="save-matmuls")
+    by_class, _ = rematted(model, name, "save-matmuls")
+    declared = [n for n, m in by_class.named_modules() if "forward" in vars(m)]
+    assert [n for n in names if not n.endswith("embeddings")] == declared and declared
+    ids = token_ids()
+    assert_tree_close(autograd_grads(auto, ids), autograd_grads(model, ids), rtol=0, atol=0)
+
+
+def test_auto_on_a_model_that_declares_no_blocks_says_to_pass_a_class() -> None:
+    with pytest.raises(TypeError, match=r"declares no block classes .* pass the block class"):
+        remat.remat_modules(nn.Sequential(nn.Linear(2, 2)), "auto")

@@ -403,3 +403,54 @@ def test_recompute_runs_under_the_forwards_autocast_state(where: str) -> None:
         return lin.weight.grad.clone()  # type: ignore[union-attr]
 
     assert torch.equal(grads(remat(f)), grads(f))
+
+
+# ---- values made where no mode sees (NOTE [FSDP's hooks], NOTE [dead ops]) -------------------------------------
+
+
+class _PassThrough(torch.autograd.Function):
+    """What FSDP2's hooks wrap a module's inputs in: its input again, as a view made inside the hook."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
+_CALLS = [0]
+
+
+def _hooked(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    _CALLS[0] += 1
+    h = x @ W + 1.0  # (nothing saves the add's output: exp saves its own)
+    with torch.profiler.record_function("FSDP::pre_forward"):  # (ops in FSDP2's hooks are not the call's)
+        h = _PassThrough.apply(h)
+    return torch.sin(h.exp() @ W).sum()
+
+
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls"])
+@pytest.mark.parametrize("lose_the_alias", [False, True])
+def test_a_value_made_in_a_hook_is_recomputed_or_the_recompute_runs_again(policy, lose_the_alias, monkeypatch):
+    """``exp`` after the hook reads an alias of the add's output that no mode saw made. The liveness walk takes it
+    for that output (its storage's op), so the add runs in the recompute. If the walk missed it (forced here), the
+    add would be dead and its NaN placeholder, through the hook's alias, ``exp``'s input: a wrong gradient without
+    an error (as under FSDP2 before issue 39). An op the recompute needs, or a saved tensor, that shares a
+    placeholder's storage stops the recompute, which runs again without skipping any op (the function runs three
+    times). Exact either way, float64 bitwise."""
+    from remat._dispatch import Recorder
+
+    if lose_the_alias:
+        vid = Recorder.vid
+        monkeypatch.setattr(Recorder, "vid", lambda self, t, read=False: vid(self, t))
+    W = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    want = torch.autograd.grad(_hooked(W, x), W)
+    g = remat(lambda W, x: _hooked(W, x), policy=policy)  # (a function of its own: plans are per function)
+    for _ in range(3):  # (the first call on the full engine, the later ones planned: NOTE [fast path])
+        _CALLS[0] = 0
+        got = torch.autograd.grad(g(W, x), W)
+        assert_tree_close(got, want, rtol=0, atol=0)
+        assert _CALLS[0] == (3 if lose_the_alias else 2)

@@ -31,6 +31,10 @@ The tests check, per case:
   block's residual add, which the backward pass does not read: NOTE [dead ops]),
   as many as ``torch.utils.checkpoint``; none more under ``dots_saveable`` or
   offloading; and each block's forward runs twice per step.
+
+Then FSDP2 and tensor parallel together (a 2-D mesh, four processes: tensor parallel
+within pairs, ``fully_shard`` across them): gradients equal one process and,
+bitwise, the 2-D run without remat.
 """
 
 from __future__ import annotations
@@ -267,3 +271,56 @@ def test_policies_decide_on_dtensor_ops(runs, case):
         assert got["calls"] == [[1 if case.policy in ("none", "offload") else 2] * BLOCKS] * STEPS
         extra = [m - p for m, p in zip(got["matmuls"], plain["matmuls"])]
         assert extra == [EXTRA_BACKWARD_MATMULS[case.policy] * BLOCKS] * STEPS, extra
+
+
+# ---- FSDP2 and tensor parallel together: a 2-D mesh, four processes ----------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Case2D:
+    policy: str
+
+    @property
+    def id(self) -> str:
+        return f"fsdp-tp-{self.policy}"
+
+
+CASES_2D = [Case2D(p) for p in ("none", "save-nothing", "dots_saveable", "names")]
+
+
+def run_case_2d(case: Case2D, rank: int, group: dist.ProcessGroup) -> dict[str, Any]:
+    """Tensor parallel within pairs of processes, FSDP2 across them (torchtitan's 2-D layout), each data-parallel
+    pair on its half of the batch."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp"))
+    net = make_net()
+    plan = {k: ColwiseParallel() if v == "col" else RowwiseParallel() for k, v in TP_PLAN.items()}
+    for block in net.blocks:
+        parallelize_module(block, mesh["tp"], plan)
+        fully_shard(block, mesh=mesh["dp"])
+        if POLICIES[case.policy] is not None:
+            remat_module(block, policy=POLICIES[case.policy])
+    fully_shard(net, mesh=mesh["dp"])
+    x, y = make_data()
+    dp = mesh["dp"].get_local_rank()
+    share = BATCH // 2
+    return train(net, x[dp * share:(dp + 1) * share], y[dp * share:(dp + 1) * share])
+
+
+@pytest.fixture(scope="module")
+def runs_2d(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn(run_case_2d, CASES_2D, tmp_path_factory.mktemp("fsdp_tp"), 4, timeout_s=150)
+
+
+@pytest.mark.parametrize("case", CASES_2D, ids=lambda c: c.id)
+def test_fsdp_and_tensor_parallel_together(runs_2d, single_process, case):
+    """Gradients equal one process without sharding or remat (1e-10; the loss each data-parallel pair reports is
+    its half's), and bitwise the same 2-D run without remat."""
+    for rank in range(4):
+        got, want = result(runs_2d, case, rank), result(runs_2d, Case2D("none"), rank)
+        assert all(torch.isfinite(g).all() for step in got["grads"] for g in step.values())
+        assert_tree_close(got["grads"], single_process["grads"], rtol=1e-10, atol=1e-10)
+        assert_tree_close((got["loss"], got["grads"]), (want["loss"], want["grads"]), rtol=0, atol=0)
