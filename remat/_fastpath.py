@@ -481,12 +481,12 @@ def plan_of_call(frame: Any, out: Any) -> Plan | None:
         plan.values = _Values({p: frame.plan_sources[p] for p in dropped})
     plan.skip_names = _skippable_tags(rec.ops, plan)
     _kept_through_tags(plan, rec.ops, frame.plan_kept)
-    # NOTE [hooks' aliases] in _dispatch.py: an identity alias a pass may lack is one the plan needs nothing of
-    taken = plan.values.at_op if plan.values is not None else {}
+    # NOTE [hooks' aliases] in _dispatch.py: an identity alias a pass may lack is one the plan holds nothing of
     plan.identity = frozenset(i for i, r in enumerate(rec.ops) if r.alias)
-    plan.aliases = frozenset(i for i in plan.identity if i not in plan.hold and i not in taken
-                             and i not in plan.kept_dead_ops and i not in plan.copy_before and i not in plan.casts
-                             and i not in plan.dead)
+    # (one whose output the value recompute takes as a dropped tensor may be missing too: a forward pass without it
+    # makes its call recompute with a graph instead, FastFrame.values_ok; a value recompute without it gives way)
+    plan.aliases = frozenset(i for i in plan.identity if i not in plan.hold and i not in plan.kept_dead_ops
+                             and i not in plan.copy_before and i not in plan.casts and i not in plan.dead)
     return plan
 
 
@@ -1473,6 +1473,8 @@ class _ValueReplay(_Replay):
         while j < self.limit and j in self.aliases:
             j += 1  # (the forward pass's identity aliases this pass does not make: a hook's, under grad mode only)
         if j > i and self.ops[j] is func:
+            if any(k in self.at_op for k in range(i, j)):
+                raise _NeedsGraph  # (one the dropped tensors are taken from: the recompute that saves finds them)
             for k in range(i, j):
                 if self.pending or k in self.saved_at:
                     self.settle(k)
@@ -1530,11 +1532,15 @@ def _cast_off_the_plan(mode: Any, i: int, func: Any, types: Any, args: Any, kwar
             out = func(*args, **kwargs)
         mode.wiring.note_cast(out, leaf)
         return out
-    j = _after_cached_casts(mode.ops, mode.casts, i, mode.limit, func, mode.aliases)
+    alias = identity_alias(func, args, kwargs) and not ignored(func)
+    j = _after_cached_casts(mode.ops, mode.casts, i, mode.limit, func, mode.aliases, alias)
     if j > i:
+        values = mode.frame.plan.values
+        if values is not None and any(k in values.at_op for k in range(i, j)):
+            mode.frame.values_ok = False  # (a skipped alias the value recompute takes a dropped tensor from)
         mode.i = j
         return mode.__torch_dispatch__(func, types, args, kwargs)
-    if identity_alias(func, args, kwargs) and not ignored(func):
+    if alias:
         # NOTE [hooks' aliases] in _dispatch.py: an identity alias the plan does not have here: run, not counted
         placeholders = getattr(mode, "placeholders", None)
         if placeholders and _reads_placeholder(placeholders, args, kwargs):
@@ -1558,12 +1564,14 @@ _UNKNOWN = object()  # (a leaf that is neither an input nor module state: matche
 
 
 def _after_cached_casts(ops: tuple[Any, ...], casts: dict[int, Any], i: int, limit: int, func: Any,
-                        aliases: frozenset[int] = frozenset()) -> int:
+                        aliases: frozenset[int] = frozenset(), alias: bool = False) -> int:
     """NOTE [autocast's cache]: where ``func`` (not a cast of a leaf) is the plan's op once the casts of leaves at
     ``i``, ``i + 1``, ... are skipped (read from autocast's cache instead), or ``i`` if it is not. So are identity
-    aliases this pass does not make (NOTE [hooks' aliases] in _dispatch.py)."""
+    aliases this pass does not make (NOTE [hooks' aliases] in _dispatch.py): every one of them before an op that is
+    none (``alias`` False: a hook's ``view`` is not the ``view`` a Linear runs), those of other ops before one."""
     j = i
-    while j < limit and (j in aliases and ops[j] is not func or j in casts and (ops[j] is not func or func is _TO_COPY)):
+    while j < limit and (j in aliases and (ops[j] is not func or not alias)
+                         or j in casts and (ops[j] is not func or func is _TO_COPY)):
         j += 1
     return j if j > i and j < limit and ops[j] is func else i
 

@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from remat import policies, remat, remat_module, remat_modules
+from remat.bench.measure import LiveCensus
 
 from .helpers import CountCalls, OpCounter, assert_tree_close
 from .spawned import result, spawn
@@ -63,7 +64,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 WORLD = 2
-DIM, HIDDEN, BLOCKS, BATCH, STEPS, LR = 8, 16, 3, 8, 2, 0.1
+DIM, HIDDEN, BLOCKS, BATCH, STEPS, LR = 8, 16, 3, 64, 2, 0.1
 SPAWN_TIMEOUT_S = 90  # the whole spawn, every case; a hang fails the tests instead of blocking CI
 POLICIES: dict[str, Any] = {"none": None, "save-nothing": "save-nothing", "dots_saveable": policies.dots_saveable}
 # per step, beyond the plain backward pass: save-nothing recomputes each block's `up` product (GELU's backward
@@ -172,14 +173,16 @@ def train(model: nn.Module, named: nn.Module, x: torch.Tensor, y: torch.Tensor, 
 
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out: dict[str, Any] = {"loss": [], "grads": [], "calls": [], "matmuls": [], "sharded": [], "collectives": [],
-                           "sharded_after_backward": []}
+                           "sharded_after_backward": [], "retained": []}
     for _ in range(STEPS):
         counts = [b.count.calls for b in named.blocks]
         comm = CommDebugMode()
         if count_collectives:
             comm.__enter__()
         try:
-            loss = loss_fn(model, x, y)
+            with LiveCensus() as census:
+                loss = loss_fn(model, x, y)
+            out["retained"].append(census.live)
             # FSDP2 registers the sharded parameters again after a block's forward pass if it reshards
             out["sharded"].append([isinstance(b.up.weight, DTensor) for b in named.blocks])
             with OpCounter() as oc:
@@ -305,3 +308,13 @@ def test_fsdp_hooks_inside_the_region_gather_no_more_and_reshard(runs, case):
         got, want = result(runs, case, rank), result(runs, plain, rank)
         assert got["collectives"] == want["collectives"] and got["collectives"][0], got["collectives"]
         assert got["sharded_after_backward"] == [[True] * BLOCKS] * STEPS
+
+
+@pytest.mark.parametrize("case", [c for c in REMAT_CASES if c.policy == "save-nothing"], ids=lambda c: c.id)
+def test_remat_keeps_less(runs, case):
+    """Measured from outside (the bytes the forward pass's ops allocated, alive at its end): save-nothing keeps less
+    than half of what the same run without remat keeps, on every step: no call silently saves everything (a step
+    also holds what DDP or FSDP2 allocate anyway, a few KiB)."""
+    for rank in range(WORLD):
+        got, want = result(runs, case, rank)["retained"], result(runs, case.baseline, rank)["retained"]
+        assert all(g < 0.5 * w for g, w in zip(got, want)), (got, want)

@@ -2112,3 +2112,32 @@ def test_a_planned_call_leaves_no_garbage_and_no_growth(name):
         assert len(gc.get_objects()) <= before + 5
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("first", ["no_grad", "inference_mode"])
+def test_a_first_call_without_a_graph_leaves_no_plan(first):
+    """Issue 39, item 6: a plan is made by a call that builds a graph; one under no_grad or inference_mode (a
+    validation pass before training) runs the function plainly and plans nothing, so the training calls after it
+    drop what the policy drops (measured from outside) and are exact."""
+    from remat.bench.measure import LiveCensus
+
+    W = leaf(64, 64)
+    x = torch.randn(32, 64, dtype=torch.float64)
+
+    def f(W, x):
+        return torch.sin(torch.tanh(x @ W) @ W)
+
+    g = remat(f, policy="save-nothing")
+    with getattr(torch, first)():
+        assert_tree_close(g(W, x), f(W, x))
+    assert not g._plans
+    for _ in range(3):
+        with LiveCensus() as census:
+            out = g(W, x).sum()
+            kept = census.live
+        with LiveCensus() as census:
+            plain = f(W, x).sum()
+            full = census.live
+        assert kept < 0.6 * full
+        assert_tree_close(torch.autograd.grad(out, W), torch.autograd.grad(plain, W))
+    assert list(g._plans.values()) != [None]

@@ -51,7 +51,7 @@ class Case:
         return f"{self.schedule}-{self.policy}"
 
 
-CASES = [Case(s, p) for s in ("gpipe", "1f1b") for p in POLICIES]
+CASES = [Case(s, p) for s in ("gpipe", "1f1b") for p in (*POLICIES, "torch-checkpoint")]
 
 
 class Block(nn.Module):
@@ -64,6 +64,16 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(torch.tanh(self.up(self.norm(self.count(x)))))
+
+
+class _TorchCheckpointed(nn.Module):
+    def __init__(self, block: Block) -> None:
+        super().__init__()
+        self.block = block
+        self.count = block.count
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
 
 
 def make_chain() -> nn.Sequential:
@@ -86,7 +96,9 @@ def run_case(case: Case, rank: int, group: dist.ProcessGroup) -> dict[str, Any]:
 
     per = BLOCKS // WORLD
     stage_mod = nn.Sequential(*list(make_chain())[rank * per:(rank + 1) * per])
-    if POLICIES[case.policy] is not None:
+    if case.policy == "torch-checkpoint":  # the peer, alongside
+        stage_mod = nn.Sequential(*[_TorchCheckpointed(b) for b in stage_mod])
+    elif POLICIES[case.policy] is not None:
         for block in stage_mod:
             remat_module(block, policy=POLICIES[case.policy])
     stage = PipelineStage(stage_mod, rank, WORLD, torch.device("cpu"), group=group)
@@ -94,6 +106,7 @@ def run_case(case: Case, rank: int, group: dist.ProcessGroup) -> dict[str, Any]:
                                                                               loss_fn=loss_fn)
     x, y = make_data()
     out: dict[str, Any] = {"grads": [], "calls": [], "peak": []}
+    names = {n: n.replace(".block.", ".") for n, _ in stage_mod.named_parameters()}
     for _ in range(STEPS):
         before = [b.count.calls for b in stage_mod]
         with LiveCensus() as census:
@@ -103,7 +116,7 @@ def run_case(case: Case, rank: int, group: dist.ProcessGroup) -> dict[str, Any]:
                 schedule.step(target=y)
         out["peak"].append(census.peak)
         out["calls"].append([b.count.calls - c for b, c in zip(stage_mod, before)])
-        out["grads"].append({n: p.grad.clone() for n, p in stage_mod.named_parameters()})
+        out["grads"].append({names[n]: p.grad.clone() for n, p in stage_mod.named_parameters()})
         for p in stage_mod.parameters():
             p.grad = None
     return out
@@ -139,7 +152,7 @@ def test_matches_one_process(runs, single_process, case):
             assert_tree_close(step, want, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.policy != "none"], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", [c for c in CASES if c.policy not in ("none", "torch-checkpoint")], ids=lambda c: c.id)
 def test_matches_the_pipeline_without_remat_bitwise_and_recomputes(runs, case):
     for rank in range(WORLD):
         got, want = result(runs, case, rank), result(runs, Case(case.schedule, "none"), rank)
@@ -165,3 +178,11 @@ def test_a_stage_holds_less_at_its_peak(runs, case):
         # mostly the backward pass's own; GPipe holds every microbatch's activations)
         limit = 0.5 if case.policy == "save-nothing" and case.schedule == "gpipe" else 0.9
         assert max(got["peak"]) < limit * min(want["peak"]), (got["peak"], want["peak"])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_peer_alongside(runs, schedule):
+    """torch.utils.checkpoint on the same stages: the same gradients, bitwise."""
+    for rank in range(WORLD):
+        got, want = result(runs, Case(schedule, "torch-checkpoint"), rank), result(runs, Case(schedule, "none"), rank)
+        assert_tree_close(got["grads"], want["grads"], rtol=0, atol=0)

@@ -21,6 +21,7 @@ float64 and float32, bitwise; and checks from outside that the recompute ran
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -165,3 +166,35 @@ def test_a_detach_made_in_the_forward_pass_only_is_the_same_value():
         scale["s"] += 1.0
         with pytest.raises(RematError, match="read other values"):
             torch.autograd.grad(y, W)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("policy", ["save-nothing", "dots_saveable"])
+def test_every_call_drops_what_the_policy_drops_with_or_without_a_mode(policy):
+    """Measured from outside (the bytes the forward pass's ops allocated and still alive at its end): a call after one
+    under CommDebugMode (whose plan has the mode's aliases) or with global backward hooks keeps what a call without
+    them keeps, and less than the block without remat. Before, a call without the mode after the plan was made
+    under it left the plan at the hooks' first view and held everything for that call."""
+    from remat.bench.measure import LiveCensus
+
+    torch.manual_seed(0)
+    big = nn.Sequential(*[Block() for _ in range(3)]).double()
+    model = nn.Sequential(*[remat_module(Block(), policy=POLICIES[policy]) for _ in range(3)]).double()
+    model.load_state_dict(big.state_dict())
+    x = torch.randn(16, 32, 8, dtype=torch.float64)
+
+    def kept(m: nn.Module, mode: Callable[[], Any] | None) -> int:
+        with mode() if mode is not None else contextlib.nullcontext(), LiveCensus() as census:
+            loss = m(x).pow(2).sum()
+            live = census.live
+            loss.backward()
+        return live
+
+    plain = kept(big, None)
+    first = copy.deepcopy(model)  # (same weights, plans of its own: its first call is under the mode)
+    alone = [kept(model, None) for _ in range(2)][-1]
+    assert alone < plain * (0.5 if policy == "save-nothing" else 0.8)
+    for m, modes in [(first, [comm_debug, None, None, full_backward_hooks, None, comm_debug, None]),
+                     (model, [comm_debug, None, full_backward_hooks, None, comm_debug, comm_debug, None])]:
+        for mode in modes:
+            assert kept(m, mode) == alone, mode

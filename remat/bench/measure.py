@@ -118,6 +118,9 @@ class LiveCensus(TorchDispatchMode):
             s = t.untyped_storage()
             ptr = s.data_ptr()
         except (RuntimeError, NotImplementedError):
+            # a wrapper subclass (a DTensor): its inner tensors hold the bytes, allocated below every mode
+            for inner in _inner(t):
+                self._watch(inner, ins)
             return
         if not ptr or ptr in self._tracked or ptr in ins:
             return
@@ -213,7 +216,21 @@ def _ptr(t: torch.Tensor) -> int:
     try:
         return int(t.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):
-        return 0
+        inner = _inner(t)
+        return _ptr(inner[0]) if inner else 0
+
+
+def _inner(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a wrapper subclass holds (``__tensor_flatten__``, the protocol torch.compile traces subclasses by;
+    a DTensor's local shard), [] for another tensor."""
+    flatten = getattr(type(t), "__tensor_flatten__", None)
+    if flatten is None:
+        return []
+    try:
+        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    except Exception:
+        return []
+    return [x for x in (getattr(t, n, None) for n in names) if isinstance(x, torch.Tensor)]
 
 
 def _grad_leaves(args: Sequence[Any]) -> list[torch.Tensor]:
