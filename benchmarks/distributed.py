@@ -1,7 +1,9 @@
 """remat under torch.distributed on CPU (gloo, two processes): collectives per step, memory per rank, time per step.
 
 For each setting (FSDP2 with its hooks outside the remat'd region and inside it,
-tensor parallel, pipeline parallel with GPipe), runs the same float32 model
+tensor parallel, pipeline parallel with GPipe, a Hugging Face GPT-2 under FSDP2
+with ``remat_modules(model, "auto")``, FSDP2 and tensor parallel on a 2-D mesh of
+four processes), runs the same float32 model
 without remat, with remat (save-nothing, save-matmuls) and with
 ``torch.utils.checkpoint`` (the peer), and prints one table:
 
@@ -45,9 +47,10 @@ import remat
 from remat import policies
 from remat.bench.measure import LiveCensus
 
-WORLD = 2
 VARIANTS = ["no remat", "remat save-nothing", "remat save-matmuls", "torch checkpoint"]
-SETTINGS = ["FSDP2, hooks outside", "FSDP2, hooks inside", "tensor parallel", "pipeline (GPipe)"]
+# (setting, processes): the 2-D mesh needs four
+SETTINGS = [("FSDP2, hooks outside", 2), ("FSDP2, hooks inside", 2), ("tensor parallel", 2), ("pipeline (GPipe)", 2),
+            ("Hugging Face GPT-2 + FSDP2", 2), ("FSDP2 + tensor parallel (2-D)", 4)]
 POLICY = {"remat save-nothing": "save-nothing", "remat save-matmuls": policies.dots_saveable}
 
 
@@ -107,21 +110,41 @@ def run_setting(setting: str, variant: str, rank: int, args: argparse.Namespace,
     from torch.distributed.device_mesh import DeviceMesh
 
     torch.manual_seed(0)
+    world = dist.get_world_size(group)
     mesh = DeviceMesh.from_group(group, "cpu")
     x = torch.randn(args.batch, args.seq, args.dim, generator=torch.Generator().manual_seed(1 + rank))
     policy = POLICY.get(variant)
-    if setting == "pipeline (GPipe)":
+    if setting.startswith("Hugging Face"):
+        import transformers
+        from torch.distributed.fsdp import fully_shard
+
+        cfg = transformers.GPT2Config(n_layer=args.blocks, n_embd=args.dim, n_head=4, vocab_size=1024,
+                                      n_positions=args.seq, use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(cfg).train()
+        for layer in model.transformer.h:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if policy is not None:
+            remat.remat_modules(model, "auto", policy=policy)
+        elif variant == "torch checkpoint":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ids = torch.randint(0, 1024, (args.batch, args.seq), generator=torch.Generator().manual_seed(1 + rank))
+
+        def fn() -> Any:
+            return model(input_ids=ids, labels=ids).loss
+    elif setting == "pipeline (GPipe)":
         from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
         net = Net(args.dim, args.hidden, args.blocks)
-        per = args.blocks // WORLD
+        per = args.blocks // world
         stage_mod = nn.Sequential(*list(net.blocks)[rank * per:(rank + 1) * per])
         if policy is not None:
             for b in stage_mod:
                 remat.remat_module(b, policy=policy)
         elif variant == "torch checkpoint":
             stage_mod = nn.Sequential(*[_TorchCheckpointed(b) for b in stage_mod])
-        stage = PipelineStage(stage_mod, rank, WORLD, torch.device("cpu"), group=group)
+        stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"), group=group)
         schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=lambda out, y: out.pow(2).mean())
         xs = torch.randn(args.batch * 4, args.seq, args.dim)
 
@@ -138,6 +161,16 @@ def run_setting(setting: str, variant: str, rank: int, args: argparse.Namespace,
 
             for b in net.blocks:
                 parallelize_module(b, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        elif setting.startswith("FSDP2 + tensor parallel"):
+            from torch.distributed.device_mesh import DeviceMesh as Mesh
+            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            mesh2 = Mesh("cpu", torch.arange(world).view(2, world // 2), mesh_dim_names=("dp", "tp"))
+            for b in net.blocks:
+                parallelize_module(b, mesh2["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+                fully_shard(b, mesh=mesh2["dp"])
+            fully_shard(net, mesh=mesh2["dp"])
         else:
             from torch.distributed.fsdp import fully_shard
 
@@ -187,13 +220,15 @@ def _call_forward_checkpointed(block: nn.Module, x: torch.Tensor) -> torch.Tenso
         del block.forward
 
 
-def worker(rank: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // WORLD))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     results = {}
     try:
-        for setting in SETTINGS:
+        for setting, n in SETTINGS:
+            if n != world:
+                continue
             for variant in VARIANTS:
                 group = dist.new_group(backend="gloo")
                 t0 = time.perf_counter()
@@ -217,21 +252,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=3)
     args = p.parse_args(argv)
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(worker, args=(port, args, out_dir), nprocs=WORLD)
-        ranks = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    print(f"torch {torch.__version__}, {WORLD} processes (gloo, CPU), float32, {args.blocks} blocks, dim {args.dim}, "
-          f"hidden {args.hidden}, batch {args.batch} x seq {args.seq} per rank (pipeline: 4 microbatches of it); "
-          f"{args.steps} timed steps")
+    by_world: dict[int, list[dict[Any, Any]]] = {}
+    for world in sorted({n for _, n in SETTINGS}):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        with tempfile.TemporaryDirectory() as out_dir:
+            mp.spawn(worker, args=(world, port, args, out_dir), nprocs=world)
+            by_world[world] = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    print(f"torch {torch.__version__}, gloo on the CPU, 2 processes (4 for the 2-D mesh), float32, {args.blocks} "
+          f"blocks, dim {args.dim}, hidden {args.hidden}, batch {args.batch} x seq {args.seq} per rank (pipeline: 4 "
+          f"microbatches of it; GPT-2: width dim, 4 heads, vocabulary 1024); {args.steps} timed steps")
     print()
     print("| setting | variant | all-gathers | reduce-scatters | all-reduces | retained MiB (max rank) | "
           "peak MiB (max rank) | ms/step | vs no remat |")
     print("|---|---|--:|--:|--:|--:|--:|--:|--:|")
-    for setting in SETTINGS:
+    for setting, world in SETTINGS:
         base = None
+        ranks = by_world[world]
         for variant in VARIANTS:
             rows = [r[(setting, variant)] for r in ranks]
             err = next((r["error"] for r in rows if "error" in r), None)
