@@ -4,7 +4,10 @@ Each program is a seeded little model whose forward pass reads Python state besi
 module, a module-level global, a closure cell, a default argument, which expert of a ModuleList or ModuleDict runs,
 the order of a list of experts, Python's and NumPy's random numbers, a dict in a closure, a buffer replaced by a
 same-shaped one, an op's list argument (``roll``'s shifts). Its first call is clean; every later call mutates some of that state before its forward pass and
-some between its forward and its backward pass. The outcome of each call is plain autograd's gradient (float64,
+some between its forward and its backward pass. Any call may run with a user's dispatch mode (``CommDebugMode``, a
+counting mode, a module tracker reading ``param.data`` under it as ``CommDebugMode``'s does) or global module hooks
+around its forward pass, its backward pass or both (issue 39; ``CommDebugMode`` itself fails on these programs without
+remat: its tracker needs the outermost module called as a module and breaks on later uses). The outcome of each call is plain autograd's gradient (float64,
 1e-10; plain autograd differentiates what its forward pass computed) or a ``RematError``; anything else is a
 *silent mismatch*, the one outcome remat never allows (NOTE [same reads] in ``remat/_wiring.py``).
 
@@ -15,15 +18,18 @@ how many matched, raised, and mismatched silently. ``tests/test_state_fuzz.py`` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import sys
 import time
+import warnings
 from collections import Counter
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat import RematError, policies
@@ -46,6 +52,58 @@ POLICIES: dict[str, Any] = {
     "custom": lambda op, *a, **k: str(op).startswith("aten.mm"),
 }
 WRAPS = ["function", "method", "module", "debug", "vjp"]
+# what runs around a call besides it (issue 39): a user's dispatch mode, or module hooks, around its forward pass
+# only, its backward pass only, or both (CommDebugMode's module hooks detach parameters in the forward pass only;
+# global full backward hooks wrap module inputs and outputs in views under grad mode): NOTE [hooks' aliases]
+AMBIENTS_OFF = 0
+AMBIENTS = ["none"] if AMBIENTS_OFF else ["none", "none", "tracker-forward", "tracker-both", "hooks-forward", "hooks-both", "count-backward"]
+
+
+class _Counting(TorchDispatchMode):
+    """A profiler's dispatch mode: counts ops, and runs one of its own per op."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.is_floating_point():
+            out.detach().abs().sum()
+        return out
+
+
+class _Tracker:
+    """What CommDebugMode's module tracker does, without its own fragility: a dispatch mode, and a global forward
+    pre-hook that reads every parameter's ``.data`` (a ``detach`` under the mode) while it is installed."""
+
+    def __enter__(self) -> None:
+        self.mode = _Counting()
+        self.mode.__enter__()
+        self.handle = nn.modules.module.register_module_forward_pre_hook(_read_data)
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.remove()
+        self.mode.__exit__(*exc)
+
+
+def _read_data(module: nn.Module, args: Any) -> None:
+    for p in module.parameters(recurse=False):
+        p.data  # noqa: B018 (read for its detach, as a tracker records it)
+
+
+def _ambient(name: str) -> Any:
+    if name.startswith("tracker"):
+        return _Tracker()
+    if name.startswith("hooks"):
+        return _BackwardHooks()
+    if name.startswith("count"):
+        return _Counting()
+    return contextlib.nullcontext()
+
+
+class _BackwardHooks:
+    def __enter__(self) -> None:
+        self.handle = nn.modules.module.register_module_full_backward_hook(lambda m, gi, go: None)
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.remove()
 
 
 def _read_global() -> float:
@@ -191,6 +249,7 @@ def run_program(seed: int, policy_name: str, wrap: str, calls: int = 6) -> Count
             for w in before:
                 mutate(m, w, rng)
             state = _state_of(m)
+            ambient = "none" if wrap == "vjp" else rng.choice(AMBIENTS)
             draw = rng.randrange(1 << 30)
             random.seed(draw)
             np.random.seed(draw % (1 << 31))
@@ -204,10 +263,15 @@ def run_program(seed: int, policy_name: str, wrap: str, calls: int = 6) -> Count
                     gp, gx = pull(torch.ones_like(y))
                     got = [gp[k] for k, _ in m.named_parameters()] + [gx]
                 else:
-                    y = f(x)
-                    for w in between:
-                        mutate(m, w, rng)
-                    y.sum().backward()
+                    with contextlib.ExitStack() as around:
+                        if ambient.endswith("both"):
+                            around.enter_context(_ambient(ambient))
+                        with _ambient(ambient) if ambient.endswith("forward") else contextlib.nullcontext():
+                            y = f(x)
+                        for w in between:
+                            mutate(m, w, rng)
+                        with _ambient(ambient) if ambient.endswith("backward") else contextlib.nullcontext():
+                            y.sum().backward()
                     got = [*_grads(m), x.grad]
                     x.grad = None
             except RematError:
@@ -247,6 +311,7 @@ def _set_state(ref: Program, m: Program, state: tuple[Any, ...]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--programs", type=int, default=200)
     ap.add_argument("--calls", type=int, default=6, help="mutated calls per program, after one clean call")

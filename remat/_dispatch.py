@@ -58,7 +58,15 @@ NOTE [hooks' aliases]
     (``identity_alias``). A pass may make more of them or fewer: one the other
     pass lacks is run and not counted, the other pass's are skipped, and its
     output's token (NOTE [same reads] in ``_wiring.py``) is its argument's, so
-    the ops after it read the same values whichever pass made it.
+    the ops after it read the same values whichever pass made it. An alias is
+    not checked itself (which parameter a tracker's ``.data`` reads at a given
+    position may differ): the ops that read its output are. A planned call
+    skips the plan's aliases before a ``checkpoint_name`` tag it lets go too,
+    and a saved tensor a hook's view made (``BackwardHookFunctionBackward``)
+    matches any maker. A call that skips one the plan takes a dropped tensor
+    from recomputes with a graph (``FastFrame.values_ok``). The state fuzzer
+    (``benchmarks/fuzz.py``) runs its programs with such modes and hooks
+    around random calls' forward passes, backward passes or both.
     ``torch.utils.checkpoint`` does not compare ops and so never minded them;
     here ``CommDebugMode`` around a remat'd call raised a divergence on every
     call. Other ops the function does not make in both passes are still a
@@ -970,6 +978,15 @@ class Replayer(TorchDispatchMode):
         if func is not rec.func:
             raise self._diverged(f"op #{i} was {rec.describe()} in the forward pass but {func} now", cache_hint=True)
         wiring = self.wiring
+        if rec.alias and alias:
+            # NOTE [hooks' aliases]: the same value under another name, whichever tensor a hook's alias of the forward
+            # pass at this position read: its output takes its argument's token, which the ops after it are checked by
+            out = func(*args, **kwargs)
+            if wiring is not None:
+                wiring.note_alias(out, args[0])
+            if self.tainted and is_tainted(self.tainted, args[0]):
+                self._taint([out])
+            return out
         if wiring is None or rec.wkey is None:
             return self._run(i, rec, func, args, kwargs)
         now = wiring.key(args, kwargs)  # NOTE [same reads] in _wiring.py: the values and which tensor each is

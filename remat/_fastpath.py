@@ -1168,7 +1168,13 @@ class _Tap(TorchDispatchMode):
         """NOTE [skipped tags]: whether the tag ``checkpoint_name`` is about to dispatch is one the plan lets go; if
         so, it counts as run."""
         i = self.i  # (asked once per tag, on a tagged function's hot path: no helper frame)
+        if i in self.aliases and i < self.limit:
+            i = _past_aliases(self.aliases, self.limit, i)  # NOTE [hooks' aliases] in _dispatch.py: the plan's, before the tag
         if i < self.limit and i in self.skip_names and threading.get_ident() == self.thread and ti.no_levels_open():
+            if i > self.i:
+                values = self.frame.plan.values
+                if values is not None and any(k in values.at_op for k in range(self.i, i)):
+                    self.frame.values_ok = False  # (as in _cast_off_the_plan)
             self.i = i + 1
             return True
         return False
@@ -1318,7 +1324,7 @@ class _Replay(TorchDispatchMode):
         forward pass let go, NOTE [skipped tags], an alias, the same value either way), then its held outputs handed
         back, a dead op's placeholders, or run."""
         then = self.keys[i]
-        if then is not None:
+        if then is not None and i not in self.identity:  # (an identity alias: its output takes its argument's token)
             now = self.wiring.key(args, kwargs)
             if now != then and not same_key(now, then):
                 if self.no_grad:
@@ -1413,9 +1419,18 @@ class _ValueReplay(_Replay):
 
     def skip_name(self) -> bool:
         i = self.i  # (as in _Tap.skip_name)
+        if i in self.aliases and i < self.limit:
+            i = _past_aliases(self.aliases, self.limit, i)
         if not (i < self.limit and i in self.skip_names and threading.get_ident() == self.thread
                 and ti.no_levels_open()):
             return False
+        for k in range(self.i, i):  # (the plan's aliases this pass skips, as in __torch_dispatch__)
+            if k in self.at_op:
+                raise _NeedsGraph
+            if self.pending or k in self.saved_at:
+                self.settle(k)
+            if k >= self.stop:
+                raise _Stop
         if self.pending or i in self.saved_at:  # (as for an op, below)
             self.settle(i)
         if i >= self.stop:
@@ -1563,6 +1578,13 @@ def _cast_agrees(casts: dict[int, Any], wiring: Wiring, i: int, args: Any, kwarg
 _UNKNOWN = object()  # (a leaf that is neither an input nor module state: matches no plan's cast)
 
 
+def _past_aliases(aliases: frozenset[int], limit: int, i: int) -> int:
+    """The plan's index past its identity aliases at ``i``, ``i + 1``, ... that this pass does not make."""
+    while i < limit and i in aliases:
+        i += 1
+    return i
+
+
 def _after_cached_casts(ops: tuple[Any, ...], casts: dict[int, Any], i: int, limit: int, func: Any,
                         aliases: frozenset[int] = frozenset(), alias: bool = False) -> int:
     """NOTE [autocast's cache]: where ``func`` (not a cast of a leaf) is the plan's op once the casts of leaves at
@@ -1689,10 +1711,17 @@ def _node_name(cls: Any) -> str:
 _VIEWS = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"})
 
 
+# The node of a module hook's identity wrapper (global full backward hooks, made under grad mode in one pass only:
+# NOTE [hooks' aliases] in _dispatch.py): the same value as whatever made its input, so it matches any maker.
+_HOOK_NODES = frozenset({"BackwardHookFunctionBackward"})
+
+
 def _same_maker(got: Any, want: Any) -> bool:
-    """Whether a recomputed saved tensor was made as the forward's was (node classes, a view as any view)."""
+    """Whether a recomputed saved tensor was made as the forward's was (node classes, a view as any view, a hook's
+    identity wrapper as anything)."""
     return got is want or (got is not None and want is not None and got.__name__ in _VIEWS
-                           and want.__name__ in _VIEWS)
+                           and want.__name__ in _VIEWS) or (
+        (got is not None and got.__name__ in _HOOK_NODES) or (want is not None and want.__name__ in _HOOK_NODES))
 
 
 def _holdable(t: torch.Tensor, mode: bool = True) -> torch.Tensor:
