@@ -284,8 +284,8 @@ def storage_key(t: torch.Tensor) -> int:
     try:
         return int(t.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):
-        inner = ti.inner_tensors(t)
-        return storage_key(inner[0]) if inner else 0
+        s = ti.storage_of(t)
+        return int(s.data_ptr()) if s is not None else 0
 
 
 class _Alias:

@@ -1174,7 +1174,7 @@ class _Tap(TorchDispatchMode):
             if i > self.i:
                 values = self.frame.plan.values
                 if values is not None and any(k in values.at_op for k in range(self.i, i)):
-                    self.frame.values_ok = False  # (as in _cast_off_the_plan)
+                    self.frame.values_ok = False  # (as in _off_the_plan)
             self.i = i + 1
             return True
         return False
@@ -1212,7 +1212,7 @@ class _Tap(TorchDispatchMode):
         if func in RANGE_OPS:
             return profiler_op(func, args, kwargs or {})  # NOTE [FSDP's hooks] in _dispatch.py
         if not INTERNAL.get():
-            out = _cast_off_the_plan(self, i, func, types, args, kwargs, None)  # NOTE [autocast's cache]
+            out = _off_the_plan(self, i, func, types, args, kwargs, None)  # NOTE [autocast's cache]
             if out is not _RUN:
                 return out
         out = func(*args, **kwargs) if kwargs else func(*args)
@@ -1300,7 +1300,7 @@ class _Replay(TorchDispatchMode):
         if func in RANGE_OPS:
             return profiler_op(func, args, kwargs or {})  # NOTE [FSDP's hooks] in _dispatch.py
         if not INTERNAL.get():
-            out = _cast_off_the_plan(self, i, func, types, args, kwargs, self.frame.cached_casts)
+            out = _off_the_plan(self, i, func, types, args, kwargs, self.frame.cached_casts)
             if out is not _RUN:
                 return out
         if not (INTERNAL.get() or ignored(func)):
@@ -1534,12 +1534,13 @@ class _ValueReplay(_Replay):
                 self.made[pos] = outs[k]
 
 
-def _cast_off_the_plan(mode: Any, i: int, func: Any, types: Any, args: Any, kwargs: Any,
-                       cached: dict[tuple[int, torch.dtype], torch.Tensor] | None) -> Any:
-    """NOTE [autocast's cache]: an op that is not the plan's op ``i`` of a planned mode (``_Tap``, ``_Replay``):
-    autocast's cast of a leaf the other pass read from the cache (run, or in a recompute the cached tensor the
-    forward pass read handed back, and not counted), or the plan's op past casts of leaves this pass read from the
-    cache (those skipped). ``_RUN``: neither."""
+def _off_the_plan(mode: Any, i: int, func: Any, types: Any, args: Any, kwargs: Any,
+                  cached: dict[tuple[int, torch.dtype], torch.Tensor] | None) -> Any:
+    """An op that is not the plan's op ``i`` of a planned mode (``_Tap``, ``_Replay``): autocast's cast of a leaf the
+    other pass read from the cache (run, or in a recompute the cached tensor the forward pass read handed back, and
+    not counted: NOTE [autocast's cache]); the plan's op past casts of leaves this pass read from the cache and past
+    identity aliases it does not make (those skipped); or an identity alias the plan does not have here (run, not
+    counted: NOTE [hooks' aliases] in _dispatch.py). ``_RUN``: none of these."""
     leaf = autocast_cast(func, args, kwargs)
     if leaf is not None:
         out = cached.get((id(leaf), kwargs["dtype"])) if cached is not None else None

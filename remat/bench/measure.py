@@ -40,7 +40,7 @@ import optree
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from .._torch_internals import TorchDispatchMode
+from .._torch_internals import TorchDispatchMode, inner_tensors, storage_of
 
 __all__ = ["FlopCount", "Config", "Result", "LiveCensus", "live_bytes_after", "saved_bytes", "measure", "ratio", "format_table", "pareto_front", "plot", "MiB"]
 
@@ -119,7 +119,7 @@ class LiveCensus(TorchDispatchMode):
             ptr = s.data_ptr()
         except (RuntimeError, NotImplementedError):
             # a wrapper subclass (a DTensor): its inner tensors hold the bytes, allocated below every mode
-            for inner in _inner(t):
+            for inner in inner_tensors(t):
                 self._watch(inner, ins)
             return
         if not ptr or ptr in self._tracked or ptr in ins:
@@ -213,24 +213,8 @@ def saved_bytes(loss: torch.Tensor, inputs: Any = ()) -> int:
 
 
 def _ptr(t: torch.Tensor) -> int:
-    try:
-        return int(t.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):
-        inner = _inner(t)
-        return _ptr(inner[0]) if inner else 0
-
-
-def _inner(t: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors a wrapper subclass holds (``__tensor_flatten__``, the protocol torch.compile traces subclasses by;
-    a DTensor's local shard), [] for another tensor."""
-    flatten = getattr(type(t), "__tensor_flatten__", None)
-    if flatten is None:
-        return []
-    try:
-        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
-    except Exception:
-        return []
-    return [x for x in (getattr(t, n, None) for n in names) if isinstance(x, torch.Tensor)]
+    s = storage_of(t)  # (a DTensor's: its local shard's)
+    return int(s.data_ptr()) if s is not None else 0
 
 
 def _grad_leaves(args: Sequence[Any]) -> list[torch.Tensor]:
