@@ -40,10 +40,10 @@ import torch
 from . import _torch_internals as ti
 from ._context import INSPECTOR, INTERNAL, PENDING_NAME, internal
 from ._dispatch import iter_stashed, storage_key, tensor_leaves
+from ._measure import Config, format_table, measure
 from ._recompute import holdable
 from ._torch_internals import TorchDispatchMode, saved_tensors_hooks
 from ._transform import remat
-from .bench.measure import Config, format_table, measure
 
 __all__ = ["INSPECTOR", "SavedResidual", "saved_residuals", "print_saved_residuals", "format_saved_residuals",
            "MemoryReport", "memory_report"]

@@ -58,9 +58,9 @@ import torch
 from . import _torch_internals as ti
 from ._context import INSPECTOR, internal
 from ._dispatch import storage_key
+from ._measure import FlopCount
 from ._schedules import Schedule, cost, equal_segments, nested_segments, solve, solve_nested
 from ._transform import remat
-from .bench.measure import FlopCount
 
 __all__ = ["sequential", "Sequential", "Schedule", "solve", "solve_nested", "equal_segments", "nested_segments",
            "cost"]
