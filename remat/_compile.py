@@ -57,7 +57,6 @@ _NAME_OPS = (torch.ops.aten.mul.Tensor, torch.ops.aten.clone.default)  # see _na
 _CHECKPOINT_KWARGS = frozenset({"use_reentrant", "context_fn", "preserve_rng_state", "determinism_check", "debug"})
 
 
-_WARNED: set[str] = set()  # policies already warned about offloading under torch.compile (by repr)
 
 
 class CompiledPolicy:
@@ -82,6 +81,7 @@ class CompiledPolicy:
         self._written: set[int] = set()  # inputs written in place
         self._names: set[int] = set()  # checkpoint_name outputs (copies here, aliases in eager mode)
         self._calls = 0
+        self._warned = False  # offloading under compile warned about, once per traced region
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         schema = getattr(op, "_schema", None)
@@ -100,13 +100,15 @@ class CompiledPolicy:
             decision, _ = decide_explicit(_Concrete(self.policy), op, args, kwargs)
         if decision is Saveable:
             return CheckpointPolicy.MUST_SAVE
-        if isinstance(decision, Offloadable) and repr(self.policy) not in _WARNED:
-            _WARNED.add(repr(self.policy))
+        if isinstance(decision, Offloadable) and not self._warned:
+            # once per traced region; and the message names the policy, not the op, at this one location, so that
+            # warnings' own filter (by default once per message and location) shows the regions of one policy once
+            self._warned = True
             warnings.warn(
-                f"remat: policy {getattr(self.policy, '__name__', self.policy)!r} offloads {op} under "
-                "torch.compile, where a compiled graph cannot move values to another device and back; "
-                "remat recomputes them instead. Offload outside the compiled region, or choose a policy "
-                "that saves or recomputes.", stacklevel=2)
+                f"remat: policy {getattr(self.policy, '__name__', self.policy)!r} offloads under torch.compile, "
+                "where a compiled graph cannot move values to another device and back; remat recomputes them "
+                "instead. Offload outside the compiled region, or choose a policy that saves or recomputes.",
+                stacklevel=1)
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     def _note_output(self, ctx: Any, op: Any, schema: Any, args: tuple[Any, ...]) -> None:

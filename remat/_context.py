@@ -18,17 +18,21 @@ other's.
   planned fast path, whose op sequence must match the recorded call's).
 * :data:`INSPECTOR`: the observer of a running ``saved_residuals`` (``_inspect.py``);
   the engine calls its ``on_save(tensor, decision, frame)`` and knows nothing else of it.
+* :data:`CACHES` / :func:`own_caches`: the caches of what a function or a module already
+  determines (the fast path's plans per function, the slots of a module tree), weakly keyed so
+  that an entry dies with its key; one set for the process unless a body asks for its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["INTERNAL", "HOOK_RANGE", "PENDING_NAME", "NAMING", "INSPECTOR", "COMPILED_REGIONS", "ACTIVE", "internal", "naming",
-           "active_context", "activated"]
+           "active_context", "activated", "CACHES", "Caches", "own_caches"]
 
 INTERNAL: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_internal", default=False)
 # NOTE [FSDP's hooks] in _dispatch.py: the profiler range of FSDP2's hook that runs now (its handle, and the token that
@@ -86,3 +90,37 @@ def activated(ctx: Any) -> Iterator[None]:
         yield
     finally:
         ACTIVE.reset(tok)
+
+
+class Caches:
+    """What a function or a module tree already determines, computed once and reused, weakly keyed by it.
+
+    * ``plans``: function (or, for a bound method, its instance) -> its plans per policy and static arguments
+      (NOTE [fast path] in ``_fastpath.py``), shared by every ``remat`` of it, as JAX caches a trace by the
+      function's identity: ``remat(block, policy=p)(x)`` written inside a forward pass makes a new wrapper each
+      step and still records once per signature.
+    * ``slots``: root module -> the slots of its tree (``_state.py``), validated on every use.
+    """
+
+    __slots__ = ("plans", "slots")
+
+    def __init__(self) -> None:
+        self.plans: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+        self.slots: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+# The caches in use: one set for the process (a plan made on one thread serves another, as a trace would), unless a
+# body runs under own_caches() (a test that must not see plans made before it, a server isolating tenants).
+# (A mutable default on purpose: every context that sets none shares the process's set.)
+CACHES: contextvars.ContextVar[Caches] = contextvars.ContextVar("remat_caches", default=Caches())  # noqa: B039
+
+
+@contextlib.contextmanager
+def own_caches() -> Iterator[Caches]:
+    """A fresh, empty set of caches for the body (and the remat'd functions made in it: they keep theirs)."""
+    caches = Caches()
+    tok = CACHES.set(caches)
+    try:
+        yield caches
+    finally:
+        CACHES.reset(tok)

@@ -240,7 +240,7 @@ import torch
 
 from . import _torch_internals as ti
 from ._ambient import AmbientState
-from ._context import INSPECTOR, INTERNAL, active_context, internal, naming
+from ._context import CACHES, INSPECTOR, INTERNAL, active_context, internal, naming
 from ._dispatch import (
     LIFTS,
     RANGE_OPS,
@@ -514,14 +514,6 @@ def _skippable_tags(ops: list[OpRecord], plan: Plan) -> frozenset[int]:
                      and i not in plan.hold and i not in plan.dead and i not in taken)
 
 
-# The plans of each function, shared by every remat(...) of it with the same policy and static_argnums, as JAX
-# caches a traced function by its identity: remat(block, policy=p)(x) written inside a forward pass makes a
-# new wrapper on every step, and still records once per signature. Keyed weakly by the function, or for a
-# bound method by its instance and function (two modules of one class may differ in ways no signature shows:
-# a config flag). Like the module slots cache in _state.py, a cache of what is already determined.
-_PLANS: weakref.WeakKeyDictionary[Any, dict[Any, dict[Any, Plan | None]]] = weakref.WeakKeyDictionary()
-
-
 def plans_for(fn: Any, key: Any) -> dict[Any, Plan | None]:
     """The plans (signature -> plan) of ``fn`` under ``key`` (policy, static_argnums): shared where possible."""
     if isinstance(fn, types.MethodType):
@@ -530,7 +522,7 @@ def plans_for(fn: Any, key: Any) -> dict[Any, Plan | None]:
         owner = fn
     try:
         hash(key)
-        per_owner = _PLANS.setdefault(owner, {})
+        per_owner = CACHES.get().plans.setdefault(owner, {})  # (Caches.plans: keyed weakly by the function)
     except TypeError:  # an unhashable policy, or an owner that takes no weak reference: plans of its own
         return {}
     plans = per_owner.get(key)

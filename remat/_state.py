@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from . import _torch_internals as ti
+from ._context import CACHES
 from ._dispatch import storage_key
 from ._torch_internals import unwrap_all
 
@@ -317,19 +318,18 @@ def _walk_module(root: nn.Module, snap: Snapshot, seen: set[int]) -> None:
                 tensors.append(t)
 
 
-# The slots of a module tree, per root module: walking named_modules() and building labels on every
+# The slots of a module tree, per root module (Caches.slots in _context.py): walking named_modules() and building labels on every
 # call costs ~50 us for a transformer block, reading cached slots a few. Validated on each use by the
 # sizes of the dicts (a parameter, buffer or submodule registered or removed since) and the identity of
 # every child module (one replaced); a slot missed by any other change would still be caught by the
 # recompute's check (NOTE [outside tensors]).
 _Mods = list[tuple[weakref.ref[nn.Module], list[_Slot]]]  # (weakly: the cache must not keep its key alive)
-_SLOTS: weakref.WeakKeyDictionary[nn.Module, tuple[list[Any], list[int], _Mods, list[Any], list[Any]]] = (
-    weakref.WeakKeyDictionary())
 
 
 def _module_slots(root: nn.Module) -> tuple[_Mods, list[weakref.ref[nn.Module]]]:
     """The slots of every module in the tree, and the modules of it sharded by FSDP2 (weakly)."""
-    cached = _SLOTS.get(root)
+    cache = CACHES.get().slots  # (Caches.slots: keyed weakly by the root module)
+    cached = cache.get(root)
     if cached is not None and [len(d) for d in cached[0]] == cached[1] and all(
             a is b for a, b in zip(_children(cached[2]), cached[4])):
         return cached[2], cached[3]
@@ -347,7 +347,7 @@ def _module_slots(root: nn.Module) -> tuple[_Mods, list[weakref.ref[nn.Module]]]
         dicts += [m._parameters, m._buffers, m._modules]
         if fsdp_module is not None and isinstance(m, fsdp_module):
             sharded.append(weakref.ref(m))
-    _SLOTS[root] = (dicts, [len(d) for d in dicts], out, sharded, _children(out))
+    cache[root] = (dicts, [len(d) for d in dicts], out, sharded, _children(out))
     return out, sharded
 
 

@@ -318,13 +318,10 @@ def never_compiled(fn: Any) -> Any:
     as for a mode's handler below. remat's saved-tensor hooks run inside the user's code, a compiled function's
     too, with no mode on the stack: Dynamo would compile the engine's code they call. Returns ``fn``."""
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    if _NEVER_COMPILED is not None and code is not None and code not in _MARKED:
+    if _NEVER_COMPILED is not None and code is not None:
+        # (on every call that installs hooks: idempotent, ~0.1 us, and no registry of marked code to keep)
         _set_code_exec_strategy(code, _NEVER_COMPILED)
-        _MARKED.add(code)  # (once per code object: hooks are installed on every call)
     return fn
-
-
-_MARKED: set[Any] = set()  # code objects marked never_compiled (a code object lives as long as its module)
 
 
 def saved_tensors_hooks(pack: Any, unpack: Any) -> Any:

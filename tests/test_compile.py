@@ -361,17 +361,22 @@ def test_static_arguments_and_keywords() -> None:
                       **F64)
 
 
-def test_offload_under_compile_recomputes_with_one_warning() -> None:
+def test_offload_under_compile_recomputes_and_warns_once_not_per_op_or_step() -> None:
     def f(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(x @ W) @ W
 
     W = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
     x = torch.randn(4, 8, dtype=torch.float64)
-    fn = torch.compile(lambda W, x: remat.remat(f, policy=policies.offload_to_cpu(min_bytes=0))(W, x).sum(),
-                       backend="aot_eager", fullgraph=True)
-    with pytest.warns(UserWarning, match="recomputes them instead") as rec:
-        got = torch.autograd.grad(fn(W, x), W)
-    assert sum("recomputes them instead" in str(w.message) for w in rec) == 1
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("default")  # (Python's default for UserWarning: once per message and location)
+        for _ in range(3):  # three compiled functions, two steps each, three ops the policy offloads in each
+            fn = torch.compile(lambda W, x: remat.remat(f, policy=policies.offload_to_cpu(min_bytes=0))(W, x).sum(),
+                               backend="aot_eager", fullgraph=True)
+            got = torch.autograd.grad(fn(W, x), W)
+            torch.autograd.grad(fn(W, x), W)
+    shown = [str(w.message) for w in rec if "recomputes them instead" in str(w.message)]
+    # once per traced region at most, and Python's registry hides repeats (torch's tracing resets it once: two)
+    assert 1 <= len(shown) <= 2, shown
     assert_tree_close(got, torch.autograd.grad(f(W, x).sum(), W), **F64)
 
 
