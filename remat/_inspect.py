@@ -40,8 +40,8 @@ import torch
 from . import _torch_internals as ti
 from ._context import INSPECTOR, INTERNAL, PENDING_NAME, internal
 from ._dispatch import iter_stashed, storage_key, tensor_leaves
+from ._engine.recompute import holdable
 from ._measure import Config, format_table, measure
-from ._recompute import holdable
 from ._torch_internals import TorchDispatchMode, saved_tensors_hooks
 from ._transform import remat
 

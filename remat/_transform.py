@@ -8,35 +8,20 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, overload
 
-import optree
-import torch
 from torch import nn
 
 from . import _torch_internals as ti
-from ._budget import MemoryBudget
-from ._compile import compiled_call, context_fn
-from ._context import INSPECTOR, active_context
-from ._errors import RematError
-from ._fastpath import MAX_PLANS, FastFrame, Plan, fast_path_applies, plans_for, signature
-from ._hooks import Frame
-from ._offload import default_engine
+from ._engine.compiled import compiled_call, context_fn
+from ._engine.plans import Plan, plans_for
+from ._engine.select import call
 from ._policies import resolve_policy
-from ._recompute import call_nested_replay
-from ._reentrant import NeedsRegion, enclosed, run_region
-from ._state import brief_name, snapshot
+from ._state import brief_name
 
 __all__ = ["remat", "checkpoint", "Rematted"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class _Static:
-    """Placeholder for a static argument inside the flattened pytree of dynamic ones."""
-
-    __slots__ = ()
-
-
-_STATIC = _Static()
 _MISSING = object()
 
 
@@ -180,7 +165,7 @@ class Rematted:
             statics = tuple(i + n if i >= 0 else i for i in statics)
             args, kwargs = (*target.args, *args), {**target.keywords, **kwargs}
             target = target.func
-        return _call(target, self._name, self.policy, statics, self.preserve_rng_state, args, kwargs, self)
+        return call(target, self._name, self.policy, statics, self.preserve_rng_state, args, kwargs, self)
 
     def _call_module(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``remat(module)(x)``: the module's hooks run once, outside the remat'd region, as under
@@ -236,101 +221,3 @@ def _normalize_argnums(static_argnums: Any) -> tuple[int, ...]:
             f"remat: static_argnums must be an int or a sequence of ints, got {static_argnums!r}"
         )
     return nums
-
-
-def _call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics: tuple[int, ...],
-          preserve_rng: bool, args: tuple[Any, ...], kwargs: dict[str, Any], owner: Any = None) -> Any:
-    n = len(args)
-    static_pos = set()
-    for i in statics:
-        j = i + n if i < 0 else i
-        if not 0 <= j < n:
-            raise ValueError(
-                f"remat: static_argnums={statics} names argument {i}, but {name} was called with "
-                f"{n} positional arguments."
-            )
-        static_pos.add(j)
-    dyn = tuple(_STATIC if i in static_pos else a for i, a in enumerate(args))
-    flat: list[Any]
-    flat, spec = optree.tree_flatten((dyn, kwargs), none_is_leaf=True)  # type: ignore[arg-type]
-
-    # run must not close over args: the frame holds run until the backward pass, and the
-    # tensors in args (which a nested call hands to its parent to drop) would stay alive
-    static_vals = {i: args[i] for i in static_pos}
-
-    def run(leaves: list[Any]) -> Any:
-        dargs, kw = optree.tree_unflatten(spec, leaves)
-        full = tuple(static_vals[i] if i in static_vals else a for i, a in enumerate(dargs))
-        return fn(*full, **kw)
-
-    if not torch.is_grad_enabled() and not ti.interpreter_stack():
-        return run(flat)  # nothing will be saved: no frame needed
-    region = owner is not None and owner._region
-    ctx = active_context()
-    if ctx is not None and not isinstance(ctx, Frame) and not region:
-        return call_nested_replay(ctx, run, flat)  # an outer recompute re-runs this call
-    # NOTE [state is an input]: what fn reads besides its arguments, held like them
-    state = snapshot(fn, [a for a in flat if not isinstance(a, torch.Tensor)] + list(static_vals.values()))
-    outermost = not enclosed()
-    frame: Any = None
-    key = None
-    if owner is not None and not owner.debug and not region and ctx is None and fast_path_applies():
-        key = signature(flat, static_vals, state)  # NOTE [fast path] in _fastpath.py
-    budget, measuring, call_policy = None, None, policy
-    if isinstance(policy, MemoryBudget):  # NOTE [memory budget] in _budget.py: decided per signature
-        budget = policy
-        # per function (its code: identical blocks share a plan) and signature, with the torch.func levels
-        code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None), "__code__", None)
-        bkey = (code or type(fn), signature(flat, static_vals, state),
-                tuple(str(i.key()) for i in ti.interpreter_stack()))
-        call_policy, measuring, fast = budget.bind(bkey)
-        if region:
-            # a function that enters a torch.func reverse transform runs as a reentrant region every time: it saves
-            # nothing (the measuring policy), and never gets a plan (docs/budgets.md)
-            measuring = None
-        if measuring is not None or not fast:
-            key = None  # measuring (it saves nothing): no fast-path plan from it; value-dependent sizes: none
-    try:
-        if region:
-            return run_region(run, flat, name, call_policy, preserve_rng, state)
-        if measuring is not None:
-            frame = Frame(run, flat, name, call_policy, preserve_rng, default_engine(), state)
-            measuring.frame = frame
-            tok = INSPECTOR.set(measuring)
-            try:
-                out = frame.forward()
-            finally:
-                INSPECTOR.reset(tok)
-            assert budget is not None
-            budget.learn(bkey, call_policy, measuring, frame.recorder.ops)
-            return out
-        plan = owner._plans.get(key) if key is not None else None
-        if plan is not None:
-            frame = FastFrame(run, flat, name, preserve_rng, state, plan, lambda: owner._plans.__setitem__(key, None),
-                              default_engine())
-            return frame.forward()
-        frame = Frame(run, flat, name, call_policy, preserve_rng, default_engine(), state)
-        if key is not None and key not in owner._plans:
-            plans = owner._plans
-            frame.record_plan(lambda: plans.__setitem__(key, None))
-        out = frame.forward()
-        if key is not None and key not in owner._plans:
-            if len(owner._plans) >= MAX_PLANS:
-                owner._plans.pop(next(iter(owner._plans)))
-            owner._plans[key] = frame.plan  # None: not clean, the full engine every time
-        return out
-    except NeedsRegion as e:
-        # NOTE [reentrant region]: fn (or a remat'd function it calls) enters a torch.func reverse transform
-        if frame is not None and e.origin is frame:
-            if owner is None:  # (every remat call has its Rematted; a module's forward too)
-                raise RematError(f"remat: {name} enters a torch.func reverse transform; this is a bug in remat, "
-                                 "please report it") from e.cause
-            owner._region = True
-        if not outermost:
-            raise  # the enclosing calls recorded the attempt: the outermost remat call runs again
-        if frame is not None:
-            frame.rewind()
-        elif e.rewind is not None:
-            e.rewind()
-    return _call(fn, name, policy, statics, preserve_rng, args, kwargs, owner)
-

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import remat
 from remat import checkpoint_name, policies
-from remat._compile import CompiledPolicy
+from remat._engine.compiled import CompiledPolicy
 from remat.bench.configs import TORCH_MATMULS
 from remat.bench.measure import live_bytes_after, saved_bytes
 

@@ -4,7 +4,7 @@ A signature's first call runs the full engine and records; later calls run with
 saved-tensor hooks and the planned call's small dispatch mode (NOTE [same reads]).
 Whether a call ran fast is observed from inside the function, independently of
 remat's bookkeeping: the full engine's recorder is a ``TorchDispatchMode`` of
-``remat._dispatch`` on the stack, the fast path's are of ``remat._fastpath``. Gradients are compared
+``remat._dispatch`` on the stack, the fast path's are of ``remat._engine.planned`` and ``remat._engine.replay``. Gradients are compared
 with the plain function under the same inputs (float64 tight, float32 bitwise);
 what is dropped is observed with weak references and call counts.
 """
@@ -33,6 +33,9 @@ def leaf(*shape, dtype=f64, seed=0, grad=True):
     return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_(grad)
 
 
+PLANNED_MODES = ("remat._engine.planned", "remat._engine.replay")  # a planned call's forward and recompute modes
+
+
 class Probe:
     """Inside the function: was a dispatch mode active (the full engine), how often did it run."""
 
@@ -41,7 +44,7 @@ class Probe:
 
     def __call__(self) -> None:
         mode = _get_current_dispatch_mode()
-        self.modes.append(mode is not None and type(mode).__module__ != "remat._fastpath")
+        self.modes.append(mode is not None and type(mode).__module__ not in PLANNED_MODES)
 
     def fast_calls(self) -> list[bool]:
         return [not m for m in self.modes]
@@ -388,7 +391,7 @@ def test_under_torch_func_no_fast_path():
 
 
 def test_plans_are_bounded():
-    from remat._fastpath import MAX_PLANS
+    from remat._engine.plans import MAX_PLANS
 
     g = remat(lambda x: torch.sin(x).sum())
     for n in range(1, MAX_PLANS + 6):
@@ -850,7 +853,7 @@ def test_a_module_passed_as_an_argument_is_not_kept_alive():
 
 def test_plans_stay_bounded_with_a_policy_made_on_every_call():
     from remat._context import CACHES
-    from remat._fastpath import MAX_PLANS
+    from remat._engine.plans import MAX_PLANS
 
     def block(x):
         return torch.sin(x).sum()
@@ -883,7 +886,7 @@ def test_a_result_sharing_a_held_value_written_in_place_raises(planned):
 
 
 def test_a_planned_call_that_raises_at_the_end_of_its_forward_leaves_nothing_alive():
-    from remat._fastpath import FastFrame
+    from remat._engine.planned import FastFrame
 
     class Counter(nn.Module):
         def __init__(self) -> None:

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from remat import checkpoint_name, policies, remat
-from remat._hooks import Frame
+from remat._engine.full import Frame
 
 from .helpers import Counted
 
@@ -345,7 +345,7 @@ STEPS_SCRIPT = textwrap.dedent("""
     import gc, json
     import torch
     from remat import remat
-    from remat._hooks import Frame
+    from remat._engine.full import Frame
 
     torch.set_num_threads(1)
 

@@ -44,12 +44,12 @@ import optree
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from . import _torch_internals as ti
-from ._budget import MemoryBudget
-from ._context import COMPILED_REGIONS
-from ._errors import RematError
-from ._naming import checkpoint_name
-from ._policies import Offloadable, Saveable, decide_explicit
+from .. import _torch_internals as ti
+from .._budget import MemoryBudget
+from .._context import COMPILED_REGIONS
+from .._errors import RematError
+from .._naming import checkpoint_name
+from .._policies import Offloadable, Saveable, decide_explicit
 
 __all__ = ["CompiledPolicy", "compiled_call", "context_fn"]
 
@@ -65,7 +65,7 @@ class CompiledPolicy:
     Example:
         >>> import torch
         >>> from torch.utils.checkpoint import CheckpointPolicy
-        >>> from remat._compile import CompiledPolicy
+        >>> from remat._engine.compiled import CompiledPolicy
         >>> p = CompiledPolicy(lambda op, *a, **k: op is torch.ops.aten.mm.default)
         >>> p(None, torch.ops.aten.mm.default, torch.ones(2, 2), torch.ones(2, 2)) is CheckpointPolicy.MUST_SAVE
         True

@@ -114,13 +114,12 @@ from typing import Any
 
 import torch
 
-from . import _torch_internals as ti
-from ._ambient import AmbientState, no_accumulation
-from ._context import INSPECTOR, activated, active_context, internal
-from ._dispatch import Recorder, storage_key, tensor_leaves
-from ._errors import RematError, input_written_in_forward
-from ._fastpath import Plan, plan_of_call
-from ._functorch import (
+from .. import _torch_internals as ti
+from .._ambient import AmbientState, no_accumulation
+from .._context import INSPECTOR, activated, active_context, internal
+from .._dispatch import Recorder, storage_key, tensor_leaves
+from .._errors import RematError, input_written_in_forward
+from .._functorch import (
     Decomposed,
     Level,
     below_all_levels,
@@ -128,13 +127,14 @@ from ._functorch import (
     record_stack,
     saving_height,
 )
-from ._packed import DROP, INPUT, KEEP, OFFLOAD, ROUTED, Made, Nested, Packed, ParentHandle
-from ._policies import Offloadable, Recompute
-from ._recompute import holdable, run_recompute
-from ._reentrant import NeedsRegion, forward_pass, rewind_attempt
-from ._state import Snapshot
-from ._torch_internals import saved_tensors_hooks
-from ._wiring import Wiring, known_tokens
+from .._packed import DROP, INPUT, KEEP, OFFLOAD, ROUTED, Made, Nested, Packed, ParentHandle
+from .._policies import Offloadable, Recompute
+from .._state import Snapshot
+from .._torch_internals import saved_tensors_hooks
+from .._wiring import Wiring, known_tokens
+from .plans import Plan, plan_of_call
+from .recompute import holdable, run_recompute
+from .region import NeedsRegion, forward_pass, rewind_attempt
 
 __all__ = ["Frame"]
 

@@ -44,12 +44,12 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _torch_internals as ti
-from ._ambient import AmbientState
-from ._context import internal
-from ._dispatch import Recorder, Replayer, storage_key
-from ._errors import RematError
-from ._state import Snapshot
+from .. import _torch_internals as ti
+from .._ambient import AmbientState
+from .._context import internal
+from .._dispatch import Recorder, Replayer, storage_key
+from .._errors import RematError
+from .._state import Snapshot
 
 __all__ = ["NeedsRegion", "run_region", "enclosed", "forward_pass", "rewind_attempt"]
 

@@ -13,18 +13,20 @@ recompute goes through :func:`call_nested_replay`.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from . import _torch_internals as ti
-from ._context import activated, internal
-from ._dispatch import DeadRead, OpTap, Replayer, is_tainted, storage_key
-from ._errors import RematError, input_written_before_backward, saved_shape_differs
-from ._functorch import check_lower_levels, replay
-from ._packed import Made, Nested, ParentHandle, made_anew
-from ._torch_internals import saved_tensors_hooks
+from .. import _torch_internals as ti
+from .._context import activated, internal
+from .._dispatch import DeadRead, OpTap, Replayer, is_tainted, storage_key
+from .._errors import RematError, input_written_before_backward, saved_shape_differs
+from .._functorch import check_lower_levels, replay
+from .._packed import Made, Nested, ParentHandle, made_anew
+from .._torch_internals import saved_tensors_hooks
+from .plans import PlanWrong, is_placeholder
 
 __all__ = ["run_recompute", "unused_ops", "Capture", "StopRecompute", "NOT_HELD", "holdable", "call_nested_replay"]
 
@@ -305,3 +307,96 @@ def call_nested_replay(ctx: Any, run: Callable[[list[Any]], Any], flat: list[Any
         ctx.pack(tap.outputs[i][j])
     return out
 
+
+class StopPlanned(Exception):
+    """Raised by the capture hook once it has made every dropped tensor."""
+
+
+def identity(x: Any) -> Any:
+    return x
+
+
+class PlannedCapture:
+    __slots__ = ("wanted", "stop_after", "fn_name", "detach", "n", "captured", "placeholders", "mode", "versions",
+                 "hold_stop")
+
+    def __init__(self, wanted: dict[int, tuple[Any, ...]], stop_after: int, fn_name: str,
+                 detach: bool, placeholders: dict[int, weakref.ref[torch.Tensor]], mode: bool) -> None:
+        self.placeholders = placeholders
+        self.mode = mode  # a planned recompute: remat's replay mode is on the stack
+        self.wanted = wanted
+        self.stop_after = stop_after
+        self.fn_name = fn_name
+        self.detach = detach
+        self.n = 0
+        self.captured: dict[int, torch.Tensor] = {}
+        self.versions: dict[int, int] = {}  # position -> version when made (NOTE [written after saved])
+        self.hold_stop = False  # NOTE [written after dropped]: the replay stops the recompute, after the last write
+
+    def pack(self, t: torch.Tensor) -> Any:
+        pos = self.n
+        self.n = pos + 1
+        meta = self.wanted.get(pos)
+        if meta is not None:
+            if t.shape != meta[0] or t.dtype != meta[1]:
+                raise saved_shape_differs(self.fn_name, t, meta, pos)
+            node = t.grad_fn
+            if not _same_maker(None if node is None else type(node), meta[2]):
+                raise RematError(
+                    f"remat: the recompute of {self.fn_name} saved a tensor made by "
+                    f"{_node_name(type(node) if node is not None else None)} where its forward pass saved one made by "
+                    f"{_node_name(meta[2])} (saved tensor #{pos}); the function must do the same work every time it "
+                    "is called (no branch on a flag or global state that changed since the forward pass)."
+                )
+            if self.placeholders and is_placeholder(self.placeholders, t):
+                raise PlanWrong
+            held = holdable_fast(t, self.mode)
+            # without create_graph the backward pass needs the value only, not the recompute's graph
+            self.captured[pos] = held if self.detach else t
+            self.versions[pos] = t._version
+        elif t.is_leaf:
+            held = t  # an input, a parameter, a replayed output: no node of its own to make a cycle with
+        else:
+            held = holdable_fast(t, self.mode)
+        if self.n >= self.stop_after and not self.hold_stop:
+            raise StopPlanned
+        return held  # (the recompute's own graph: the function may run a backward pass of its own through it)
+
+    def finish(self) -> Made:
+        captured, self.captured = self.captured, {}
+        return Made(captured, self.versions, plain=True)
+
+
+def _node_name(cls: Any) -> str:
+    return "no op (an input)" if cls is None else cls.__name__
+
+
+# The nodes of one view, by how torch decomposed ``reshape``/``view``: a Python dispatch mode on the stack in the
+# forward pass but not in the recompute (a user's memory census) turns ``view`` into ``_reshape_alias``.
+_VIEWS = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"})
+
+
+# The node of a module hook's identity wrapper (global full backward hooks, made under grad mode in one pass only:
+# NOTE [hooks' aliases] in _dispatch.py): the same value as whatever made its input, so it matches any maker.
+_HOOK_NODES = frozenset({"BackwardHookFunctionBackward"})
+
+
+def _same_maker(got: Any, want: Any) -> bool:
+    """Whether a recomputed saved tensor was made as the forward's was (node classes, a view as any view, a hook's
+    identity wrapper as anything)."""
+    return got is want or (got is not None and want is not None and got.__name__ in _VIEWS
+                           and want.__name__ in _VIEWS) or (
+        (got is not None and got.__name__ in _HOOK_NODES) or (want is not None and want.__name__ in _HOOK_NODES))
+
+
+def holdable_fast(t: torch.Tensor, mode: bool = True) -> torch.Tensor:
+    """A saved tensor without its graph: holding an output would make a cycle through its own node."""
+    if not t.requires_grad or t.is_leaf:
+        return t  # (a leaf, such as a parameter: no node of its own; is_leaf asks without making the node's Python
+        # object, which t.grad_fn does: ~0.4 us a kept tensor, inside a planned call)
+    if not mode:
+        return t.detach()  # (save-nothing: no mode of remat's is on the stack)
+    if type(t) is torch.Tensor:
+        return ti.detach_below_modes(t)  # (no mode sees it: no need to mark it remat's own)
+    with internal():
+        return t.detach()
