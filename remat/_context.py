@@ -8,7 +8,7 @@ other's.
 
 * :func:`active_context`: the innermost remat context of this thread, a frame in
   its forward pass (``_hooks.Frame``) or a recompute's capture; nested calls and
-  ``checkpoint_name`` look here. The save-nothing fast path (``_fastpath.py``)
+  ``checkpoint_name`` look here. The save-nothing fast path (``_engine/planned.py``)
   does not set it.
 * :data:`INTERNAL` / :func:`internal`: ops run inside are remat's own (a
   detach, a copy), which the dispatch modes let through unrecorded.
@@ -39,11 +39,11 @@ INTERNAL: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_internal"
 # set INTERNAL for it), or None
 HOOK_RANGE: contextvars.ContextVar[tuple[Any, Any] | None] = contextvars.ContextVar("remat_hook_range", default=None)
 PENDING_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("remat_name", default=None)
-# (True, or a planned call's dispatch mode, which may let a tag go without its op: NOTE [skipped tags] in _fastpath.py)
+# (True, or a planned call's dispatch mode, which may let a tag go without its op: NOTE [skipped tags] in _engine/planned.py)
 NAMING: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_naming", default=False)
 INSPECTOR: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_inspector", default=None)
 # How many remat calls Dynamo is tracing into torch's checkpoint region right now (NOTE [compiled remat] in
-# _compile.py): checkpoint_name tags only inside one. A list, not a ContextVar: Dynamo traces a list's
+# _engine/compiled.py): checkpoint_name tags only inside one. A list, not a ContextVar: Dynamo traces a list's
 # mutation as a side effect of the trace, and reads the new value inside the region it speculates.
 COMPILED_REGIONS: list[int] = [0]
 # the innermost remat context of this thread (active_context(); read as is on hot paths, a frame less)
@@ -96,7 +96,7 @@ class Caches:
     """What a function or a module tree already determines, computed once and reused, weakly keyed by it.
 
     * ``plans``: function (or, for a bound method, its instance) -> its plans per policy and static arguments
-      (NOTE [fast path] in ``_fastpath.py``), shared by every ``remat`` of it, as JAX caches a trace by the
+      (NOTE [fast path] in ``_engine/plans.py``), shared by every ``remat`` of it, as JAX caches a trace by the
       function's identity: ``remat(block, policy=p)(x)`` written inside a forward pass makes a new wrapper each
       step and still records once per signature.
     * ``slots``: root module -> the slots of its tree (``_state.py``), validated on every use.

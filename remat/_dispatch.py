@@ -99,7 +99,7 @@ NOTE [FSDP's hooks]
     recompute does not hand a placeholder on: an op it needs that reads one, or a
     saved tensor that shares one's storage, raises ``DeadRead``, and the
     recompute runs again without skipping any op, and the signature is never
-    planned (``_recompute.py``; the planned recompute's ``_PlanWrong``).
+    planned (``_engine/recompute.py``; the planned recompute's ``_PlanWrong``).
 
 NOTE [outside tensors]
     An op may read a tensor that is neither an input of the call nor made by an
@@ -374,7 +374,7 @@ class Recorder(TorchDispatchMode):
         # the call's own objects): the key of each op's arguments, which the Replayer compares
         self.wiring: Wiring | None = None
         self._paused = False
-        # a reentrant region (_reentrant.py): what the policy saves is held at once, and detach is not an op
+        # a reentrant region (_engine/region.py): what the policy saves is held at once, and detach is not an op
         self.region = False
 
     def route_stash(self, route: Callable[[torch.Tensor], Any]) -> list[tuple[int, int]]:
@@ -399,7 +399,7 @@ class Recorder(TorchDispatchMode):
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Ops run inside are not the call's: a recompute during the forward pass (NOTE [backward inside
-        the forward pass] in ``_hooks.py``) runs below this mode, still on the stack."""
+        the forward pass] in ``_engine/full.py``) runs below this mode, still on the stack."""
         self._paused = True
         try:
             yield
@@ -820,7 +820,7 @@ class Recorder(TorchDispatchMode):
         rec.outside = keep or None
 
     def unused_ops(self, used_keys: set[int]) -> set[int]:
-        """Ops whose outputs reach none of the storages ``used_keys`` (NOTE [unused outputs] in ``_hooks.py``).
+        """Ops whose outputs reach none of the storages ``used_keys`` (NOTE [unused outputs] in ``_engine/full.py``).
 
         Walks the ops backwards by storage, so that a write through a view counts as
         producing its base; a storage freed and reused only makes more ops used.
@@ -1091,7 +1091,7 @@ class Replayer(TorchDispatchMode):
                 if t is None:
                     t = self._taint([dead_value(meta)])[0]
                 elif getattr(t, "routed", False):
-                    # held by the enclosing call (NOTE [nested remat] in _hooks.py), fetched before this recompute
+                    # held by the enclosing call (NOTE [nested remat] in _engine/full.py), fetched before this recompute
                     # began (fetching may run the enclosing call's recompute, which cannot run inside a mode)
                     t = t.value.detach()
                 elif not isinstance(t, torch.Tensor):
@@ -1197,7 +1197,7 @@ class OpTap(TorchDispatchMode):
     """Keep the tensor outputs of the ops at positions ``wanted``, counted as :class:`Recorder` counts them.
 
     An outer recompute re-running a routed call taps the outputs that call's forward pass
-    stashed and routed to the outer call (NOTE [nested remat] in ``_hooks.py``).
+    stashed and routed to the outer call (NOTE [nested remat] in ``_engine/full.py``).
     """
 
     def __init__(self, wanted: set[int]) -> None:

@@ -10,7 +10,7 @@ or an input held by reference), its size, the ATen op that allocated it, its
 How it sees the saves, from outside the policy machinery:
 
 * an :class:`_Inspector` is held in the :data:`INSPECTOR` context variable while
-  the function runs; ``Frame.pack`` (``_hooks.py``) reports every tensor a remat
+  the function runs; ``Frame.pack`` (``_engine/full.py``) reports every tensor a remat
   call saves and what it did with it;
 * saved-tensor hooks installed around the function see what plain autograd saves
   outside remat calls (kept, by definition);

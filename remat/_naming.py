@@ -50,7 +50,7 @@ def checkpoint_name(x: T, name: str) -> T:
     planned = NAMING.get() if not torch.compiler.is_dynamo_compiling() else False  # (Dynamo cannot trace .get)
     if (type(planned) is not bool and planned is not None and type(x) is torch.Tensor and type(name) is str
             and ACTIVE.get() is None and INSPECTOR.get() is None and planned.skip_name()):
-        # a planned call's mode lets this tag go (NOTE [skipped tags] in _fastpath.py), asked first and in few
+        # a planned call's mode lets this tag go (NOTE [skipped tags] in _engine/planned.py), asked first and in few
         # frames: the hot path of a tagged function's planned calls, where each frame costs 0.3-0.7 us (its code is
         # cold between the ops around it). A planned call runs in eager mode only.
         return x
@@ -65,7 +65,7 @@ def checkpoint_name(x: T, name: str) -> T:
         if not planned:
             return x  # outside remat, and not listed by saved_residuals: nothing to tag
         if planned is True:
-            planned = None  # (else a planned call's mode, which may let the tag go: NOTE [skipped tags] in _fastpath.py)
+            planned = None  # (else a planned call's mode, which may let the tag go: NOTE [skipped tags] in _engine/planned.py)
     else:
         planned = None
     if isinstance(x, torch.Tensor):
@@ -92,7 +92,7 @@ _ALIAS = torch.ops.aten.alias.default
 
 
 def _annotated_alias(name: str, leaf: Any) -> Any:
-    """Under torch.compile: an exact copy whose node carries the name (NOTE [compiled remat] in _compile.py)."""
+    """Under torch.compile: an exact copy whose node carries the name (NOTE [compiled remat] in _engine/compiled.py)."""
     if not isinstance(leaf, torch.Tensor):
         return leaf
     with ti.annotate_name(name):

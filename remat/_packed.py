@@ -1,10 +1,10 @@
-"""What a full-engine call's pack hook hands autograd for each saved tensor (``Frame.pack`` in ``_hooks.py``).
+"""What a full-engine call's pack hook hands autograd for each saved tensor (``Frame.pack`` in ``_engine/full.py``).
 
 A :class:`Packed` names the call, what became of the tensor (``KEEP``: held by reference, ``OFFLOAD``: copied to
 host memory, ``DROP``: recomputed, ``INPUT``: an argument, ``ROUTED``: saved through the enclosing call), and
-where it sits. A routed call (NOTE [nested remat] in ``_hooks.py``) also leaves a :class:`Nested` for its
+where it sits. A routed call (NOTE [nested remat] in ``_engine/full.py``) also leaves a :class:`Nested` for its
 parent's recompute, and hands its stash to the parent as :class:`ParentHandle` records. Both the forward pass
-(``_hooks.py``) and the recompute (``_recompute.py``) read these records; what a recompute made is a :class:`Made`.
+(``_engine/full.py``) and the recompute (``_engine/recompute.py``) read these records; what a recompute made is a :class:`Made`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ and ``c_i`` its FLOPs, a schedule costs
 
 A segment may have a schedule of its own (a multi-level schedule): its recompute
 runs its inner segments, remat'd ones keeping only their inputs again (NOTE [what a
-recompute holds] in ``_hooks.py``), and backpropagates through them one by one. Its
+recompute holds] in ``_engine/full.py``), and backpropagates through them one by one. Its
 transient is then that inner schedule's memory (inner persistent + inner max
 transient, its first inner segment's input being its own), and its recompute the
 segment's FLOPs (but for a last remat'd inner segment, whose output nothing in the

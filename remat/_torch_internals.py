@@ -247,7 +247,7 @@ class saved_tensors_hooks_enabled:
 
 
 # torch.func.grad, vjp, jacrev and hessian refuse to start while any saved-tensor hooks are
-# installed ("don't yet support saved tensor hooks"). remat's reentrant region (_reentrant.py)
+# installed ("don't yet support saved tensor hooks"). remat's reentrant region (_engine/region.py)
 # runs a function that enters them with grad mode off (nothing is saved) and recomputes it in its
 # own backward, where the enclosing calls' hooks have nothing to do with its ops: it sets the
 # hook stack aside for that span. No public API reads or pops the stack (saved_tensors_hooks only
@@ -283,7 +283,7 @@ def queue_backward_callback(fn: Callable[[], None]) -> bool:
 def will_engine_execute(node: Any) -> bool:
     """Whether the running backward pass will execute autograd node ``node`` (True outside a backward pass).
 
-    NOTE [unused outputs] in ``_hooks.py``: no public API tells which outputs of a call the
+    NOTE [unused outputs] in ``_engine/full.py``: no public API tells which outputs of a call the
     backward pass differentiates; torch's own ``register_multi_grad_hook`` asks the engine this way.
     """
     try:
@@ -427,7 +427,7 @@ def detach_below_modes(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
-# --- torch.compile (NOTE [compiled remat] in _compile.py) ---------------------------------------------------
+# --- torch.compile (NOTE [compiled remat] in _engine/compiled.py) ---------------------------------------------------
 # Under torch.compile, a policy sees the ATen ops of a traced region through torch's selective-checkpoint
 # policy hook, called while AOTAutograd traces the region with fake tensors. A checkpoint_name there is an
 # aten.alias like any other: the only way to hand the name from Dynamo's trace to that hook is node metadata.

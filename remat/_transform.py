@@ -65,7 +65,7 @@ def remat(fn: Any = None, *, policy: Any = None, static_argnums: int | Sequence[
             By default only the first call of each input signature does; later
             calls follow the plan it recorded, checking the saved tensors' count,
             shapes, dtypes and producing ops (NOTE [fast path] in
-            ``remat/_fastpath.py``). Use it to find a function that is not pure.
+            ``remat/_engine/plans.py``). Use it to find a function that is not pure.
 
     Returns:
         The wrapped function, with ``fn``'s name and docstring. Used bare
@@ -104,7 +104,7 @@ def remat(fn: Any = None, *, policy: Any = None, static_argnums: int | Sequence[
         if parts is not None:
             # remat(torch.compile(f)) means torch.compile(remat(f)), with the same backend and options: remat cannot
             # see inside compiled code, and under torch.compile remat lowers to torch's checkpoint region, which the
-            # compiler honours (NOTE [compiled remat] in _compile.py)
+            # compiler honours (NOTE [compiled remat] in _engine/compiled.py)
             orig, recompile = parts
             return recompile(remat(orig, policy=policy, static_argnums=static_argnums,
                                    preserve_rng_state=preserve_rng_state, debug=debug))
@@ -123,7 +123,7 @@ def remat(fn: Any = None, *, policy: Any = None, static_argnums: int | Sequence[
         raise TypeError(f"remat: debug must be True or False, got {debug!r}")
     if ti.is_compiling():
         # remat(block, policy=...) written inside a function Dynamo traces: no Rematted (its plan cache is
-        # global state Dynamo would have to replay), only the compiled call (NOTE [compiled remat] in _compile.py)
+        # global state Dynamo would have to replay), only the compiled call (NOTE [compiled remat] in _engine/compiled.py)
         return functools.partial(compiled_call, fn, context_fn(pol), preserve_rng_state)
     return Rematted(fn, pol, statics, preserve_rng_state, debug)
 
@@ -146,10 +146,10 @@ class Rematted:
         self.preserve_rng_state = preserve_rng_state
         self.debug = debug
         self._name = brief_name(fn)
-        self._region = False  # runs as a reentrant region (NOTE [reentrant region] in _reentrant.py)
-        # signature -> plan (NOTE [fast path] in _fastpath.py), shared with every remat of fn with this policy
+        self._region = False  # runs as a reentrant region (NOTE [reentrant region] in _engine/region.py)
+        # signature -> plan (NOTE [fast path] in _engine/plans.py), shared with every remat of fn with this policy
         self._plans: dict[Any, Plan | None] = plans_for(fn, (policy, statics))
-        self._context_fn = context_fn(policy)  # under torch.compile (NOTE [compiled remat] in _compile.py)
+        self._context_fn = context_fn(policy)  # under torch.compile (NOTE [compiled remat] in _engine/compiled.py)
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -174,7 +174,7 @@ class Rematted:
         own = module.__dict__.get("forward", _MISSING)
         inner = self.__dict__.get("_inner")
         if inner is None or inner.__remat_target__ != module.forward:
-            # kept across calls: it holds the fast-path plans (NOTE [fast path] in _fastpath.py)
+            # kept across calls: it holds the fast-path plans (NOTE [fast path] in _engine/plans.py)
             inner = self._inner = Rematted(module.forward, self.policy, self.static_argnums, self.preserve_rng_state,
                                            self.debug)
             inner._name = f"{self._name}.forward"

@@ -54,7 +54,7 @@ NOTE [same reads]
     of docs/benchmarks.md), plus, under ``nothing_saveable``, the planned
     call's dispatch mode itself (~8 us an op there), which a call that saves
     nothing did without before: it could not see what an op read, and was
-    silently wrong when that changed (NOTE [fast path] in ``_fastpath.py``).
+    silently wrong when that changed (NOTE [fast path] in ``_engine/plans.py``).
     The full engine compares the same keys (without ``torch.func`` levels and
     outside nested calls, whose tensors are not the call's own objects: there
     the values only, :func:`values_key`), with a tensor no op of the call made

@@ -1,4 +1,4 @@
-"""remat under ``torch.compile`` (NOTE [compiled remat] in ``remat/_compile.py``).
+"""remat under ``torch.compile`` (NOTE [compiled remat] in ``remat/_engine/compiled.py``).
 
 Every gradient test compares the compiled model whose blocks are remat'd with the
 same model compiled without remat, same backend: ``aot_eager`` in float64 to 1e-10,

@@ -1,4 +1,4 @@
-"""The save-nothing fast path (NOTE [fast path] in ``remat/_fastpath.py``): exact, really dropping, re-planned when it must.
+"""The save-nothing fast path (NOTE [fast path] in ``remat/_engine/plans.py``): exact, really dropping, re-planned when it must.
 
 A signature's first call runs the full engine and records; later calls run with
 saved-tensor hooks and the planned call's small dispatch mode (NOTE [same reads]).

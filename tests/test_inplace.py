@@ -295,7 +295,7 @@ MIXED = policies.save_from_both_policies(policies.dots_saveable, policies.save_o
 @pytest.mark.parametrize("name", DATA_WRITES)
 def test_a_write_after_a_save_gives_the_same_answer_on_every_call(name, policy):
     """Plain autograd's gradient, or the error plain autograd raises, on the first call (the full engine) and on
-    every later one (planned: NOTE [written after dropped] in remat/_fastpath.py). Before, later calls read the
+    every later one (planned: NOTE [written after dropped] in remat/_engine/planned.py). Before, later calls read the
     unwritten value (2.79 off, without an error) or gave a gradient where plain autograd raises."""
     fn = DATA_WRITES[name]
     g = remat(fn, policy=MIXED if policy == "mixed" else policy)

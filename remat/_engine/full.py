@@ -55,7 +55,7 @@ NOTE [backward inside the forward pass]
     The function may run a backward pass of its own (``torch.autograd.grad`` for a
     gradient penalty) that reads tensors this call dropped before its forward pass
     has ended. The recompute then runs the function only as far as the forward pass
-    got: it stops (``StopRecompute`` from the capture hook in ``_recompute.py``) once it has made every
+    got: it stops (``StopRecompute`` from the capture hook in ``recompute.py``) once it has made every
     tensor saved so far, with the forward's recorder paused (it is still on the mode
     stack); the backward pass's own ops are recorded as ops of the call and replayed
     like any other. Its results are released when the forward pass ends. The tensors
@@ -166,10 +166,10 @@ class Frame:
         # NOTE [one copy per storage] in _offload.py: a write ends the sharing of a storage's copy
         self.recorder.on_write = lambda keys: wself()._storage_written(keys)  # type: ignore[union-attr]
         # a write into a storage with a copy in this call (the fast path, which sees no write, would share the copy
-        # with a tensor saved after it: NOTE [fast path] in _fastpath.py)
+        # with a tensor saved after it: NOTE [fast path] in plans.py)
         self.wrote_offloaded = False
         # ...into a storage copied for a saved tensor, not only for an output the recorder held: NOTE [offloaded and
-        # written] in _fastpath.py. Per storage key, the storage copied for a save (weakly: one that died frees its
+        # written] in planned.py. Per storage key, the storage copied for a save (weakly: one that died frees its
         # address for another)
         self.offloaded_saves: dict[int, weakref.ref[Any]] = {}
         self.wrote_saved_offloaded = False
@@ -206,7 +206,7 @@ class Frame:
         self._outs: list[tuple[Any, int, Any, int]] = []
         self._ran: set[int] = set()  # outputs whose node ran in this backward pass (_Ran)
         self._skipped: dict[int, set[int]] = {}  # height -> storages of placeholders for unused ops
-        # NOTE [fast path] in _fastpath.py: the packs of a call that may become its signature's plan
+        # NOTE [fast path] in plans.py: the packs of a call that may become its signature's plan
         self.plan_packs: list[Packed] | None = None
         self.plan: Plan | None = None  # set when the forward pass ends, if plan_packs was asked for
         self.inner_backward = False  # a backward pass inside the forward pass read a saved tensor
@@ -242,7 +242,7 @@ class Frame:
                 except RuntimeError as e:
                     if "support saved tensor hooks" not in str(e):
                         raise
-                    raise NeedsRegion(self, e) from e  # NOTE [reentrant region] in _reentrant.py
+                    raise NeedsRegion(self, e) from e  # NOTE [reentrant region] in region.py
             if not self.routed and (not self.levels or (len(self.levels) == 1 and self.levels[0].kind == "grad")):
                 # NOTE [unused outputs]: weakly, an output's node would make a cycle through the graph
                 self._outs = []

@@ -274,7 +274,7 @@ class FastFrame:
                     if "support saved tensor hooks" not in str(e):
                         raise
                     self.refuse()
-                    raise NeedsRegion(self, e) from e  # NOTE [reentrant region] in _reentrant.py
+                    raise NeedsRegion(self, e) from e  # NOTE [reentrant region] in region.py
         except BaseException:
             self.origins = self.held = {}  # (held strongly during the forward pass only)
             raise
@@ -558,7 +558,7 @@ class FastFrame:
                 "alias with a version counter of its own (.data, or detach()), after an op its signature's first "
                 "call did not run (a data-dependent branch): the recompute, which follows that call, cannot replay "
                 "the write. The signature runs on the full engine from the next call on (it replays every op); "
-                "or write into a clone (NOTE [written after dropped] in remat/_fastpath.py)."
+                "or write into a clone (NOTE [written after dropped] in planned.py)."
             )
         # (a backward pass inside the forward pass: an input written so far would be written again by the
         # recompute, into the caller's tensor, and read written: the end of the forward pass's error, raised first)

@@ -1,12 +1,12 @@
 """The full engine's recompute: one call of a remat'd function run again, under capture hooks, for what its
-backward pass needs (``Frame._recompute`` in ``_hooks.py`` calls :func:`run_recompute`).
+backward pass needs (``Frame._recompute`` in ``full.py`` calls :func:`run_recompute`).
 
 The recompute rebuilds the forward's transform stack (NOTE [per-level replay] in ``_functorch.py``), restores the
 module state, random-number and autocast state, and re-runs the function under the dispatch
 :class:`~remat._dispatch.Replayer` (which hands back what the policy kept and skips dead and unused ops) and a
 :class:`Capture`, whose pack hook takes the saved tensors at the positions the forward pass dropped, checks them
 against what the forward pass saved there, and stops the run once it has them all. NOTE [unused outputs], NOTE
-[what a recompute holds] and NOTE [nested remat] are in ``_hooks.py``: an inner remat call re-run by an outer
+[what a recompute holds] and NOTE [nested remat] are in ``full.py``: an inner remat call re-run by an outer
 recompute goes through :func:`call_nested_replay`.
 """
 

@@ -3,7 +3,7 @@
 NOTE [reentrant region]
     torch refuses to enter ``torch.func.grad``, ``vjp``, ``jacrev`` or ``hessian``
     while saved-tensor hooks are installed, and remat's frames work through them
-    (``_hooks.py``). A remat'd function that enters one therefore runs as a single
+    (``full.py``). A remat'd function that enters one therefore runs as a single
     ``torch.autograd.Function`` (the functorch-compatible kind: ``setup_context``,
     a generated vmap rule), as ``torch.utils.checkpoint(use_reentrant=True)`` does:
     autograd saves only the region's inputs. Its forward pass runs the function
