@@ -99,7 +99,7 @@ NOTE [FSDP's hooks]
     recompute does not hand a placeholder on: an op it needs that reads one, or a
     saved tensor that shares one's storage, raises ``DeadRead``, and the
     recompute runs again without skipping any op, and the signature is never
-    planned (``_engine/recompute.py``; the planned recompute's ``_PlanWrong``).
+    planned (``_engine/recompute.py``, NOTE [one set of checks]).
 
 NOTE [outside tensors]
     An op may read a tensor that is neither an input of the call nor made by an

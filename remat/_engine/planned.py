@@ -148,6 +148,7 @@ from .._ambient import AmbientState
 from .._context import INTERNAL, internal, naming
 from .._dispatch import (
     RANGE_OPS,
+    DeadRead,
     arg_tensors,
     identity_alias,
     ignored,
@@ -170,13 +171,12 @@ from .plans import (
     Hold,
     NeedsGraph,
     Plan,
-    PlanWrong,
     Values,
     cast_agrees,
     off_the_plan,
     skip_tag,
 )
-from .recompute import PlannedCapture, StopPlanned, holdable_fast, identity
+from .recompute import PlannedCapture, StopRecompute, holdable, identity
 from .region import NeedsRegion
 from .replay import Replay, ValueReplay
 
@@ -331,7 +331,7 @@ class FastFrame:
         """NOTE [kept until the forward pass ends]: the kept saves let go of their tensors' graphs."""
         kept, self.kept_raw = self.kept_raw, []
         for k in kept:
-            k.t = holdable_fast(k.t)
+            k.t = holdable(k.t)
 
     def rewind(self) -> None:
         """Put the random state back so that the call can run again (NOTE [reentrant region])."""
@@ -486,7 +486,7 @@ class FastFrame:
             return _In(slot, t._version)
         if self.diverged or (id(t) in self.state_ids if self.keep is None else pos in self.keep):  # type: ignore[operator]
             if self.plan.ops is None:
-                kept = _Kept(holdable_fast(t, False), t._version)
+                kept = _Kept(holdable(t, False), t._version)
             else:
                 kept = _Kept(t, t._version)
                 if t.requires_grad and not t.is_leaf:
@@ -567,7 +567,7 @@ class FastFrame:
         # which the replay refuses: NOTE [same reads])
         try:
             return self._run_recompute(skip_dead=bool(self.plan.dead))
-        except PlanWrong:
+        except DeadRead:
             self.refuse()  # the recorded call's liveness does not hold for this one
             return self._run_recompute(skip_dead=False)
 
@@ -597,7 +597,7 @@ class FastFrame:
                     replay.run_to, replay.capture = run_to, capture
                     with naming(replay), replay:
                         self.run(self.flat)
-            except StopPlanned:
+            except StopRecompute:
                 pass
         self.placeholders = {}
         if capture.n < capture.stop_after:
@@ -627,11 +627,11 @@ class FastFrame:
                 out = None
                 try:
                     out = self.run(self.flat)
-                except StopPlanned:
+                except StopRecompute:
                     pass
                 mode.settle(mode.i)  # (the function returned after the op that saved the last: out holds it)
                 del out
-        except (NeedsGraph, PlanWrong, RematError):
+        except (NeedsGraph, DeadRead, RematError):
             raise
         except Exception as e:
             # what the function does only with grad mode on (h.register_hook, retain_grad on an intermediate):

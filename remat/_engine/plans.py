@@ -538,10 +538,6 @@ def is_placeholder(placeholders: dict[int, weakref.ref[torch.Tensor]], t: Any) -
     return False
 
 
-class PlanWrong(Exception):
-    """A planned recompute met a placeholder where a value is needed: run it again without skipping ops."""
-
-
 class NeedsGraph(Exception):
     """A value recompute (NOTE [value recompute]) did not run the forward pass's ops, or did not make the tensors it
     saved: the recompute that builds the graph and takes what autograd saves runs instead, and tells."""

@@ -26,7 +26,7 @@ from .._errors import RematError, input_written_before_backward, saved_shape_dif
 from .._functorch import check_lower_levels, replay
 from .._packed import Made, Nested, ParentHandle, made_anew
 from .._torch_internals import saved_tensors_hooks
-from .plans import PlanWrong, is_placeholder
+from .plans import is_placeholder
 
 __all__ = ["run_recompute", "unused_ops", "Capture", "StopRecompute", "NOT_HELD", "holdable", "call_nested_replay"]
 
@@ -158,6 +158,36 @@ def unused_ops(frame: Any, s: int) -> set[int]:
     return frame.recorder.unused_ops(used) if skipped else set()
 
 
+# NOTE [one set of checks]
+#     Both engines' recomputes take what the forward pass dropped through one rule, ``check_saved``: the tensor is
+#     not a placeholder of a skipped op (else ``DeadRead``: the recompute runs again without skipping any op, NOTE
+#     [dead ops]), it has the shape and dtype the forward pass saved there, and, where the forward pass noted which
+#     node made it (a plan does), it was made by the same kind of node. The full engine's recompute also checks
+#     every op it runs against the op the forward pass recorded (``Replayer``), and a planned one every op against
+#     the plan's (``replay.Replay``), with the same comparison of what each op read (NOTE [same reads] in
+#     ``_wiring.py``): a planned call skips recording, never a check.
+
+
+def check_saved(fn_name: str, t: torch.Tensor, meta: tuple[Any, ...], pos: int, dead: bool) -> None:
+    """The checks every recompute applies to a tensor it takes at save position ``pos`` (NOTE [one set of checks]).
+
+    ``meta``: what the forward pass saved there, ``(shape, dtype)`` or ``(shape, dtype, maker node class)``;
+    ``dead``: the tensor is, or shares the storage of, a placeholder the recompute made for a skipped op."""
+    if dead:
+        raise DeadRead  # NOTE [dead ops]: the backward pass would read a placeholder
+    if t.shape != meta[0] or t.dtype != meta[1]:
+        raise saved_shape_differs(fn_name, t, meta, pos)
+    if len(meta) > 2:
+        node = t.grad_fn
+        if not _same_maker(None if node is None else type(node), meta[2]):
+            raise RematError(
+                f"remat: the recompute of {fn_name} saved a tensor made by "
+                f"{_node_name(type(node) if node is not None else None)} where its forward pass saved one made by "
+                f"{_node_name(meta[2])} (saved tensor #{pos}); the function must do the same work every time it "
+                "is called (no branch on a flag or global state that changed since the forward pass)."
+            )
+
+
 class StopRecompute(Exception):
     """Raised by a partial recompute's pack hook once it has made every tensor it was asked for."""
 
@@ -194,10 +224,7 @@ class Capture:
             self.n += 1
             meta = self.wanted.get(pos)
             if meta is not None:
-                if self.tainted and is_tainted(self.tainted, ti.unwrap_all(t)):
-                    raise DeadRead  # NOTE [dead ops]: the backward pass would read a placeholder
-                if (tuple(t.shape), t.dtype) != meta:
-                    raise saved_shape_differs(self.fn_name, t, meta, pos)
+                check_saved(self.fn_name, t, meta, pos, bool(self.tainted) and is_tainted(self.tainted, ti.unwrap_all(t)))
                 held = holdable(t)
                 self.versions[pos] = ti.unwrap_all(t)._version
                 if self.detach and not ti.is_wrapped(t):
@@ -230,8 +257,8 @@ class _NotHeld:
 NOT_HELD = _NotHeld()
 
 
-def holdable(t: torch.Tensor) -> torch.Tensor:
-    """What to hold for a saved tensor (in a pack hook) without a reference cycle.
+def holdable(t: torch.Tensor, mode: bool = True) -> torch.Tensor:
+    """What to hold for a saved tensor (in a pack hook) without a reference cycle, on either engine.
 
     A saved output's grad_fn is the node that saves it: holding the tensor itself
     would make a cycle through the C++ graph that Python's gc cannot see, and the
@@ -239,19 +266,23 @@ def holdable(t: torch.Tensor) -> torch.Tensor:
     graph metadata on unpack, so a plain tensor is detached. A functorch wrapper
     must keep its lower-level history (detach would strip every level), so its
     inner value is re-wrapped in a dead wrapper, which functorch treats as
-    transparent, exactly like a saved wrapper of an exited level.
+    transparent, exactly like a saved wrapper of an exited level. ``mode``: one of
+    remat's dispatch modes is on the stack (without one, a plain detach).
     """
-    if not ti.is_wrapped(t):
-        if not t.requires_grad or t.grad_fn is None:
-            return t  # (a leaf, such as a parameter: no node of its own)
-        if type(t) is torch.Tensor:
-            return ti.detach_below_modes(t)  # (no mode sees it: no need to mark it remat's own)
-        with internal():
-            return t.detach()
-    top = ti.peek_interpreter()
-    if top is not None and ti.maybe_level(t) == int(top.level()) and t.grad_fn is not None:
-        return ti.dead_grad_wrapper(ti.unwrap_one(t))
-    return t
+    if ti.is_wrapped(t):
+        top = ti.peek_interpreter()
+        if top is not None and ti.maybe_level(t) == int(top.level()) and t.grad_fn is not None:
+            return ti.dead_grad_wrapper(ti.unwrap_one(t))
+        return t
+    if not t.requires_grad or t.is_leaf:
+        return t  # (a leaf, such as a parameter: no node of its own; is_leaf asks without making the node's Python
+        # object, which t.grad_fn does: ~0.4 us a kept tensor, inside a planned call)
+    if not mode:
+        return t.detach()  # (save-nothing's forward pass: no mode of remat's is on the stack)
+    if type(t) is torch.Tensor:
+        return ti.detach_below_modes(t)  # (no mode sees it: no need to mark it remat's own)
+    with internal():
+        return t.detach()
 
 
 class _PassThrough:
@@ -308,10 +339,6 @@ def call_nested_replay(ctx: Any, run: Callable[[list[Any]], Any], flat: list[Any
     return out
 
 
-class StopPlanned(Exception):
-    """Raised by the capture hook once it has made every dropped tensor."""
-
-
 def identity(x: Any) -> Any:
     return x
 
@@ -338,28 +365,17 @@ class PlannedCapture:
         self.n = pos + 1
         meta = self.wanted.get(pos)
         if meta is not None:
-            if t.shape != meta[0] or t.dtype != meta[1]:
-                raise saved_shape_differs(self.fn_name, t, meta, pos)
-            node = t.grad_fn
-            if not _same_maker(None if node is None else type(node), meta[2]):
-                raise RematError(
-                    f"remat: the recompute of {self.fn_name} saved a tensor made by "
-                    f"{_node_name(type(node) if node is not None else None)} where its forward pass saved one made by "
-                    f"{_node_name(meta[2])} (saved tensor #{pos}); the function must do the same work every time it "
-                    "is called (no branch on a flag or global state that changed since the forward pass)."
-                )
-            if self.placeholders and is_placeholder(self.placeholders, t):
-                raise PlanWrong
-            held = holdable_fast(t, self.mode)
+            check_saved(self.fn_name, t, meta, pos, bool(self.placeholders) and is_placeholder(self.placeholders, t))
+            held = holdable(t, self.mode)
             # without create_graph the backward pass needs the value only, not the recompute's graph
             self.captured[pos] = held if self.detach else t
             self.versions[pos] = t._version
         elif t.is_leaf:
             held = t  # an input, a parameter, a replayed output: no node of its own to make a cycle with
         else:
-            held = holdable_fast(t, self.mode)
+            held = holdable(t, self.mode)
         if self.n >= self.stop_after and not self.hold_stop:
-            raise StopPlanned
+            raise StopRecompute
         return held  # (the recompute's own graph: the function may run a backward pass of its own through it)
 
     def finish(self) -> Made:
@@ -387,16 +403,3 @@ def _same_maker(got: Any, want: Any) -> bool:
     return got is want or (got is not None and want is not None and got.__name__ in _VIEWS
                            and want.__name__ in _VIEWS) or (
         (got is not None and got.__name__ in _HOOK_NODES) or (want is not None and want.__name__ in _HOOK_NODES))
-
-
-def holdable_fast(t: torch.Tensor, mode: bool = True) -> torch.Tensor:
-    """A saved tensor without its graph: holding an output would make a cycle through its own node."""
-    if not t.requires_grad or t.is_leaf:
-        return t  # (a leaf, such as a parameter: no node of its own; is_leaf asks without making the node's Python
-        # object, which t.grad_fn does: ~0.4 us a kept tensor, inside a planned call)
-    if not mode:
-        return t.detach()  # (save-nothing: no mode of remat's is on the stack)
-    if type(t) is torch.Tensor:
-        return ti.detach_below_modes(t)  # (no mode sees it: no need to mark it remat's own)
-    with internal():
-        return t.detach()

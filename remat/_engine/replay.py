@@ -15,6 +15,7 @@ from .. import _torch_internals as ti
 from .._context import INTERNAL
 from .._dispatch import (
     RANGE_OPS,
+    DeadRead,
     identity_alias,
     ignored,
     profiler_op,
@@ -29,7 +30,6 @@ from .plans import (
     RUN,
     TO_COPY,
     NeedsGraph,
-    PlanWrong,
     Values,
     cast_agrees,
     is_placeholder,
@@ -38,7 +38,7 @@ from .plans import (
     reads_placeholder,
     skip_tag,
 )
-from .recompute import PlannedCapture, StopPlanned
+from .recompute import PlannedCapture, StopRecompute
 
 __all__ = ["Replay", "ValueReplay"]
 
@@ -48,7 +48,7 @@ class Replay(TorchDispatchMode):
     A dead op hands back NaN placeholders, as on the full engine (NOTE [dead ops]). The plan's liveness comes
     from the recorded call, so it is checked: what an op computes from a placeholder is one too (a view that
     always runs), and a placeholder captured as a saved tensor, written or drawn on, or read as a number
-    (``.item()``) stops the recompute (``PlanWrong``), which runs again without skipping anything.
+    (``.item()``) stops the recompute (``DeadRead``), which runs again without skipping anything.
     """
 
     def __init__(self, frame: Any, skip_dead: bool) -> None:
@@ -80,7 +80,7 @@ class Replay(TorchDispatchMode):
                 and (func is not TO_COPY or cast_agrees(self.casts, self.wiring, i, args, kwargs))
                 and (func not in ALIASING or (i in self.identity) is identity_alias(func, args, kwargs))):
             if i > self.run_to >= 0 and self.capture is not None and self.capture.n >= self.capture.stop_after:
-                raise StopPlanned  # NOTE [written after dropped]: every dropped tensor made, the last write run
+                raise StopRecompute  # NOTE [written after dropped]: every dropped tensor made, the last write run
             self.i = i + 1
             out = self._planned(i, func, args, kwargs)
             self._note(i, out, args)
@@ -102,7 +102,7 @@ class Replay(TorchDispatchMode):
             if self.run_to >= 0 and self.capture is not None and self.capture.n >= self.capture.stop_after:
                 # NOTE [written after dropped]: past the plan a call followed (it left it), with every dropped
                 # tensor made and the plan's last write run: no op past the plan runs unchecked in the recompute
-                raise StopPlanned
+                raise StopRecompute
         if self.placeholders and reads_placeholder(self.placeholders, args, kwargs):
             return self._run_tainted(func, args, kwargs)
         return func(*args, **kwargs) if kwargs else func(*args)
@@ -148,11 +148,11 @@ class Replay(TorchDispatchMode):
         """An op that must run reads a placeholder (a view of a dead op's output, say): its outputs are placeholders
         too; a write or a random draw on one is not followed, the recompute runs again."""
         if any(traits(func)):
-            raise PlanWrong
+            raise DeadRead
         out = func(*args, **kwargs) if kwargs else func(*args)
         if not isinstance(out, torch.Tensor) and any(
                 x is not None and not isinstance(x, torch.Tensor) for x in optree.tree_leaves(out, none_is_leaf=True)):
-            raise PlanWrong  # a number read from a placeholder (.item()): Python code may branch on it
+            raise DeadRead  # a number read from a placeholder (.item()): Python code may branch on it
         return self._taint(out)
 
     def _taint(self, out: Any) -> Any:
@@ -218,11 +218,11 @@ class ValueReplay(Replay):
             if self.pending or k in self.saved_at:
                 self.settle(k)
             if k >= self.stop:
-                raise StopPlanned
+                raise StopRecompute
         if self.pending or i in self.saved_at:  # (as for an op, below)
             self.settle(i)
         if i >= self.stop:
-            raise StopPlanned
+            raise StopRecompute
         self.i = i + 1
         return True
 
@@ -234,7 +234,7 @@ class ValueReplay(Replay):
             if self.pending or i in self.saved_at:  # (most ops neither return nor follow a save)
                 self.settle(i)
             if i >= self.stop:
-                raise StopPlanned  # the op that saved the last dropped tensor has run: stop before the next one
+                raise StopRecompute  # the op that saved the last dropped tensor has run: stop before the next one
             self.i = i + 1
             out = self._planned(i, func, args, kwargs)
             pos = self.one.get(i)
@@ -244,7 +244,7 @@ class ValueReplay(Replay):
                 if meta is not None:
                     ph = self.placeholders
                     if ph and id(out) in ph and is_placeholder(ph, out):
-                        raise PlanWrong
+                        raise DeadRead
                     if out.shape != meta[0] or out.dtype != meta[1]:
                         raise NeedsGraph
                     self.pending.append((pos, weakref.ref(out)))
@@ -282,12 +282,12 @@ class ValueReplay(Replay):
                 if self.pending or k in self.saved_at:
                     self.settle(k)
                 if k >= self.stop:
-                    raise StopPlanned
+                    raise StopRecompute
             self.i = j
             return self.__torch_dispatch__(func, types, args, kwargs)
         if i >= self.stop:
             self.settle(i)
-            raise StopPlanned  # (stop <= limit: the ops past the plan come after the last save)
+            raise StopRecompute  # (stop <= limit: the ops past the plan come after the last save)
         raise NeedsGraph  # not the forward pass's op without a graph: maybe with one (a fused path taken)
 
     def _dropped(self, t: torch.Tensor, pos: int) -> bool:
@@ -298,7 +298,7 @@ class ValueReplay(Replay):
             return False
         ph = self.placeholders
         if ph and id(t) in ph and is_placeholder(ph, t):
-            raise PlanWrong
+            raise DeadRead
         if t.shape != meta[0] or t.dtype != meta[1]:
             raise NeedsGraph
         return True
