@@ -138,7 +138,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optree
 import torch
@@ -148,7 +148,6 @@ from .._ambient import AmbientState
 from .._context import INTERNAL, internal, naming
 from .._dispatch import (
     RANGE_OPS,
-    DeadRead,
     arg_tensors,
     identity_alias,
     ignored,
@@ -169,16 +168,16 @@ from .plans import (
     RUN,
     TO_COPY,
     Hold,
-    NeedsGraph,
     Plan,
-    Values,
     cast_agrees,
     off_the_plan,
     skip_tag,
+    version_of,
+    written_after_saved,
 )
-from .recompute import PlannedCapture, StopRecompute, holdable, identity
+from .recompute import holdable
 from .region import NeedsRegion
-from .replay import Replay, ValueReplay
+from .replay import planned_recompute
 
 __all__ = ["FastFrame"]
 
@@ -202,7 +201,139 @@ class _Kept:
         self.version = version
 
 
-class FastFrame:
+if TYPE_CHECKING:
+    _Frame = Any  # (mypy: the mixin reads the frame's attributes, which FastFrame sets)
+else:
+    _Frame = object
+
+
+class _Holdings(_Frame):
+    """What a planned call holds of its ops' outputs for its recompute, and when it lets go of them (NOTE [planned
+    calls]): the forward-pass half of ``FastFrame``, called by its ``Tap``; ``replay.replayed`` hands them back."""
+
+    _offload_group: Any  # (set by FastFrame.__init__, as every attribute this half reads)
+
+    def _hold_plain(self, i: int, out: torch.Tensor) -> None:
+        """:meth:`_hold` of one output held as it is (``Plan.plain_holds``; the tap calls it for those)."""
+        self.versions_at_hold[i] = [out._version]
+        # (held until the forward pass ends, when forward() reads their versions, since an output that died before
+        # could have been written in place; then as aliases sharing their version counters, for the caller's writes)
+        self.held[i] = self.origins[i] = [out]  # (one alias of it at the end serves as both)
+
+    def _hold(self, i: int, h: Hold, out: Any) -> None:
+        """Hold op ``i``'s outputs for the recompute (detached: an output would hold its own node)."""
+        # (inside the tap's handler: the mode is off the stack, and no remat mode runs below a planned call)
+        # the version lives on the op's own output (a result the caller may hold and write), not on the
+        # detached alias, which has a counter of its own: watched through a weak reference, from now (a write
+        # later in the forward pass means the held value is not the op's output: forward() lets it run again)
+        if h.single and not h.weak and h.offload is None:
+            self._hold_plain(i, out)
+            return
+        if h.single:
+            self.versions_at_hold[i] = [out._version]
+        if h.weak:
+            self.held[i] = [weakref.ref(out)] if h.single else [
+                weakref.ref(x) for x in optree.tree_leaves(out, none_is_leaf=True) if isinstance(x, torch.Tensor)]
+            if not h.single:
+                self.versions_at_hold[i] = [version_of(r) for r in self.held[i]]
+            return
+        outs = [x for x in optree.tree_leaves(out, none_is_leaf=True) if isinstance(x, torch.Tensor)]
+        self.origins[i] = list(outs)
+        self.versions_at_hold[i] = [t._version for t in outs]
+        with internal():
+            if h.offload is not None:
+                vals: list[Any] = []
+                for t in outs:
+                    o = self._offload_saved(t, h.offload)
+                    vals.append(t.detach() if o is None else o)
+                self.held[i] = vals
+            else:
+                self.held[i] = [t.detach() for t in outs]
+
+    def _wrote(self, i: int, args: Any, kwargs: Any) -> None:
+        """Op ``i`` (-1: an op past the plan) wrote in place (``Tap``), through an alias whose version counter may be
+        its own (``q.data.mul_(2)``, an ``unsafe_split`` piece, the storage itself): what is held of the storages
+        it wrote (every tensor it was given: at worst an op runs again, a tensor gets a copy of its own) is not
+        trusted any more, since no version says so. The offload engine hears of it as the recorder would tell it
+        (NOTE [one copy per storage] in ``_offload.py``): a tensor saved later gets a copy of its own."""
+        written = {storage_key(t) for t in arg_tensors(args, kwargs or {})}
+        written.discard(0)
+        if self.held or self.dead_outs:
+            self._let_go_written(i, written)
+        if self._offload_group is not None:
+            self.engine.storage_written(self, written)
+
+    def note_write_past_plan(self, args: Any, kwargs: Any) -> None:
+        """NOTE [written after dropped]: an op past the plan wrote in place; if into the storage of a tensor this
+        call dropped (alive: another reference holds it), the recompute, which runs the plan's ops only, cannot
+        replay the write into its copy."""
+        written = {storage_key(t) for t in arg_tensors(args, kwargs or {})}
+        written.discard(0)
+        for ref in self.dropped_refs:
+            t = ref()
+            if t is not None and storage_key(t) in written:
+                self.wrote_dropped = True
+                return
+
+    def _let_go_written(self, i: int, written: set[int]) -> None:
+        """:meth:`_wrote`: a held output of another op whose storage op ``i`` wrote is not that op's value any more:
+        let go of it, the recompute runs the op again. (A write the recorded call made into a held output has the
+        output copied before it, ``Plan.copy_before``; this one's target may differ: which tensor ``.data`` aliases
+        is data.)"""
+        for k in [k for k in self.held if k != i and k in self.plan.hold and k not in self.copied]:
+            for v in self.origins.get(k) or self.held[k]:
+                t = v() if type(v) is weakref.ref else v
+                if isinstance(t, torch.Tensor) and storage_key(t) in written:
+                    del self.held[k]
+                    break
+        # a dead op's output kept for a save and handed back to the recompute (_hand_back), or noted to be: the same.
+        # The recompute replays the write, into the tensor handed back, which the node reads (written twice).
+        for k in [k for k in self.held if k not in self.plan.hold]:
+            kept = self.held[k][0]()
+            if kept is not None and storage_key(kept.t) in written:
+                del self.held[k]  # (a placeholder: the replayed write into it reruns the recompute with the op)
+        for k in [k for k, (ref, _) in self.dead_outs.items() if (t := ref()) is not None and storage_key(t) in written]:
+            del self.dead_outs[k]
+
+    def _note_sources(self, out: Any, want: list[tuple[int, int]]) -> None:
+        """NOTE [value recompute]: the tensors an op returned (several) that the plan takes for save positions."""
+        outs = out if type(out) is tuple and all(type(t) is torch.Tensor for t in out) else tensor_leaves(out)
+        for k, pos in want:
+            self.sources[pos] = weakref.ref(outs[k])
+
+    def _copy_held(self, i: int) -> None:
+        """Op ``i``'s output, held, is about to be written in place (``Hold.cow``): hold a copy instead, taken now
+        as the recorded call's recorder took it, and watch the output weakly (a write is expected: its version is
+        not noted). Held as it is if written already (a write the recorded call did not make here): the end of the
+        forward pass lets the op run again."""
+        held = self.held.get(i)
+        if held is None or type(held[0]) is not torch.Tensor or i in self.copied:
+            return
+        out = held[0]
+        if out._version != self.versions_at_hold[i][0]:
+            return
+        with internal():  # (in the tap's handler, before the writing op: the copy has the op's own values)
+            self.held[i] = [out.clone()]
+        self.origins[i] = [weakref.ref(out)]
+        del self.versions_at_hold[i]
+        self.copied.add(i)
+
+    def _offload_saved(self, t: torch.Tensor, decision: Offloadable) -> Offloaded | None:
+        """``t``'s handle if ``decision`` moves it, else None. The call's group is looked up once, after its first
+        offload (a call that offloads nothing makes none: a new group lets older calls' kept copies go, NOTE [keep
+        last] in ``_offload.py``)."""
+        grp = self._offload_group
+        o = self.engine.offload_saved(t, decision, self if grp is None else grp)
+        if o is not None:
+            self._offloaded = True
+            if grp is None:
+                self._offload_group = self.engine.group(self)
+        return o  # type: ignore[no-any-return]
+
+    # ---- hooks -----------------------------------------------------------------
+
+
+class FastFrame(_Holdings):
     """One call of a remat'd function that follows its signature's plan (NOTE [fast path], NOTE [planned calls])."""
 
     def __init__(self, run: Callable[[list[Any]], Any], flat: list[Any], fn_name: str, preserve_rng: bool,
@@ -299,7 +430,7 @@ class FastFrame:
                 else:
                     self.held_versions[i] = [version]
                 continue
-            now = [_version_of(v) for v in self.origins.get(i, vals)]
+            now = [version_of(v) for v in self.origins.get(i, vals)]
             written = any(a is not None and a != b for a, b in zip(now, self.versions_at_hold.get(i, ())))
             if outs is not None:
                 # an alias made now, above autograd, shares the output's version counter (a detach in the tap's
@@ -360,124 +491,6 @@ class FastFrame:
                     "the backward pass first."
                 )
 
-    def _hold_plain(self, i: int, out: torch.Tensor) -> None:
-        """:meth:`_hold` of one output held as it is (``Plan.plain_holds``; the tap calls it for those)."""
-        self.versions_at_hold[i] = [out._version]
-        # (held until the forward pass ends, when forward() reads their versions, since an output that died before
-        # could have been written in place; then as aliases sharing their version counters, for the caller's writes)
-        self.held[i] = self.origins[i] = [out]  # (one alias of it at the end serves as both)
-
-    def _hold(self, i: int, h: Hold, out: Any) -> None:
-        """Hold op ``i``'s outputs for the recompute (detached: an output would hold its own node)."""
-        # (inside the tap's handler: the mode is off the stack, and no remat mode runs below a planned call)
-        # the version lives on the op's own output (a result the caller may hold and write), not on the
-        # detached alias, which has a counter of its own: watched through a weak reference, from now (a write
-        # later in the forward pass means the held value is not the op's output: forward() lets it run again)
-        if h.single and not h.weak and h.offload is None:
-            self._hold_plain(i, out)
-            return
-        if h.single:
-            self.versions_at_hold[i] = [out._version]
-        if h.weak:
-            self.held[i] = [weakref.ref(out)] if h.single else [
-                weakref.ref(x) for x in optree.tree_leaves(out, none_is_leaf=True) if isinstance(x, torch.Tensor)]
-            if not h.single:
-                self.versions_at_hold[i] = [_version_of(r) for r in self.held[i]]
-            return
-        outs = [x for x in optree.tree_leaves(out, none_is_leaf=True) if isinstance(x, torch.Tensor)]
-        self.origins[i] = list(outs)
-        self.versions_at_hold[i] = [t._version for t in outs]
-        with internal():
-            if h.offload is not None:
-                vals: list[Any] = []
-                for t in outs:
-                    o = self._offload_saved(t, h.offload)
-                    vals.append(t.detach() if o is None else o)
-                self.held[i] = vals
-            else:
-                self.held[i] = [t.detach() for t in outs]
-
-    def _wrote(self, i: int, args: Any, kwargs: Any) -> None:
-        """Op ``i`` (-1: an op past the plan) wrote in place (``Tap``), through an alias whose version counter may be
-        its own (``q.data.mul_(2)``, an ``unsafe_split`` piece, the storage itself): what is held of the storages
-        it wrote (every tensor it was given: at worst an op runs again, a tensor gets a copy of its own) is not
-        trusted any more, since no version says so. The offload engine hears of it as the recorder would tell it
-        (NOTE [one copy per storage] in ``_offload.py``): a tensor saved later gets a copy of its own."""
-        written = {storage_key(t) for t in arg_tensors(args, kwargs or {})}
-        written.discard(0)
-        if self.held or self.dead_outs:
-            self._let_go_written(i, written)
-        if self._offload_group is not None:
-            self.engine.storage_written(self, written)
-
-    def note_write_past_plan(self, args: Any, kwargs: Any) -> None:
-        """NOTE [written after dropped]: an op past the plan wrote in place; if into the storage of a tensor this
-        call dropped (alive: another reference holds it), the recompute, which runs the plan's ops only, cannot
-        replay the write into its copy."""
-        written = {storage_key(t) for t in arg_tensors(args, kwargs or {})}
-        written.discard(0)
-        for ref in self.dropped_refs:
-            t = ref()
-            if t is not None and storage_key(t) in written:
-                self.wrote_dropped = True
-                return
-
-    def _let_go_written(self, i: int, written: set[int]) -> None:
-        """:meth:`_wrote`: a held output of another op whose storage op ``i`` wrote is not that op's value any more:
-        let go of it, the recompute runs the op again. (A write the recorded call made into a held output has the
-        output copied before it, ``Plan.copy_before``; this one's target may differ: which tensor ``.data`` aliases
-        is data.)"""
-        for k in [k for k in self.held if k != i and k in self.plan.hold and k not in self.copied]:
-            for v in self.origins.get(k) or self.held[k]:
-                t = v() if type(v) is weakref.ref else v
-                if isinstance(t, torch.Tensor) and storage_key(t) in written:
-                    del self.held[k]
-                    break
-        # a dead op's output kept for a save and handed back to the recompute (_hand_back), or noted to be: the same.
-        # The recompute replays the write, into the tensor handed back, which the node reads (written twice).
-        for k in [k for k in self.held if k not in self.plan.hold]:
-            kept = self.held[k][0]()
-            if kept is not None and storage_key(kept.t) in written:
-                del self.held[k]  # (a placeholder: the replayed write into it reruns the recompute with the op)
-        for k in [k for k, (ref, _) in self.dead_outs.items() if (t := ref()) is not None and storage_key(t) in written]:
-            del self.dead_outs[k]
-
-    def _note_sources(self, out: Any, want: list[tuple[int, int]]) -> None:
-        """NOTE [value recompute]: the tensors an op returned (several) that the plan takes for save positions."""
-        outs = out if type(out) is tuple and all(type(t) is torch.Tensor for t in out) else tensor_leaves(out)
-        for k, pos in want:
-            self.sources[pos] = weakref.ref(outs[k])
-
-    def _copy_held(self, i: int) -> None:
-        """Op ``i``'s output, held, is about to be written in place (``Hold.cow``): hold a copy instead, taken now
-        as the recorded call's recorder took it, and watch the output weakly (a write is expected: its version is
-        not noted). Held as it is if written already (a write the recorded call did not make here): the end of the
-        forward pass lets the op run again."""
-        held = self.held.get(i)
-        if held is None or type(held[0]) is not torch.Tensor or i in self.copied:
-            return
-        out = held[0]
-        if out._version != self.versions_at_hold[i][0]:
-            return
-        with internal():  # (in the tap's handler, before the writing op: the copy has the op's own values)
-            self.held[i] = [out.clone()]
-        self.origins[i] = [weakref.ref(out)]
-        del self.versions_at_hold[i]
-        self.copied.add(i)
-
-    def _offload_saved(self, t: torch.Tensor, decision: Offloadable) -> Offloaded | None:
-        """``t``'s handle if ``decision`` moves it, else None. The call's group is looked up once, after its first
-        offload (a call that offloads nothing makes none: a new group lets older calls' kept copies go, NOTE [keep
-        last] in ``_offload.py``)."""
-        grp = self._offload_group
-        o = self.engine.offload_saved(t, decision, self if grp is None else grp)
-        if o is not None:
-            self._offloaded = True
-            if grp is None:
-                self._offload_group = self.engine.group(self)
-        return o  # type: ignore[no-any-return]
-
-    # ---- hooks -----------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
         pos = self.n
         self.n = pos + 1
@@ -534,168 +547,22 @@ class FastFrame:
                 if t is not None:
                     return t
                 # not recomputed yet in this backward pass, or read once already (a second backward pass)
-                self.cache = self._recompute()
+                self.cache = planned_recompute(self)
                 if not self.forwarding:
                     ti.queue_backward_callback(_release(self))
                 return self.cache.take(self.fn_name, p)
         if type(p) is _In:
             t = self.flat[p.slot]
             if t._version != p.version:
-                raise _written_after_saved(self.fn_name, t, p.version)
+                raise written_after_saved(self.fn_name, t, p.version)
             return t  # type: ignore[no-any-return]
         if type(p) is Offloaded:
             return self.engine.fetch(p)  # type: ignore[no-any-return]
         if p.t._version != p.version:
-            raise _written_after_saved(self.fn_name, p.t, p.version)
+            raise written_after_saved(self.fn_name, p.t, p.version)
         return p.t  # type: ignore[no-any-return]
 
     # ---- recompute -------------------------------------------------------------
-    def _recompute(self) -> Made:
-        self.recomputes += 1
-        if self.wrote_dropped:
-            raise RematError(
-                f"remat: {self.fn_name} wrote in place into a tensor it had saved for the backward pass, through an "
-                "alias with a version counter of its own (.data, or detach()), after an op its signature's first "
-                "call did not run (a data-dependent branch): the recompute, which follows that call, cannot replay "
-                "the write. The signature runs on the full engine from the next call on (it replays every op); "
-                "or write into a clone (NOTE [written after dropped] in planned.py)."
-            )
-        # (a backward pass inside the forward pass: an input written so far would be written again by the
-        # recompute, into the caller's tensor, and read written: the end of the forward pass's error, raised first)
-        self._check_versions(after_forward=self.forwarding)
-        # (no accumulation check, as the full engine's: an inner backward pass is ops the forward pass did not run,
-        # which the replay refuses: NOTE [same reads])
-        try:
-            return self._run_recompute(skip_dead=bool(self.plan.dead))
-        except DeadRead:
-            self.refuse()  # the recorded call's liveness does not hold for this one
-            return self._run_recompute(skip_dead=False)
-
-    def _run_recompute(self, skip_dead: bool) -> Made:
-        values = self.plan.values
-        if (values is not None and not torch.is_grad_enabled() and not self.forwarding and not self.diverged
-                and self.values_ok and self.drops.keys() <= values.stop.keys()):
-            try:
-                return self._value_recompute(values, skip_dead)
-            except NeedsGraph:
-                self.plan.values = None  # (the signature's later calls recompute as below from the start)
-        self.placeholders = {}
-        # (stops once the last dropped tensor is saved again; inside the forward pass that is before where the
-        # forward pass has got, and before any op past the plan, whose random draws the call kept no state for)
-        capture = PlannedCapture(self.drops, self.last_drop + 1, self.fn_name,
-                           detach=not torch.is_grad_enabled(), placeholders=self.placeholders,
-                           mode=self.plan.ops is not None)
-        run_to = self._last_write()  # NOTE [written after dropped]: the replay stops after it, not the capture
-        capture.hold_stop = run_to >= 0
-        with ti.saved_tensors_hooks_enabled(), torch.enable_grad(), self.state.restored(self.state.tensors), \
-                self.ambient.restored(), saved_tensors_hooks(capture.pack, identity):
-            try:
-                if self.plan.ops is None:
-                    self.run(self.flat)
-                else:
-                    replay = Replay(self, skip_dead)
-                    replay.run_to, replay.capture = run_to, capture
-                    with naming(replay), replay:
-                        self.run(self.flat)
-            except StopRecompute:
-                pass
-        self.placeholders = {}
-        if capture.n < capture.stop_after:
-            raise RematError(
-                f"remat: the recompute of {self.fn_name} saved {capture.n} tensors for the backward pass where "
-                f"its forward pass saved {capture.stop_after} or more; the function must do the same work every "
-                "time it is called (no data-dependent branches or changing global state)."
-            )
-        return capture.finish()
-
-    def _last_write(self) -> int:
-        """NOTE [written after dropped]: the index of the last op of the plan this call followed that writes in
-        place (-1: none), which the recompute runs; inside the forward pass, none: it stops where the forward pass
-        has got (an op it has not run has no key to check)."""
-        if self.forwarding or not self.plan.writes:
-            return -1
-        return max((i for i in self.plan.writes if i < self.limit), default=-1)
-
-    def _value_recompute(self, values: Values, skip_dead: bool) -> Made:
-        """NOTE [value recompute]: the recompute under ``torch.no_grad()``, the dropped tensors taken as the ops
-        return them. It stops once the op that saved the last of them has run."""
-        self.placeholders = {}
-        # (NOTE [written after dropped]: through the plan's last write, which may write a dropped tensor's storage)
-        mode = ValueReplay(self, skip_dead, values, max(values.stop[self.last_drop], self._last_write() + 1))
-        try:
-            with torch.no_grad(), self.state.restored(self.state.tensors), self.ambient.restored(), naming(mode), mode:
-                out = None
-                try:
-                    out = self.run(self.flat)
-                except StopRecompute:
-                    pass
-                mode.settle(mode.i)  # (the function returned after the op that saved the last: out holds it)
-                del out
-        except (NeedsGraph, DeadRead, RematError):
-            raise
-        except Exception as e:
-            # what the function does only with grad mode on (h.register_hook, retain_grad on an intermediate):
-            # the recompute that builds the graph runs it, and raises if the error is the function's own
-            raise NeedsGraph from e
-        finally:
-            self.placeholders = {}
-        made = mode.made
-        if mode.i < mode.stop or len(made) != len(self.drops) or len(mode.versions) != len(made):
-            raise NeedsGraph  # ran out of ops first, or a tensor died before its save: the recompute that saves
-        return Made(made, mode.versions, plain=True)
-
-    def replayed(self, i: int) -> Any:
-        """Op ``i``'s held outputs, for the recompute (NOTE [planned calls])."""
-        h = self.plan.hold.get(i)
-        if h is None:  # a dead op's kept output (_hand_back)
-            kept = self.held[i][0]()
-            if kept is None:
-                return RUN  # its node was freed: a placeholder
-            if kept.t._version != kept.version:
-                raise _written_after_saved(self.fn_name, kept.t, kept.version)
-            return ti.detach_below_modes(kept.t)
-        origins = self.origins.get(i) or self.held[i]
-        v0s = self.held_versions.get(i, ())
-        if self.forwarding and i not in self.held_versions:
-            # a backward pass inside the forward pass, before its end has checked what it holds: an output written
-            # in place since the op returned it is not the op's value any more (plain autograd allows the write
-            # where no node saved the output): the op runs again, as the end of the forward pass would decide
-            held_at = self.versions_at_hold.get(i, ())
-            if any(v is not None and v != v0 for v, v0 in zip((_version_of(o) for o in origins), held_at)):
-                return RUN
-        if h.single and h.offload is None:  # (one tensor held, the common case: on the hot path)
-            v, orig, v0 = self.held[i][0], origins[0], v0s[0] if v0s else None
-            if type(v) is torch.Tensor and type(orig) is torch.Tensor:  # (held strongly: _held_value inline)
-                if v0 is not None and orig._version != v0:
-                    raise self._written(i, v0, orig._version)
-                val = ti.detach_below_modes(v)
-            else:
-                val = self._held_value(i, v, v0, orig)
-            if i in self.copied:
-                del self.held[i]  # a copy the recompute writes: handed over once, a later recompute runs the op
-            return val
-        vals = []
-        with internal():
-            for v, v0, orig in zip(self.held[i], v0s, origins):
-                val = self._held_value(i, v, v0, orig)
-                if val is RUN:
-                    return RUN
-                vals.append(val)
-        return vals[0] if h.single else h.rebuild(vals)
-
-    def _held_value(self, i: int, v: Any, v0: int | None, orig: Any) -> Any:
-        """One held output of op ``i`` for the recompute: checked unwritten since the forward pass; ``RUN`` if
-        it was held weakly and died; fetched if offloaded."""
-        if isinstance(v, weakref.ref):
-            v = v()
-            if v is None:
-                return RUN  # died since the forward pass: run the op again
-        now = _version_of(orig)
-        if v0 is not None and now is not None and now != v0:
-            raise self._written(i, v0, now)
-        # (no mode sees remat's own detach)
-        return ti.detach_below_modes(v) if isinstance(v, torch.Tensor) else self.engine.fetch(v)
-
     def read_other(self, i: int, func: Any, now: list[Any], then: list[Any]) -> RematError:
         """NOTE [same reads]: the recompute's op ``i`` read other values than the forward pass's."""
         state = self.state
@@ -726,20 +593,6 @@ class FastFrame:
         )
 
 
-
-
-def _written_after_saved(fn_name: str, t: torch.Tensor, version: int) -> RematError:
-    return RematError(
-        f"remat: a tensor of shape {list(t.shape)} that {fn_name} saved for the backward pass was modified in place "
-        f"after it was saved (version {version} -> {t._version}). Do not modify it before the backward pass; clone "
-        "it first."
-    )
-
-
-def _version_of(v: Any) -> int | None:
-    if isinstance(v, weakref.ref):
-        v = v()
-    return v._version if isinstance(v, torch.Tensor) else None
 
 
 class Tap(TorchDispatchMode):

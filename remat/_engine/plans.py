@@ -119,6 +119,7 @@ from .._dispatch import (
     tensor_leaves,
     traits,
 )
+from .._errors import RematError
 from .._packed import DROP, KEEP, OFFLOAD
 from .._policies import Offloadable
 from .._state import Snapshot
@@ -541,3 +542,17 @@ def is_placeholder(placeholders: dict[int, weakref.ref[torch.Tensor]], t: Any) -
 class NeedsGraph(Exception):
     """A value recompute (NOTE [value recompute]) did not run the forward pass's ops, or did not make the tensors it
     saved: the recompute that builds the graph and takes what autograd saves runs instead, and tells."""
+
+
+def written_after_saved(fn_name: str, t: torch.Tensor, version: int) -> RematError:
+    return RematError(
+        f"remat: a tensor of shape {list(t.shape)} that {fn_name} saved for the backward pass was modified in place "
+        f"after it was saved (version {version} -> {t._version}). Do not modify it before the backward pass; clone "
+        "it first."
+    )
+
+
+def version_of(v: Any) -> int | None:
+    if isinstance(v, weakref.ref):
+        v = v()
+    return v._version if isinstance(v, torch.Tensor) else None

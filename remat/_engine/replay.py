@@ -12,7 +12,7 @@ import optree
 import torch
 
 from .. import _torch_internals as ti
-from .._context import INTERNAL
+from .._context import INTERNAL, internal, naming
 from .._dispatch import (
     RANGE_OPS,
     DeadRead,
@@ -23,7 +23,8 @@ from .._dispatch import (
     traits,
 )
 from .._errors import RematError
-from .._torch_internals import TorchDispatchMode
+from .._packed import Made
+from .._torch_internals import TorchDispatchMode, saved_tensors_hooks
 from .._wiring import Wiring, autocast_cast, same_key
 from .plans import (
     ALIASING,
@@ -37,10 +38,12 @@ from .plans import (
     past_aliases,
     reads_placeholder,
     skip_tag,
+    version_of,
+    written_after_saved,
 )
-from .recompute import PlannedCapture, StopRecompute
+from .recompute import PlannedCapture, StopRecompute, identity
 
-__all__ = ["Replay", "ValueReplay"]
+__all__ = ["Replay", "ValueReplay", "planned_recompute", "replayed"]
 
 class Replay(TorchDispatchMode):
     """A planned call's recompute: the planned ops' held outputs handed back, dead ops skipped, every other op run.
@@ -123,7 +126,7 @@ class Replay(TorchDispatchMode):
                 raise self.frame.read_other(i, func, now, then)
         out: Any = RUN
         if i in self.held:
-            out = self.frame.replayed(i)
+            out = replayed(self.frame, i)
         if out is RUN:
             d = self.dead.get(i)
             if d is not None:
@@ -320,3 +323,153 @@ class ValueReplay(Replay):
         for k, pos in want:
             if self._dropped(outs[k], pos):
                 self.made[pos] = outs[k]
+
+
+def planned_recompute(self: Any) -> Made:
+    """A planned call's recompute (``FastFrame._recompute``): the dropped tensors, made again by following the plan
+    (NOTE [planned calls]), or by value (NOTE [value recompute]); the checks are the full engine's (NOTE [one set
+    of checks] in ``recompute.py``)."""
+    self.recomputes += 1
+    if self.wrote_dropped:
+        raise RematError(
+            f"remat: {self.fn_name} wrote in place into a tensor it had saved for the backward pass, through an "
+            "alias with a version counter of its own (.data, or detach()), after an op its signature's first "
+            "call did not run (a data-dependent branch): the recompute, which follows that call, cannot replay "
+            "the write. The signature runs on the full engine from the next call on (it replays every op); "
+            "or write into a clone (NOTE [written after dropped] in planned.py)."
+        )
+    # (a backward pass inside the forward pass: an input written so far would be written again by the
+    # recompute, into the caller's tensor, and read written: the end of the forward pass's error, raised first)
+    self._check_versions(after_forward=self.forwarding)
+    # (no accumulation check, as the full engine's: an inner backward pass is ops the forward pass did not run,
+    # which the replay refuses: NOTE [same reads])
+    try:
+        return _run_recompute(self, skip_dead=bool(self.plan.dead))
+    except DeadRead:
+        self.refuse()  # the recorded call's liveness does not hold for this one
+        return _run_recompute(self, skip_dead=False)
+
+def _run_recompute(self: Any, skip_dead: bool) -> Made:
+    values = self.plan.values
+    if (values is not None and not torch.is_grad_enabled() and not self.forwarding and not self.diverged
+            and self.values_ok and self.drops.keys() <= values.stop.keys()):
+        try:
+            return _value_recompute(self, values, skip_dead)
+        except NeedsGraph:
+            self.plan.values = None  # (the signature's later calls recompute as below from the start)
+    self.placeholders = {}
+    # (stops once the last dropped tensor is saved again; inside the forward pass that is before where the
+    # forward pass has got, and before any op past the plan, whose random draws the call kept no state for)
+    capture = PlannedCapture(self.drops, self.last_drop + 1, self.fn_name,
+                       detach=not torch.is_grad_enabled(), placeholders=self.placeholders,
+                       mode=self.plan.ops is not None)
+    run_to = _last_write(self)  # NOTE [written after dropped]: the replay stops after it, not the capture
+    capture.hold_stop = run_to >= 0
+    with ti.saved_tensors_hooks_enabled(), torch.enable_grad(), self.state.restored(self.state.tensors), \
+            self.ambient.restored(), saved_tensors_hooks(capture.pack, identity):
+        try:
+            if self.plan.ops is None:
+                self.run(self.flat)
+            else:
+                replay = Replay(self, skip_dead)
+                replay.run_to, replay.capture = run_to, capture
+                with naming(replay), replay:
+                    self.run(self.flat)
+        except StopRecompute:
+            pass
+    self.placeholders = {}
+    if capture.n < capture.stop_after:
+        raise RematError(
+            f"remat: the recompute of {self.fn_name} saved {capture.n} tensors for the backward pass where "
+            f"its forward pass saved {capture.stop_after} or more; the function must do the same work every "
+            "time it is called (no data-dependent branches or changing global state)."
+        )
+    return capture.finish()
+
+def _last_write(self: Any) -> int:
+    """NOTE [written after dropped]: the index of the last op of the plan this call followed that writes in
+    place (-1: none), which the recompute runs; inside the forward pass, none: it stops where the forward pass
+    has got (an op it has not run has no key to check)."""
+    if self.forwarding or not self.plan.writes:
+        return -1
+    return max((i for i in self.plan.writes if i < self.limit), default=-1)
+
+def _value_recompute(self: Any, values: Values, skip_dead: bool) -> Made:
+    """NOTE [value recompute]: the recompute under ``torch.no_grad()``, the dropped tensors taken as the ops
+    return them. It stops once the op that saved the last of them has run."""
+    self.placeholders = {}
+    # (NOTE [written after dropped]: through the plan's last write, which may write a dropped tensor's storage)
+    mode = ValueReplay(self, skip_dead, values, max(values.stop[self.last_drop], _last_write(self) + 1))
+    try:
+        with torch.no_grad(), self.state.restored(self.state.tensors), self.ambient.restored(), naming(mode), mode:
+            out = None
+            try:
+                out = self.run(self.flat)
+            except StopRecompute:
+                pass
+            mode.settle(mode.i)  # (the function returned after the op that saved the last: out holds it)
+            del out
+    except (NeedsGraph, DeadRead, RematError):
+        raise
+    except Exception as e:
+        # what the function does only with grad mode on (h.register_hook, retain_grad on an intermediate):
+        # the recompute that builds the graph runs it, and raises if the error is the function's own
+        raise NeedsGraph from e
+    finally:
+        self.placeholders = {}
+    made = mode.made
+    if mode.i < mode.stop or len(made) != len(self.drops) or len(mode.versions) != len(made):
+        raise NeedsGraph  # ran out of ops first, or a tensor died before its save: the recompute that saves
+    return Made(made, mode.versions, plain=True)
+
+def replayed(self: Any, i: int) -> Any:
+    """Op ``i``'s held outputs, for the recompute (NOTE [planned calls])."""
+    h = self.plan.hold.get(i)
+    if h is None:  # a dead op's kept output (_hand_back)
+        kept = self.held[i][0]()
+        if kept is None:
+            return RUN  # its node was freed: a placeholder
+        if kept.t._version != kept.version:
+            raise written_after_saved(self.fn_name, kept.t, kept.version)
+        return ti.detach_below_modes(kept.t)
+    origins = self.origins.get(i) or self.held[i]
+    v0s = self.held_versions.get(i, ())
+    if self.forwarding and i not in self.held_versions:
+        # a backward pass inside the forward pass, before its end has checked what it holds: an output written
+        # in place since the op returned it is not the op's value any more (plain autograd allows the write
+        # where no node saved the output): the op runs again, as the end of the forward pass would decide
+        held_at = self.versions_at_hold.get(i, ())
+        if any(v is not None and v != v0 for v, v0 in zip((version_of(o) for o in origins), held_at)):
+            return RUN
+    if h.single and h.offload is None:  # (one tensor held, the common case: on the hot path)
+        v, orig, v0 = self.held[i][0], origins[0], v0s[0] if v0s else None
+        if type(v) is torch.Tensor and type(orig) is torch.Tensor:  # (held strongly: _held_value inline)
+            if v0 is not None and orig._version != v0:
+                raise self._written(i, v0, orig._version)
+            val = ti.detach_below_modes(v)
+        else:
+            val = _held_value(self, i, v, v0, orig)
+        if i in self.copied:
+            del self.held[i]  # a copy the recompute writes: handed over once, a later recompute runs the op
+        return val
+    vals = []
+    with internal():
+        for v, v0, orig in zip(self.held[i], v0s, origins):
+            val = _held_value(self, i, v, v0, orig)
+            if val is RUN:
+                return RUN
+            vals.append(val)
+    return vals[0] if h.single else h.rebuild(vals)
+
+def _held_value(self: Any, i: int, v: Any, v0: int | None, orig: Any) -> Any:
+    """One held output of op ``i`` for the recompute: checked unwritten since the forward pass; ``RUN`` if
+    it was held weakly and died; fetched if offloaded."""
+    if isinstance(v, weakref.ref):
+        v = v()
+        if v is None:
+            return RUN  # died since the forward pass: run the op again
+    now = version_of(orig)
+    if v0 is not None and now is not None and now != v0:
+        raise self._written(i, v0, now)
+    # (no mode sees remat's own detach)
+    return ti.detach_below_modes(v) if isinstance(v, torch.Tensor) else self.engine.fetch(v)
