@@ -110,7 +110,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -140,7 +140,305 @@ __all__ = ["Frame"]
 
 
 
-class Frame:
+if TYPE_CHECKING:
+    _Frame = Any  # (mypy: each half reads the frame's attributes, which Frame.__init__ sets)
+else:
+    _Frame = object
+
+
+class _Saving(_Frame):
+    """The pack hook of a call's forward pass (``Frame.pack``): per saved tensor, keep it, drop it, offload it or
+    route it to the enclosing call, as the policy decided for the op that made it; a half of ``Frame``."""
+
+    _tangents_todo: list[tuple[torch.Tensor, int]]  # (set by Frame.__init__, as every attribute this half reads)
+
+    def pack(self, t: torch.Tensor) -> Packed:
+        with internal():
+            s = saving_height(self.levels)
+            pos = self.counts.get(s, 0)
+            self.counts[s] = pos + 1
+            phys = ti.unwrap_all(t)
+            meta = (tuple(t.shape), t.dtype)
+            rec = self.recorder.producer(phys)
+            decision = None if rec is None else rec.decision
+            slot = self.input_ids.get(id(t))
+            if slot is not None and self._forward_inputs[slot] is t:
+                p = Packed(self, INPUT, s, pos, slot, phys._version, meta, None)
+            elif decision is None and self.routed and self.recorder.made_here_decision(phys) in (None, Recompute):
+                # a view of an input, or a tensor of the enclosing call: recompute, do not pin it
+                # (a view the policy saves is kept below: it pins what the policy asked for)
+                p = self._drop(s, pos, phys, meta, rec)
+            elif decision is Recompute:
+                p = self._drop(s, pos, phys, meta, rec)
+            elif isinstance(decision, Offloadable) and self.engine.applies(phys, decision):
+                if ti.is_wrapped(t):
+                    # under torch.func the recompute replays the offloaded output (NOTE [offload under torch.func])
+                    # promote's detach and copy must make plain tensors: in a pack hook the saving
+                    # level is still active and would wrap them (the replay would then wrap twice)
+                    assert rec is not None  # an Offloadable decision comes from a recorded op
+                    with below_all_levels(), ti.plain_ops_in_pack_hook():
+                        self.recorder.promote(rec)
+                        # the saved tensor may be a view made by a later op (transpose, reshape) whose
+                        # output is stashed weakly and dies with the wrapper: promote that op too, or
+                        # the replay finds it dead (NaN). Both copies share one host copy (_offload.py).
+                        self.recorder._promote(self.recorder.vid(phys))
+                    p = self._drop(s, pos, phys, meta, rec)
+                else:
+                    # t itself (the engine detaches): the engine keeps a weakref to catch in-place writes
+                    p = Packed(self, OFFLOAD, s, pos, self._offload(t, decision), phys._version, meta, rec)
+                    storage = phys.untyped_storage()
+                    self.offloaded_saves[storage.data_ptr()] = weakref.ref(storage)
+            elif self.routed:
+                # kept by this call's policy: the parent's policy decides whether it survives the
+                # forward pass (NOTE [nested remat]); the parent's recompute re-saves this position
+                assert self.parent is not None
+                self.nested.routed.add(pos)
+                tok = INSPECTOR.set(None)  # listed below, in this call's scope, with the parent's decision
+                try:
+                    handle = self.parent.pack(t)
+                finally:
+                    INSPECTOR.reset(tok)
+                p = Packed(self, ROUTED, s, pos, handle, phys._version, meta, rec)
+            else:  # an input or parameter held by reference, or a saved op output
+                p = Packed(self, KEEP, s, pos, holdable(t), phys._version, meta, rec)
+                if rec is not None:
+                    self._kept.setdefault(storage_key(phys), []).append((p, self.recorder.vid(phys)))
+                    src = self._plan_source(phys) if self.plan_packs is not None else None
+                    if src is not None and len(self.recorder.ops[src[0]].out_vids) == 1:
+                        self.plan_kept[pos] = src[0]
+                if rec is not None and rec.stash is not None and any(lv.kind == "grad" for lv in self.levels[:s]):
+                    self._mixed.append((p, self.recorder.vid(phys)))  # NOTE [kept under higher-order grad]
+            if p.kind == DROP and any(lv.kind == "jvp" for lv in self.levels[: max(s, 0)]):
+                # its tangents are read after the forward pass (no op may run inside a pack hook)
+                self._tangents_todo.append((t, s))
+            insp = INSPECTOR.get()
+            if self.plan_packs is not None:
+                self.plan_packs.append(p)
+                self.plan_inputs.append(any(t is a for a in self._forward_inputs))
+            if insp is not None:  # remat.saved_residuals is listing what is saved (_inspect.py)
+                final = p
+                while final.kind == ROUTED:  # what the enclosing calls decided for it
+                    final = final.payload
+                insp.on_save(t, final.kind, self)
+            return p
+
+    def _promote_tangents(self) -> None:
+        """Under jvp levels below the saving level the recompute must also produce the dropped tensors'
+        tangents (the outer jvp reads them): if the ops that made them are replayed, hold their outputs,
+        or the replay finds them dead (NaN). Tangents of tangents too (nested jvp). Runs at the end of
+        the forward pass (unpack_dual inside a pack hook trips a functorch assert), so until then the
+        dropped tensors of such a call stay alive."""
+        todo = [decompose(t, self.levels, s + 1) for t, s in self._tangents_todo]  # t lives at height s + 1
+        self._tangents_todo = []
+        while todo:
+            dec = todo.pop()
+            for info in dec.infos:
+                if info is not None and info[0] == "jvp" and info[2] is not None:
+                    tangent = info[2]
+                    if isinstance(tangent.values[0], torch.Tensor):
+                        with below_all_levels():  # detach must give a plain tensor (see pack)
+                            self.recorder.promote_value(tangent.values[0])
+                    todo.append(tangent)
+
+    def _replay_kept_above_grad(self) -> None:
+        """Kept op outputs of a recomputing level above a grad level: replay them (NOTE [kept under higher-order grad])."""
+        for p, vid in self._mixed:
+            rec = p.record
+            if p.height not in self.drops:
+                continue  # this level recomputes nothing: keep everything, as plain autograd would
+            with below_all_levels():  # detach must give a plain tensor, not a wrapper of a live level
+                self.recorder.promote(rec)
+            if any(isinstance(r, weakref.ref) for r in rec.stash):
+                continue  # an output of the op is gone, it could not be replayed: keep this one
+            self.drops[p.height][p.pos] = p.meta
+            self.needed_vids.add(vid)
+            p.kind, p.payload = DROP, None
+
+    def _offload(self, t: torch.Tensor, decision: Offloadable) -> Any:
+        """What the recorder stashes for an output to offload (``t``: the op's own output)."""
+        o = self.engine.offload_saved(t, decision, group=self)
+        if o is None:
+            return t.detach()  # kept; detached, or it would hold its own graph (see holdable)
+        self._offloaded = True
+        return o
+
+    def _storage_written(self, keys: set[int]) -> None:
+        if self.engine.storage_written(self, keys):
+            self.wrote_offloaded = True
+            saves = self.offloaded_saves
+            if any(k in saves and saves[k]() is not None for k in keys):
+                self.wrote_saved_offloaded = True
+
+    def _demote(self, key: int) -> None:
+        """A checkpoint_name the policy drops names a value already saved as kept: drop it now."""
+        for p, vid in self._kept.pop(key, ()):
+            p.kind, p.payload = DROP, None
+            self.drops.setdefault(p.height, {})[p.pos] = p.meta
+            self.needed_vids.add(vid)
+
+    def _plan_source(self, phys: torch.Tensor) -> tuple[int, int] | None:
+        """Which op returned ``phys`` itself, and which of its tensors it is (None: not a tensor an op of this call
+        returned, but a view or copy of one, or an input)."""
+        v = self.recorder.known_vid(phys)
+        made = -1 if v is None else self.recorder.made_by.get(v, -1)
+        if v is None or made < 0:
+            return None
+        return made, self.recorder.ops[made].out_vids.index(v)
+
+    def _drop(self, s: int, pos: int, phys: torch.Tensor, meta: tuple[Any, ...], rec: Any) -> Packed:
+        self.drops.setdefault(s, {})[pos] = meta
+        v = self.recorder.known_vid(phys)
+        if v is not None and self.plan_packs is not None:
+            src = self._plan_source(phys)
+            if src is not None:  # (NOTE [value recompute]: the tensor an op returned, not a copy or a view made here)
+                self.plan_sources[pos] = (*src, len(self.recorder.ops))
+        if v is None and rec is not None:
+            # not a tensor an op of this call returned but a copy of one (a nested call's stash, routed here
+            # detached): the recompute must make the output it copies, found by storage
+            k = storage_key(phys)
+            v = next((ov for ov, ok in zip(rec.out_vids, rec.out_keys) if ok == k), None)
+        self.needed_vids.add(v if v is not None else self.recorder.vid(phys))
+        if self.levels:
+            # the stash may hold what made it (detach): plain tensors, not wrappers of the saving level
+            with below_all_levels(), ti.plain_ops_in_pack_hook():
+                self.recorder.drop_value(phys)
+        else:
+            self.recorder.drop_value(phys)  # the recompute must make it again
+        return Packed(self, DROP, s, pos, None, 0, meta, rec)
+
+
+
+class _Serving(_Frame):
+    """The unpack hook of a call's backward pass (``Frame.unpack``): hand back what was kept, fetch what was
+    offloaded, recompute once what was dropped (``recompute.run_recompute``) and let go of it as it is read; a half
+    of ``Frame``."""
+
+    _in_cache: list[Any] | None  # (set by Frame.__init__, as every attribute this half reads)
+    _served: int
+
+    def unpack(self, p: Packed) -> torch.Tensor:
+        # The autograd engine runs a graph spanning devices on one thread per device: two of them
+        # may reach this call at once. One recompute per level, and consistent bookkeeping.
+        with self._lock:
+            return self._unpack_counted(p)
+
+    def _unpack_counted(self, p: Packed) -> torch.Tensor:
+        out = self._unpack(p)
+        _note_unpacked(out)  # NOTE [backward inside the forward pass]
+        if self.routed:
+            self._served += 1
+            if self._served >= sum(self.counts.values()):
+                # this call's backward has read everything: let go of the inputs fetched from the parent
+                self._in_cache = None
+                self._served = 0
+        return out
+
+    def _unpack(self, p: Packed) -> torch.Tensor:
+        if p.kind == KEEP:
+            self._check_version(p, ti.unwrap_all(p.payload)._version)
+            return p.payload  # type: ignore[no-any-return]
+        if p.kind == OFFLOAD:
+            return self.engine.fetch(p.payload)  # type: ignore[no-any-return]
+        if p.kind == INPUT:
+            return self._inputs()[p.payload]  # type: ignore[no-any-return]
+        if p.kind == ROUTED:
+            assert self.parent is not None
+            return self.parent.unpack(p.payload)
+        s = p.height
+        cached = self.cache.get(s)
+        if cached is None or p.pos not in cached:
+            # not recomputed yet in this backward pass, or read once already (a second backward
+            # pass, an inner one during the forward pass, a saved tensor read twice): recompute
+            cached = self.cache[s] = self._recompute(s)
+            # free at the end of this backward pass even if it does not read everything
+            ti.queue_backward_callback(self._release_later())
+        # NOTE [free as used]: each recomputed tensor is let go as soon as the backward pass has
+        # read it, as torch.utils.checkpoint does, so the backward's peak falls as it goes
+        if self._skipped.get(s) and storage_key(ti.unwrap_all(cached[p.pos])) in self._skipped[s]:
+            # NOTE [unused outputs]: a node the analysis did not foresee reads it (a double backward reaches
+            # the forward's nodes through the first backward's graph): recompute everything, and use that
+            cached = self.cache[s] = self._recompute(s, skip_unused=False)
+        out = cached.take(self.fn_name, p.pos)  # (NOTE [written after saved] in _packed.py)
+        if not cached:
+            del self.cache[s]
+        return out
+
+    def _release_later(self) -> Callable[[], None]:
+        """A callback for the end of the backward pass that holds this frame weakly: a bound method
+        would keep the frame, and its stash of saved outputs, alive until the whole backward pass
+        ends instead of until the backward pass leaves this call (the peak then held every call's
+        stash at once)."""
+        wself = weakref.ref(self)
+
+        def release() -> None:
+            frame = wself()
+            if frame is not None:
+                frame._release_all()
+
+        return release
+
+    def _release_all(self) -> None:
+        self._ran.clear()
+        for captured in self.cache.values():
+            captured.clear()
+        self.cache.clear()
+        self._in_cache = None
+        self._served = 0
+
+    def _check_version(self, p: Packed, now: int) -> None:
+        if now != p.version:
+            raise RematError(
+                f"remat: a tensor of shape {list(p.meta[0])} that {self.fn_name} saved for the backward "
+                f"pass was modified in place after it was saved (version {p.version} -> {now}). "
+                "Do not modify inputs or results of a remat'd function in place before the backward "
+                "pass; clone them first."
+            )
+
+    def _inputs(self) -> list[Any]:
+        if not self.routed:
+            return self.flat
+        assert self.parent is not None
+        if self._in_cache is not None:
+            return self._in_cache
+        # Fetch the inputs from the parent once per backward pass: each parent position is then
+        # read once, as the parent's freeing of its recomputed tensors assumes.
+        ti.queue_backward_callback(self._release_later())
+        out = []
+        for i, a in enumerate(self.flat):
+            if i in self._routed_slots:
+                a = self.parent.unpack(a)
+                if self._routed_slots[i] and not a.requires_grad:
+                    # a detached value from the parent: without this the recompute builds no graph
+                    # and saves nothing (NOTE [nested remat])
+                    with internal():
+                        a = a.detach().requires_grad_()
+            out.append(a)
+        self._in_cache = out
+        return out
+
+    def _recompute(self, s: int, skip_unused: bool = True) -> Made:
+        try:
+            if self.forwarding:
+                # a backward pass inside the forward pass: an input the function wrote so far would be written
+                # again by the recompute (into the caller's tensor), and read written: the error the end of the
+                # forward pass would raise, raised first
+                with internal():
+                    self._check_forward_mutation(self._forward_inputs)
+            with no_accumulation(self.fn_name, [*self.flat, *self.state.tensors]):
+                made = run_recompute(self, s, skip_unused, _forwarding_frames())
+            if getattr(self, "liveness_missed", False):
+                refuse = getattr(self, "_refuse_plan", None)
+                if refuse is not None:
+                    refuse()  # NOTE [dead ops]: this call's liveness walk missed a value; no plan takes it over
+            return made
+        except RematError:
+            refuse = getattr(self, "_refuse_plan", None)
+            if refuse is not None:
+                refuse()  # the signature's later calls stay on the full engine, which sees this (NOTE [fast path])
+            raise
+
+
+class Frame(_Saving, _Serving):
     """One call of a remat'd function."""
 
     def __init__(self, run: Callable[[list[Any]], Any], flat: list[Any], fn_name: str,
@@ -328,284 +626,6 @@ class Frame:
                 if v0 != v1:
                     raise input_written_in_forward(self.fn_name, i, a)
         self.versions = now
-
-    # ---- hooks ---------------------------------------------------------------
-    def pack(self, t: torch.Tensor) -> Packed:
-        with internal():
-            s = saving_height(self.levels)
-            pos = self.counts.get(s, 0)
-            self.counts[s] = pos + 1
-            phys = ti.unwrap_all(t)
-            meta = (tuple(t.shape), t.dtype)
-            rec = self.recorder.producer(phys)
-            decision = None if rec is None else rec.decision
-            slot = self.input_ids.get(id(t))
-            if slot is not None and self._forward_inputs[slot] is t:
-                p = Packed(self, INPUT, s, pos, slot, phys._version, meta, None)
-            elif decision is None and self.routed and self.recorder.made_here_decision(phys) in (None, Recompute):
-                # a view of an input, or a tensor of the enclosing call: recompute, do not pin it
-                # (a view the policy saves is kept below: it pins what the policy asked for)
-                p = self._drop(s, pos, phys, meta, rec)
-            elif decision is Recompute:
-                p = self._drop(s, pos, phys, meta, rec)
-            elif isinstance(decision, Offloadable) and self.engine.applies(phys, decision):
-                if ti.is_wrapped(t):
-                    # under torch.func the recompute replays the offloaded output (NOTE [offload under torch.func])
-                    # promote's detach and copy must make plain tensors: in a pack hook the saving
-                    # level is still active and would wrap them (the replay would then wrap twice)
-                    assert rec is not None  # an Offloadable decision comes from a recorded op
-                    with below_all_levels(), ti.plain_ops_in_pack_hook():
-                        self.recorder.promote(rec)
-                        # the saved tensor may be a view made by a later op (transpose, reshape) whose
-                        # output is stashed weakly and dies with the wrapper: promote that op too, or
-                        # the replay finds it dead (NaN). Both copies share one host copy (_offload.py).
-                        self.recorder._promote(self.recorder.vid(phys))
-                    p = self._drop(s, pos, phys, meta, rec)
-                else:
-                    # t itself (the engine detaches): the engine keeps a weakref to catch in-place writes
-                    p = Packed(self, OFFLOAD, s, pos, self._offload(t, decision), phys._version, meta, rec)
-                    storage = phys.untyped_storage()
-                    self.offloaded_saves[storage.data_ptr()] = weakref.ref(storage)
-            elif self.routed:
-                # kept by this call's policy: the parent's policy decides whether it survives the
-                # forward pass (NOTE [nested remat]); the parent's recompute re-saves this position
-                assert self.parent is not None
-                self.nested.routed.add(pos)
-                tok = INSPECTOR.set(None)  # listed below, in this call's scope, with the parent's decision
-                try:
-                    handle = self.parent.pack(t)
-                finally:
-                    INSPECTOR.reset(tok)
-                p = Packed(self, ROUTED, s, pos, handle, phys._version, meta, rec)
-            else:  # an input or parameter held by reference, or a saved op output
-                p = Packed(self, KEEP, s, pos, holdable(t), phys._version, meta, rec)
-                if rec is not None:
-                    self._kept.setdefault(storage_key(phys), []).append((p, self.recorder.vid(phys)))
-                    src = self._plan_source(phys) if self.plan_packs is not None else None
-                    if src is not None and len(self.recorder.ops[src[0]].out_vids) == 1:
-                        self.plan_kept[pos] = src[0]
-                if rec is not None and rec.stash is not None and any(lv.kind == "grad" for lv in self.levels[:s]):
-                    self._mixed.append((p, self.recorder.vid(phys)))  # NOTE [kept under higher-order grad]
-            if p.kind == DROP and any(lv.kind == "jvp" for lv in self.levels[: max(s, 0)]):
-                # its tangents are read after the forward pass (no op may run inside a pack hook)
-                self._tangents_todo.append((t, s))
-            insp = INSPECTOR.get()
-            if self.plan_packs is not None:
-                self.plan_packs.append(p)
-                self.plan_inputs.append(any(t is a for a in self._forward_inputs))
-            if insp is not None:  # remat.saved_residuals is listing what is saved (_inspect.py)
-                final = p
-                while final.kind == ROUTED:  # what the enclosing calls decided for it
-                    final = final.payload
-                insp.on_save(t, final.kind, self)
-            return p
-
-    def _promote_tangents(self) -> None:
-        """Under jvp levels below the saving level the recompute must also produce the dropped tensors'
-        tangents (the outer jvp reads them): if the ops that made them are replayed, hold their outputs,
-        or the replay finds them dead (NaN). Tangents of tangents too (nested jvp). Runs at the end of
-        the forward pass (unpack_dual inside a pack hook trips a functorch assert), so until then the
-        dropped tensors of such a call stay alive."""
-        todo = [decompose(t, self.levels, s + 1) for t, s in self._tangents_todo]  # t lives at height s + 1
-        self._tangents_todo = []
-        while todo:
-            dec = todo.pop()
-            for info in dec.infos:
-                if info is not None and info[0] == "jvp" and info[2] is not None:
-                    tangent = info[2]
-                    if isinstance(tangent.values[0], torch.Tensor):
-                        with below_all_levels():  # detach must give a plain tensor (see pack)
-                            self.recorder.promote_value(tangent.values[0])
-                    todo.append(tangent)
-
-    def _replay_kept_above_grad(self) -> None:
-        """Kept op outputs of a recomputing level above a grad level: replay them (NOTE [kept under higher-order grad])."""
-        for p, vid in self._mixed:
-            rec = p.record
-            if p.height not in self.drops:
-                continue  # this level recomputes nothing: keep everything, as plain autograd would
-            with below_all_levels():  # detach must give a plain tensor, not a wrapper of a live level
-                self.recorder.promote(rec)
-            if any(isinstance(r, weakref.ref) for r in rec.stash):
-                continue  # an output of the op is gone, it could not be replayed: keep this one
-            self.drops[p.height][p.pos] = p.meta
-            self.needed_vids.add(vid)
-            p.kind, p.payload = DROP, None
-
-    def _offload(self, t: torch.Tensor, decision: Offloadable) -> Any:
-        """What the recorder stashes for an output to offload (``t``: the op's own output)."""
-        o = self.engine.offload_saved(t, decision, group=self)
-        if o is None:
-            return t.detach()  # kept; detached, or it would hold its own graph (see holdable)
-        self._offloaded = True
-        return o
-
-    def _storage_written(self, keys: set[int]) -> None:
-        if self.engine.storage_written(self, keys):
-            self.wrote_offloaded = True
-            saves = self.offloaded_saves
-            if any(k in saves and saves[k]() is not None for k in keys):
-                self.wrote_saved_offloaded = True
-
-    def _demote(self, key: int) -> None:
-        """A checkpoint_name the policy drops names a value already saved as kept: drop it now."""
-        for p, vid in self._kept.pop(key, ()):
-            p.kind, p.payload = DROP, None
-            self.drops.setdefault(p.height, {})[p.pos] = p.meta
-            self.needed_vids.add(vid)
-
-    def _plan_source(self, phys: torch.Tensor) -> tuple[int, int] | None:
-        """Which op returned ``phys`` itself, and which of its tensors it is (None: not a tensor an op of this call
-        returned, but a view or copy of one, or an input)."""
-        v = self.recorder.known_vid(phys)
-        made = -1 if v is None else self.recorder.made_by.get(v, -1)
-        if v is None or made < 0:
-            return None
-        return made, self.recorder.ops[made].out_vids.index(v)
-
-    def _drop(self, s: int, pos: int, phys: torch.Tensor, meta: tuple[Any, ...], rec: Any) -> Packed:
-        self.drops.setdefault(s, {})[pos] = meta
-        v = self.recorder.known_vid(phys)
-        if v is not None and self.plan_packs is not None:
-            src = self._plan_source(phys)
-            if src is not None:  # (NOTE [value recompute]: the tensor an op returned, not a copy or a view made here)
-                self.plan_sources[pos] = (*src, len(self.recorder.ops))
-        if v is None and rec is not None:
-            # not a tensor an op of this call returned but a copy of one (a nested call's stash, routed here
-            # detached): the recompute must make the output it copies, found by storage
-            k = storage_key(phys)
-            v = next((ov for ov, ok in zip(rec.out_vids, rec.out_keys) if ok == k), None)
-        self.needed_vids.add(v if v is not None else self.recorder.vid(phys))
-        if self.levels:
-            # the stash may hold what made it (detach): plain tensors, not wrappers of the saving level
-            with below_all_levels(), ti.plain_ops_in_pack_hook():
-                self.recorder.drop_value(phys)
-        else:
-            self.recorder.drop_value(phys)  # the recompute must make it again
-        return Packed(self, DROP, s, pos, None, 0, meta, rec)
-
-    def unpack(self, p: Packed) -> torch.Tensor:
-        # The autograd engine runs a graph spanning devices on one thread per device: two of them
-        # may reach this call at once. One recompute per level, and consistent bookkeeping.
-        with self._lock:
-            return self._unpack_counted(p)
-
-    def _unpack_counted(self, p: Packed) -> torch.Tensor:
-        out = self._unpack(p)
-        _note_unpacked(out)  # NOTE [backward inside the forward pass]
-        if self.routed:
-            self._served += 1
-            if self._served >= sum(self.counts.values()):
-                # this call's backward has read everything: let go of the inputs fetched from the parent
-                self._in_cache = None
-                self._served = 0
-        return out
-
-    def _unpack(self, p: Packed) -> torch.Tensor:
-        if p.kind == KEEP:
-            self._check_version(p, ti.unwrap_all(p.payload)._version)
-            return p.payload  # type: ignore[no-any-return]
-        if p.kind == OFFLOAD:
-            return self.engine.fetch(p.payload)  # type: ignore[no-any-return]
-        if p.kind == INPUT:
-            return self._inputs()[p.payload]  # type: ignore[no-any-return]
-        if p.kind == ROUTED:
-            assert self.parent is not None
-            return self.parent.unpack(p.payload)
-        s = p.height
-        cached = self.cache.get(s)
-        if cached is None or p.pos not in cached:
-            # not recomputed yet in this backward pass, or read once already (a second backward
-            # pass, an inner one during the forward pass, a saved tensor read twice): recompute
-            cached = self.cache[s] = self._recompute(s)
-            # free at the end of this backward pass even if it does not read everything
-            ti.queue_backward_callback(self._release_later())
-        # NOTE [free as used]: each recomputed tensor is let go as soon as the backward pass has
-        # read it, as torch.utils.checkpoint does, so the backward's peak falls as it goes
-        if self._skipped.get(s) and storage_key(ti.unwrap_all(cached[p.pos])) in self._skipped[s]:
-            # NOTE [unused outputs]: a node the analysis did not foresee reads it (a double backward reaches
-            # the forward's nodes through the first backward's graph): recompute everything, and use that
-            cached = self.cache[s] = self._recompute(s, skip_unused=False)
-        out = cached.take(self.fn_name, p.pos)  # (NOTE [written after saved] in _packed.py)
-        if not cached:
-            del self.cache[s]
-        return out
-
-    def _release_later(self) -> Callable[[], None]:
-        """A callback for the end of the backward pass that holds this frame weakly: a bound method
-        would keep the frame, and its stash of saved outputs, alive until the whole backward pass
-        ends instead of until the backward pass leaves this call (the peak then held every call's
-        stash at once)."""
-        wself = weakref.ref(self)
-
-        def release() -> None:
-            frame = wself()
-            if frame is not None:
-                frame._release_all()
-
-        return release
-
-    def _release_all(self) -> None:
-        self._ran.clear()
-        for captured in self.cache.values():
-            captured.clear()
-        self.cache.clear()
-        self._in_cache = None
-        self._served = 0
-
-    def _check_version(self, p: Packed, now: int) -> None:
-        if now != p.version:
-            raise RematError(
-                f"remat: a tensor of shape {list(p.meta[0])} that {self.fn_name} saved for the backward "
-                f"pass was modified in place after it was saved (version {p.version} -> {now}). "
-                "Do not modify inputs or results of a remat'd function in place before the backward "
-                "pass; clone them first."
-            )
-
-    # ---- recompute -------------------------------------------------------------
-    def _inputs(self) -> list[Any]:
-        if not self.routed:
-            return self.flat
-        assert self.parent is not None
-        if self._in_cache is not None:
-            return self._in_cache
-        # Fetch the inputs from the parent once per backward pass: each parent position is then
-        # read once, as the parent's freeing of its recomputed tensors assumes.
-        ti.queue_backward_callback(self._release_later())
-        out = []
-        for i, a in enumerate(self.flat):
-            if i in self._routed_slots:
-                a = self.parent.unpack(a)
-                if self._routed_slots[i] and not a.requires_grad:
-                    # a detached value from the parent: without this the recompute builds no graph
-                    # and saves nothing (NOTE [nested remat])
-                    with internal():
-                        a = a.detach().requires_grad_()
-            out.append(a)
-        self._in_cache = out
-        return out
-
-    def _recompute(self, s: int, skip_unused: bool = True) -> Made:
-        try:
-            if self.forwarding:
-                # a backward pass inside the forward pass: an input the function wrote so far would be written
-                # again by the recompute (into the caller's tensor), and read written: the error the end of the
-                # forward pass would raise, raised first
-                with internal():
-                    self._check_forward_mutation(self._forward_inputs)
-            with no_accumulation(self.fn_name, [*self.flat, *self.state.tensors]):
-                made = run_recompute(self, s, skip_unused, _forwarding_frames())
-            if getattr(self, "liveness_missed", False):
-                refuse = getattr(self, "_refuse_plan", None)
-                if refuse is not None:
-                    refuse()  # NOTE [dead ops]: this call's liveness walk missed a value; no plan takes it over
-            return made
-        except RematError:
-            refuse = getattr(self, "_refuse_plan", None)
-            if refuse is not None:
-                refuse()  # the signature's later calls stay on the full engine, which sees this (NOTE [fast path])
-            raise
-
 
 
 def _forwarding_frames() -> list[Frame]:
