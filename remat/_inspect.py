@@ -39,9 +39,10 @@ import torch
 
 from . import _torch_internals as ti
 from ._context import INSPECTOR, INTERNAL, PENDING_NAME, internal
-from ._dispatch import iter_stashed, storage_key, tensor_leaves
-from ._engine.recompute import holdable
+from ._dispatch import iter_stashed
+from ._engine.capture import holdable
 from ._measure import Config, format_table, measure
+from ._ops import storage_key, tensor_leaves
 from ._torch_internals import TorchDispatchMode, saved_tensors_hooks
 from ._transform import remat
 
@@ -50,7 +51,7 @@ __all__ = ["INSPECTOR", "SavedResidual", "saved_residuals", "print_saved_residua
 
 
 DECISIONS = ("kept", "input", "offloaded", "recomputed")  # also the priority when one storage has several
-_ALIAS = torch.ops.aten.alias.default
+ALIAS = torch.ops.aten.alias.default
 _ENGINE_DIR = os.path.dirname(os.path.abspath(__file__))
 _SKIP_PREFIXES = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, optree) if m.__file__
@@ -127,7 +128,7 @@ class _Allocations(TorchDispatchMode):
         out = func(*args, **kwargs)
         if INTERNAL.get():
             return out
-        name = PENDING_NAME.get() if func is _ALIAS else None
+        name = PENDING_NAME.get() if func is ALIAS else None
         ins = {storage_key(t) for t in tensor_leaves((args, kwargs))}
         source: str | None = None
         for t in tensor_leaves(out):

@@ -57,8 +57,8 @@ import torch
 
 from . import _torch_internals as ti
 from ._context import INSPECTOR, internal
-from ._dispatch import storage_key
 from ._measure import FlopCount
+from ._ops import storage_key
 from ._schedules import Schedule, cost, equal_segments, nested_segments, solve, solve_nested
 from ._transform import remat
 

@@ -45,7 +45,7 @@ from torch import nn
 
 from . import _torch_internals as ti
 from ._context import CACHES
-from ._dispatch import storage_key
+from ._ops import storage_key
 from ._torch_internals import unwrap_all
 
 __all__ = ["Snapshot", "snapshot", "brief_name"]

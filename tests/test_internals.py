@@ -260,8 +260,8 @@ def test_wrapper_subclass_helpers_work_on_this_torch() -> None:
     layout rebuilt around other inner tensors (torch's own two-tensor test subclass)."""
     from torch.testing._internal.two_tensor import TwoTensor
 
-    from remat._dispatch import _meta as meta
-    from remat._dispatch import dead_value, storage_key
+    from remat._ops import dead_value, storage_key
+    from remat._ops import op_meta as meta
 
     a, b = torch.randn(3, 2), torch.randn(3, 2)
     t = TwoTensor(a, b)

@@ -117,7 +117,7 @@ import torch
 from .. import _torch_internals as ti
 from .._ambient import AmbientState, no_accumulation
 from .._context import INSPECTOR, activated, active_context, internal
-from .._dispatch import Recorder, storage_key, tensor_leaves
+from .._dispatch import Recorder
 from .._errors import RematError, input_written_in_forward
 from .._functorch import (
     Decomposed,
@@ -127,13 +127,15 @@ from .._functorch import (
     record_stack,
     saving_height,
 )
+from .._ops import storage_key, tensor_leaves
 from .._packed import DROP, INPUT, KEEP, OFFLOAD, ROUTED, Made, Nested, Packed, ParentHandle
 from .._policies import Offloadable, Recompute
 from .._state import Snapshot
 from .._torch_internals import saved_tensors_hooks
 from .._wiring import Wiring, known_tokens
+from .capture import holdable
 from .plans import Plan, plan_of_call
-from .recompute import holdable, run_recompute
+from .recompute import run_recompute
 from .region import NeedsRegion, forward_pass, rewind_attempt
 
 __all__ = ["Frame"]

@@ -146,23 +146,15 @@ import torch
 from .. import _torch_internals as ti
 from .._ambient import AmbientState
 from .._context import INTERNAL, internal, naming
-from .._dispatch import (
-    RANGE_OPS,
-    arg_tensors,
-    identity_alias,
-    ignored,
-    profiler_op,
-    storage_key,
-    tensor_leaves,
-    traits,
-)
 from .._errors import RematError, input_written_before_backward, input_written_in_forward
 from .._offload import Offloaded
+from .._ops import RANGE_OPS, arg_tensors, identity_alias, ignored, profiler_op, storage_key, tensor_leaves, traits
 from .._packed import Made
 from .._policies import Offloadable
 from .._state import Snapshot
 from .._torch_internals import TorchDispatchMode, saved_tensors_hooks
 from .._wiring import Wiring, describe_difference, first_value, known_tokens, made_token
+from .capture import holdable
 from .plans import (
     ALIASING,
     RUN,
@@ -175,9 +167,8 @@ from .plans import (
     version_of,
     written_after_saved,
 )
-from .recompute import holdable
+from .recompute import planned_recompute
 from .region import NeedsRegion
-from .replay import planned_recompute
 
 __all__ = ["FastFrame"]
 

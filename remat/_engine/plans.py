@@ -109,17 +109,8 @@ import torch
 
 from .. import _torch_internals as ti
 from .._context import CACHES, INSPECTOR, active_context
-from .._dispatch import (
-    LIFTS,
-    OpRecord,
-    dead_value,
-    identity_alias,
-    ignored,
-    storage_key,
-    tensor_leaves,
-    traits,
-)
 from .._errors import RematError
+from .._ops import LIFTS, OpRecord, dead_value, identity_alias, ignored, storage_key, tensor_leaves, traits
 from .._packed import DROP, KEEP, OFFLOAD
 from .._policies import Offloadable
 from .._state import Snapshot

@@ -13,22 +13,24 @@ recompute goes through :func:`call_nested_replay`.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .. import _torch_internals as ti
-from .._context import activated, internal
-from .._dispatch import DeadRead, OpTap, Replayer, is_tainted, storage_key
-from .._errors import RematError, input_written_before_backward, saved_shape_differs
+from .._context import activated, internal, naming
+from .._dispatch import OpTap
+from .._errors import RematError, input_written_before_backward
 from .._functorch import check_lower_levels, replay
-from .._packed import Made, Nested, ParentHandle, made_anew
+from .._ops import DeadRead, storage_key
+from .._packed import Made, ParentHandle, made_anew
 from .._torch_internals import saved_tensors_hooks
-from .plans import is_placeholder
+from .capture import Capture, PassThrough, PlannedCapture, StopRecompute, identity
+from .plans import NeedsGraph, Values
+from .replay import Replay, Replayer, ValueReplay
 
-__all__ = ["run_recompute", "unused_ops", "Capture", "StopRecompute", "NOT_HELD", "holdable", "call_nested_replay"]
+__all__ = ["run_recompute", "planned_recompute", "unused_ops", "call_nested_replay"]
 
 
 def run_recompute(frame: Any, s: int, skip_unused: bool, forwarding: list[Any]) -> Made:
@@ -158,166 +160,6 @@ def unused_ops(frame: Any, s: int) -> set[int]:
     return frame.recorder.unused_ops(used) if skipped else set()
 
 
-# NOTE [one set of checks]
-#     Both engines' recomputes take what the forward pass dropped through one rule, ``check_saved``: the tensor is
-#     not a placeholder of a skipped op (else ``DeadRead``: the recompute runs again without skipping any op, NOTE
-#     [dead ops]), it has the shape and dtype the forward pass saved there, and, where the forward pass noted which
-#     node made it (a plan does), it was made by the same kind of node. The full engine's recompute also checks
-#     every op it runs against the op the forward pass recorded (``Replayer``), and a planned one every op against
-#     the plan's (``replay.Replay``), with the same comparison of what each op read (NOTE [same reads] in
-#     ``_wiring.py``): a planned call skips recording, never a check.
-
-
-def check_saved(fn_name: str, t: torch.Tensor, meta: tuple[Any, ...], pos: int, dead: bool) -> None:
-    """The checks every recompute applies to a tensor it takes at save position ``pos`` (NOTE [one set of checks]).
-
-    ``meta``: what the forward pass saved there, ``(shape, dtype)`` or ``(shape, dtype, maker node class)``;
-    ``dead``: the tensor is, or shares the storage of, a placeholder the recompute made for a skipped op."""
-    if dead:
-        raise DeadRead  # NOTE [dead ops]: the backward pass would read a placeholder
-    if t.shape != meta[0] or t.dtype != meta[1]:
-        raise saved_shape_differs(fn_name, t, meta, pos)
-    if len(meta) > 2:
-        node = t.grad_fn
-        if not _same_maker(None if node is None else type(node), meta[2]):
-            raise RematError(
-                f"remat: the recompute of {fn_name} saved a tensor made by "
-                f"{_node_name(type(node) if node is not None else None)} where its forward pass saved one made by "
-                f"{_node_name(meta[2])} (saved tensor #{pos}); the function must do the same work every time it "
-                "is called (no branch on a flag or global state that changed since the forward pass)."
-            )
-
-
-class StopRecompute(Exception):
-    """Raised by a partial recompute's pack hook once it has made every tensor it was asked for."""
-
-
-class Capture:
-    """Saved-tensor hooks of a recompute: keep what the saving level saves, in order."""
-
-    def __init__(self, frame: Any, s: int, detach: bool) -> None:
-        self.frame: Any = frame
-        self.s = s
-        self.target: int | None = None
-        self.detach = detach
-        # NOTE [what a recompute holds]: nothing will differentiate the recompute's graph (unless the function
-        # runs a backward pass of its own inside, which reads it)
-        self.drop_unused = detach and not frame.inner_backward and not frame.forwarding
-        self.n = 0
-        self.fn_name = frame.fn_name
-        self.wanted = frame.drops.get(s, {})
-        self.captured: dict[int, torch.Tensor] = {}
-        self.versions: dict[int, int] = {}  # position -> version when made (NOTE [written after saved])
-        self._children = iter(frame.nested.children)
-        self.stop_after: int | None = None  # a partial recompute: stop after this many saves
-        self.tainted: dict[int, Any] = {}  # the storages of the replayer's placeholders (NOTE [dead ops]): none saved
-
-    def next_nested(self) -> Nested | None:
-        """The routing of the next routed call this recompute re-runs (in forward order)."""
-        return next(self._children, None)
-
-    def pack(self, t: torch.Tensor) -> Any:
-        top = ti.peek_interpreter()
-        level = None if top is None else int(top.level())
-        if level == self.target:
-            pos = self.n
-            self.n += 1
-            meta = self.wanted.get(pos)
-            if meta is not None:
-                check_saved(self.fn_name, t, meta, pos, bool(self.tainted) and is_tainted(self.tainted, ti.unwrap_all(t)))
-                held = holdable(t)
-                self.versions[pos] = ti.unwrap_all(t)._version
-                if self.detach and not ti.is_wrapped(t):
-                    self.captured[pos] = held  # (one detach serves both)
-                else:
-                    with internal():
-                        self.captured[pos] = t.detach() if self.detach else t
-                if self.stop_after is not None and self.n >= self.stop_after:
-                    raise StopRecompute
-                return held
-            if self.stop_after is not None and self.n >= self.stop_after:
-                raise StopRecompute
-            if self.drop_unused:
-                return NOT_HELD  # NOTE [what a recompute holds]
-        return holdable(t)
-
-    def unpack(self, t: Any) -> Any:
-        return t
-
-
-class _NotHeld:
-    """What a recompute's own graph holds for a tensor nobody will read (NOTE [what a recompute holds]).
-
-    Autograd hands it to ``unpack``, which returns it, only if that graph is differentiated, which never happens;
-    a node given it would fail loudly ("expected a Tensor"), never compute with a wrong value."""
-
-    __slots__ = ()
-
-
-NOT_HELD = _NotHeld()
-
-
-def holdable(t: torch.Tensor, mode: bool = True) -> torch.Tensor:
-    """What to hold for a saved tensor (in a pack hook) without a reference cycle, on either engine.
-
-    A saved output's grad_fn is the node that saves it: holding the tensor itself
-    would make a cycle through the C++ graph that Python's gc cannot see, and the
-    graph with its activations would leak on every step. Autograd restores the
-    graph metadata on unpack, so a plain tensor is detached. A functorch wrapper
-    must keep its lower-level history (detach would strip every level), so its
-    inner value is re-wrapped in a dead wrapper, which functorch treats as
-    transparent, exactly like a saved wrapper of an exited level. ``mode``: one of
-    remat's dispatch modes is on the stack (without one, a plain detach).
-    """
-    if ti.is_wrapped(t):
-        top = ti.peek_interpreter()
-        if top is not None and ti.maybe_level(t) == int(top.level()) and t.grad_fn is not None:
-            return ti.dead_grad_wrapper(ti.unwrap_one(t))
-        return t
-    if not t.requires_grad or t.is_leaf:
-        return t  # (a leaf, such as a parameter: no node of its own; is_leaf asks without making the node's Python
-        # object, which t.grad_fn does: ~0.4 us a kept tensor, inside a planned call)
-    if not mode:
-        return t.detach()  # (save-nothing's forward pass: no mode of remat's is on the stack)
-    if type(t) is torch.Tensor:
-        return ti.detach_below_modes(t)  # (no mode sees it: no need to mark it remat's own)
-    with internal():
-        return t.detach()
-
-
-class _PassThrough:
-    """An inner remat call re-run by an outer recompute: its saves are the outer graph's own.
-
-    The positions the call's forward pass routed to the parent (``nested.routed``) are
-    saved through ``ctx`` again, so the outer recompute sees them at the same positions.
-    """
-
-    def __init__(self, ctx: Any, nested: Nested | None) -> None:
-        self.ctx = ctx
-        self.routed = set() if nested is None else nested.routed
-        self._children = iter(() if nested is None else nested.children)
-        self.n = 0
-        self.drop_unused = getattr(ctx, "drop_unused", False)  # the outer recompute's graph is never differentiated
-
-    def next_nested(self) -> Nested | None:
-        return next(self._children, None)
-
-    def pack(self, t: torch.Tensor) -> Any:
-        pos = self.n
-        self.n += 1
-        if pos in self.routed:
-            return self.ctx.pack(t)
-        if self.drop_unused:
-            # the inner call's own activations: its own frame recomputes them when the backward pass reaches it;
-            # holding them here would keep every inner activation until the outer recompute ends
-            # (NOTE [what a recompute holds])
-            return NOT_HELD
-        return holdable(t)
-
-    def unpack(self, t: Any) -> Any:
-        return t
-
-
 def call_nested_replay(ctx: Any, run: Callable[[list[Any]], Any], flat: list[Any]) -> Any:
     """Run an inner remat call inside an outer recompute (NOTE [nested remat])."""
     nested = None
@@ -326,7 +168,7 @@ def call_nested_replay(ctx: Any, run: Callable[[list[Any]], Any], flat: list[Any
         for a in flat:
             if isinstance(a, torch.Tensor):
                 ctx.pack(a)
-    pt = _PassThrough(ctx, nested)
+    pt = PassThrough(ctx, nested)
     tap = OpTap({i for i, _ in nested.stash} if nested is not None else set())
     with saved_tensors_hooks(pt.pack, pt.unpack), activated(pt):
         if not tap.wanted:
@@ -339,67 +181,102 @@ def call_nested_replay(ctx: Any, run: Callable[[list[Any]], Any], flat: list[Any
     return out
 
 
-def identity(x: Any) -> Any:
-    return x
+def planned_recompute(self: Any) -> Made:
+    """A planned call's recompute (``FastFrame._recompute``): the dropped tensors, made again by following the plan
+    (NOTE [planned calls]), or by value (NOTE [value recompute]); the checks are the full engine's (NOTE [one set
+    of checks] in ``recompute.py``)."""
+    self.recomputes += 1
+    if self.wrote_dropped:
+        raise RematError(
+            f"remat: {self.fn_name} wrote in place into a tensor it had saved for the backward pass, through an "
+            "alias with a version counter of its own (.data, or detach()), after an op its signature's first "
+            "call did not run (a data-dependent branch): the recompute, which follows that call, cannot replay "
+            "the write. The signature runs on the full engine from the next call on (it replays every op); "
+            "or write into a clone (NOTE [written after dropped] in planned.py)."
+        )
+    # (a backward pass inside the forward pass: an input written so far would be written again by the
+    # recompute, into the caller's tensor, and read written: the end of the forward pass's error, raised first)
+    self._check_versions(after_forward=self.forwarding)
+    # (no accumulation check, as the full engine's: an inner backward pass is ops the forward pass did not run,
+    # which the replay refuses: NOTE [same reads])
+    try:
+        return _run_recompute(self, skip_dead=bool(self.plan.dead))
+    except DeadRead:
+        self.refuse()  # the recorded call's liveness does not hold for this one
+        return _run_recompute(self, skip_dead=False)
 
 
-class PlannedCapture:
-    __slots__ = ("wanted", "stop_after", "fn_name", "detach", "n", "captured", "placeholders", "mode", "versions",
-                 "hold_stop")
-
-    def __init__(self, wanted: dict[int, tuple[Any, ...]], stop_after: int, fn_name: str,
-                 detach: bool, placeholders: dict[int, weakref.ref[torch.Tensor]], mode: bool) -> None:
-        self.placeholders = placeholders
-        self.mode = mode  # a planned recompute: remat's replay mode is on the stack
-        self.wanted = wanted
-        self.stop_after = stop_after
-        self.fn_name = fn_name
-        self.detach = detach
-        self.n = 0
-        self.captured: dict[int, torch.Tensor] = {}
-        self.versions: dict[int, int] = {}  # position -> version when made (NOTE [written after saved])
-        self.hold_stop = False  # NOTE [written after dropped]: the replay stops the recompute, after the last write
-
-    def pack(self, t: torch.Tensor) -> Any:
-        pos = self.n
-        self.n = pos + 1
-        meta = self.wanted.get(pos)
-        if meta is not None:
-            check_saved(self.fn_name, t, meta, pos, bool(self.placeholders) and is_placeholder(self.placeholders, t))
-            held = holdable(t, self.mode)
-            # without create_graph the backward pass needs the value only, not the recompute's graph
-            self.captured[pos] = held if self.detach else t
-            self.versions[pos] = t._version
-        elif t.is_leaf:
-            held = t  # an input, a parameter, a replayed output: no node of its own to make a cycle with
-        else:
-            held = holdable(t, self.mode)
-        if self.n >= self.stop_after and not self.hold_stop:
-            raise StopRecompute
-        return held  # (the recompute's own graph: the function may run a backward pass of its own through it)
-
-    def finish(self) -> Made:
-        captured, self.captured = self.captured, {}
-        return Made(captured, self.versions, plain=True)
+def _run_recompute(self: Any, skip_dead: bool) -> Made:
+    values = self.plan.values
+    if (values is not None and not torch.is_grad_enabled() and not self.forwarding and not self.diverged
+            and self.values_ok and self.drops.keys() <= values.stop.keys()):
+        try:
+            return _value_recompute(self, values, skip_dead)
+        except NeedsGraph:
+            self.plan.values = None  # (the signature's later calls recompute as below from the start)
+    self.placeholders = {}
+    # (stops once the last dropped tensor is saved again; inside the forward pass that is before where the
+    # forward pass has got, and before any op past the plan, whose random draws the call kept no state for)
+    capture = PlannedCapture(self.drops, self.last_drop + 1, self.fn_name,
+                       detach=not torch.is_grad_enabled(), placeholders=self.placeholders,
+                       mode=self.plan.ops is not None)
+    run_to = _last_write(self)  # NOTE [written after dropped]: the replay stops after it, not the capture
+    capture.hold_stop = run_to >= 0
+    with ti.saved_tensors_hooks_enabled(), torch.enable_grad(), self.state.restored(self.state.tensors), \
+            self.ambient.restored(), saved_tensors_hooks(capture.pack, identity):
+        try:
+            if self.plan.ops is None:
+                self.run(self.flat)
+            else:
+                replay = Replay(self, skip_dead)
+                replay.run_to, replay.capture = run_to, capture
+                with naming(replay), replay:
+                    self.run(self.flat)
+        except StopRecompute:
+            pass
+    self.placeholders = {}
+    if capture.n < capture.stop_after:
+        raise RematError(
+            f"remat: the recompute of {self.fn_name} saved {capture.n} tensors for the backward pass where "
+            f"its forward pass saved {capture.stop_after} or more; the function must do the same work every "
+            "time it is called (no data-dependent branches or changing global state)."
+        )
+    return capture.finish()
 
 
-def _node_name(cls: Any) -> str:
-    return "no op (an input)" if cls is None else cls.__name__
+def _last_write(self: Any) -> int:
+    """NOTE [written after dropped]: the index of the last op of the plan this call followed that writes in
+    place (-1: none), which the recompute runs; inside the forward pass, none: it stops where the forward pass
+    has got (an op it has not run has no key to check)."""
+    if self.forwarding or not self.plan.writes:
+        return -1
+    return max((i for i in self.plan.writes if i < self.limit), default=-1)
 
 
-# The nodes of one view, by how torch decomposed ``reshape``/``view``: a Python dispatch mode on the stack in the
-# forward pass but not in the recompute (a user's memory census) turns ``view`` into ``_reshape_alias``.
-_VIEWS = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"})
-
-
-# The node of a module hook's identity wrapper (global full backward hooks, made under grad mode in one pass only:
-# NOTE [hooks' aliases] in _dispatch.py): the same value as whatever made its input, so it matches any maker.
-_HOOK_NODES = frozenset({"BackwardHookFunctionBackward"})
-
-
-def _same_maker(got: Any, want: Any) -> bool:
-    """Whether a recomputed saved tensor was made as the forward's was (node classes, a view as any view, a hook's
-    identity wrapper as anything)."""
-    return got is want or (got is not None and want is not None and got.__name__ in _VIEWS
-                           and want.__name__ in _VIEWS) or (
-        (got is not None and got.__name__ in _HOOK_NODES) or (want is not None and want.__name__ in _HOOK_NODES))
+def _value_recompute(self: Any, values: Values, skip_dead: bool) -> Made:
+    """NOTE [value recompute]: the recompute under ``torch.no_grad()``, the dropped tensors taken as the ops
+    return them. It stops once the op that saved the last of them has run."""
+    self.placeholders = {}
+    # (NOTE [written after dropped]: through the plan's last write, which may write a dropped tensor's storage)
+    mode = ValueReplay(self, skip_dead, values, max(values.stop[self.last_drop], _last_write(self) + 1))
+    try:
+        with torch.no_grad(), self.state.restored(self.state.tensors), self.ambient.restored(), naming(mode), mode:
+            out = None
+            try:
+                out = self.run(self.flat)
+            except StopRecompute:
+                pass
+            mode.settle(mode.i)  # (the function returned after the op that saved the last: out holds it)
+            del out
+    except (NeedsGraph, DeadRead, RematError):
+        raise
+    except Exception as e:
+        # what the function does only with grad mode on (h.register_hook, retain_grad on an intermediate):
+        # the recompute that builds the graph runs it, and raises if the error is the function's own
+        raise NeedsGraph from e
+    finally:
+        self.placeholders = {}
+    made = mode.made
+    if mode.i < mode.stop or len(made) != len(self.drops) or len(mode.versions) != len(made):
+        raise NeedsGraph  # ran out of ops first, or a tensor died before its save: the recompute that saves
+    return Made(made, mode.versions, plain=True)

@@ -47,9 +47,11 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch_internals as ti
 from .._ambient import AmbientState
 from .._context import internal
-from .._dispatch import Recorder, Replayer, storage_key
+from .._dispatch import Recorder
 from .._errors import RematError
+from .._ops import storage_key
 from .._state import Snapshot
+from .replay import Replayer
 
 __all__ = ["NeedsRegion", "run_region", "enclosed", "forward_pass", "rewind_attempt"]
 

@@ -11,21 +11,33 @@ from typing import Any
 import optree
 import torch
 
+from .. import _outside as ox
 from .. import _torch_internals as ti
-from .._context import INTERNAL, internal, naming
-from .._dispatch import (
+from .._context import INTERNAL, internal
+from .._dispatch import Recorder
+from .._errors import RematError
+from .._ops import (
+    DETACH,
     RANGE_OPS,
+    VIEW,
     DeadRead,
+    OpRecord,
+    arg_tensors,
+    cast_of,
+    dead_value,
+    fmt_meta,
     identity_alias,
     ignored,
+    is_tainted,
+    op_meta,
     profiler_op,
+    storage_key,
     tensor_leaves,
     traits,
 )
-from .._errors import RematError
-from .._packed import Made
-from .._torch_internals import TorchDispatchMode, saved_tensors_hooks
-from .._wiring import Wiring, autocast_cast, same_key
+from .._torch_internals import TorchDispatchMode
+from .._wiring import Wiring, autocast_cast, cast_source, describe_difference, same_key, values_key
+from .capture import PlannedCapture, StopRecompute
 from .plans import (
     ALIASING,
     RUN,
@@ -41,9 +53,8 @@ from .plans import (
     version_of,
     written_after_saved,
 )
-from .recompute import PlannedCapture, StopRecompute, identity
 
-__all__ = ["Replay", "ValueReplay", "planned_recompute", "replayed"]
+__all__ = ["Replayer", "Replay", "ValueReplay", "replayed"]
 
 class Replay(TorchDispatchMode):
     """A planned call's recompute: the planned ops' held outputs handed back, dead ops skipped, every other op run.
@@ -325,103 +336,6 @@ class ValueReplay(Replay):
                 self.made[pos] = outs[k]
 
 
-def planned_recompute(self: Any) -> Made:
-    """A planned call's recompute (``FastFrame._recompute``): the dropped tensors, made again by following the plan
-    (NOTE [planned calls]), or by value (NOTE [value recompute]); the checks are the full engine's (NOTE [one set
-    of checks] in ``recompute.py``)."""
-    self.recomputes += 1
-    if self.wrote_dropped:
-        raise RematError(
-            f"remat: {self.fn_name} wrote in place into a tensor it had saved for the backward pass, through an "
-            "alias with a version counter of its own (.data, or detach()), after an op its signature's first "
-            "call did not run (a data-dependent branch): the recompute, which follows that call, cannot replay "
-            "the write. The signature runs on the full engine from the next call on (it replays every op); "
-            "or write into a clone (NOTE [written after dropped] in planned.py)."
-        )
-    # (a backward pass inside the forward pass: an input written so far would be written again by the
-    # recompute, into the caller's tensor, and read written: the end of the forward pass's error, raised first)
-    self._check_versions(after_forward=self.forwarding)
-    # (no accumulation check, as the full engine's: an inner backward pass is ops the forward pass did not run,
-    # which the replay refuses: NOTE [same reads])
-    try:
-        return _run_recompute(self, skip_dead=bool(self.plan.dead))
-    except DeadRead:
-        self.refuse()  # the recorded call's liveness does not hold for this one
-        return _run_recompute(self, skip_dead=False)
-
-def _run_recompute(self: Any, skip_dead: bool) -> Made:
-    values = self.plan.values
-    if (values is not None and not torch.is_grad_enabled() and not self.forwarding and not self.diverged
-            and self.values_ok and self.drops.keys() <= values.stop.keys()):
-        try:
-            return _value_recompute(self, values, skip_dead)
-        except NeedsGraph:
-            self.plan.values = None  # (the signature's later calls recompute as below from the start)
-    self.placeholders = {}
-    # (stops once the last dropped tensor is saved again; inside the forward pass that is before where the
-    # forward pass has got, and before any op past the plan, whose random draws the call kept no state for)
-    capture = PlannedCapture(self.drops, self.last_drop + 1, self.fn_name,
-                       detach=not torch.is_grad_enabled(), placeholders=self.placeholders,
-                       mode=self.plan.ops is not None)
-    run_to = _last_write(self)  # NOTE [written after dropped]: the replay stops after it, not the capture
-    capture.hold_stop = run_to >= 0
-    with ti.saved_tensors_hooks_enabled(), torch.enable_grad(), self.state.restored(self.state.tensors), \
-            self.ambient.restored(), saved_tensors_hooks(capture.pack, identity):
-        try:
-            if self.plan.ops is None:
-                self.run(self.flat)
-            else:
-                replay = Replay(self, skip_dead)
-                replay.run_to, replay.capture = run_to, capture
-                with naming(replay), replay:
-                    self.run(self.flat)
-        except StopRecompute:
-            pass
-    self.placeholders = {}
-    if capture.n < capture.stop_after:
-        raise RematError(
-            f"remat: the recompute of {self.fn_name} saved {capture.n} tensors for the backward pass where "
-            f"its forward pass saved {capture.stop_after} or more; the function must do the same work every "
-            "time it is called (no data-dependent branches or changing global state)."
-        )
-    return capture.finish()
-
-def _last_write(self: Any) -> int:
-    """NOTE [written after dropped]: the index of the last op of the plan this call followed that writes in
-    place (-1: none), which the recompute runs; inside the forward pass, none: it stops where the forward pass
-    has got (an op it has not run has no key to check)."""
-    if self.forwarding or not self.plan.writes:
-        return -1
-    return max((i for i in self.plan.writes if i < self.limit), default=-1)
-
-def _value_recompute(self: Any, values: Values, skip_dead: bool) -> Made:
-    """NOTE [value recompute]: the recompute under ``torch.no_grad()``, the dropped tensors taken as the ops
-    return them. It stops once the op that saved the last of them has run."""
-    self.placeholders = {}
-    # (NOTE [written after dropped]: through the plan's last write, which may write a dropped tensor's storage)
-    mode = ValueReplay(self, skip_dead, values, max(values.stop[self.last_drop], _last_write(self) + 1))
-    try:
-        with torch.no_grad(), self.state.restored(self.state.tensors), self.ambient.restored(), naming(mode), mode:
-            out = None
-            try:
-                out = self.run(self.flat)
-            except StopRecompute:
-                pass
-            mode.settle(mode.i)  # (the function returned after the op that saved the last: out holds it)
-            del out
-    except (NeedsGraph, DeadRead, RematError):
-        raise
-    except Exception as e:
-        # what the function does only with grad mode on (h.register_hook, retain_grad on an intermediate):
-        # the recompute that builds the graph runs it, and raises if the error is the function's own
-        raise NeedsGraph from e
-    finally:
-        self.placeholders = {}
-    made = mode.made
-    if mode.i < mode.stop or len(made) != len(self.drops) or len(mode.versions) != len(made):
-        raise NeedsGraph  # ran out of ops first, or a tensor died before its save: the recompute that saves
-    return Made(made, mode.versions, plain=True)
-
 def replayed(self: Any, i: int) -> Any:
     """Op ``i``'s held outputs, for the recompute (NOTE [planned calls])."""
     h = self.plan.hold.get(i)
@@ -473,3 +387,289 @@ def _held_value(self: Any, i: int, v: Any, v0: int | None, orig: Any) -> Any:
         raise self._written(i, v0, now)
     # (no mode sees remat's own detach)
     return ti.detach_below_modes(v) if isinstance(v, torch.Tensor) else self.engine.fetch(v)
+
+
+class Replayer(TorchDispatchMode):
+    """Recompute: the same ops in the same order; stashed outputs handed back, not recomputed."""
+
+    def __init__(self, recorder: Recorder, unused: set[int] = frozenset(),  # type: ignore[assignment]
+                 skip_dead: bool = True) -> None:
+        super().__init__()
+        self.rec = recorder
+        self.skip_dead = skip_dead
+        # NOTE [dead ops]: the storages of the placeholders handed back for dead ops, and of what ops computed from
+        # them: an op the recompute needs reading one, or one saved for the backward pass, is DeadRead (by storage:
+        # an alias of one made where no mode sees is one too)
+        self.tainted: dict[int, Any] = {}
+        self.pos = 0
+        self.unused = unused  # ops feeding only outputs this backward pass does not differentiate
+        self.unused_keys: set[int] = set()  # storages of the placeholders handed back for them
+        # NOTE [autocast's cache] in _wiring.py: id -> (leaf, weakref) of the casts the recompute ran past the ops
+        self.casts: dict[int, tuple[torch.Tensor, weakref.ref[torch.Tensor]]] = {}
+        self.wiring = None if recorder.wiring is None else Wiring(recorder.wiring.known, loose=True)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if INTERNAL.get() or ignored(func):
+            return profiler_op(func, args, kwargs) if func in RANGE_OPS else func(*args, **kwargs)
+        if func is DETACH and self.rec.region:
+            return func(*args, **kwargs)
+        ops = self.rec.ops
+        i = self.pos
+        rec = ops[i] if i < len(ops) else None
+        # NOTE [autocast's cache] in _wiring.py: a cast of a leaf matches the forward pass's cast of that leaf only
+        leaf = autocast_cast(func, args, kwargs) if func is TO_COPY else None
+        alias = (func is VIEW or func is DETACH) and identity_alias(func, args, kwargs)
+        if alias and (rec is None or not rec.alias or func is not rec.func):
+            # NOTE [hooks' aliases]: the forward pass's next alias of this op, past its aliases of others; or one the
+            # forward pass did not make here: run, not counted
+            j = i
+            while j < len(ops) and ops[j].alias and ops[j].func is not func:
+                j += 1
+            if j < len(ops) and ops[j].alias and ops[j].func is func:
+                i, rec = j, ops[j]
+            else:
+                out = func(*args, **kwargs)
+                if self.wiring is not None:
+                    self.wiring.note_alias(out, args[0])
+                return out
+        if rec is None or func is not rec.func or (func is TO_COPY and cast_of(rec) is not leaf):
+            if leaf is not None:  # a cast the forward pass read from autocast's cache: run, not counted
+                out = func(*args, **kwargs)
+                self.casts[id(out)] = (leaf, weakref.ref(out))
+                if self.wiring is not None:
+                    self.wiring.note_cast(out, leaf)
+                return out
+            j = i
+            while j < len(ops) and (ops[j].alias or ops[j].cast_leaf is not None and (
+                    ops[j].func is not func or func is TO_COPY)):
+                # (casts of the forward pass's this recompute read from autocast's cache; identity aliases it lacks)
+                j += 1
+            if j > i and j < len(ops) and ops[j].func is func:
+                i, rec = j, ops[j]
+        elif rec.alias and not alias:
+            # NOTE [hooks' aliases]: the forward pass's identity aliases this recompute does not make
+            j = i
+            while j < len(ops) and ops[j].alias:
+                j += 1
+            if j < len(ops) and ops[j].func is func:
+                i, rec = j, ops[j]
+        self.pos = i + 1
+        if rec is None:
+            raise self._diverged(f"it ran {func} after the {len(ops)} ops of the forward pass", cache_hint=True)
+        if func is not rec.func:
+            raise self._diverged(f"op #{i} was {rec.describe()} in the forward pass but {func} now", cache_hint=True)
+        wiring = self.wiring
+        if rec.alias and alias:
+            # NOTE [hooks' aliases]: the same value under another name, whichever tensor a hook's alias of the forward
+            # pass at this position read: its output takes its argument's token, which the ops after it are checked by
+            out = func(*args, **kwargs)
+            if wiring is not None:
+                wiring.note_alias(out, args[0])
+            if self.tainted and is_tainted(self.tainted, args[0]):
+                self._taint([out])
+            return out
+        if wiring is None or rec.wkey is None:
+            return self._run(i, rec, func, args, kwargs)
+        now = wiring.key(args, kwargs)  # NOTE [same reads] in _wiring.py: the values and which tensor each is
+        if now != rec.wkey and not same_key(now, rec.wkey, loose=True):
+            raise self._diverged(
+                f"op #{i} {func} read other values than in the forward pass: "
+                f"{describe_difference(now, rec.wkey, lambda j: None)} (a Python value computed from state that "
+                "changed, such as a step counter, a module's attribute or a global, or another tensor picked by it)"
+            )
+        out = self._run(i, rec, func, args, kwargs)
+        leaf = cast_of(rec)
+        if leaf is not None:
+            wiring.note_cast(out, leaf)
+        elif rec.alias:
+            wiring.note_alias(out, args[0])
+        else:
+            wiring.note(i, out)
+        return out
+
+    def _run(self, i: int, rec: OpRecord, func: Any, args: Any, kwargs: Any) -> Any:
+        """The recorded op ``i`` in the recompute: a placeholder, its stashed outputs, or run (checked)."""
+        if rec.skippable and i in self.unused:
+            with internal():  # NOTE [unused outputs]
+                dead = [dead_value(m) for m in rec.out_meta]
+                self.unused_keys.update(storage_key(t) for t in dead)
+                return rec.rebuild(dead)
+        if rec.stash is not None and not rec.random and (self.skip_dead or all(
+                x is not None for x in rec.stash)):
+            return self._replay(rec, func, args, kwargs)
+        if not rec.live and rec.skippable and self.skip_dead:
+            with internal():  # dead: nothing needed reads it (NOTE [dead ops])
+                return rec.rebuild(self._taint([dead_value(m) for m in rec.out_meta]))
+        tainted = bool(self.tainted) and any(is_tainted(self.tainted, t) for t in arg_tensors(args, kwargs))
+        if tainted and rec.live:
+            raise DeadRead
+        if rec.scalars and rec.wkey is None:  # NOTE [same reads] in _wiring.py: the values, where no key was noted
+            values = values_key(args, kwargs)
+            if values != rec.scalars and not same_key(values, rec.scalars):
+                raise self._diverged(
+                    f"op #{i} {func} read other values than in the forward pass: "
+                    f"{describe_difference(values, list(rec.scalars), lambda j: None)} (a Python value computed from state "
+                    "that changed, such as a step counter, a module's attribute or a global)"
+                )
+        if rec.outside is not None or rec.subst is not None:
+            args, kwargs = self._outside_args(i, rec, args, kwargs)
+        if rec.random and self.unused_keys:
+            args, kwargs = self._no_placeholders(args, kwargs)
+        if rec.lifted is not None:
+            with internal():
+                now = ox.fingerprint(arg_tensors(args, kwargs)[0])
+            if now != rec.lifted:
+                raise self._diverged(
+                    f"op #{i} {func} lifted a tensor built from Python data (torch.tensor, torch.from_numpy) "
+                    f"of shape {list(now[0])} whose value differs from the forward pass's (data read from "
+                    "state that changed in between)"
+                )
+        out = func(*args, **kwargs)
+        outs = tensor_leaves(out)
+        if self.unused_keys:
+            # an op that ran on a placeholder (a random op, a write) made a placeholder too (NOTE [unused outputs])
+            with internal():
+                if any(storage_key(t) in self.unused_keys for t in arg_tensors(args, kwargs)):
+                    self.unused_keys.update(storage_key(t) for t in outs)
+        if tainted:
+            self._taint(outs)  # (a view of a placeholder, run as views always are: a placeholder too)
+        got = [op_meta(t)[:2] for t in outs]
+        want = [m[:2] if m is not None else None for m in rec.out_meta]
+        if got != want:
+            raise self._diverged(
+                f"op #{i} {func} produced {', '.join(fmt_meta(m) for m in got)} in the recompute but "
+                f"{', '.join(fmt_meta(m) for m in want)} in the forward pass", cache_hint=True
+            )
+        return out
+
+    def _taint(self, ts: list[Any]) -> list[Any]:
+        with internal():
+            for t in ts:
+                if isinstance(t, torch.Tensor):
+                    s = ti.storage_of(t)
+                    if s is not None:
+                        self.tainted[s.data_ptr()] = weakref.ref(s)
+        return ts
+
+    def _no_placeholders(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """A random op reading a placeholder (NOTE [unused outputs]) must still draw its numbers, on valid values
+        (a NaN probability is an error): zeros of the same shape stand in; its outputs are placeholders too."""
+        with internal():
+            ins = arg_tensors(args, kwargs)
+            new = {j: torch.zeros_like(t) for j, t in enumerate(ins) if storage_key(t) in self.unused_keys}
+            if not new:
+                return args, kwargs
+            self.unused_keys.update(storage_key(t) for t in new.values())
+            return ox.replace_tensors(args, kwargs, new)
+
+    def _replay(self, rec: OpRecord, func: Any, args: Any, kwargs: Any) -> Any:
+        assert rec.stash is not None
+        vals: list[Any] = []
+        versions = rec.versions or [None] * len(rec.stash)
+        with internal():
+            for ref, meta, v0 in zip(rec.stash, rec.out_meta, versions):
+                t = ref() if isinstance(ref, weakref.ref) else ref
+                if t is None:
+                    t = self._taint([dead_value(meta)])[0]
+                elif getattr(t, "routed", False):
+                    # held by the enclosing call (NOTE [nested remat] in _engine/full.py), fetched before this recompute
+                    # began (fetching may run the enclosing call's recompute, which cannot run inside a mode)
+                    t = t.value.detach()
+                elif not isinstance(t, torch.Tensor):
+                    t = t.engine.fetch(t)  # offloaded: bring it back
+                else:
+                    orig = rec.refs[len(vals)]() if v0 is not None else None
+                    if orig is not None and orig._version != v0:
+                        raise RematError(
+                            f"remat: the output of {rec.describe()} that {self.rec.fn_name} kept for its "
+                            f"recompute was modified in place after the forward pass (version {v0} -> "
+                            f"{orig._version}), e.g. a result of the function changed before the backward pass. "
+                            "Clone a result before modifying it, or run the backward pass first."
+                        )
+                    t = t.clone() if rec.cow else t.detach()
+                vals.append(t)
+        return rec.rebuild(vals)
+
+    def _outside_args(self, i: int, rec: OpRecord, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """Check the op reads the forward's outside tensors; hand it copies where recorded (NOTE [outside tensors])."""
+        with internal():
+            ins = arg_tensors(args, kwargs)
+            casts: dict[int, torch.Tensor] = {}
+            for j, t0, version in rec.outside or ():
+                if rec.subst is not None and j in rec.subst:
+                    continue  # served from a copy taken before a write (not yet settled: a partial recompute)
+                cur = ins[j] if j < len(ins) else None
+                if cur is None:
+                    raise self._diverged(f"op #{i} {rec.describe()} has fewer tensor arguments than in the forward pass")
+                same = cur is t0 or (storage_key(cur) == storage_key(t0) and ox.geometry(cur) == ox.geometry(t0))
+                if not same and self._same_cast(cur, t0):
+                    # NOTE [autocast's cache]: the cast of one leaf the forward pass read from the cache: the very
+                    # tensor it read (the cache may hold a cast of the leaf's value before a write since)
+                    casts[j] = t0
+                    continue
+                if same:
+                    if cur._version != version:
+                        raise RematError(
+                            f"remat: a tensor of shape {list(cur.shape)}{self.rec._label(t0)} that "
+                            f"{self.rec.fn_name} reads without taking it as an argument was modified in place "
+                            f"after its forward pass (version {version} -> {cur._version}), before the "
+                            "backward pass recomputed from it; the recompute would read the new value. Run "
+                            "the backward pass before updating it (e.g. optimizer.step() after backward()), "
+                            "or clone it."
+                        )
+                    continue
+                if (not cur.requires_grad and not t0.requires_grad and cur.shape == t0.shape
+                        and cur.dtype == t0.dtype and cur.device == t0.device and torch.equal(cur, t0)):
+                    continue  # a constant made afresh on every call, with the same value
+                raise RematError(
+                    f"remat: the recompute of {self.rec.fn_name} read a different tensor of shape "
+                    f"{list(cur.shape)}{self.rec._label(t0)} than its forward pass did, as argument "
+                    f"#{j} of op #{i} {rec.func}: a tensor that is not an argument of the function (a "
+                    "module's parameter or buffer, a closed-over or global tensor) was replaced between "
+                    "the forward and the backward pass, and gradients would be wrong. Pass it to the "
+                    "function as an argument, or keep it in place until the backward pass; for modules, "
+                    "use remat.remat_module(module), whose parameters and buffers remat puts back. A cache the "
+                    "call itself updates (a key/value cache, a rolling buffer) is such a tensor: for a Hugging Face "
+                    "model pass use_cache=False (model.config.use_cache = False)."
+                    + (f" (Its shape was {list(t0.shape)} in the forward pass.)" if cur.shape != t0.shape else "")
+                )
+            if rec.subst is not None:
+                args, kwargs = ox.replace_tensors(args, kwargs, {j: c.clone() for j, c in rec.subst.items()})
+            if casts:
+                args, kwargs = ox.replace_tensors(args, kwargs, casts)
+        return args, kwargs
+
+    def _same_cast(self, cur: torch.Tensor, t0: torch.Tensor) -> bool:
+        """NOTE [autocast's cache]: ``t0`` (read in the forward pass) is autocast's cast of a leaf, and ``cur``
+        (read now) the cast of the same leaf to the same dtype, made by this recompute or cached."""
+        leaf = cast_source(t0)
+        if leaf is None or cur.dtype != t0.dtype or cur.shape != t0.shape:
+            return False
+        made = self.casts.get(id(cur))
+        if made is not None and made[1]() is cur:
+            return made[0] is leaf
+        return cast_source(cur) is leaf
+
+    def finish(self) -> None:
+        while self.pos < len(self.rec.ops) and self.rec.ops[self.pos].alias:
+            self.pos += 1  # NOTE [hooks' aliases]
+        if self.pos != len(self.rec.ops):
+            nxt = self.rec.ops[self.pos]
+            raise self._diverged(
+                f"it stopped after {self.pos} ops; the forward pass went on with {nxt.describe()}"
+            )
+
+    def _diverged(self, what: str, cache_hint: bool = False) -> RematError:
+        """``cache_hint``: the difference is one of ops or shapes, which a key/value cache makes (a message about a
+        value or a tensor of the same shape suggests none: issue 38, a hint at a cache the caller had turned off was
+        wrong advice)."""
+        return RematError(
+            f"remat: the recompute of {self.rec.fn_name} diverged from its forward pass: {what}. "
+            "The wrapped function must run the same ops on the same shapes every time it is "
+            "called with the same inputs: avoid data-dependent Python branches on values that "
+            "change between forward and backward, global state that changes (counters, caches, "
+            "a module switched between train() and eval()), and in-place mutation of inputs."
+            + (" A key/value cache that grows on every call changes the shapes: for a Hugging Face model pass "
+               "use_cache=False (model.config.use_cache = False)." if cache_hint else "")
+        )

@@ -1,0 +1,143 @@
+"""Tensors a call reads that are not its inputs (module state, globals): the recorder's half that notes what the
+forward pass read of them and copies what it is about to overwrite, so that the recompute reads what the forward
+pass read (the other half of ``_dispatch.Recorder``; op arguments in ``_outside.py``).
+
+NOTE [outside tensors]); FSDP2 gathers them into the same tensors
+    for the backward pass. Its hooks also wrap a module's inputs in an
+    ``autograd.Function`` that returns them, inside the range, so the module's
+    first op reads an alias no op of the call made: an argument whose storage an
+    op of the call made is that op's value (``Recorder.vid(read=True)``), for the
+    liveness walk; the planned calls' keys take it for that tensor
+    (``Wiring._unknown``). A step all-gathers and reduce-scatters as often as
+    without remat, as ``torch.utils.checkpoint`` (``tests/test_distributed.py``).
+
+    Should the liveness walk still miss a value made where no mode sees, the
+    recompute does not hand a placeholder on: an op it needs that reads one, or a
+    saved tensor that shares one's storage, raises ``DeadRead``, and the
+    recompute runs again without skipping any op, and the signature is never
+    planned (``_engine/recompute.py``, NOTE [one set of checks]).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import _outside as ox
+from ._context import internal
+from ._ops import OVERWRITES, OpRecord, storage_key, tensor_leaves
+from ._policies import Offloadable
+
+__all__ = ["OutsideReads"]
+
+if TYPE_CHECKING:
+    _Recorder = Any  # (mypy: the half reads the recorder's attributes, which Recorder.__init__ sets)
+else:
+    _Recorder = object
+
+
+class OutsideReads(_Recorder):
+    """The recorder's reads of and writes into outside tensors (NOTE [outside tensors])."""
+
+    def is_outside(self, k: int) -> bool:
+        """Whether storage ``k`` is neither an input of the call nor made by one of its ops (NOTE [outside tensors])."""
+        return k != 0 and k not in self.producers and k not in self.input_keys
+
+    def _outside_reads(self, ins: list[torch.Tensor], keys: list[int],
+                       vids: list[int]) -> list[tuple[int, torch.Tensor, int]] | None:
+        """The op's reads of outside tensors (NOTE [outside tensors]).
+
+        Held strongly: an outside tensor that dies during the forward pass was replaced (a cache
+        slot reassigned, a buffer rebound), exactly what the recompute must notice; the
+        temporaries that also die (wrapped scalars) are tiny and pass as equal constants.
+        """
+        found = None
+        for j, (t, k, v) in enumerate(zip(ins, keys, vids)):
+            if v in self.made_by or not self.is_outside(k):
+                continue
+            if found is None:
+                found = []
+            found.append((j, t, t._version))
+        return found
+
+    def _before_mutation(self, func: Any, args: Any, kwargs: Any,
+                         ins: list[torch.Tensor]) -> dict[int, torch.Tensor] | None:
+        """Copy-on-write: a stashed output about to be written in place (itself or through a view) is copied first.
+
+        Returns copies of the outside tensors the op is about to write (NOTE [outside tensors]);
+        a write only into outside tensors changes no value of the call.
+        """
+        subst = None
+        inside = False
+        written = ox.written_positions(func, args, kwargs)
+        with internal():
+            for j in written:
+                t = ins[j]
+                k = storage_key(t)
+                if self.is_outside(k):
+                    # the reads of this storage since its last write saw what it holds now: copy it for them
+                    # (at their own geometry), and the value about to be overwritten for the write itself
+                    for rec, pos, read in self._pending.pop(k, ()):
+                        if rec.subst is None:
+                            rec.subst = {}
+                        rec.subst.setdefault(pos, read.detach().clone())
+                    self.written_outside.add(k)
+                    if subst is None:
+                        subst = {}
+                    subst[j] = t.detach().clone()
+                else:
+                    inside = True
+        if subst is None or inside:
+            self.mutated_inplace = True
+            # schema writes: all arguments (over-approximated, as always); batch norm's: the statistics
+            self._copy_on_write(func, [ins[j] for j in written] if func in ox.HIDDEN_WRITES
+                                else tensor_leaves((args, kwargs)))
+        return subst
+
+    def _copy_on_write(self, func: Any, written: list[torch.Tensor]) -> None:
+        # a write that depends on what it overwrites (not a fill, a copy or a random draw)
+        partial = (torch.Tag.inplace_view not in func.tags and torch.Tag.nondeterministic_seeded not in func.tags
+                   and func.overloadpacket not in OVERWRITES)
+        with internal():
+            keys = {storage_key(t) for t in written} - {0}
+            if torch.Tag.inplace_view not in func.tags:  # squeeze_ & co. change shapes, not data
+                self.written |= keys
+                if self.on_write is not None and keys:
+                    self.on_write(keys)
+            for rec in self.ops:
+                if rec.stash is None:
+                    continue
+                for pos, ref in enumerate(rec.stash):
+                    cur = ref() if isinstance(ref, weakref.ref) else ref
+                    if isinstance(cur, torch.Tensor):
+                        if storage_key(cur) in keys:
+                            rec.stash[pos] = cur.detach().clone()
+                            rec.cow = True
+                            if rec.cow_at is None:
+                                rec.cow_at = len(self.ops)  # (the writing op's record comes next)
+                            self.offloaded_written |= partial and isinstance(rec.decision, Offloadable)
+                    elif cur is not None and cur.engine.shares_storage(cur, keys):
+                        self.offloaded_written |= partial
+                        # offloaded: on CUDA the write must wait until its copy to the host ran
+                        cur.engine.before_write(cur)
+
+    def _settle_outside(self, rec: OpRecord) -> None:
+        assert rec.outside is not None
+        keep = []
+        for j, t, version in rec.outside:
+            if rec.subst is not None and j in rec.subst:
+                continue  # served from a copy taken before a write overwrote what it read
+            written = storage_key(t) in self.written_outside
+            if not written and (t.requires_grad or ox.nbytes(t) > ox.SMALL):
+                keep.append((j, t, version))  # checked by the recompute: the same tensor, unmodified
+                continue
+            # read after the call's last write into it: its value now; or a buffer or constant that needs
+            # no gradient and is small (running statistics, a tensor built from Python data): a copy the
+            # recompute reads whatever happens to it next (even writes torch does not count as versions,
+            # like a batch norm's, outside the call)
+            if rec.subst is None:
+                rec.subst = {}
+            rec.subst[j] = t.detach().clone()
+        rec.outside = keep or None
