@@ -27,10 +27,11 @@ import torch
 
 from . import _outside as ox
 from ._context import internal
-from ._ops import OVERWRITES, OpRecord, storage_key, tensor_leaves
+from ._errors import RematError
+from ._ops import OVERWRITES, OpRecord, arg_tensors, storage_key, tensor_leaves
 from ._policies import Offloadable
 
-__all__ = ["OutsideReads"]
+__all__ = ["OutsideReads", "outside_args"]
 
 if TYPE_CHECKING:
     _Recorder = Any  # (mypy: the half reads the recorder's attributes, which Recorder.__init__ sets)
@@ -141,3 +142,54 @@ class OutsideReads(_Recorder):
                 rec.subst = {}
             rec.subst[j] = t.detach().clone()
         rec.outside = keep or None
+
+
+def outside_args(self: Any, i: int, rec: OpRecord, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """The recompute's half of NOTE [outside tensors] (``self``: the full engine's ``Replayer``): check op ``i``
+    reads the forward pass's outside tensors; hand it copies where recorded."""
+    with internal():
+        ins = arg_tensors(args, kwargs)
+        casts: dict[int, torch.Tensor] = {}
+        for j, t0, version in rec.outside or ():
+            if rec.subst is not None and j in rec.subst:
+                continue  # served from a copy taken before a write (not yet settled: a partial recompute)
+            cur = ins[j] if j < len(ins) else None
+            if cur is None:
+                raise self.diverged(f"op #{i} {rec.describe()} has fewer tensor arguments than in the forward pass")
+            same = cur is t0 or (storage_key(cur) == storage_key(t0) and ox.geometry(cur) == ox.geometry(t0))
+            if not same and self.same_cast(cur, t0):
+                # NOTE [autocast's cache]: the cast of one leaf the forward pass read from the cache: the very
+                # tensor it read (the cache may hold a cast of the leaf's value before a write since)
+                casts[j] = t0
+                continue
+            if same:
+                if cur._version != version:
+                    raise RematError(
+                        f"remat: a tensor of shape {list(cur.shape)}{self.rec._label(t0)} that "
+                        f"{self.rec.fn_name} reads without taking it as an argument was modified in place "
+                        f"after its forward pass (version {version} -> {cur._version}), before the "
+                        "backward pass recomputed from it; the recompute would read the new value. Run "
+                        "the backward pass before updating it (e.g. optimizer.step() after backward()), "
+                        "or clone it."
+                    )
+                continue
+            if (not cur.requires_grad and not t0.requires_grad and cur.shape == t0.shape
+                    and cur.dtype == t0.dtype and cur.device == t0.device and torch.equal(cur, t0)):
+                continue  # a constant made afresh on every call, with the same value
+            raise RematError(
+                f"remat: the recompute of {self.rec.fn_name} read a different tensor of shape "
+                f"{list(cur.shape)}{self.rec._label(t0)} than its forward pass did, as argument "
+                f"#{j} of op #{i} {rec.func}: a tensor that is not an argument of the function (a "
+                "module's parameter or buffer, a closed-over or global tensor) was replaced between "
+                "the forward and the backward pass, and gradients would be wrong. Pass it to the "
+                "function as an argument, or keep it in place until the backward pass; for modules, "
+                "use remat.remat_module(module), whose parameters and buffers remat puts back. A cache the "
+                "call itself updates (a key/value cache, a rolling buffer) is such a tensor: for a Hugging Face "
+                "model pass use_cache=False (model.config.use_cache = False)."
+                + (f" (Its shape was {list(t0.shape)} in the forward pass.)" if cur.shape != t0.shape else "")
+            )
+        if rec.subst is not None:
+            args, kwargs = ox.replace_tensors(args, kwargs, {j: c.clone() for j, c in rec.subst.items()})
+        if casts:
+            args, kwargs = ox.replace_tensors(args, kwargs, casts)
+    return args, kwargs

@@ -35,6 +35,7 @@ from .._ops import (
     tensor_leaves,
     traits,
 )
+from .._outside_writes import outside_args
 from .._torch_internals import TorchDispatchMode
 from .._wiring import Wiring, autocast_cast, cast_source, describe_difference, same_key, values_key
 from .capture import PlannedCapture, StopRecompute
@@ -456,9 +457,9 @@ class Replayer(TorchDispatchMode):
                 i, rec = j, ops[j]
         self.pos = i + 1
         if rec is None:
-            raise self._diverged(f"it ran {func} after the {len(ops)} ops of the forward pass", cache_hint=True)
+            raise self.diverged(f"it ran {func} after the {len(ops)} ops of the forward pass", cache_hint=True)
         if func is not rec.func:
-            raise self._diverged(f"op #{i} was {rec.describe()} in the forward pass but {func} now", cache_hint=True)
+            raise self.diverged(f"op #{i} was {rec.describe()} in the forward pass but {func} now", cache_hint=True)
         wiring = self.wiring
         if rec.alias and alias:
             # NOTE [hooks' aliases]: the same value under another name, whichever tensor a hook's alias of the forward
@@ -473,7 +474,7 @@ class Replayer(TorchDispatchMode):
             return self._run(i, rec, func, args, kwargs)
         now = wiring.key(args, kwargs)  # NOTE [same reads] in _wiring.py: the values and which tensor each is
         if now != rec.wkey and not same_key(now, rec.wkey, loose=True):
-            raise self._diverged(
+            raise self.diverged(
                 f"op #{i} {func} read other values than in the forward pass: "
                 f"{describe_difference(now, rec.wkey, lambda j: None)} (a Python value computed from state that "
                 "changed, such as a step counter, a module's attribute or a global, or another tensor picked by it)"
@@ -507,20 +508,20 @@ class Replayer(TorchDispatchMode):
         if rec.scalars and rec.wkey is None:  # NOTE [same reads] in _wiring.py: the values, where no key was noted
             values = values_key(args, kwargs)
             if values != rec.scalars and not same_key(values, rec.scalars):
-                raise self._diverged(
+                raise self.diverged(
                     f"op #{i} {func} read other values than in the forward pass: "
                     f"{describe_difference(values, list(rec.scalars), lambda j: None)} (a Python value computed from state "
                     "that changed, such as a step counter, a module's attribute or a global)"
                 )
         if rec.outside is not None or rec.subst is not None:
-            args, kwargs = self._outside_args(i, rec, args, kwargs)
+            args, kwargs = outside_args(self, i, rec, args, kwargs)
         if rec.random and self.unused_keys:
             args, kwargs = self._no_placeholders(args, kwargs)
         if rec.lifted is not None:
             with internal():
                 now = ox.fingerprint(arg_tensors(args, kwargs)[0])
             if now != rec.lifted:
-                raise self._diverged(
+                raise self.diverged(
                     f"op #{i} {func} lifted a tensor built from Python data (torch.tensor, torch.from_numpy) "
                     f"of shape {list(now[0])} whose value differs from the forward pass's (data read from "
                     "state that changed in between)"
@@ -537,7 +538,7 @@ class Replayer(TorchDispatchMode):
         got = [op_meta(t)[:2] for t in outs]
         want = [m[:2] if m is not None else None for m in rec.out_meta]
         if got != want:
-            raise self._diverged(
+            raise self.diverged(
                 f"op #{i} {func} produced {', '.join(fmt_meta(m) for m in got)} in the recompute but "
                 f"{', '.join(fmt_meta(m) for m in want)} in the forward pass", cache_hint=True
             )
@@ -591,56 +592,7 @@ class Replayer(TorchDispatchMode):
                 vals.append(t)
         return rec.rebuild(vals)
 
-    def _outside_args(self, i: int, rec: OpRecord, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        """Check the op reads the forward's outside tensors; hand it copies where recorded (NOTE [outside tensors])."""
-        with internal():
-            ins = arg_tensors(args, kwargs)
-            casts: dict[int, torch.Tensor] = {}
-            for j, t0, version in rec.outside or ():
-                if rec.subst is not None and j in rec.subst:
-                    continue  # served from a copy taken before a write (not yet settled: a partial recompute)
-                cur = ins[j] if j < len(ins) else None
-                if cur is None:
-                    raise self._diverged(f"op #{i} {rec.describe()} has fewer tensor arguments than in the forward pass")
-                same = cur is t0 or (storage_key(cur) == storage_key(t0) and ox.geometry(cur) == ox.geometry(t0))
-                if not same and self._same_cast(cur, t0):
-                    # NOTE [autocast's cache]: the cast of one leaf the forward pass read from the cache: the very
-                    # tensor it read (the cache may hold a cast of the leaf's value before a write since)
-                    casts[j] = t0
-                    continue
-                if same:
-                    if cur._version != version:
-                        raise RematError(
-                            f"remat: a tensor of shape {list(cur.shape)}{self.rec._label(t0)} that "
-                            f"{self.rec.fn_name} reads without taking it as an argument was modified in place "
-                            f"after its forward pass (version {version} -> {cur._version}), before the "
-                            "backward pass recomputed from it; the recompute would read the new value. Run "
-                            "the backward pass before updating it (e.g. optimizer.step() after backward()), "
-                            "or clone it."
-                        )
-                    continue
-                if (not cur.requires_grad and not t0.requires_grad and cur.shape == t0.shape
-                        and cur.dtype == t0.dtype and cur.device == t0.device and torch.equal(cur, t0)):
-                    continue  # a constant made afresh on every call, with the same value
-                raise RematError(
-                    f"remat: the recompute of {self.rec.fn_name} read a different tensor of shape "
-                    f"{list(cur.shape)}{self.rec._label(t0)} than its forward pass did, as argument "
-                    f"#{j} of op #{i} {rec.func}: a tensor that is not an argument of the function (a "
-                    "module's parameter or buffer, a closed-over or global tensor) was replaced between "
-                    "the forward and the backward pass, and gradients would be wrong. Pass it to the "
-                    "function as an argument, or keep it in place until the backward pass; for modules, "
-                    "use remat.remat_module(module), whose parameters and buffers remat puts back. A cache the "
-                    "call itself updates (a key/value cache, a rolling buffer) is such a tensor: for a Hugging Face "
-                    "model pass use_cache=False (model.config.use_cache = False)."
-                    + (f" (Its shape was {list(t0.shape)} in the forward pass.)" if cur.shape != t0.shape else "")
-                )
-            if rec.subst is not None:
-                args, kwargs = ox.replace_tensors(args, kwargs, {j: c.clone() for j, c in rec.subst.items()})
-            if casts:
-                args, kwargs = ox.replace_tensors(args, kwargs, casts)
-        return args, kwargs
-
-    def _same_cast(self, cur: torch.Tensor, t0: torch.Tensor) -> bool:
+    def same_cast(self, cur: torch.Tensor, t0: torch.Tensor) -> bool:
         """NOTE [autocast's cache]: ``t0`` (read in the forward pass) is autocast's cast of a leaf, and ``cur``
         (read now) the cast of the same leaf to the same dtype, made by this recompute or cached."""
         leaf = cast_source(t0)
@@ -656,11 +608,11 @@ class Replayer(TorchDispatchMode):
             self.pos += 1  # NOTE [hooks' aliases]
         if self.pos != len(self.rec.ops):
             nxt = self.rec.ops[self.pos]
-            raise self._diverged(
+            raise self.diverged(
                 f"it stopped after {self.pos} ops; the forward pass went on with {nxt.describe()}"
             )
 
-    def _diverged(self, what: str, cache_hint: bool = False) -> RematError:
+    def diverged(self, what: str, cache_hint: bool = False) -> RematError:
         """``cache_hint``: the difference is one of ops or shapes, which a key/value cache makes (a message about a
         value or a tensor of the same shape suggests none: issue 38, a hint at a cache the caller had turned off was
         wrong advice)."""
