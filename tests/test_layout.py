@@ -22,7 +22,7 @@ FLOORS = [
     {"_dispatch", "policies", "_engine.compiled"},
     {"_state"},
     {"_packed"},
-    {"_engine.plans"},
+    {"_engine.plans", "_engine.frame"},
     {"_engine.capture"},
     {"_engine.replay"},
     {"_engine.region", "_engine.recompute"},

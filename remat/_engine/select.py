@@ -29,6 +29,7 @@ from .._context import INSPECTOR, active_context
 from .._errors import RematError
 from .._offload import default_engine
 from .._state import snapshot
+from .frame import CallFrame
 from .full import Frame
 from .planned import FastFrame
 from .plans import MAX_PLANS, fast_path_applies, signature
@@ -45,6 +46,7 @@ class _Static:
 
 
 _STATIC = _Static()
+_ENGINES: tuple[type[CallFrame], ...] = (Frame, FastFrame)  # (mypy checks that both engines' frames are CallFrames)
 
 
 def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics: tuple[int, ...],
@@ -63,7 +65,7 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
     # NOTE [state is an input]: what fn reads besides its arguments, held like them
     state = snapshot(fn, [a for a in flat if not isinstance(a, torch.Tensor)] + list(static_vals.values()))
     outermost = not enclosed()
-    frame: Any = None
+    frame: CallFrame | None = None
     key = None
     if owner is not None and not owner.debug and not region and ctx is None and fast_path_applies():
         key = signature(flat, static_vals, state)  # NOTE [fast path] in plans.py
