@@ -12,7 +12,8 @@ remat: its tracker needs the outermost module called as a module and breaks on l
 *silent mismatch*, the one outcome remat never allows (NOTE [same reads] in ``remat/_wiring.py``).
 
 Run: ``python benchmarks/fuzz.py --programs 2000 --calls 8`` prints, per policy and wrapping, the number of calls,
-how many matched, raised, and mismatched silently. ``tests/test_state_fuzz.py`` runs a slice.
+how many matched, raised, and mismatched silently. ``tests/test_python_state.py::test_state_fuzzer_slice`` runs a
+slice.
 """
 
 from __future__ import annotations

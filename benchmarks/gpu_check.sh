@@ -9,7 +9,7 @@
 # checkout through PYTHONPATH. Then, each stage with a time limit inside one overall budget:
 #   1. benchmarks/gpu_check.py: environment; exactness under delayed copies; waits under the cap; pinned pool; prefetch;
 #      in-place writes
-#   2. the CUDA tests: pytest -k "gpu or cuda" over tests/test_offload.py and tests/test_transforms.py
+#   2. the CUDA tests: pytest -k "gpu or cuda" over tests/test_offload_gpu.py and tests/test_transforms.py
 #   3. benchmarks/offload_gpu.py: leak check, per row peak allocated / reserved, retries, syncs, bytes moved,
 #      times, copy bandwidth and how much of the copy time shows in the step time
 # and a summary in markdown at the end (the last lines of the output hold every result).
@@ -94,7 +94,7 @@ if [ $TINY -eq 1 ]; then
 else
   stage "checks (benchmarks/gpu_check.py)" 120 checks.log "$PY" benchmarks/gpu_check.py
   stage "CUDA tests (pytest -k 'gpu or cuda')" 120 tests.log \
-    "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_offload.py tests/test_transforms.py -k "gpu or cuda"
+    "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_offload_gpu.py tests/test_transforms.py -k "gpu or cuda"
   # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
   stage "benchmark (benchmarks/offload_gpu.py ${BENCH_ARGS:---rounds 3})" 400 bench.log \
     "$PY" benchmarks/offload_gpu.py ${BENCH_ARGS:---rounds 3}

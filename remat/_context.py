@@ -7,7 +7,7 @@ managers, so an exception cannot leave it set and threads do not see each
 other's.
 
 * :func:`active_context`: the innermost remat context of this thread, a frame in
-  its forward pass (``_hooks.Frame``) or a recompute's capture; nested calls and
+  its forward pass (``_engine/full.py``'s ``Frame``) or a recompute's capture; nested calls and
   ``checkpoint_name`` look here. The save-nothing fast path (``_engine/planned.py``)
   does not set it.
 * :data:`INTERNAL` / :func:`internal`: ops run inside are remat's own (a

@@ -205,7 +205,7 @@ class _Inspector:
         return row
 
     def collect_stashes(self) -> None:
-        """Outputs a remat call holds to replay them in its recompute (NOTE [stash liveness] in _dispatch.py)."""
+        """Outputs a remat call holds to replay them in its recompute (NOTE [stash liveness] in _liveness.py)."""
         with internal():
             for frame in self.frames.values():
                 for rec, held in iter_stashed(frame.recorder):

@@ -28,3 +28,12 @@ def clean_after() -> Iterator[None]:
     assert ambient_state() == CLEAN
     yield
     assert ambient_state() == CLEAN
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """torch on one thread for the test, its thread count put back after (``pytestmark`` of the offload tests)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -25,7 +25,7 @@ def _run(*flags: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
                           timeout=timeout, env=env)
 
 
-def test_cli_json(tmp_path):
+def test_cli_writes_every_row_and_its_measures_as_json(tmp_path):
     out = tmp_path / "r.json"
     p = _run("--model", "transformer", "--size", "small", "--device", "cpu", "--steps", "1", "--warmup", "0",
              "--threads", "1", "--json", str(out))

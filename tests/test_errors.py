@@ -15,14 +15,9 @@ import torch
 from remat import RematError, checkpoint_name, policies, remat
 
 from .conftest import CLEAN, ambient_state
-from .helpers import Counted
+from .helpers import Counted, leaf
 
 pytestmark = pytest.mark.usefixtures("clean_after")
-
-
-def leaf(*shape, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
 
 
 def plain_autograd_still_works():

@@ -33,7 +33,7 @@ def test_every_example_has_a_test() -> None:
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
-def test_cnn_training() -> None:
+def test_cnn_training_example_learns_bitwise_and_keeps_less() -> None:
     out = run_example("cnn_training.py")
     assert "gradients with and without remat bitwise equal: True" in out
     first = number(r"mean loss of the first 20 steps ([\d.]+)", out)
@@ -45,7 +45,7 @@ def test_cnn_training() -> None:
     assert saved > 0 and rem < plain, out
 
 
-def test_mlp_resume() -> None:
+def test_mlp_resume_example_resumes_bitwise_from_a_saved_step() -> None:
     out = run_example("mlp_resume.py")
     crash = number(r"interrupted after step (\d+)", out)
     start = number(r"resumed from the file saved at step (\d+)", out)
@@ -61,7 +61,7 @@ def test_mlp_resume_docstring_separates_the_two_checkpoints() -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS is read from /proc")
-def test_per_example_grads() -> None:
+def test_per_example_grads_example_is_bitwise_and_recomputes_each_block_once() -> None:
     out = run_example("per_example_grads.py")
     assert "bitwise equal with and without remat (vmap of grad, and of vjp): True" in out
     assert re.search(r"block calls: without remat (\d+), with remat (\d+)", out), out
@@ -73,7 +73,7 @@ def test_per_example_grads() -> None:
     assert rem < plain, out
 
 
-def test_policies() -> None:
+def test_policies_example_orders_memory_and_recompute_as_documented() -> None:
     out = run_example("policies.py")
     assert "every policy: loss and gradients bitwise equal to plain autograd" in out
     assert out.count("saved residuals of") == 11  # print_saved_residuals for every policy
@@ -90,7 +90,7 @@ def test_policies() -> None:
     assert dots[2] == plain[2] < nothing[2]  # dots_saveable recomputes no matrix product
 
 
-def test_modules() -> None:
+def test_modules_example_keeps_state_and_gradients_bitwise() -> None:
     out = run_example("modules.py")
     assert "remat_modules changed ['conv1', 'fc2'] (state_dict keys unchanged: True)" in out
     assert "remat(self.conv1)(x): parameters and BatchNorm statistics bitwise equal to plain: True" in out

@@ -220,7 +220,7 @@ def _mlp_loss(W, b, x):
 
 
 @pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls"])
-def test_func_grad_smoke(policy):
+def test_torch_func_grad_is_exact_and_recomputes_once(policy):
     W, b, x = torch.randn(5, 5, dtype=torch.float64), torch.randn(5, dtype=torch.float64), torch.randn(
         3, 5, dtype=torch.float64)
     counted = Counted(_mlp_loss)
@@ -230,7 +230,7 @@ def test_func_grad_smoke(policy):
     assert counted.calls == 2  # gelu(...) ** 2 saves the gelu output: dropped by both policies
 
 
-def test_func_vmap_smoke():
+def test_vmap_is_exact_and_recomputes_once():
     W = torch.randn(5, 5, dtype=torch.float64, requires_grad=True)
     xs = torch.randn(4, 3, 5, dtype=torch.float64)
     counted = Counted(lambda W, x: torch.tanh(x @ W).sin().sum())

@@ -195,7 +195,7 @@ def test_block_names_and_state_dict_keys_unchanged() -> None:
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name,attn", CASES, ids=CASE_IDS)
-def test_autograd(name: str, attn: str, policy: str) -> None:
+def test_autograd_gradients_equal_the_model_without_remat(name: str, attn: str, policy: str) -> None:
     model, ids = make(name, attn), token_ids()
     want = autograd_grads(model, ids)
     r, blocks = rematted(model, name, POLICIES[policy])

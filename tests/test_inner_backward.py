@@ -8,15 +8,11 @@ import torch
 
 from remat import RematError, policies, remat
 
-from .helpers import OpCounter, assert_tree_close
+from .helpers import OpCounter, assert_tree_close, seeded_randn
 
 SIN = {torch.ops.aten.sin.default}
 POLICIES = {"nothing": policies.nothing_saveable, "dots": policies.dots_saveable,
             "everything": policies.everything_saveable}
-
-
-def _x(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
 
 def penalty(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -38,7 +34,7 @@ def twice(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_autograd_grad_inside_the_forward_pass(policy: str, dtype: torch.dtype) -> None:
-    x, w = _x(4, 3, dtype=dtype).requires_grad_(), _x(3, 3, dtype=dtype, seed=1).requires_grad_()
+    x, w = seeded_randn(4, 3, dtype=dtype).requires_grad_(), seeded_randn(3, 3, dtype=dtype, seed=1).requires_grad_()
     want = torch.autograd.grad(penalty(x, w), (x, w))
     loss = remat(penalty, policy=POLICIES[policy])(x, w)
     with OpCounter(SIN) as c:
@@ -50,14 +46,14 @@ def test_autograd_grad_inside_the_forward_pass(policy: str, dtype: torch.dtype) 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_two_inner_backward_passes(dtype: torch.dtype) -> None:
-    x = _x(5, dtype=dtype).requires_grad_()
+    x = seeded_randn(5, dtype=dtype).requires_grad_()
     want = torch.autograd.grad(twice(x), x)
     got = torch.autograd.grad(remat(twice)(x), x)
     assert_tree_close(got, want)
 
 
 def test_inner_backward_with_backward_and_double_backward() -> None:
-    x, w = _x(4, 3, dtype=torch.float64).requires_grad_(), _x(3, 3, dtype=torch.float64, seed=1).requires_grad_()
+    x, w = seeded_randn(4, 3, dtype=torch.float64).requires_grad_(), seeded_randn(3, 3, dtype=torch.float64, seed=1).requires_grad_()
     (gw,) = torch.autograd.grad(penalty(x, w), w, create_graph=True)
     want = torch.autograd.grad(gw.sum(), x)
     (gw2,) = torch.autograd.grad(remat(penalty)(x, w), w, create_graph=True)
@@ -70,7 +66,7 @@ def test_inner_backward_with_backward_and_double_backward() -> None:
 
 @pytest.mark.parametrize("outer_policy", ["nothing", "dots", "everything"])
 def test_inner_backward_in_a_nested_remat_call(outer_policy: str) -> None:
-    x, w = _x(4, 3, dtype=torch.float64).requires_grad_(), _x(3, 3, dtype=torch.float64, seed=1).requires_grad_()
+    x, w = seeded_randn(4, 3, dtype=torch.float64).requires_grad_(), seeded_randn(3, 3, dtype=torch.float64, seed=1).requires_grad_()
     inner = remat(penalty)
     outer = remat(lambda x, w: inner(torch.sin(x), w) * 2, policy=POLICIES[outer_policy])
     want = torch.autograd.grad(penalty(torch.sin(x), w) * 2, (x, w))
@@ -97,7 +93,7 @@ def per_example_penalty(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_torch_func_grad_inside_remat(policy: str, dtype: torch.dtype) -> None:
-    w, x = _x(3, 3, dtype=dtype).requires_grad_(), _x(4, 3, dtype=dtype, seed=1).requires_grad_()
+    w, x = seeded_randn(3, 3, dtype=dtype).requires_grad_(), seeded_randn(4, 3, dtype=dtype, seed=1).requires_grad_()
     want = torch.autograd.grad(per_example_penalty(w, x), (w, x))
     f = remat(per_example_penalty, policy=POLICIES[policy])
     loss = f(w, x)
@@ -130,7 +126,7 @@ def test_other_reverse_transforms_inside_remat(inner: str) -> None:
             out = torch.func.hessian(g)(x).sum(0)
         return (out * x).sum()
 
-    x = _x(4, dtype=torch.float64).requires_grad_()
+    x = seeded_randn(4, dtype=torch.float64).requires_grad_()
     want = torch.autograd.grad(f(x), x)
     got = torch.autograd.grad(remat(f)(x), x)
     assert_tree_close(got, want)
@@ -144,7 +140,7 @@ def test_region_double_backward_and_modules() -> None:
         gx = torch.func.grad(lambda v: torch.tanh(lin(v)).sum())(x)  # the module's parameters: state inputs
         return (gx * torch.sin(lin(x))).sum()
 
-    x = _x(3, dtype=torch.float64).requires_grad_()
+    x = seeded_randn(3, dtype=torch.float64).requires_grad_()
     params = (x, *lin.parameters())
     (gw,) = torch.autograd.grad(f(x), lin.weight, create_graph=True)
     want = torch.autograd.grad(gw.sum(), params)
@@ -154,7 +150,7 @@ def test_region_double_backward_and_modules() -> None:
 
 
 def test_region_inside_an_outer_remat_call() -> None:
-    w, x = _x(3, 3, dtype=torch.float64).requires_grad_(), _x(4, 3, dtype=torch.float64, seed=1).requires_grad_()
+    w, x = seeded_randn(3, 3, dtype=torch.float64).requires_grad_(), seeded_randn(4, 3, dtype=torch.float64, seed=1).requires_grad_()
     inner = remat(per_example_penalty, policy=policies.dots_saveable)
     outer = remat(lambda w, x: inner(w, torch.sin(x)) * 2)
     want = torch.autograd.grad(per_example_penalty(w, torch.sin(x)) * 2, (w, x))
@@ -167,7 +163,7 @@ def test_region_replays_random_numbers() -> None:
         h = torch.nn.functional.dropout(torch.sin(x), 0.5, training=True)
         return (torch.func.grad(lambda v: torch.tanh(v).sum())(h) * h).sum()
 
-    x = _x(64, dtype=torch.float64).requires_grad_()
+    x = seeded_randn(64, dtype=torch.float64).requires_grad_()
     torch.manual_seed(3)
     want = torch.autograd.grad(f(x), x)
     torch.manual_seed(3)
@@ -186,7 +182,7 @@ def test_region_replays_a_generator_of_your_own() -> None:
         h = h * (torch.rand(h.shape, generator=G, dtype=h.dtype) > 0.5).to(h.dtype)
         return (torch.func.grad(lambda v: torch.tanh(v).sum())(h) * h).sum()
 
-    x = _x(64, dtype=torch.float64).requires_grad_()
+    x = seeded_randn(64, dtype=torch.float64).requires_grad_()
     g = remat(f)
     for step in range(3):  # the first call finds out it needs a region, the next ones start as one
         G.manual_seed(step)
@@ -204,7 +200,7 @@ def test_region_replays_a_generator_of_your_own() -> None:
 def test_region_holds_only_its_inputs_under_save_nothing() -> None:
     from remat.bench.measure import LiveCensus
 
-    w, x = _x(64, 64, dtype=torch.float64).requires_grad_(), _x(32, 64, dtype=torch.float64, seed=1).requires_grad_()
+    w, x = seeded_randn(64, 64, dtype=torch.float64).requires_grad_(), seeded_randn(32, 64, dtype=torch.float64, seed=1).requires_grad_()
     held = {}
     for name, fn in (("plain", per_example_penalty), ("remat", remat(per_example_penalty))):
         fn(w, x)  # the remat'd one finds out on its first call
@@ -226,8 +222,8 @@ def test_region_under_outer_torch_func_transforms(transform: str) -> None:
         g = torch.func.grad(lambda u: (torch.sin(u) * u).sum())(v)
         return (g * torch.tanh(v)).sum()
 
-    x = _x(3, dtype=torch.float64)
-    xb = _x(2, 3, dtype=torch.float64, seed=1)
+    x = seeded_randn(3, dtype=torch.float64)
+    xb = seeded_randn(2, 3, dtype=torch.float64, seed=1)
 
     def run(fn):
         if transform == "grad":
@@ -252,7 +248,7 @@ def test_region_under_torch_func_reading_an_outer_tensor_it_was_not_given_raises
             _HIDDEN.clear()
 
     with pytest.raises(RematError, match="its gradient would be lost"):
-        torch.func.grad(loss)(_x(3, dtype=torch.float64), _x(3, dtype=torch.float64, seed=1))
+        torch.func.grad(loss)(seeded_randn(3, dtype=torch.float64), seeded_randn(3, dtype=torch.float64, seed=1))
 
 
 _HIDDEN: dict[str, torch.Tensor] = {}  # a module global: remat does not look there
@@ -263,8 +259,8 @@ def _reads_hidden(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_region_reading_an_unknown_tensor_that_requires_grad_raises() -> None:
-    _HIDDEN["w"] = _x(3, dtype=torch.float64).requires_grad_()
-    x = _x(3, dtype=torch.float64).requires_grad_()
+    _HIDDEN["w"] = seeded_randn(3, dtype=torch.float64).requires_grad_()
+    x = seeded_randn(3, dtype=torch.float64).requires_grad_()
     try:
         with pytest.raises(RematError, match="its gradient would be lost"):
             remat(_reads_hidden)(x)
@@ -282,7 +278,7 @@ def test_region_with_jacrev_and_a_saving_policy(policy: str) -> None:
         jac = torch.func.jacrev(lambda z: z.sin() * z.sum())(x)
         return (jac * x).sum()
 
-    x = _x(3, dtype=torch.float64).requires_grad_()
+    x = seeded_randn(3, dtype=torch.float64).requires_grad_()
     assert_tree_close(torch.autograd.grad(remat(f, policy=pol)(x), x), torch.autograd.grad(f(x), x))
 
 
@@ -301,14 +297,14 @@ def test_region_output_saved_by_an_outer_call_and_region_returning_its_input() -
         return (inner(h) * h).sum()
 
     for step in range(2):
-        x = _x(4, 3, dtype=torch.float64, seed=step).requires_grad_()
+        x = seeded_randn(4, 3, dtype=torch.float64, seed=step).requires_grad_()
         for policy in POLICIES.values():
             assert_tree_close(torch.autograd.grad(remat(outer, policy=policy)(x), x), torch.autograd.grad(plain(x), x))
 
     def passthrough(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x, torch.func.grad(lambda y: y.sin().sum())(x)
 
-    x = _x(3, dtype=torch.float64).requires_grad_()
+    x = seeded_randn(3, dtype=torch.float64).requires_grad_()
     a, b = remat(passthrough)(x)
     a2, b2 = passthrough(x)
     assert_tree_close(torch.autograd.grad((a * b).sum(), x), torch.autograd.grad((a2 * b2).sum(), x))
@@ -326,7 +322,7 @@ def test_inner_backward_with_batch_norm_called_twice(policy: str) -> None:
         return bn(a * g).exp().sum()
 
     def run(fn):
-        x = _x(5, 3, dtype=torch.float64).requires_grad_()
+        x = seeded_randn(5, 3, dtype=torch.float64).requires_grad_()
         bn.reset_running_stats()
         grads = torch.autograd.grad(fn(x), [x, bn.weight, bn.bias])
         return [*grads, bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone()]

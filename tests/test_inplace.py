@@ -249,7 +249,7 @@ def test_a_result_written_then_dropped_before_the_backward_pass_raises(debug: bo
             torch.autograd.grad(out, w)
 
 
-# ---- issue 38, item 4: writes through .data / detach() after a save: the same answer on every call -----------------
+# ---- writes through .data / detach() after a save: the same answer on every call -----------------------------------
 
 def _data_write_after_sin(W, x):
     t = torch.sin(x @ W)

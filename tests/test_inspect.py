@@ -109,7 +109,7 @@ def test_plain_function_matches_autograd_hooks():
     (policies.save_only_these_names("other"), "recomputed"),
     (policies.save_anything_except_these_names("h"), "recomputed"),
 ])
-def test_names(policy, decision):
+def test_saved_residuals_name_the_tagged_residual_and_its_decision(policy, decision):
     W, x = _args()
     rs = remat.saved_residuals(_outer(remat.remat(named_block, policy=policy)), W, x)
     h = _by_op(rs)["aten.mm.default"]
@@ -198,7 +198,7 @@ def test_census_agrees_with_inspector():
         del loss
 
 
-def test_memory_report():
+def test_memory_report_weighs_each_policy_against_no_remat():
     W, x = _args()
 
     def make_loss(wrap):
@@ -239,7 +239,7 @@ def test_memory_report_on_blocks_that_call_modules():
     assert nothing.retained_bytes < plain.retained_bytes
 
 
-def test_errors():
+def test_saved_residuals_and_memory_report_reject_bad_arguments():
     with pytest.raises(TypeError, match="expected a function"):
         remat.saved_residuals(3)
     W, x = _args()

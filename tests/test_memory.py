@@ -26,13 +26,11 @@ import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from remat import checkpoint_name, policies, remat
 from remat._engine.full import Frame
 
-from .helpers import Counted
+from .helpers import Counted, StorageCensus
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,34 +93,6 @@ def test_save_anything_except_these_names_drops_the_named_value():
 
 
 # ---- storage liveness under torch.func ------------------------------------------------
-
-
-class StorageCensus(TorchDispatchMode):
-    """Weak references to the storage of every op output, recorded from outside remat.
-
-    Under torch.func the mode sees the ops below the functorch layers, on plain tensors,
-    so the storages it records are the real ones the wrappers (and saved tensors) share.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[tuple[str, weakref.ref]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.records.append((func.__name__, weakref.ref(t.untyped_storage())))
-        return out
-
-    def alive(self, exclude: set[int]) -> list[str]:
-        """Sorted names of the ops whose output storages are still alive (a storage named by its first op)."""
-        first: dict[int, str] = {}
-        for name, ref in self.records:
-            s = ref()
-            if s is not None and id(s) not in exclude:
-                first.setdefault(id(s), name)
-        return sorted(first.values())
 
 
 def func_block(W1, W2, x):

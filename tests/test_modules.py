@@ -504,7 +504,7 @@ def test_remat_of_a_module_runs_its_hooks_once_outside(clean_after: None) -> Non
         assert torch.allclose(a.grad, b.grad, **TOL), name  # type: ignore[arg-type]
 
 
-# ---- found by review: buffers read around batch norm's writes, Python state, containers ---------
+# ---- buffers read around batch norm's writes, Python state, containers --------------------------
 
 class _ReadAroundBN(nn.Module):
     """Reads the running mean before BatchNorm writes it (batch norm's write does not bump its version)."""

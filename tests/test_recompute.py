@@ -17,14 +17,7 @@ import torch.nn.functional as F
 
 from remat import checkpoint_name, policies, remat
 
-from .helpers import Counted, OpCounter, assert_tree_close
-
-f64 = torch.float64
-
-
-def leaf(*shape, dtype=f64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()
+from .helpers import Counted, OpCounter, assert_tree_close, leaf
 
 
 def mlp2(W1, W2, x):

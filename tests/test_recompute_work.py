@@ -26,15 +26,10 @@ import torch.utils.checkpoint as tcp
 from remat import RematError, policies, remat
 from remat.bench.measure import LiveCensus
 
-from .helpers import MATMUL_OPS, OpCounter, assert_tree_close
+from .helpers import MATMUL_OPS, OpCounter, assert_tree_close, seeded_randn
 
 SIN = {torch.ops.aten.sin.default}
 EXP = {torch.ops.aten.exp.default}
-
-
-def _x(*shape: int, dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g, dtype=dtype)
 
 
 # ---- freed as used -----------------------------------------------------------------------------------
@@ -48,7 +43,7 @@ def _chain(x: torch.Tensor) -> torch.Tensor:
 
 def _backward_live(wrap, n: int = 4096) -> tuple[list[int], int, torch.Tensor]:
     """Live op-allocated bytes each time the backward pass runs a cos (one per sin node), and the peak."""
-    x = _x(n).requires_grad_()
+    x = seeded_randn(n).requires_grad_()
     loss = wrap(_chain)(x).sum()
     trace: list[int] = []
     census = LiveCensus()
@@ -82,7 +77,7 @@ def test_recomputed_tensors_are_freed_as_the_backward_reads_them() -> None:
 
 
 def test_a_saved_tensor_read_twice_is_recomputed_again() -> None:
-    x = _x(5).requires_grad_()
+    x = seeded_randn(5).requires_grad_()
     y = remat(lambda x: x.sin().sin())(x)
     node = y.grad_fn
     with OpCounter(SIN) as c:
@@ -103,7 +98,7 @@ def test_a_constant_from_numpy_is_not_held_between_forward_and_backward() -> Non
         refs.append(weakref.ref(arr))
         return (x * torch.from_numpy(arr)).sin().sum()
 
-    x = _x(1 << 18).requires_grad_()
+    x = seeded_randn(1 << 18).requires_grad_()
     (want,) = torch.autograd.grad(f(x), x)
     loss = remat(f)(x)
     gc.collect()
@@ -121,7 +116,7 @@ def test_a_constant_built_from_python_data_gives_exact_gradients(make: str) -> N
         return (x @ c).tanh().sum()
 
     for dtype in (torch.float64, torch.float32):
-        x = _x(3, 2, dtype=dtype).requires_grad_()
+        x = seeded_randn(3, 2, dtype=dtype).requires_grad_()
         (want,) = torch.autograd.grad(f(x), x)
         (got,) = torch.autograd.grad(remat(f)(x), x)
         assert_tree_close(got, want)
@@ -134,7 +129,7 @@ def test_a_large_constant_whose_data_changed_before_the_backward_raises() -> Non
     def f(x: torch.Tensor) -> torch.Tensor:
         return (x * torch.tensor(scale, dtype=x.dtype)).sin().sum()
 
-    x = _x(20000).requires_grad_()
+    x = seeded_randn(20000).requires_grad_()
     loss = remat(f)(x)
     scale[0] = 3.0
     with pytest.raises(RematError, match="built from Python data"):
@@ -152,7 +147,7 @@ def test_values_not_depending_on_differentiated_inputs_follow_the_policy(transfo
     def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return (torch.sin(x) * y).sum()
 
-    x, y = _x(3), _x(3, seed=1)
+    x, y = seeded_randn(3), seeded_randn(3, seed=1)
 
     def grad_y(fn):
         if transform == "autograd":
@@ -181,7 +176,7 @@ def _two(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_an_output_without_cotangent_is_not_recomputed(dtype: torch.dtype) -> None:
-    x, y = _x(5, dtype=dtype).requires_grad_(), _x(5, dtype=dtype, seed=1).requires_grad_()
+    x, y = seeded_randn(5, dtype=dtype).requires_grad_(), seeded_randn(5, dtype=dtype, seed=1).requires_grad_()
     a0, _ = _two(x, y)
     (want,) = torch.autograd.grad(a0.sum(), x)
     a, b = remat(_two)(x, y)
@@ -200,7 +195,7 @@ def test_an_output_without_cotangent_is_not_recomputed(dtype: torch.dtype) -> No
 
 
 def test_unused_outputs_when_only_some_inputs_are_asked_for() -> None:
-    x, y = _x(5).requires_grad_(), _x(5, seed=1).requires_grad_()
+    x, y = seeded_randn(5).requires_grad_(), seeded_randn(5, seed=1).requires_grad_()
     a, b = remat(_two)(x, y)
     with OpCounter(EXP) as ce:
         (got,) = torch.autograd.grad(a.sum() + b.sum(), x)  # b's nodes do not run: y is not asked for
@@ -240,7 +235,7 @@ def test_an_op_with_a_number_output_saved_by_the_policy_is_replayed() -> None:
         y, n = _sin_and_count(x)
         return (y * y * n).sin().sum()  # sin's input is dropped: the backward pass recomputes
 
-    x = _x(5).requires_grad_()
+    x = seeded_randn(5).requires_grad_()
     (want,) = torch.autograd.grad(f(x), x)
     pol = lambda op, *a, **k: "sin_and_count" in str(op)  # noqa: E731
     for policy, runs in ((pol, 0), (policies.nothing_saveable, 1)):
@@ -270,7 +265,7 @@ def _block(inplace: bool):
 
 @pytest.mark.parametrize("transform", ["grad", "vmap_grad"])
 def test_an_inplace_op_under_torch_func_keeps_dead_op_elimination(transform: str) -> None:
-    w1, w2, x = _x(6, 6), _x(6, 6, seed=1), _x(4, 6, seed=2)
+    w1, w2, x = seeded_randn(6, 6), seeded_randn(6, 6, seed=1), seeded_randn(4, 6, seed=2)
 
     def run(f):
         if transform == "grad":
@@ -291,7 +286,7 @@ def test_an_inplace_op_under_torch_func_keeps_dead_op_elimination(transform: str
     assert counts[True] == counts[False] == 1, counts
 
 
-# ---- the unused-output analysis is checked, never trusted (review of issue 9) ----------------------------------
+# ---- the unused-output analysis is checked, never trusted ------------------------------------------------------
 
 ALL_POLICIES = {"nothing": policies.nothing_saveable, "dots": policies.dots_saveable,
                 "names": policies.save_only_these_names("none"), "offload": policies.offload_to_cpu(min_bytes=0),
@@ -309,7 +304,7 @@ def _random_two(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("policy", list(ALL_POLICIES))
 def test_an_output_written_in_place_after_use_counts_as_used(policy: str) -> None:
     """o2 is used in the loss, then written in place: its tensor's node is no longer the one the backward runs."""
-    x = _x(6).requires_grad_()
+    x = seeded_randn(6).requires_grad_()
 
     def run(fn):
         torch.manual_seed(0)
@@ -332,7 +327,7 @@ def _leaks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("policy", list(ALL_POLICIES))
 def test_a_value_leaked_out_of_the_call_is_recomputed_in_full(policy: str) -> None:
-    x = _x(6).requires_grad_()
+    x = seeded_randn(6).requires_grad_()
 
     def run(fn):
         _LEAKED.clear()
@@ -358,7 +353,7 @@ def test_three_levels_of_nesting_under_double_backward() -> None:
         return remat(mid, policy=policies.dots_saveable)(x, w).sin()
 
     def run(f):
-        x, w = _x(4, 3).requires_grad_(), _x(3, 3, seed=1).requires_grad_()
+        x, w = seeded_randn(4, 3).requires_grad_(), seeded_randn(3, 3, seed=1).requires_grad_()
         g = torch.autograd.grad(f(x, w).sum(), (x, w), create_graph=True)
         return torch.autograd.grad(sum((gi ** 2).sum() for gi in g), (x, w))
 
@@ -376,7 +371,7 @@ def test_a_large_constant_checksum_is_a_real_hash() -> None:
         idx = torch.tensor(data)
         return (x[idx] * torch.arange(n, dtype=x.dtype)).sin().sum()
 
-    x = _x(n).requires_grad_()
+    x = seeded_randn(n).requires_grad_()
     loss = remat(f)(x)
     data[0], data[65521] = data[65521], data[0]
     with pytest.raises(RematError, match="built from Python data"):

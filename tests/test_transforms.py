@@ -278,7 +278,7 @@ MODEL_CASES = [
 
 @pytest.mark.parametrize("pol", ["nothing", "dots", "everything", "offload_cpu"])
 @pytest.mark.parametrize("case", MODEL_CASES, ids=[c.name for c in MODEL_CASES])
-def test_models(case: Case, pol: str) -> None:
+def test_reference_models_equal_plain_under_each_transform(case: Case, pol: str) -> None:
     check_case(case, pol)
 
 
@@ -346,7 +346,7 @@ RANDOM_CASES = [
 
 @pytest.mark.parametrize("pol", POLICY_IDS)
 @pytest.mark.parametrize("case", RANDOM_CASES, ids=[c.name for c in RANDOM_CASES])
-def test_randomness(case: Case, pol: str) -> None:
+def test_random_ops_equal_plain_under_each_transform(case: Case, pol: str) -> None:
     check_case(case, pol)
 
 

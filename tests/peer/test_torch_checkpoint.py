@@ -9,9 +9,10 @@ semantics) in place of ``torch.utils.checkpoint.checkpoint`` and remat policies 
 selective-checkpoint contexts. Every case compares against the function without remat
 (float64 to 1e-10, float32 bitwise where the recompute runs the same kernels); where
 upstream counts recomputes or memory, these count Python calls and ATen ops (``OpCounter``,
-``FlopCounterMode``) and measure memory from outside remat (``StorageCensus`` below on the
-CPU, the CUDA allocator's statistics on CUDA). Cases that fail because of remat are
-``xfail(strict=True)`` with the reason (none today); CUDA-only cases skip without a GPU.
+``FlopCounterMode``) and measure memory from outside remat (``StorageCensus`` of
+``tests/helpers.py`` on the CPU, the CUDA allocator's statistics on CUDA). Cases that fail
+because of remat are ``xfail(strict=True)`` with the reason (none today); CUDA-only cases
+skip without a GPU.
 
 test/test_utils.py, TestCheckpoint (18 cases)
     test_checkpoint_trigger: ported as test_trigger_recomputes_each_rematted_module_once
@@ -148,16 +149,14 @@ import re
 import warnings
 import weakref
 
-import optree
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from remat import RematError, policies, remat
 
-from ..helpers import Counted, OpCounter, assert_tree_close
+from ..helpers import Counted, OpCounter, StorageCensus, assert_tree_close, census
 
 F64 = torch.float64
 SIN = torch.ops.aten.sin.default
@@ -208,71 +207,6 @@ def watch_storage(t):
     fin = weakref.finalize(t.untyped_storage(), state.__setitem__, "alive", False)
     fin.atexit = False
     return state
-
-
-def _tensors(tree):
-    return [t for t in optree.tree_leaves(tree, none_is_leaf=True) if isinstance(t, torch.Tensor)]
-
-
-def _storage_ptr(t):
-    try:
-        return int(t.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):
-        return 0
-
-
-class StorageCensus(TorchDispatchMode):
-    """Bytes of the storages that ops allocate while the mode is active and that are still alive.
-
-    Measured from outside remat: each new output storage is weighed and watched with a
-    finalizer; remat's bookkeeping is never read. ``live`` is the current sum, ``peak``
-    its maximum.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._alive = {}
-        self._finalizers = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        ins = {_storage_ptr(t) for t in _tensors((args, kwargs))}
-        for t in _tensors(out):
-            ptr = _storage_ptr(t)
-            if not ptr or ptr in ins or ptr in self._alive:
-                continue  # a view or an in-place result allocates nothing
-            storage = t.untyped_storage()
-            n, token = int(storage.nbytes()), object()
-            self._alive[ptr] = token
-            self.live += n
-            self.peak = max(self.peak, self.live)
-            fin = weakref.finalize(storage, self._freed, ptr, token, n)
-            fin.atexit = False
-            self._finalizers.append(fin)
-        return out
-
-    def _freed(self, ptr, token, n):
-        if self._alive.get(ptr) is token:
-            del self._alive[ptr]
-            self.live -= n
-
-    def close(self):
-        for f in self._finalizers:
-            f.detach()
-        self._finalizers.clear()
-        self._alive.clear()
-
-
-@contextlib.contextmanager
-def census():
-    c = StorageCensus()
-    try:
-        with c:
-            yield c
-    finally:
-        c.close()
 
 
 # Custom ops (torch.library) used by the custom-op cases; registered once per process.

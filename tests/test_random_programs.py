@@ -22,6 +22,8 @@ import torch.nn.functional as F
 
 from remat import RematError, checkpoint_name, policies, remat
 
+from .helpers import seeded_randn
+
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -305,7 +307,7 @@ MODES = ["plain", "planned", "func_grad", "vmap_grad", "double", "nested"]
 
 # Known engine bugs: none left. (Fixed since the fuzzer found them: names after in-place writes, NaN replays when a
 # function writes in place, and under torch.func a name policy with an in-place write, and vmap(grad) with a dropped
-# named value fed to einsum: see the repro tests below.)
+# named value fed to einsum: see the small programs below.)
 
 
 def gen(mode: str, seed: int) -> dict[str, Any]:
@@ -355,7 +357,7 @@ def plain_runs(mode: str, prog: dict[str, Any]) -> bool:
 
 
 @pytest.mark.parametrize("mode,seed,policy_name", _cases())
-def test_fuzz(mode: str, seed: int, policy_name: str) -> None:
+def test_a_random_program_matches_plain_f(mode: str, seed: int, policy_name: str) -> None:
     prog = gen(mode, seed)
     if not plain_runs(mode, prog):
         pytest.skip("plain f raises")
@@ -370,16 +372,13 @@ def test_fuzz(mode: str, seed: int, policy_name: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Minimized repros of the bugs the fuzzer found
+# Small programs: a tag beside in-place writes, a dropped tag read by einsum under vmap(grad), an in-place write into
+# an offloaded tensor under torch.func
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _x(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-
-
 @pytest.mark.parametrize("policy", [policies.save_only_these_names("t"), policies.save_anything_except_these_names("t")])
-def test_repro_name_after_inplace_on_named_value(policy: Any) -> None:
+def test_a_value_tagged_after_an_in_place_write_into_it_is_exact(policy: Any) -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         h = x * 1.0
         h[:, 0] += 1
@@ -387,25 +386,25 @@ def test_repro_name_after_inplace_on_named_value(policy: Any) -> None:
         checkpoint_name(h, "t")
         return d
 
-    x = _x(4, 6).requires_grad_()
+    x = seeded_randn(4, 6).requires_grad_()
     (want,) = torch.autograd.grad(f(x).sum(), x)
     (got,) = torch.autograd.grad(remat(f, policy=policy)(x).sum(), x)
     assert close(got, want) is None
 
 
-def test_repro_named_layer_norm_with_unrelated_inplace() -> None:
+def test_a_tagged_layer_norm_beside_an_unrelated_in_place_op_is_exact() -> None:
     def f(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ln = checkpoint_name(F.layer_norm(x * 1.0, (6,), weight=b + 1, bias=b), "t0")
         torch.ones(3, dtype=torch.float64).add_(1)  # any in-place op, even unrelated (dropout's bernoulli_ too)
         return ln.sin()
 
-    x, b = _x(4, 6).requires_grad_(), _x(6).requires_grad_()
+    x, b = seeded_randn(4, 6).requires_grad_(), seeded_randn(6).requires_grad_()
     want = torch.autograd.grad(f(x, b).sum(), (x, b))
     got = torch.autograd.grad(remat(f, policy=policies.save_only_these_names("t0"))(x, b).sum(), (x, b))
     assert close(got, want) is None
 
 
-def test_repro_name_with_inplace_on_other_value_nan_weight_grad() -> None:
+def test_a_tag_beside_an_in_place_write_into_another_value_gives_no_nan_gradient() -> None:
     def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         h = x * 1.0
         t = (w @ h.transpose(0, 1)).t()
@@ -415,33 +414,33 @@ def test_repro_name_with_inplace_on_other_value_nan_weight_grad() -> None:
         checkpoint_name(h, "t")
         return out
 
-    x, w = _x(4, 6).requires_grad_(), _x(6, 6).requires_grad_()
+    x, w = seeded_randn(4, 6).requires_grad_(), seeded_randn(6, 6).requires_grad_()
     want = torch.autograd.grad(f(x, w).sum(), (x, w))
     got = torch.autograd.grad(remat(f, policy=policies.save_anything_except_these_names("t"))(x, w).sum(), (x, w))
     assert close(got, want) is None
 
 
-def test_repro_vmap_grad_dropped_name_into_einsum() -> None:
+def test_a_dropped_tagged_value_read_by_einsum_under_vmap_of_grad_is_exact() -> None:
     def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         h = checkpoint_name(x * 1.0, "t0")
         out = torch.einsum("ij,jk->ik", h, w)
         return (out * out).sum()
 
-    x, w = _x(3, 4, 6), _x(6, 6)
+    x, w = seeded_randn(3, 4, 6), seeded_randn(6, 6)
     want = torch.func.vmap(torch.func.grad(f, argnums=(0, 1)), in_dims=(0, None))(x, w)
     r = remat(f, policy=policies.save_anything_except_these_names("t0"))
     got = torch.func.vmap(torch.func.grad(r, argnums=(0, 1)), in_dims=(0, None))(x, w)
     assert close(got, want) is None
 
 
-def test_repro_func_grad_offload_inplace_view() -> None:
+def test_an_offloaded_tensor_written_through_a_view_raises_under_torch_func_only() -> None:
     # not supported under torch.func: it must say so (it gave silently wrong gradients)
     def f(x: torch.Tensor) -> torch.Tensor:
         h = x * 1.0
         h.view(-1).mul_(2)
         return (h / (1 + h * h)).sum()
 
-    x = _x(4, 6)
+    x = seeded_randn(4, 6)
     with pytest.raises(RematError, match="writes in place into a tensor that its offload policy offloads"):
         torch.func.grad(remat(f, policy=policies.offload_to_cpu(min_bytes=0)))(x)
     xa = x.clone().requires_grad_()  # plain autograd offloads it correctly

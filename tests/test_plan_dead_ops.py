@@ -1,0 +1,166 @@
+"""Dead ops on later calls (NOTE [dead ops] in ``remat/_liveness.py``, NOTE [planned calls] in
+``remat/_engine/plans.py``): the recompute does not run an op whose outputs nothing live reads; it hands back a
+placeholder, or the output a save kept; a placeholder read after all falls back exactly, and a kept output written
+in place is let go of, or raises as plain autograd does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from remat import checkpoint_name, policies, remat
+
+from .helpers import OpCounter, assert_tree_close, grads, leaf
+
+# ---- a placeholder read after all falls back exactly ---------------------------------------------------------------
+
+
+def test_planned_dead_op_read_after_all_falls_back_exactly():
+    """Same ops, other wiring: an op the recorded call found dead is read; the recompute runs again in full."""
+    flip = {"on": False}
+
+    def f(W, x):
+        a = torch.sin(x @ W)
+        b = torch.cos(x @ W)  # dead on the recorded call: nothing the recompute needs reads it
+        return torch.tanh(b if flip["on"] else a)
+
+    W, x = leaf(6, 6), leaf(3, 6, seed=1)
+    g = remat(f, policy=policies.dots_saveable)
+    g(W, x).sum().backward()
+    (plan,) = g._plans.values()
+    assert plan is not None and plan.dead  # (cos and its matmul)
+    flip["on"] = True
+    ref = grads(f, (W, x), (W, x))
+    with OpCounter({torch.ops.aten.cos.default}) as c:
+        got = grads(g, (W, x), (W, x))
+    assert_tree_close(got, ref)
+    assert c.count >= 2  # the forward pass's cos, and the recompute's once it ran in full
+    assert list(g._plans.values()) == [None]  # the plan was wrong for this call: the full engine from now on
+
+
+@pytest.mark.parametrize("policy", ["save-matmuls", "save-everything"])
+def test_dead_placeholder_read_as_a_number_falls_back(policy):
+    def f(W, x):
+        h = x @ W
+        a, b = torch.sin(h).sum(), torch.cos(h).sum()
+        v = (a if bool(x[0, 0] > 0) else b).item()  # which reduction is read depends on the data
+        return torch.tanh(h * (2.0 if v > -100 else 3.0)).sum()
+
+    W = leaf(4, 4)
+    g = remat(f, policy=policy)
+    for sign in (1, -1, -1):
+        x = (leaf(4, 4, seed=1).detach().abs() * sign).requires_grad_()
+        assert_tree_close(torch.autograd.grad(g(W, x), (W, x)), torch.autograd.grad(f(W, x), (W, x)))
+
+
+# ---- a dead op whose outputs are kept is held, not a placeholder ---------------------------------------------------
+
+
+def _attention_like(W, h):
+    """Two tiny attention blocks. Each ``q`` is kept (the matmul after it saves it) and dead in the recompute,
+    which hands back the held output of that matmul (dots_saveable)."""
+    for _ in range(2):
+        a = F.layer_norm(h, (h.shape[-1],))
+        q = a @ W
+        att = torch.softmax(q @ a.transpose(-1, -2), dim=-1)
+        h = h + att @ a
+    return h, q
+
+
+@pytest.mark.parametrize("policy", ["save-matmuls", "custom"])
+def test_a_dead_op_whose_output_is_kept_is_handed_back_without_a_placeholder(policy):
+    pol = policies.dots_saveable if policy == "save-matmuls" else (
+        lambda op, *a, **k: op in (torch.ops.aten.mm.default,))
+
+    def f(W, h):
+        return _attention_like(W, h)[0]
+
+    W, h = leaf(4, 4), leaf(3, 4, seed=1)
+    g = remat(f, policy=pol)
+    for call in range(3):  # the recorded call, then planned ones
+        out, ref_out = g(W, h), f(W, h)
+        with OpCounter({torch.ops.aten.fill_.Scalar, torch.ops.aten.mm.default}) as c:
+            got = torch.autograd.grad(out.sum(), (W, h))
+        with OpCounter({torch.ops.aten.mm.default}) as plain:
+            ref = torch.autograd.grad(ref_out.sum(), (W, h))
+        assert_tree_close(got, ref, rtol=0, atol=0)
+        if call:  # no placeholder filled with NaN (2 before), no matmul run again: the backward pass's own only
+            assert c.count == plain.count
+    (plan,) = g._plans.values()
+    assert plan is not None and {1, 8} <= set(plan.kept_dead.values())  # the q matmuls
+
+
+@pytest.mark.parametrize("write", ["inside, after its reader", "by the caller"])
+def test_a_held_kept_output_written_raises_as_plain_autograd_does(write):
+    def f(W, h):
+        out, q = _attention_like(W, h)
+        if write == "inside, after its reader":
+            q.mul_(2)
+            return out
+        return out, q.detach()
+
+    def run(fn):
+        res = fn(W, h)
+        if write == "by the caller":
+            res, q = res
+            q.add_(1)  # shares q's version counter: its saving node sees the write
+        torch.autograd.grad(res.sum(), (W, h))
+
+    W, h = leaf(4, 4), leaf(3, 4, seed=1)
+    g = remat(f, policy=policies.dots_saveable)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(f)
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="modified (by an inplace operation|in place)"):
+            run(g)
+
+
+def test_a_dead_op_s_kept_output_written_before_its_save_is_not_handed_back():
+    """Found by the second review: which of two matmul outputs is written depends on the data; the recorded call
+    wrote r, a planned call wrote q before the next matmul saved it. Handing the written q back as its op's output
+    let the recompute write it again, into the saved q (gradient of ``a`` 8.17 off, no error)."""
+    W1, W2 = leaf(4, 4), leaf(4, 4, seed=1)
+
+    def f(W1, W2, a):
+        q = a @ W1
+        r = a @ W2
+        (q if bool(a[0, 0] > 0) else r).mul_(2)
+        s = torch.softmax(q @ a.t(), -1)
+        t = torch.softmax(r @ a.t(), -1)
+        return (s + t) @ a
+
+    g = remat(f, policy=policies.dots_saveable)
+    for sign in (-1, 1, 1, 1):
+        a = leaf(3, 4, seed=2).detach()
+        a[0, 0] = sign * a[0, 0].abs()
+        a1, a2 = a.clone().requires_grad_(), a.clone().requires_grad_()
+        got = torch.autograd.grad(g(W1, W2, a1).sum(), (W1, W2, a1))
+        assert_tree_close(got, torch.autograd.grad(f(W1, W2, a2).sum(), (W1, W2, a2)))
+
+
+@pytest.mark.parametrize("policy", ["dots", "names"])
+def test_a_write_the_data_aims_at_a_dead_ops_kept_output_is_not_handed_back_written_twice(policy):
+    """A dead op's output kept for a save is handed back to the recompute; a planned call that writes it through
+    ``.data`` (no version moves; the recorded call wrote another tensor) lets go of it, or the recompute would
+    replay the write into the tensor the node reads: written twice, a wrong gradient without an error."""
+    name = (lambda t: checkpoint_name(t, "mm")) if policy == "names" else (lambda t: t)
+
+    def f(W, x):
+        q = x @ W  # dead in the recompute: only the held matmul below reads it
+        s = name(name(q) @ W)
+        scratch = torch.zeros_like(s)
+        target = q.data if bool(x.sum() > 0) else scratch.data  # which tensor is written is data
+        target.mul_(2)
+        return torch.tanh(s * 2).sum() + scratch.sum()
+
+    g = remat(f, policy=policies.dots_saveable if policy == "dots" else policies.save_only_these_names("mm"))
+    W = leaf(6, 6)
+    below, above = -leaf(4, 6, seed=1, grad=False).abs(), leaf(4, 6, seed=2, grad=False).abs()
+    x0, x1 = below.requires_grad_(), above.requires_grad_()
+    assert_tree_close(grads(g, (W, x0), (W, x0)), grads(f, (W, x0), (W, x0)))  # records: the write is scratch's
+    (plan,) = g._plans.values()
+    assert plan is not None and plan.kept_dead  # (what the test is about: a kept dead op's output handed back)
+    for _ in range(3):
+        assert_tree_close(grads(g, (W, x1), (W, x1)), grads(f, (W, x1), (W, x1)), rtol=0, atol=0)

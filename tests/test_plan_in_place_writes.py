@@ -1,0 +1,250 @@
+"""In-place writes on later calls (NOTE [planned calls] in ``remat/_engine/plans.py``): a write that plain
+autograd catches raises on every call; a write plain autograd allows gives its gradient, the written value copied
+before the write or the op run again in the recompute, never a held output read written.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from remat import RematError, checkpoint_name, policies, remat, remat_module
+
+from .helpers import OpCounter, assert_tree_close, grads, leaf, mlp_inplace
+
+# ---- inputs, parameters and held values written in place raise, as plain autograd does -----------------------------
+
+
+def test_input_modified_in_place_raises_on_the_fast_path():
+    g = remat(lambda W, x: torch.sin(x @ W))
+    W, x = leaf(4, 4), leaf(2, 4, seed=1)
+    g(W, x).sum().backward()
+    out = g(W, x)
+    with torch.no_grad():
+        x.mul_(2)
+    with pytest.raises(RematError, match=r"input #1 .*in place after its forward pass"):
+        out.sum().backward()
+
+
+def test_input_modified_during_the_forward_raises():
+    write = {"on": False}
+
+    def f(W, x):
+        y = torch.sin(x @ W)
+        if write["on"]:
+            x.mul_(2.0)  # x needs no gradient: torch allows the write
+        return torch.tanh(y)
+
+    g = remat(f)
+    W, x = leaf(4, 4), leaf(2, 4, seed=1, grad=False)
+    g(W, x).sum().backward()
+    g(W, x).sum().backward()
+    write["on"] = True
+    with pytest.raises(RematError, match="modified its input #1 .* during its forward pass"):
+        g(W, x)
+
+
+def test_parameter_updated_before_backward_raises():
+    lin = nn.Linear(4, 4).double()
+    g = remat_module(lin)
+    x = leaf(2, 4)
+    g(x).sum().backward()
+    out = g(x)
+    with torch.no_grad():
+        lin.weight.add_(1.0)  # an optimizer step between the forward and the backward pass
+    with pytest.raises(RematError, match="modified in place"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", "save-everything"])
+@pytest.mark.parametrize("when", ["before backward", "in the forward"])
+def test_saved_input_written_in_place_raises_when_nothing_is_dropped(policy, when):
+    def f(W, x):
+        out = (x @ W).sum()  # mm saves x; nothing is dropped
+        if when == "in the forward":
+            x.mul_(2)
+        return out
+
+    W = leaf(3, 4)
+    g = remat(f, policy=policy)
+    for call in range(3):
+        x = leaf(2, 3, seed=1, grad=False)
+        out = g(W, x)
+        if when == "before backward":
+            x.mul_(2)
+        with pytest.raises(RematError, match="modified in place"):
+            out.backward()
+        assert call == 0 or all(p is not None for p in g._plans.values())
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["recorded call", "planned call"])
+def test_a_result_sharing_a_held_value_written_in_place_raises(planned):
+    """``return y, h.detach()``: the caller writes the second result, which is the matmul output held for the
+    recompute, though the matmul's own tensor is gone. Plain autograd is unaffected (tanh saved its output)."""
+
+    def f(W, x):
+        h = x @ W
+        return torch.tanh(h), h.detach()
+
+    W, x = leaf(4, 4), leaf(4, 4, seed=1)
+    g = remat(f, policy=policies.dots_saveable)
+    if planned:
+        y, hd = g(W, x)
+        y.sum().backward()
+        assert all(p is not None for p in g._plans.values())
+    y, hd = g(W, x)
+    hd.mul_(2)
+    with pytest.raises(RematError, match="kept for its recompute was modified in place"):
+        y.sum().backward()
+
+
+def test_a_result_written_after_a_copy_was_held_raises_as_plain_autograd_does():
+    Ws, x = [leaf(6, 6, seed=i) for i in range(2)], leaf(4, 6, seed=9, grad=False)
+
+    def f(Ws, x):
+        h = torch.relu_(x @ Ws[0])
+        return torch.tanh(h) @ Ws[1], h.detach()  # the written matmul output, returned
+
+    def run(fn):
+        out, h = fn(Ws, x)
+        h.add_(1)  # the ReLU saved its result, h: plain autograd sees the write
+        torch.autograd.grad(out.sum(), Ws)
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(f)
+    g = remat(f, policy=policies.dots_saveable)
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="modified in place"):
+            run(g)
+
+
+# ---- a matmul's output written in place (nn.ReLU(inplace=True)) is planned with a copy -----------------------------
+
+
+def test_a_matmul_output_written_in_place_is_planned_with_a_copy():
+    """The recorded call copies the matmul's output before the ReLU writes it (cow); a planned call holds a copy
+    taken as the matmul returns and hands it to the recompute. Before, every call ran on the full engine."""
+    Ws, x = [leaf(6, 6, seed=i) for i in range(3)], leaf(4, 6, seed=9, grad=False)
+    g = remat(mlp_inplace, policy=policies.dots_saveable)
+    for call in range(3):
+        out, ref = g(Ws, x + call), mlp_inplace(Ws, x + call)
+        with OpCounter({torch.ops.aten.mm.default}) as c:
+            got = torch.autograd.grad(out.sum(), Ws, retain_graph=True)
+        with OpCounter({torch.ops.aten.mm.default}) as plain:
+            want = torch.autograd.grad(ref.sum(), Ws, retain_graph=True)
+        assert_tree_close(got, want, rtol=0, atol=0)
+        assert c.count == plain.count  # the copies were handed back: no matmul ran again
+        # a second backward pass: the copies went to the first recompute, which wrote them; the matmuls run
+        assert_tree_close(torch.autograd.grad(out.sum(), Ws), torch.autograd.grad(ref.sum(), Ws), rtol=0, atol=0)
+    (plan,) = g._plans.values()
+    assert plan is not None and sum(h.cow for h in plan.hold.values()) == 3
+
+
+# ---- a held output written in place is run again or copied before the write, never read written --------------------
+
+
+def test_held_output_written_later_in_the_forward_is_run_again():
+    """Which value is written in place depends on the data; the op sequence does not."""
+
+    def f(W, x):
+        a = x @ W  # held for the recompute (dots_saveable)
+        c = torch.sin(x)
+        (a if bool(x[0, 0] > 0) else c).mul_(2)
+        return (torch.tanh(a) * torch.tanh(c)).sum()
+
+    W = leaf(4, 4)
+    g = remat(f, policy=policies.dots_saveable)
+    for sign in (-1, 1, 1):
+        x = (leaf(4, 4, seed=1).detach().abs() * sign).requires_grad_()
+        assert_tree_close(torch.autograd.grad(g(W, x), (W, x)), torch.autograd.grad(f(W, x), (W, x)))
+    assert all(p is not None for p in g._plans.values())
+
+
+def _write_through_own_counter(how, q):
+    if how == "data":
+        q.data.mul_(2)
+    elif how == "unsafe_split":
+        torch.ops.aten.unsafe_split.Tensor(q, 3)[0].mul_(2)
+    else:
+        q.untyped_storage().copy_(torch.ones_like(q).untyped_storage())
+
+
+@pytest.mark.parametrize("always", [False, True], ids=["past-the-plan", "planned"])
+@pytest.mark.parametrize("how", ["data", "unsafe_split", "storage"])
+@pytest.mark.parametrize("policy", ["dots", "names"])
+def test_a_write_into_a_held_output_through_an_alias_with_a_counter_of_its_own(policy, how, always):
+    """A write into a held output through an alias with a version counter of its own (no version moves; plain
+    autograd allows it where no node saved the output, as here: ``exp`` saves its result) is not handed to the
+    recompute: made by a call that left its plan, or by every call (the plan copies the output before it)."""
+    branch = {"on": always}
+
+    def f(W, x):
+        q = checkpoint_name(x @ W, "q")
+        h = q.exp()
+        if branch["on"]:
+            _write_through_own_counter(how, q)
+        return torch.sin(h @ W)
+
+    g = remat(f, policy=policies.dots_saveable if policy == "dots" else policies.save_only_these_names("q"))
+    W, x = leaf(4, 4), leaf(3, 4, seed=1)
+    for on in (0, 0, 0, 1, 1, 0, 1):
+        branch["on"] = bool(on) or always
+        assert_tree_close(grads(g, (W, x), (W, x)), grads(f, (W, x), (W, x)))
+    if always:
+        (plan,) = g._plans.values()
+        assert plan is not None and plan.copy_before  # planned, the output copied before the write
+
+
+@pytest.mark.parametrize("how", ["data", "unsafe_split", "view"])
+def test_a_planned_write_whose_target_is_data_is_not_handed_to_the_recompute(how):
+    """The plan's in-place op writes, on a later call, a held output rather than the tensor it wrote in the
+    recorded call (which one is data), through an alias with a version counter of its own: the held output is let
+    go of (the op runs again in the recompute), on every such call; through a view its version says so."""
+    pick = {"q": False}
+
+    def f(W, x):
+        q = x @ W
+        r = x * 3
+        h = q.exp() + r.exp()  # (nothing saves q or r: exp saves its result)
+        t = q if pick["q"] else r
+        if how == "data":
+            t.data.mul_(2)
+        elif how == "unsafe_split":
+            torch.ops.aten.unsafe_split.Tensor(t, 3)[0].mul_(2)
+        else:
+            t.view(-1).mul_(2)
+        return torch.sin(h @ W)
+
+    g = remat(f, policy=policies.dots_saveable)
+    W, x = leaf(4, 4), leaf(3, 4, seed=1)
+    for on in (0, 0, 0, 1, 1, 0, 1):
+        pick["q"] = bool(on)
+        assert_tree_close(grads(g, (W, x), (W, x)), grads(f, (W, x), (W, x)))
+    (plan,) = g._plans.values()
+    assert plan is not None  # (planned throughout: the same ops on every call)
+
+
+def test_a_held_output_an_in_place_op_only_reads_stays_held():
+    """``r.add_(q)`` writes ``r`` and reads ``q``: planned calls, whose plan marks the ``add_`` as a write, keep
+    the product ``q`` for the recompute as the recorded call does (copied before the write: the full engine counts
+    every argument of an in-place op as written) and run no matmul again, exact."""
+
+    def f(W, x):
+        q = x @ W
+        r = (x * 2).sin()
+        r.add_(q)
+        return torch.sin(r @ W) + q.exp().sum()
+
+    g = remat(f, policy=policies.dots_saveable)
+    W, x = leaf(4, 4), leaf(3, 4, seed=1)
+    counts = []
+    for _ in range(3):
+        out = g(W, x)
+        with OpCounter({torch.ops.aten.mm.default}) as c:
+            got = torch.autograd.grad(out.sum(), (W, x))
+        counts.append(c.count)
+        assert_tree_close(got, grads(f, (W, x), (W, x)))
+    (plan,) = g._plans.values()
+    assert plan is not None and plan.writes  # (planned, its add_ marked)
+    assert counts == [counts[0]] * 3, counts  # (the planned calls run no matmul more than the recorded one)
