@@ -15,7 +15,7 @@ Checks (CUDA: the transformer stack at size ``medium``, float32, ``offload-to-cp
   (torch itself is not patched); three steps back to back without synchronising;
   each step's gradients must be ``torch.equal`` to plain autograd's, and under the cap
   nothing waits for a copy (``stats["stream_waits"] == 0``; the host never waits: NOTE
-  [stream-ordered reuse] in ``remat/_offload.py``);
+  [stream-ordered reuse] in ``remat/_offload/streams.py``);
 * the in-flight cap: the same with ``max_inflight_bytes`` small: the engine must bound the
   bytes in flight (``stream_waits``: the compute stream waits for the oldest copy),
   gradients still exact;

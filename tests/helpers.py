@@ -31,7 +31,7 @@ MATMUL_OPS = {
 
 def keeping_engine(keep_last: int = 1, **kw: Any) -> OffloadEngine:
     """An offload engine that keeps the newest calls' storages on the device on the CPU, as it does on CUDA by
-    default (NOTE [keep last] in remat/_offload.py): the path a GPU takes, run where the tests run."""
+    default (NOTE [keep last] in remat/_offload/schedule.py): the path a GPU takes, run where the tests run."""
     eng = OffloadEngine(keep_last=keep_last, **kw)
     eng._keep_devices = frozenset({"cpu"})
     return eng

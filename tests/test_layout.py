@@ -15,6 +15,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "remat"
 # Each module may import only from floors below its own (same floor: not at all).
 FLOORS = [
     {"_context", "_errors", "_torch_internals", "_outside", "_wiring", "bench", "_schedules"},
+    {"_offload.pool", "_offload.geometry", "_offload.routes"},
+    {"_offload.copies"},
+    {"_offload.streams"},
+    {"_offload.schedule"},
+    {"_offload.engine"},
     {"_naming", "_functorch", "_offload", "_ambient", "_measure"},
     {"_policies", "offload", "bench.models", "bench.measure"},
     {"_ops"},

@@ -1,4 +1,4 @@
-"""One copy per storage (NOTE [one copy per storage] in ``remat/_offload.py``): the offload engine copies
+"""One copy per storage (NOTE [one copy per storage] in ``remat/_offload/copies.py``): the offload engine copies
 a tensor's bytes and gives them back bit exact, with their strides; views and aliases of one storage share a copy
 while nothing wrote it, a small view copies only its span; a write between two saves gives the later one a copy of
 its own, and a handle whose bytes were written raises when read.
@@ -257,7 +257,7 @@ def test_an_alias_of_another_counter_written_since_the_copy_gets_a_copy_of_its_o
 
 @pytest.mark.parametrize("split", ["unsafe_split", "unsafe_chunk", "gru"])
 def test_aliases_with_counters_of_their_own_written_in_turn_get_copies_of_their_own(split: str) -> None:
-    """NOTE [one copy per storage] in _offload.py (found by review): the halves of an offloaded product split by
+    """NOTE [one copy per storage] in _offload/copies.py (found by review): the halves of an offloaded product split by
     ``unsafe_split`` have version counters of their own; written in place one after the other and each saved at
     version 1, the second shared the host copy taken before its write: a wrong gradient without an error, on
     every call. ``nn.GRU``'s CPU cell does exactly this with its gate products."""

@@ -1,4 +1,4 @@
-"""A backward that writes what it read (NOTE [reads of one device copy] in ``remat/_offload.py``): a node
+"""A backward that writes what it read (NOTE [reads of one device copy] in ``remat/_offload/copies.py``): a node
 whose backward writes an offloaded tensor it read makes remat raise where plain autograd raises (another reader,
 a view, a slice saved with it, a kept storage copied out between the write and the read) and give plain
 autograd's gradient where it gives one (no other reader, other bytes of a shared copy), with every engine; a

@@ -1,4 +1,4 @@
-"""The newest call's storages stay on the device (NOTE [keep last] in ``remat/_offload.py``; what CUDA
+"""The newest call's storages stay on the device (NOTE [keep last] in ``remat/_offload/schedule.py``; what CUDA
 does, run on the CPU through ``keeping_engine``): read in place, exact for views, spans and a second backward pass,
 copied out once a later call offloads, a write caught as autograd catches it, and nothing held once read or copied.
 """

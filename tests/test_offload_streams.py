@@ -168,7 +168,7 @@ def test_inflight_budget_is_per_device_and_waits_on_the_stream_not_the_host() ->
 
 @pytest.mark.parametrize("when", ["while-copied", "after-copied", "never"])
 def test_a_tensor_written_while_its_copy_runs_raises_even_once_dropped(when: str) -> None:
-    """NOTE [written while copied] in _offload.py: a saved output written in place after the call, then dropped.
+    """NOTE [written while copied] in _offload/copies.py: a saved output written in place after the call, then dropped.
     Plain autograd raises. On CUDA the copy to the host may read the bytes after the write: remat returned the
     gradient of the written values, wrong and without an error, before the engine kept an alias while the copy
     runs. Written once the copy has read them, the host copy is what was saved: exact (the tensor is gone)."""

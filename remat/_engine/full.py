@@ -182,7 +182,7 @@ class _Saving(_Frame):
                         self.recorder.promote(rec)
                         # the saved tensor may be a view made by a later op (transpose, reshape) whose
                         # output is stashed weakly and dies with the wrapper: promote that op too, or
-                        # the replay finds it dead (NaN). Both copies share one host copy (_offload.py).
+                        # the replay finds it dead (NaN). Both copies share one host copy (_offload/copies.py).
                         self.recorder._promote(self.recorder.vid(phys))
                     p = self._drop(s, pos, phys, meta, rec)
                 else:
@@ -463,7 +463,7 @@ class Frame(_Saving, _Serving):
         wself = weakref.ref(self)
         self.recorder = Recorder(policy, fn_name, lambda t, d: wself()._offload(t, d))  # type: ignore[union-attr]
         self.recorder.on_demote = lambda key: wself()._demote(key)  # type: ignore[union-attr]
-        # NOTE [one copy per storage] in _offload.py: a write ends the sharing of a storage's copy
+        # NOTE [one copy per storage] in _offload/copies.py: a write ends the sharing of a storage's copy
         self.recorder.on_write = lambda keys: wself()._storage_written(keys)  # type: ignore[union-attr]
         # a write into a storage with a copy in this call (the fast path, which sees no write, would share the copy
         # with a tensor saved after it: NOTE [fast path] in plans.py)
@@ -586,7 +586,7 @@ class Frame(_Saving, _Serving):
                     if not self.levels:
                         self.recorder.watch_results(tensor_leaves(out))
                 if self._offloaded:
-                    self.engine.end_of_call()  # NOTE [stream-ordered reuse] in _offload.py
+                    self.engine.end_of_call()  # NOTE [stream-ordered reuse] in _offload/streams.py
             if self.routed:
                 # the replay stash too is saved through the parent, whose policy decides whether it survives
                 # the forward pass; the parent's recompute re-saves it after re-running this call (_PassThrough)

@@ -5,7 +5,7 @@ NOTE [offloaded and written]
     The full engine's recorder offloads an op's output as the op returns (for
     its replay) and sees every write: a write into a storage with a copy in the
     call gives a tensor saved after it a copy of its own (NOTE [one copy per
-    storage] in ``_offload.py``). A planned call with a dispatch mode tells the
+    storage] in ``_offload/copies.py``). A planned call with a dispatch mode tells the
     engine in the same way of the storages each in-place op its tap sees was
     given, the plan's or one past it (the target of ``q.data.mul_(2)`` is
     data). One without a mode sees no write. One with a
@@ -246,7 +246,7 @@ class _Holdings(_Frame):
         its own (``q.data.mul_(2)``, an ``unsafe_split`` piece, the storage itself): what is held of the storages
         it wrote (every tensor it was given: at worst an op runs again, a tensor gets a copy of its own) is not
         trusted any more, since no version says so. The offload engine hears of it as the recorder would tell it
-        (NOTE [one copy per storage] in ``_offload.py``): a tensor saved later gets a copy of its own."""
+        (NOTE [one copy per storage] in ``_offload/copies.py``): a tensor saved later gets a copy of its own."""
         written = {storage_key(t) for t in arg_tensors(args, kwargs or {})}
         written.discard(0)
         if self.held or self.dead_outs:
@@ -312,7 +312,7 @@ class _Holdings(_Frame):
     def _offload_saved(self, t: torch.Tensor, decision: Offloadable) -> Offloaded | None:
         """``t``'s handle if ``decision`` moves it, else None. The call's group is looked up once, after its first
         offload (a call that offloads nothing makes none: a new group lets older calls' kept copies go, NOTE [keep
-        last] in ``_offload.py``)."""
+        last] in ``_offload/schedule.py``)."""
         grp = self._offload_group
         o = self.engine.offload_saved(t, decision, self if grp is None else grp)
         if o is not None:
@@ -429,7 +429,7 @@ class FastFrame(_Holdings):
                 # included (return y, h.detach()), moves it; and it holds no graph. But an offloaded output's alias would
                 # hold the device bytes the offload let go of: watched through a weak reference while the output
                 # lives, and by the engine, through such an alias, while its copy has not read the bytes (kept on
-                # the device, or copying: NOTE [written while copied] in _offload.py)
+                # the device, or copying: NOTE [written while copied] in _offload/copies.py)
                 # (a copy's origin, written in the forward pass, is a weak reference already: _copy_held)
                 if i not in self.copied:
                     self.origins[i] = [weakref.ref(t) if type(v) is Offloaded else ti.detach_below_modes(t)
@@ -445,7 +445,7 @@ class FastFrame(_Holdings):
                 continue
             self.held_versions[i] = now
         if self._offloaded:
-            self.engine.end_of_call()  # NOTE [stream-ordered reuse] in _offload.py
+            self.engine.end_of_call()  # NOTE [stream-ordered reuse] in _offload/streams.py
         self._check_versions(after_forward=True)  # (after the outputs above are let go: it may raise)
         return out
 
