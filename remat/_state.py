@@ -25,7 +25,7 @@ NOTE [state is an input]
     What the walk cannot reach (a tensor in a global, in a dict inside a
     closure that was mutated, an attribute of an arbitrary object) is caught
     by the recompute's check that every op reads the same outside tensors as
-    in the forward pass (NOTE [outside tensors] in ``_ops.py``): a
+    in the forward pass (NOTE [outside tensors] in ``_outside_writes.py``): a
     ``RematError`` naming the tensor, never a wrong gradient.
 """
 

@@ -65,7 +65,11 @@ def remat(fn: Any = None, *, policy: Any = None, static_argnums: int | Sequence[
             By default only the first call of each input signature does; later
             calls follow the plan it recorded, checking the saved tensors' count,
             shapes, dtypes and producing ops (NOTE [fast path] in
-            ``remat/_engine/plans.py``). Use it to find a function that is not pure.
+            ``remat/_engine/plans.py``). It also hashes the inputs and module
+            state when the forward pass ends and refuses a recompute from
+            values written since through ``.data``, which no version counter
+            shows (NOTE [values between the passes]). Use it to find a
+            function that is not pure.
 
     Returns:
         The wrapped function, with ``fn``'s name and docstring. Used bare

@@ -59,7 +59,7 @@ NOTE [same reads]
     outside nested calls, whose tensors are not the call's own objects: there
     the values only, :func:`values_key`), with a tensor no op of the call made
     as one marker: it checks those by storage (NOTE [outside tensors] in
-    ``_dispatch.py``).
+    ``_outside_writes.py``).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class Wiring:
         self.cached = cached
         self.made: dict[int, tuple[Any, weakref.ref[torch.Tensor]]] = {}
         # the full engine's: a tensor no op made is one marker (its outside-tensor check compares those by storage,
-        # and lets a constant made afresh with the same value pass: NOTE [outside tensors] in _ops.py)
+        # and lets a constant made afresh with the same value pass: NOTE [outside tensors] in _outside_writes.py)
         self.loose = loose
 
     def key(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> list[Any]:
@@ -250,7 +250,7 @@ def cast_source(t: torch.Tensor) -> torch.Tensor | None:
 
 def values_key(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> list[Any]:
     """The values an op got, every tensor replaced by one marker: the full engine's part of NOTE [same reads]
-    (it checks which tensor each op reads its own way, by storage: NOTE [outside tensors] in ``_ops.py``; its
+    (it checks which tensor each op reads its own way, by storage: NOTE [outside tensors] in ``_outside_writes.py``; its
     tensors are those below the ``torch.func`` levels, which the recompute rebuilds)."""
     key = [_value(a) for a in args]
     if kwargs:
@@ -295,7 +295,7 @@ def known_tokens(inputs: list[Any], state: list[torch.Tensor]) -> dict[int, Any]
 def same_key(now: Any, then: Any, loose: bool = False) -> bool:
     """Whether two keys are equal, NaN equal to NaN (``==`` first: the common case, done in C). ``loose`` (the full
     engine's): a tensor no op of the call made, on either side, matches any tensor (its reads of tensors it did not
-    make, a backward pass's inside it included, are checked by storage: NOTE [outside tensors] in _ops.py)."""
+    make, a backward pass's inside it included, are checked by storage: NOTE [outside tensors] in _outside_writes.py)."""
     if now == then:
         return True
     if type(now) is float and type(then) is float:

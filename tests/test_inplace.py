@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from remat import RematError, policies, remat
 
@@ -361,4 +363,41 @@ def test_the_recompute_runs_no_op_past_the_plan_after_its_last_write():
     (got,) = torch.autograd.grad(g(x).sum(), x)
     assert box.counter.item() == 1.0
     assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+
+# ---- writes through .data between the forward and the backward pass (NOTE [values between the passes]) -------------
+
+def _block_with_state() -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
+    lin = nn.Linear(4, 4).double()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(lin(x) * 2).sum()
+
+    return lin, f
+
+
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls"])
+@pytest.mark.parametrize("target", ["input", "parameter"])
+def test_debug_sees_a_data_write_between_the_passes_on_every_call(policy: str, target: str) -> None:
+    """By default such a write is silent (as in torch.utils.checkpoint: no version counter moves); debug=True hashes
+    the inputs and module state when the forward pass ends and refuses a recompute from other values, on every call;
+    a call without the write gives plain autograd's gradient."""
+    lin, f = _block_with_state()
+    g = remat(f, policy=policy, debug=True)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    for _ in range(3):
+        y = g(x)
+        (x if target == "input" else lin.weight).data.mul_(2)
+        name = "input #0" if target == "input" else "weight"
+        with pytest.raises(RematError, match=rf"{name}.*changed value between its forward and its backward pass"):
+            y.backward()
+    for p in (x, *lin.parameters()):
+        p.grad = None
+    g(x).backward()
+    got = [x.grad, lin.weight.grad]
+    for p in (x, *lin.parameters()):
+        p.grad = None
+    f(x).backward()
+    assert_tree_close(got, [x.grad, lin.weight.grad], rtol=1e-12, atol=1e-12)
 

@@ -1,5 +1,5 @@
 """What a call keeps alive between its forward and its backward pass (NOTE [stash liveness] in
-``remat/_dispatch.py``, NOTE [planned calls] in ``remat/_engine/plans.py``), weighed from outside remat (a census of
+``remat/_liveness.py``, NOTE [planned calls] in ``remat/_engine/plans.py``), weighed from outside remat (a census of
 the storages the ops allocate, weak references, the garbage collector): a later call drops what its signature's
 first call dropped and holds no more than it held, lets go of what dies in the forward pass, and leaves nothing
 alive or in a cycle.

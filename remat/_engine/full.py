@@ -135,7 +135,7 @@ from .._torch_internals import saved_tensors_hooks
 from .._wiring import Wiring, known_tokens
 from .capture import holdable
 from .plans import Plan, plan_of_call
-from .recompute import run_recompute
+from .recompute import fingerprints, run_recompute
 from .region import NeedsRegion, forward_pass, rewind_attempt
 
 __all__ = ["Frame"]
@@ -510,6 +510,10 @@ class Frame(_Saving, _Serving):
         self.plan_packs: list[Packed] | None = None
         self.plan: Plan | None = None  # set when the forward pass ends, if plan_packs was asked for
         self.inner_backward = False  # a backward pass inside the forward pass read a saved tensor
+        # NOTE [values between the passes] in recompute.py: debug=True fingerprints the inputs and module state when
+        # the forward pass ends, and the recompute checks them
+        self.watch_values = False
+        self.fingerprints: list[Any] | None = None
 
     # ---- forward -------------------------------------------------------------
     def forward(self) -> Any:
@@ -587,6 +591,8 @@ class Frame(_Saving, _Serving):
                         self.recorder.watch_results(tensor_leaves(out))
                 if self._offloaded:
                     self.engine.end_of_call()  # NOTE [stream-ordered reuse] in _offload/streams.py
+                if self.watch_values and self.drops and not self.routed:
+                    self.fingerprints = fingerprints(list(flat) + self.state.tensors)
             if self.routed:
                 # the replay stash too is saved through the parent, whose policy decides whether it survives
                 # the forward pass; the parent's recompute re-saves it after re-running this call (_PassThrough)

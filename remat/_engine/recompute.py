@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .. import _outside as ox
 from .. import _torch_internals as ti
 from .._context import activated, internal, naming
 from .._dispatch import OpTap
@@ -30,7 +31,7 @@ from .capture import Capture, PassThrough, PlannedCapture, StopRecompute, identi
 from .plans import NeedsGraph, Values
 from .replay import Replay, Replayer, ValueReplay
 
-__all__ = ["run_recompute", "planned_recompute", "unused_ops", "call_nested_replay"]
+__all__ = ["fingerprints", "check_fingerprints", "run_recompute", "planned_recompute", "unused_ops", "call_nested_replay"]
 
 
 def run_recompute(frame: Any, s: int, skip_unused: bool, forwarding: list[Any]) -> Made:
@@ -45,6 +46,8 @@ def run_recompute(frame: Any, s: int, skip_unused: bool, forwarding: list[Any]) 
             continue  # a copy from the parent (offloaded or recomputed there): the parent checked its source
         if isinstance(a, torch.Tensor) and v0 is not None and ti.unwrap_all(a)._version != v0:
             raise input_written_before_backward(frame.fn_name, i, a)
+    if frame.fingerprints is not None:
+        check_fingerprints(frame, flat)
     detach = s < 0 and not torch.is_grad_enabled()
     # the replay stash this call routed through its parent: fetched now, outside any mode (NOTE [nested remat])
     routed = [h for r in frame.recorder.ops for h in r.stash or () if isinstance(h, ParentHandle)]
@@ -280,3 +283,44 @@ def _value_recompute(self: Any, values: Values, skip_dead: bool) -> Made:
     if mode.i < mode.stop or len(made) != len(self.drops) or len(mode.versions) != len(made):
         raise NeedsGraph  # ran out of ops first, or a tensor died before its save: the recompute that saves
     return Made(made, mode.versions, plain=True)
+
+
+# NOTE [values between the passes]
+#     A write into an input or a module's parameter between the forward and the backward pass moves its version
+#     counter, and the recompute refuses it (``input_written_before_backward``; the outside-tensor check for module
+#     state). A write through ``.data`` (or into a detached alias made by ``torch.no_grad`` code) moves no counter:
+#     nothing tells remat, and by default the recompute computes from the written values, as
+#     ``torch.utils.checkpoint`` does (docs/how-it-works.md says what plain autograd then does). Seeing it takes
+#     the values themselves, which costs a pass over every input and parameter on every call; so only
+#     ``debug=True`` (the full engine on every call) pays it: when the forward pass ends, a call that dropped
+#     anything keeps a hash of each plain input and module-state tensor (``_outside.fingerprint``, holding nothing),
+#     and its recompute compares before it runs, raising ``RematError`` that names the tensor.
+
+
+def fingerprints(tensors: list[Any]) -> list[Any]:
+    """NOTE [values between the passes]: a hash of each plain tensor of ``tensors`` (None for anything else)."""
+    out: list[Any] = []
+    with internal():
+        for t in tensors:
+            u = ti.unwrap_all(t) if isinstance(t, torch.Tensor) else None
+            plain = u is not None and type(u) in (torch.Tensor, torch.nn.Parameter) and u.layout == torch.strided
+            out.append(ox.fingerprint(u) if plain else None)  # type: ignore[arg-type]
+    return out
+
+
+def check_fingerprints(frame: Any, flat: list[Any]) -> None:
+    """NOTE [values between the passes]: raise if an input or module-state tensor's value changed since the forward
+    pass ended without moving its version counter."""
+    tensors = list(flat) + frame.state.tensors
+    now = fingerprints(tensors)
+    for i, (a, b, t) in enumerate(zip(frame.fingerprints, now, tensors)):
+        if a is not None and a != b:
+            n = len(flat)
+            what = f"input #{i}" if i < n else f"the tensor {frame.state.label_of(t) or f'#{i - n} of its module state'}"
+            raise RematError(
+                f"remat: {what} (shape {list(t.shape)}) of {frame.fn_name} changed value between its forward and its "
+                "backward pass without moving its version counter (a write through .data, or into a detached "
+                "alias): the recompute would compute from the new values, and the gradient would not be that of the "
+                "forward pass's computation. Write after the backward pass, or write the tensor itself (a write remat "
+                "sees and refuses without debug=True); NOTE [values between the passes] in remat/_engine/recompute.py."
+            )

@@ -107,6 +107,7 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
             return frame.forward()
         # 6. the full engine, recording a plan for the signature
         frame = Frame(run, flat, name, call_policy, preserve_rng, default_engine(), state)
+        frame.watch_values = owner is not None and owner.debug  # NOTE [values between the passes]
         if key is not None and key not in owner._plans:
             plans = owner._plans
             frame.record_plan(lambda: plans.__setitem__(key, None))
