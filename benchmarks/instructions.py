@@ -191,9 +191,12 @@ def main(argv: list[str] | None = None) -> None:
         peer = "torch checkpoint" if c == "remat save-nothing" else "torch SAC (matmuls)"
         cells = [f"{table[p][c][k]:.0f}" for k in ks for p in passes]
         for k in ks:
+            if not c.startswith("remat ") or peer not in table[passes[0]]:
+                cells.append("")  # (a remat row whose peer was not asked for: its counts only)
+                continue
             ratios = [f"{table[p][c][k] / table[p][peer][k]:.2f}" if table[p][peer][k] > 0 else "-"  # type: ignore
                       for p in passes]
-            cells.append("/".join(ratios) if c.startswith("remat ") and peer in table[passes[0]] else "")
+            cells.append("/".join(ratios))
         print(f"{c:<28} " + "  ".join(f"{v:>13}" for v in cells))
 
 
