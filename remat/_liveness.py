@@ -28,24 +28,18 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from . import _torch_internals as ti
 from ._context import internal
-from ._ops import AliasRef, OpRecord, storage_key, traits
+from ._ops import AliasRef, Half, OpRecord, storage_key, traits
 from ._policies import Decision, Offloadable
 
 __all__ = ["StashLiveness"]
 
-if TYPE_CHECKING:
-    _Recorder = Any  # (mypy: the half reads the recorder's attributes, which Recorder.__init__ sets)
-else:
-    _Recorder = object
-
-
-class StashLiveness(_Recorder):
+class StashLiveness(Half):
     """The recorder's stash and its liveness (NOTE [stash liveness], NOTE [dead ops])."""
 
     _pending: dict[int, list[tuple[OpRecord, int, torch.Tensor]]]  # (set by Recorder.__init__, as all it reads)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optree
 import torch
@@ -15,8 +15,16 @@ from . import _torch_internals as ti
 from ._context import HOOK_RANGE, INTERNAL, internal
 from ._policies import Decision
 
-__all__ = ["LIFTS", "RANGE_OPS", "OpRecord", "DeadRead", "arg_tensors", "dead_value", "identity_alias", "ignored",
+__all__ = ["Half", "LIFTS", "RANGE_OPS", "OpRecord", "DeadRead", "arg_tensors", "dead_value", "identity_alias", "ignored",
            "is_tainted", "profiler_op", "storage_key", "tensor_leaves", "traits"]
+
+# The base of a half of a class split by concern (the recorder's stash and outside-tensor halves, the frames' pack
+# and unpack halves): at run time plain ``object``; to mypy ``Any``, since a half reads attributes the whole class's
+# ``__init__`` sets.
+if TYPE_CHECKING:
+    Half = Any
+else:
+    Half = object
 
 ALIAS = torch.ops.aten.alias.default
 

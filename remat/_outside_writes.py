@@ -21,25 +21,19 @@ NOTE [outside tensors]); FSDP2 gathers them into the same tensors
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from . import _outside as ox
 from ._context import internal
 from ._errors import RematError
-from ._ops import OVERWRITES, OpRecord, arg_tensors, storage_key, tensor_leaves
+from ._ops import OVERWRITES, Half, OpRecord, arg_tensors, storage_key, tensor_leaves
 from ._policies import Offloadable
 
 __all__ = ["OutsideReads", "outside_args"]
 
-if TYPE_CHECKING:
-    _Recorder = Any  # (mypy: the half reads the recorder's attributes, which Recorder.__init__ sets)
-else:
-    _Recorder = object
-
-
-class OutsideReads(_Recorder):
+class OutsideReads(Half):
     """The recorder's reads of and writes into outside tensors (NOTE [outside tensors])."""
 
     def is_outside(self, k: int) -> bool:

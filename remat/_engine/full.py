@@ -110,7 +110,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -127,7 +127,7 @@ from .._functorch import (
     record_stack,
     saving_height,
 )
-from .._ops import storage_key, tensor_leaves
+from .._ops import Half, storage_key, tensor_leaves
 from .._packed import DROP, INPUT, KEEP, OFFLOAD, ROUTED, Made, Nested, Packed, ParentHandle
 from .._policies import Offloadable, Recompute
 from .._state import Snapshot
@@ -142,13 +142,7 @@ __all__ = ["Frame"]
 
 
 
-if TYPE_CHECKING:
-    _Frame = Any  # (mypy: each half reads the frame's attributes, which Frame.__init__ sets)
-else:
-    _Frame = object
-
-
-class _Saving(_Frame):
+class _Saving(Half):
     """The pack hook of a call's forward pass (``Frame.pack``): per saved tensor, keep it, drop it, offload it or
     route it to the enclosing call, as the policy decided for the op that made it; a half of ``Frame``."""
 
@@ -310,7 +304,7 @@ class _Saving(_Frame):
 
 
 
-class _Serving(_Frame):
+class _Serving(Half):
     """The unpack hook of a call's backward pass (``Frame.unpack``): hand back what was kept, fetch what was
     offloaded, recompute once what was dropped (``recompute.run_recompute``) and let go of it as it is read; a half
     of ``Frame``."""

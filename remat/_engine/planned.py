@@ -138,7 +138,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import optree
 import torch
@@ -148,7 +148,17 @@ from .._ambient import AmbientState
 from .._context import INTERNAL, internal, naming
 from .._errors import RematError, input_written_before_backward, input_written_in_forward
 from .._offload import Offloaded
-from .._ops import RANGE_OPS, arg_tensors, identity_alias, ignored, profiler_op, storage_key, tensor_leaves, traits
+from .._ops import (
+    RANGE_OPS,
+    Half,
+    arg_tensors,
+    identity_alias,
+    ignored,
+    profiler_op,
+    storage_key,
+    tensor_leaves,
+    traits,
+)
 from .._packed import Made
 from .._policies import Offloadable
 from .._state import Snapshot
@@ -192,13 +202,7 @@ class _Kept:
         self.version = version
 
 
-if TYPE_CHECKING:
-    _Frame = Any  # (mypy: the mixin reads the frame's attributes, which FastFrame sets)
-else:
-    _Frame = object
-
-
-class _Holdings(_Frame):
+class _Holdings(Half):
     """What a planned call holds of its ops' outputs for its recompute, and when it lets go of them (NOTE [planned
     calls]): the forward-pass half of ``FastFrame``, called by its ``Tap``; ``replay.replayed`` hands them back."""
 
