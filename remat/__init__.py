@@ -10,6 +10,7 @@ Example:
 
 from . import offload as offload
 from . import policies as policies
+from ._device_model import DeviceModel as DeviceModel
 from ._errors import RematError as RematError
 from ._inspect import MemoryReport as MemoryReport
 from ._inspect import SavedResidual as SavedResidual
@@ -28,5 +29,6 @@ from ._transform import remat as remat
 
 __all__ = ["remat", "checkpoint", "checkpoint_name", "remat_module", "remat_modules", "unremat_module",
            "unremat_modules", "sequential", "policies", "offload", "RematError", "saved_residuals",
-           "print_saved_residuals", "format_saved_residuals", "SavedResidual", "memory_report", "MemoryReport"]
+           "print_saved_residuals", "format_saved_residuals", "SavedResidual", "memory_report", "MemoryReport",
+           "DeviceModel"]
 __version__ = "0.1.0"

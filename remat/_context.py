@@ -100,13 +100,15 @@ class Caches:
       function's identity: ``remat(block, policy=p)(x)`` written inside a forward pass makes a new wrapper each
       step and still records once per signature.
     * ``slots``: root module -> the slots of its tree (``_state.py``), validated on every use.
+    * ``devices``: device name -> its measured :class:`~remat.DeviceModel` (``DeviceModel.probe``).
     """
 
-    __slots__ = ("plans", "slots")
+    __slots__ = ("plans", "slots", "devices")
 
     def __init__(self) -> None:
         self.plans: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
         self.slots: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self.devices: dict[str, Any] = {}
 
 
 # The caches in use: one set for the process (a plan made on one thread serves another, as a trace would), unless a
