@@ -5,7 +5,7 @@ Names and meanings follow ``jax.checkpoint_policies``. A policy is any callable
 :data:`Recompute` or :class:`Offloadable`.
 """
 
-from ._budget import BudgetPlan, MemoryBudget, memory_budget
+from ._budget_policy import BudgetPlan, MemoryBudget, memory_budget
 from ._policies import (
     DEFAULT_MIN_OFFLOAD_BYTES,
     Decision,

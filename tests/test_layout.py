@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "remat"
 # Each module may import only from floors below its own (same floor: not at all).
 FLOORS = [
     {"_context", "_errors", "_torch_internals", "_outside", "_wiring", "bench", "_schedules"},
-    {"_offload.pool", "_offload.geometry", "_offload.routes"},
+    {"_offload.pool", "_offload.geometry", "_offload.routes", "_device_model"},
     {"_offload.copies"},
     {"_offload.streams"},
     {"_offload.schedule"},
@@ -24,6 +24,8 @@ FLOORS = [
     {"_policies", "offload", "bench.models", "bench.measure"},
     {"_ops"},
     {"_budget", "_liveness", "_outside_writes"},
+    {"_budget_offload"},
+    {"_budget_policy"},
     {"_dispatch", "policies", "_engine.compiled"},
     {"_state"},
     {"_packed"},

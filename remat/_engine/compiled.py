@@ -45,7 +45,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .. import _torch_internals as ti
-from .._budget import MemoryBudget
+from .._budget_policy import MemoryBudget
 from .._context import COMPILED_REGIONS
 from .._errors import RematError
 from .._naming import checkpoint_name

@@ -24,7 +24,7 @@ import optree
 import torch
 
 from .. import _torch_internals as ti
-from .._budget import MemoryBudget
+from .._budget_policy import MemoryBudget
 from .._context import INSPECTOR, active_context
 from .._errors import RematError
 from .._offload import default_engine
@@ -70,7 +70,7 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
     if owner is not None and not owner.debug and not region and ctx is None and fast_path_applies():
         key = signature(flat, static_vals, state)  # NOTE [fast path] in plans.py
     budget, measuring, call_policy = None, None, policy
-    if isinstance(policy, MemoryBudget):  # NOTE [memory budget] in _budget.py: decided per signature
+    if isinstance(policy, MemoryBudget):  # NOTE [budget plans] in _budget_policy.py: decided per signature
         budget = policy
         # per function (its code: identical blocks share a plan) and signature, with the torch.func levels
         code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None), "__code__", None)
