@@ -10,13 +10,16 @@
 #   1. benchmarks/gpu_check.py: environment; exactness under delayed copies; waits under the cap; pinned pool; prefetch;
 #      in-place writes
 #   2. the CUDA tests: pytest -k "gpu or cuda" over tests/test_offload_gpu.py and tests/test_transforms.py
-#   3. benchmarks/offload_gpu.py: leak check, per row peak allocated / reserved, retries, syncs, bytes moved,
+#   3. benchmarks/budget_gpu.py: the device model probed; the transformer stack under keep/recompute and
+#      keep/offload/recompute budgets at 10% and 25%, and compiled with offload_to_cpu per block: held and peak
+#      device MiB, step time against no remat, bytes copied
+#   4. benchmarks/offload_gpu.py: leak check, per row peak allocated / reserved, retries, syncs, bytes moved,
 #      times, copy bandwidth and how much of the copy time shows in the step time
 # and a summary in markdown at the end (the last lines of the output hold every result).
 #
 # Environment: PYTHON (default python3); BENCH_ARGS (arguments of offload_gpu.py, default "--rounds 3");
 # GPU_CHECK_LOGDIR (each stage's full log is kept there, default a new temporary folder);
-# GPU_CHECK_BUDGET_S (overall limit in seconds, default 460).
+# GPU_CHECK_BUDGET_S (overall limit in seconds, default 540).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -29,7 +32,7 @@ case "${1:-}" in
 esac
 LOGDIR=${GPU_CHECK_LOGDIR:-$(mktemp -d)}
 mkdir -p "$LOGDIR"
-BUDGET=${GPU_CHECK_BUDGET_S:-460}
+BUDGET=${GPU_CHECK_BUDGET_S:-540}
 export PYTHONUNBUFFERED=1
 START=$SECONDS
 SUMMARY=()
@@ -90,11 +93,13 @@ if [ $TINY -eq 1 ]; then
   echo
   echo "skipped with --tiny: they skip without CUDA, and the test suite runs the rest"
   SUMMARY+=("| CUDA tests | skipped (--tiny) | 0 s |")
+  stage "budgets (benchmarks/budget_gpu.py --tiny)" 120 budget.log "$PY" benchmarks/budget_gpu.py --tiny
   stage "benchmark (benchmarks/offload_gpu.py --tiny)" 120 bench.log "$PY" benchmarks/offload_gpu.py --tiny
 else
   stage "checks (benchmarks/gpu_check.py)" 120 checks.log "$PY" benchmarks/gpu_check.py
   stage "CUDA tests (pytest -k 'gpu or cuda')" 120 tests.log \
     "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_offload_gpu.py tests/test_transforms.py -k "gpu or cuda"
+  stage "budgets (benchmarks/budget_gpu.py)" 90 budget.log "$PY" benchmarks/budget_gpu.py
   # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
   stage "benchmark (benchmarks/offload_gpu.py ${BENCH_ARGS:---rounds 3})" 400 bench.log \
     "$PY" benchmarks/offload_gpu.py ${BENCH_ARGS:---rounds 3}
@@ -112,6 +117,8 @@ if [ -f "$LOGDIR/tests.log" ]; then
   echo
   echo "CUDA tests: $(grep -E '[0-9]+ (passed|failed|skipped|error)' "$LOGDIR/tests.log" | tail -1)"
 fi
+echo
+grep -E '^(budget_gpu: |\|)' "$LOGDIR/budget.log" 2>/dev/null
 echo
 grep -E '^(transformer |leak check|\||copy bandwidth|offload-to-cpu|torchtune-style)' "$LOGDIR/bench.log" 2>/dev/null
 echo

@@ -20,6 +20,13 @@ blocks (batch 2, seq 64, d 128, as ``benchmarks/chain_budget.py``). The table is
 
     python benchmarks/memory_budget.py                         # both models, budgets 5%, 10%, 25%, 50%
     python benchmarks/memory_budget.py --model chain --budgets 0.1,0.5
+    python benchmarks/memory_budget.py --offload               # keep/recompute against keep/offload/recompute
+
+``--offload`` compares, per budget, ``memory_budget(f)`` with ``memory_budget(f, offload=model)`` under a stated
+device model (default ``DeviceModel.h200()``: 989 TFLOP/s, PCIe Gen5 x16 at 64 GB/s each way; ``--flops``,
+``--d2h``, ``--h2d`` change it): the retained MiB on the device (the census outside remat; what is offloaded runs
+through the offload engine, host to host on this CPU), the host MiB and the modelled step time of each plan
+(NOTE [three-way budget] in ``remat/_budget_offload.py``) against no remat.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import torch
 
 import remat
 from remat import _torch_internals as ti
-from remat import policies
+from remat import DeviceModel, policies
 from remat.bench.measure import FlopCount, live_bytes_after, saved_bytes
 from remat.bench.models import make_transformer
 
@@ -112,6 +119,51 @@ def run_model(name: str, cfg: dict[str, int], budgets: list[float],
     return rows
 
 
+def run_offload(name: str, cfg: dict[str, int], budgets: list[float],
+                model: DeviceModel) -> list[tuple[str, str, float, float, float, float]]:
+    """Rows (budget, plan, retained MiB, host MiB, modelled ms, recomputed GFLOP) for both kinds of plan."""
+    from remat.offload import OffloadEngine, use_engine
+
+    params, x, _, apply = make_transformer(**cfg)
+    for blk in params:
+        for t in blk.values():
+            t.requires_grad_(True)
+    wrt = [t for blk in params for t in blk.values()]
+
+    def measured(fn: Callable[..., torch.Tensor]) -> tuple[int, int]:
+        loss, held = live_bytes_after(lambda: fn(params, x))
+        with FlopCount() as fc:
+            torch.autograd.grad(loss, wrt)
+        return held, fc.total
+
+    with use_engine(OffloadEngine(pin_memory=False)):
+        full, base = measured(apply)
+        rows = []
+        for f in [1.0, *budgets]:
+            for kind, pol in (("keep/recompute", policies.memory_budget(f, offload=model)),
+                              ("keep/offload/recompute", policies.memory_budget(f, offload=model))):
+                fn = remat.remat(apply, policy=pol)
+                fn(params, x).backward()  # solves
+                plan = next(iter(pol.plans.values()))
+                assert plan is not None
+                if kind == "keep/recompute":  # the same model, priced without offloading: a budget's two-way plan
+                    pol = policies.memory_budget(f)
+                    fn = remat.remat(apply, policy=pol)
+                    fn(params, x).backward()
+                    secs, host = plan.two_way_seconds, 0
+                else:
+                    secs, host = plan.seconds, plan.offloaded_bytes
+                held, fl = measured(fn)
+                label = "no remat" if f == 1.0 else f"{f:.0%}"
+                if f == 1.0 and kind == "keep/recompute":
+                    rows.append((label, "no remat (measured)", full, 0.0, secs * 1e3, 0.0))
+                    continue
+                if f == 1.0:
+                    continue
+                rows.append((label, kind, held, host, secs * 1e3, (fl - base) / 1e9))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=["stack", "chain", "both"], default="both")
@@ -120,6 +172,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--tiny", action="store_true", help="tiny models (a smoke test)")
     p.add_argument("--plot", default=None, metavar="PNG", help="retained MiB against recomputed GFLOP, per model")
+    p.add_argument("--offload", action="store_true", help="keep/recompute against keep/offload/recompute")
+    p.add_argument("--flops", type=float, default=None, help="--offload: the device's FLOP/s (default H200's)")
+    p.add_argument("--d2h", type=float, default=None, help="--offload: device-to-host bytes/s (default 64e9)")
+    p.add_argument("--h2d", type=float, default=None, help="--offload: host-to-device bytes/s (default 64e9)")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -127,6 +183,22 @@ def main(argv: list[str] | None = None) -> None:
     models = {k: TINY for k in MODELS} if a.tiny else MODELS
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, compiled with backend {a.backend}")
     names = ["stack", "chain"] if a.model == "both" else [a.model]
+    if a.offload:
+        h = DeviceModel.h200()
+        model = DeviceModel(flops=a.flops or h.flops, d2h=a.d2h or h.d2h, h2d=a.h2d or h.h2d)
+        print(f"device model: {model.flops / 1e12:g} TFLOP/s, {model.d2h / 1e9:g} GB/s to the host, "
+              f"{model.h2d / 1e9:g} GB/s back, {model.max_inflight_bytes >> 20} MiB in flight")
+        for name in names:
+            cfg = models[name]
+            print(f"\n{name}: {cfg}")
+            print("| budget | plan | retained MiB | host MiB | modelled step µs | vs no remat | recomputed GFLOP |\n"
+                  "|---|---|--:|--:|--:|--:|--:|")
+            rows = run_offload(name, cfg, budgets, model)
+            plain = rows[0][4]
+            for budget, what, held, host, ms, gf in rows:
+                print(f"| {budget} | {what} | {held / 2**20:.2f} | {host / 2**20:.2f} | {ms * 1e3:.1f} | "
+                      f"{ms / plain:.3f}x | {gf:.3f} |", flush=True)
+        return
     results = {}
     for name in names:
         cfg = models[name]

@@ -66,7 +66,16 @@ def test_gpu_check_tiny_runs_on_cpu(tmp_path: pathlib.Path) -> None:
         d2h, h2d = float(rows[name][6]), float(rows[name][7])
         assert d2h > 0 and h2d > 0, (name, rows[name])  # bytes moved, per step
     assert "copy bandwidth" in summary and "started ahead of need" in summary
-    assert {"checks.log", "bench.log"} <= {p.name for p in tmp_path.iterdir()}
+    # the budgets' table (benchmarks/budget_gpu.py): both kinds of plan at both budgets, the compiled row,
+    # every gradient equal to no remat's (bitwise in eager code)
+    budget_rows = [cells(line) for line in summary.splitlines() if line.startswith("|")]
+    budget_rows = [row for row in budget_rows if len(row) == 9 and row[0] != "budget" and set(row[1]) - set("-:")]
+    kinds = [(row[0], row[1]) for row in budget_rows]
+    assert kinds == [("-", "no remat"), ("10%", "keep/recompute"), ("10%", "keep/offload/recompute"),
+                     ("25%", "keep/recompute"), ("25%", "keep/offload/recompute"),
+                     ("-", "torch.compile, offload_to_cpu per block")], summary
+    assert [row[6] for row in budget_rows[:-1]] == ["bitwise"] * 5 and budget_rows[-1][6] in ("bitwise", "close")
+    assert {"checks.log", "bench.log", "budget.log"} <= {p.name for p in tmp_path.iterdir()}
 
 
 @NEEDS_SHELL
