@@ -39,8 +39,8 @@ from collections.abc import Callable
 import torch
 
 import remat
-from remat import _torch_internals as ti
 from remat import DeviceModel, policies
+from remat import _torch_internals as ti
 from remat.bench.measure import FlopCount, live_bytes_after, saved_bytes
 from remat.bench.models import make_transformer
 
