@@ -312,7 +312,7 @@ class MemoryBudget:
             extra = {"model": model, "seconds": three.seconds, "two_way_seconds": two_seconds}
         _, cost, ran, need = _closure(g, keep | off)
         flops = sum(_flops(ops[i], policy.calls[i][1]) for i in ran if not ops[i].random)
-        move = Offloadable(None, "cpu")
+        move = Offloadable(None, "cpu", defer=False)  # the device bytes must go (NOTE [keep last])
         decisions = tuple((c[0], _decision(g, i, keep, off, move), policy.shapes[i])
                           for i, c in enumerate(policy.calls))
         kept = tuple(str(ops[i].func) for i in sorted(keep) if any(v in need for v in g.outs[i]))

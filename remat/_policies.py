@@ -91,6 +91,12 @@ class Offloadable(Decision):
     than ``min_bytes`` are kept where they are instead. Nothing offloaded is
     recomputed; it is copied back when the backward pass needs it.
 
+    ``defer``: on CUDA the offload engine keeps the newest call's outputs on the
+    device until a later call offloads (NOTE [keep last] in
+    ``remat/_offload/schedule.py``), since the backward pass starts with them.
+    ``defer=False`` copies the call's outputs at once: a memory budget's
+    decisions (``memory_budget(b, offload=...)``), whose device bytes must go.
+
     Example:
         >>> from remat.policies import Offloadable
         >>> Offloadable("cuda", "cpu")
@@ -100,8 +106,11 @@ class Offloadable(Decision):
     src: str | None = "cuda"
     dst: str = "cpu"
     min_bytes: int = 0
+    defer: bool = dataclasses.field(default=True, repr=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.defer, bool):
+            raise TypeError(f"Offloadable: defer must be a bool, got {self.defer!r}")
         if not isinstance(self.min_bytes, int) or self.min_bytes < 0:
             raise ValueError(f"Offloadable: min_bytes must be a non-negative int, got {self.min_bytes!r}")
         for what, dev in (("src", self.src), ("dst", self.dst)):

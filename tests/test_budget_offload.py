@@ -21,7 +21,7 @@ from remat._budget_offload import EXHAUSTIVE, evaluate, solve
 from remat.bench.measure import live_bytes_after
 from remat.offload import OffloadEngine, use_engine
 
-from .helpers import assert_tree_close
+from .helpers import assert_tree_close, keeping_engine
 from .test_budget import F64, grads, loss_of, random_graph, transformer
 
 # ---- a timeline written apart from the library's ----------------------------------------------------------------
@@ -296,3 +296,39 @@ def test_counts_are_counted_once_per_value() -> None:
     s = evaluate(g, frozenset(), frozenset({0, 1}), DeviceModel(flops=1.0, d2h=1.0, h2d=1.0))
     assert (s.device_bytes, s.host_bytes) == (0, 30)
     assert collections.Counter(g.saved)[0] == 2
+
+
+def test_a_budget_copies_at_once_where_the_engine_would_keep_the_newest_call() -> None:
+    """On CUDA the engine keeps the newest call's storages on the device until a later call offloads (NOTE [keep
+    last]); a budget's offloaded values must leave the device all the same, or its device bytes would be the
+    plan's plus everything it offloads. Run on the CPU with the engine keeping as it does on CUDA."""
+    p, x, block = transformer(torch.float32)
+    out_bytes = block(p, x).untyped_storage().nbytes()
+    ref = grads(block, p, x)
+    pol = policies.memory_budget(0.1, offload=SLOW)
+    f = remat.remat(block, policy=pol)
+    eng = keeping_engine()
+    with use_engine(eng):
+        loss_of(f, p, x).backward()
+        plan = next(iter(pol.plans.values()))
+        assert plan is not None and plan.offloaded_bytes > 0
+        for _ in range(2):
+            loss, held = live_bytes_after(lambda: loss_of(f, p, x))
+            assert held - out_bytes == plan.kept_bytes
+            loss.backward()
+        assert eng.stats["kept_on_device"] == 0 and eng.stats["copies"] > 0
+        assert all(torch.equal(a, b) for a, b in zip(grads(f, p, x), ref))
+    # the same values under a plain offload policy (defer=True) stay on the device: the call is the newest
+    eng = keeping_engine()
+    with use_engine(eng):
+        g = remat.remat(block, policy=policies.offload_to_cpu(min_bytes=0))
+        loss, held = live_bytes_after(lambda: loss_of(g, p, x))
+        assert eng.stats["kept_on_device"] > 0 and held - out_bytes > plan.kept_bytes
+        loss.backward()
+
+
+def test_defer_is_a_bool_and_not_in_the_repr() -> None:
+    assert repr(policies.Offloadable("cuda", "cpu", defer=False)) == "Offloadable(src='cuda', dst='cpu', min_bytes=0)"
+    assert policies.Offloadable("cuda", "cpu", defer=False) != policies.Offloadable("cuda", "cpu")
+    with pytest.raises(TypeError, match="defer must be a bool"):
+        policies.Offloadable("cuda", "cpu", defer=0)  # type: ignore[arg-type]

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import ast
 import gc
-import weakref
 import pathlib
+import weakref
 
 import torch
 from torch import nn

@@ -157,7 +157,8 @@ class _Group:
     """The offloaded storages of one remat call, and which copy of them a tensor saved later shares (NOTE [one copy
     per storage])."""
 
-    __slots__ = ("gid", "copies", "by_storage", "spans", "reached", "deferred", "origins", "reads", "__weakref__")
+    __slots__ = ("gid", "copies", "by_storage", "spans", "reached", "deferred", "origins", "reads", "now",
+                 "__weakref__")
 
     def __init__(self, gid: int) -> None:
         self.gid = gid
@@ -174,6 +175,7 @@ class _Group:
         self.origins: dict[int, int] = {}
         self.reads: dict[int, _StorageReads] = {}
         self.reached = False
+        self.now = False  # copies start at once, never kept (NOTE [keep last]): a decision said defer=False
 
     def register(self, key: int, copy: _Copy, version: int, t: torch.Tensor) -> None:
         """``copy`` is of the whole storage ``key`` that ``t`` (at ``version``) is saved from: later tensors of the

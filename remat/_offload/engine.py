@@ -197,6 +197,9 @@ class OffloadEngine(_Schedule):
         the steps of :meth:`_offload`, :meth:`_copy_out`, :meth:`_copy_raw` and ``_Group.register`` inline (each Python
         call costs ~0.1-0.2 us, per saved tensor), and makes one object, a solo handle (NOTE [solo handles]); every
         other case runs through them."""
+        if not decision.defer and group is not None:  # NOTE [keep last]: this call's copies start at once
+            group = self.group(group) if type(group) is not _Group else group
+            group.now = True
         grp = group
         src_kind = decision.src
         if not t.is_cpu or type(grp) is not _Group or type(t) is not _Tensor \

@@ -17,7 +17,9 @@ NOTE [keep last]
     storages stay on the device, held by their handles, and their copies start
     when a call ``keep_last`` calls later starts offloading (or just before an
     in-place write into one of them). Whatever is still kept when the backward
-    pass arrives is read where it is, like plain autograd's saved tensors.
+    pass arrives is read where it is, like plain autograd's saved tensors A
+    call with a decision ``Offloadable(..., defer=False)`` (a memory budget's,
+    whose device bytes must go) is never kept: its copies start at once.
 
 NOTE [prefetch]
     Calls ("groups": one per remat call) are numbered in the order they first
@@ -109,7 +111,7 @@ class _Schedule(_Transfers):
         else:
             # (weakref.ref gives the storage's one weak reference while it lives: a token shared by its copies)
             grp.origins[id(origin)] = grp.origins.get(id(origin), 0) + 1
-            keep = route[0] and self.keep_last > 0
+            keep = route[0] and self.keep_last > 0 and not grp.now
         if whole and not keep and not asynchronous:
             # a synchronous copy has read the bytes when it returns (NOTE [written while copied] holds nothing); it
             # copies t itself, so the host copy is of t's dtype, which fetch never reads (only the storage). A pack
