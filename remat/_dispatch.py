@@ -320,6 +320,12 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
                 # governs that storage when it is saved, not the decision of the op that allocated it
                 if k and (k not in in_keys or name is not None or func in LIFTS):
                     self.producers[k] = idx
+                if k and k not in in_keys:
+                    # a fresh storage: whatever was written at this address before was another storage, freed
+                    # since (the allocator hands addresses back). Its writes are not this output's: held as
+                    # written, it would be run again for nothing, as often as the allocator reuses an address
+                    self.written.discard(k)
+                    self.written_outside.discard(k)
             # a mutable op (squeeze_, add_, out=) is run again, never replayed: handing back its stashed
             # output would skip the write into its argument, which the caller goes on using. A zero
             # tensor (forward AD's "no tangent") is free to remake and a replayed copy would lose the

@@ -17,7 +17,7 @@ from torch import nn
 from remat import RematError, policies, remat
 from remat.bench.measure import live_bytes_after
 
-from .helpers import PLAN_POLICIES, assert_tree_close, f64, leaf, mlp, peak_bytes_of
+from .helpers import PLAN_POLICIES, OpCounter, assert_tree_close, f64, leaf, mlp, peak_bytes_of
 
 # ---- a later call holds what the first call held, no more ----------------------------------------------------------
 
@@ -287,3 +287,41 @@ def test_a_planned_call_leaves_no_garbage_and_no_growth(name):
         assert len(gc.get_objects()) <= before + 5
     finally:
         gc.enable()
+
+
+def test_an_address_written_before_and_reused_is_a_fresh_value() -> None:
+    """The recorder knows writes by storage address. An in-place write into a temporary that then dies leaves its
+    address free, and the allocator often hands it to the next tensor of that size: a saved matmul output made
+    there was taken for a written value and run again in the recompute (found in CI: one extra matmul under
+    vmap(vmap(grad)) with dropout, whose mask is drawn in place, when the allocator reused the mask's address).
+    Whether it reuses is the allocator's choice, so this tries sizes and calls until it does, and checks that
+    every call where it did recomputes no matmul, with plain autograd's gradient."""
+    reused = 0
+    for n in (16, 32, 48, 64, 96, 128):
+        for _ in range(10):
+            seen: dict[str, int] = {}
+
+            def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+                t = torch.rand(n, n, dtype=torch.float64)  # noqa: B023
+                t.mul_(2.0)  # written in place
+                s = t.sum()
+                seen.setdefault("t", t.untyped_storage().data_ptr())  # noqa: B023 (the forward pass's, not the recompute's)
+                del t
+                y = x @ w  # the same bytes: often t's block
+                seen.setdefault("y", y.untyped_storage().data_ptr())  # noqa: B023
+                return (torch.tanh(y) * s).sum()
+
+            w = torch.randn(n, n, dtype=torch.float64, requires_grad=True)
+            x = torch.randn(n, n, dtype=torch.float64)
+            torch.manual_seed(0)
+            with OpCounter() as oc:
+                (gw,) = torch.autograd.grad(remat(f, policy=policies.dots_saveable)(w, x), w)
+            if seen["t"] != seen["y"]:
+                continue
+            reused += 1
+            assert oc.count == 2, f"the matmul at a reused address ran again: {oc.count} matmuls, plain runs 2"
+            torch.manual_seed(0)
+            (ref,) = torch.autograd.grad(f(w, x), w)
+            assert_tree_close(gw, ref, rtol=1e-12, atol=1e-12)
+    if not reused:
+        pytest.skip("the allocator never handed a freed block to the next tensor of its size")
