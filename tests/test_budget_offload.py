@@ -332,3 +332,28 @@ def test_defer_is_a_bool_and_not_in_the_repr() -> None:
     assert policies.Offloadable("cuda", "cpu", defer=False) != policies.Offloadable("cuda", "cpu")
     with pytest.raises(TypeError, match="defer must be a bool"):
         policies.Offloadable("cuda", "cpu", defer=0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap-grad"])
+def test_under_torch_func(transform: str) -> None:
+    """The plan is solved under the transform (its ops are the transform's) and offloads there too."""
+    p, x, block = transformer(torch.float64)
+    pol = policies.memory_budget(0.2, offload=SLOW)
+    f = remat.remat(block, policy=pol)
+
+    def loss(fn: Any) -> Any:
+        return lambda p, x: fn(p, x).pow(2).sum()
+
+    if transform == "grad":
+        def run(fn: Any) -> Any:
+            return torch.func.grad(loss(fn))(p, x)
+    else:
+        def run(fn: Any) -> Any:
+            return torch.func.vmap(torch.func.grad(lambda p, x: loss(fn)(p, x[None])), in_dims=(None, 0))(p, x)
+    ref = run(block)
+    eng = OffloadEngine(pin_memory=False)
+    with use_engine(eng):
+        for _ in range(3):
+            assert_tree_close(run(f), ref, **F64)
+    plan = next(iter(pol.plans.values()))
+    assert plan is not None and plan.offloaded and eng.stats["offloaded"] > 0
