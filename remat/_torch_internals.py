@@ -542,3 +542,66 @@ def activation_memory_budget(fraction: float) -> contextlib.AbstractContextManag
     import torch._functorch.config as fc
 
     return fc.patch(activation_memory_budget=fraction)  # type: ignore[no-any-return]
+
+
+# ---- torch.compile's activation offloading (NOTE [compiled remat] in _engine/compiled.py) --------------------------
+# torch (2.13) has a compile-time pass that moves saved values to host memory and back
+# (torch._functorch._activation_offloading), run by the partitioner when torch._functorch.config's
+# enable_activation_offloading is on, for the forward nodes whose meta says "should_offload". Nothing in torch sets
+# that flag from a checkpoint policy (CheckpointPolicy.MUST_CPU_OFFLOAD is an enum value the partitioner does not
+# read), and the config has no public setter: remat sets both while the body compiles, through the config's own
+# scoped patch and its joint-graph hook (joint_custom_pass, chained after one the user set).
+
+_OFFLOAD_MARK = "_remat_marks_offloads"
+
+
+def activation_offloading_available() -> bool:
+    """Whether this torch has the compile-time offloading pass and the joint-graph hook remat drives it with."""
+    import torch._functorch.config as fc
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if not hasattr(fc, "enable_activation_offloading") or not hasattr(fc, "joint_custom_pass") \
+            or not hasattr(CheckpointPolicy, "MUST_CPU_OFFLOAD"):
+        return False
+    try:
+        import torch._functorch._activation_offloading.activation_offloading  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _mark_offloads(gm: Any) -> Any:
+    """The joint graph's nodes a checkpoint policy answered ``MUST_CPU_OFFLOAD`` for: saved, marked for the pass."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    offload = (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD)
+    for node in gm.graph.nodes:
+        if node.meta.get("recompute") in offload:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            node.meta["should_offload"] = True
+    return gm
+
+
+@contextlib.contextmanager
+def activation_offloading() -> Iterator[None]:
+    """torch's compile-time offloading on, for the nodes remat's compiled policy marks, while the body compiles."""
+    import torch._functorch.config as fc
+
+    previous = fc.joint_custom_pass
+
+    def joint(gm: Any, inputs: Any) -> Any:
+        if previous is not None:
+            gm = previous(gm, inputs)
+        return _mark_offloads(gm)
+
+    setattr(joint, _OFFLOAD_MARK, True)
+    with fc.patch(enable_activation_offloading=True, joint_custom_pass=joint):
+        yield
+
+
+def activation_offloading_on() -> bool:
+    """Whether the body of :func:`activation_offloading` is running (the pass will see remat's marks)."""
+    import torch._functorch.config as fc
+
+    return bool(getattr(fc, "enable_activation_offloading", False)) and \
+        getattr(getattr(fc, "joint_custom_pass", None), _OFFLOAD_MARK, False)

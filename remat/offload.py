@@ -1,5 +1,48 @@
-"""The offload engine behind the offload policies (see :mod:`remat.policies`)."""
+"""The offload engine behind the offload policies (see :mod:`remat.policies`), and offloading under torch.compile."""
 
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from . import _torch_internals as ti
+from ._errors import RematError
 from ._offload import Offloaded, OffloadEngine, default_engine, use_engine
 
-__all__ = ["OffloadEngine", "Offloaded", "default_engine", "use_engine"]
+__all__ = ["OffloadEngine", "Offloaded", "default_engine", "use_engine", "compiled_offloading"]
+
+
+@contextlib.contextmanager
+def compiled_offloading() -> Iterator[None]:
+    """Offload under ``torch.compile``: while the body compiles, what a remat'd function's policy offloads to the
+    host (``Offloadable(..., dst="cpu")``) is moved there by torch's compile-time activation offloading pass.
+
+    Wrap the call that compiles (the first call of a ``torch.compile``'d function, or any call that recompiles);
+    later calls run the compiled graphs, offloads included. Outside it, remat recomputes those values instead,
+    with a warning (NOTE [compiled remat] in ``remat/_engine/compiled.py``). torch's pass moves saved values that
+    are neither views nor non-contiguous nor the graph's outputs; it keeps the others on the device.
+
+    Raises:
+        RematError: on a torch without the pass (``torch._functorch.config.enable_activation_offloading`` and
+            its joint-graph hook).
+
+    Example:
+        >>> import torch._functorch.config as fc
+        >>> from remat.offload import compiled_offloading
+        >>> with compiled_offloading():  # around the call that compiles: step = torch.compile(...); step(x)
+        ...     fc.enable_activation_offloading
+        True
+        >>> fc.enable_activation_offloading  # (the body only; docs/offloading.md runs a compiled step)
+        False
+    """
+    if not ti.activation_offloading_available():
+        raise RematError(
+            f"remat: compiled_offloading() needs torch's compile-time activation offloading "
+            f"(torch._functorch.config.enable_activation_offloading and joint_custom_pass; torch 2.13 has them), "
+            f"which torch {torch.__version__} lacks. Offload outside the compiled region, or let remat recompute "
+            "what the policy offloads (it warns)."
+        )
+    with ti.activation_offloading():
+        yield

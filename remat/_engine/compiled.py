@@ -17,8 +17,18 @@ selective checkpointing, with remat's policy translated per ATen op by
   policy sees it as a ``checkpoint_name`` call, as in eager mode. Not an alias or
   a clone: inductor removes those before its partitioner sees the decision. Bool
   and complex values are cloned, so under inductor their names are not seen.
-* ``Offloadable``: a compiled graph has no place to move a value to another
-  device and back, so the value is recomputed instead, with a one-time warning.
+* ``Offloadable`` (to ``"cpu"``) → ``MUST_CPU_OFFLOAD`` while the call that
+  compiles runs inside ``remat.offload.compiled_offloading()``: that turns on
+  torch's compile-time activation offloading (torch 2.13's partitioner pass,
+  ``torch._functorch._activation_offloading``) and hooks the joint graph
+  (``_torch_internals.activation_offloading``) to mark those nodes saved and
+  ``should_offload``, which is all the pass reads; the forward graph then copies
+  them to the host (``prims.device_put``) and the backward graph back. A value
+  on another device than the decision's ``src``, or under its ``min_bytes``, is
+  saved, as in eager mode; torch's pass keeps views, non-contiguous values and
+  graph outputs on the device. Outside that context, on a torch without the
+  pass, or to another ``dst``, the value is recomputed instead, with a warning
+  once per traced region saying which.
 * Random ops (dropout): the partitioner never recomputes them; their outputs
   are saved whatever the policy says, so gradients stay exact.
 
@@ -100,14 +110,33 @@ class CompiledPolicy:
             decision, _ = decide_explicit(_Concrete(self.policy), op, args, kwargs)
         if decision is Saveable:
             return CheckpointPolicy.MUST_SAVE
-        if isinstance(decision, Offloadable) and not self._warned:
+        if isinstance(decision, Offloadable):
+            return self._offload(ctx, decision)
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def _offload(self, ctx: Any, decision: Offloadable) -> CheckpointPolicy:
+        """An offload decision: torch's offloading pass where it runs (``remat.offload.compiled_offloading``),
+        else a recompute, with a warning."""
+        if decision.dst == "cpu" and ti.activation_offloading_on():
+            out = getattr(ctx, "op_output", None)  # (torch >= 2.13; before, every output the decision names moves)
+            outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+            if decision.src is not None and any(t.device.type != torch.device(decision.src).type for t in outs):
+                return CheckpointPolicy.MUST_SAVE  # on another device than src: kept where it is, as in eager mode
+            if outs and sum(t.nbytes for t in outs) < decision.min_bytes:
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.MUST_CPU_OFFLOAD
+        if not self._warned:
             # once per traced region; and the message names the policy, not the op, at this one location, so that
             # warnings' own filter (by default once per message and location) shows the regions of one policy once
             self._warned = True
+            how = ("wrap the call that compiles in `with remat.offload.compiled_offloading():`"
+                   if ti.activation_offloading_available() and decision.dst == "cpu" else
+                   f"this torch ({torch.__version__}) has no compile-time offloading pass remat can drive"
+                   if decision.dst == "cpu" else f"torch's pass moves values to the host only, not to {decision.dst!r}")
             warnings.warn(
                 f"remat: policy {getattr(self.policy, '__name__', self.policy)!r} offloads under torch.compile, "
-                "where a compiled graph cannot move values to another device and back; remat recomputes them "
-                "instead. Offload outside the compiled region, or choose a policy that saves or recomputes.",
+                f"where remat recomputes what it offloads unless torch's offloading pass runs: {how}. Or offload "
+                "outside the compiled region, or choose a policy that saves or recomputes.",
                 stacklevel=1)
         return CheckpointPolicy.PREFER_RECOMPUTE
 
