@@ -26,6 +26,8 @@ class Schedule:
     recompute: float = 0.0  # predicted FLOPs recomputed
     # per segment, the schedule its recompute follows (a multi-level schedule); None or absent: its blocks plain
     inner: tuple[Schedule | None, ...] = ()
+    # plain blocks whose activations go to host memory (NOTE [offloading in a chain] in _chain_offload.py)
+    offloaded: frozenset[int] = frozenset()
 
     def sub(self, i: int) -> Schedule | None:
         return self.inner[i] if i < len(self.inner) else None
@@ -39,6 +41,11 @@ class Schedule:
         parts = []
         for i, (s, e, r) in enumerate(self.segments):
             sub = self.sub(i)
+            if not r and self.offloaded:  # runs of offloaded and plain blocks
+                for off, run in itertools.groupby(range(s, e), key=lambda b: b in self.offloaded):
+                    blocks = list(run)
+                    parts.append(f"{'offload' if off else 'plain'}[{blocks[0]}:{blocks[-1] + 1}]")
+                continue
             parts.append(f"{'remat' if r else 'plain'}[{s}:{e}]" + (f"{{{sub}}}" if sub is not None else ""))
         return " ".join(parts)
 

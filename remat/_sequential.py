@@ -56,9 +56,14 @@ import optree
 import torch
 
 from . import _torch_internals as ti
+from ._chain_offload import ChainPlan
+from ._chain_offload import solve as solve_three_way
 from ._context import INSPECTOR, internal
+from ._device_model import DeviceModel
+from ._errors import RematError
 from ._measure import FlopCount
 from ._ops import storage_key
+from ._policies import Offloadable
 from ._schedules import Schedule, cost, equal_segments, nested_segments, solve, solve_nested
 from ._transform import remat
 
@@ -131,13 +136,17 @@ class Sequential:
     """What :func:`sequential` returns: call it on the chain's input."""
 
     def __init__(self, blocks: Sequence[Callable[[Any], Any]], segments: int | None, budget: int | float | None,
-                 policy: Any, levels: int = 1) -> None:
+                 policy: Any, levels: int = 1, offload: DeviceModel | bool | None = None,
+                 host_budget: int | None = None) -> None:
         self.blocks = list(blocks)
         self.segments = segments
         self.budget = budget
         self.policy = policy
         self.levels = levels
+        self.offload = offload or None
+        self.host_budget = host_budget
         self.solves = 0  # how many times a budget was solved (once per input signature)
+        self.plans: dict[Any, ChainPlan] = {}  # with offload: per input signature, the three-way plan
         self._schedules: dict[Any, Schedule] = {}
         self._runs: dict[Any, Any] = {}
 
@@ -171,9 +180,16 @@ class Sequential:
             if rematted:
                 x = self._run(s, e, sched.sub(i))(x)
             else:
-                for b in self.blocks[s:e]:
-                    x = b(x)
+                for j in range(s, e):
+                    x = self._offloaded(j)(x) if j in sched.offloaded else self.blocks[j](x)
         return x
+
+    def _offloaded(self, i: int) -> Any:
+        """Block ``i``, its activations to host memory at once (NOTE [offloading in a chain])."""
+        run = self._runs.get(("offload", i))
+        if run is None:
+            run = self._runs[("offload", i)] = remat(self.blocks[i], policy=_offload_all)
+        return run
 
     def _first_call(self, x: Any, key: Any) -> Any:
         """Every block remat'd alone, each weighed (NOTE [chain schedules]); then solve the budget."""
@@ -205,6 +221,11 @@ class Sequential:
                                                                                          found.memory)):
             found = nested
         self.solves += 1
+        if self.offload is not None:
+            plan = solve_three_way(act, inp, flops, budget, self._model(x), self.host_budget, found)
+            if plan is not None:
+                self.plans[key] = plan
+                found = plan.schedule
         if found is None:
             least = cost(nested_segments(n, 2, max(1, math.ceil(math.log2(n)))), act, inp, flops)[0]
             raise ValueError(
@@ -214,6 +235,20 @@ class Sequential:
             )
         self._schedules[key] = found
         return x
+
+    def _model(self, x: Any) -> DeviceModel:
+        if isinstance(self.offload, DeviceModel):
+            return self.offload
+        devices = sorted({str(t.device) for t in optree.tree_leaves(x, none_is_leaf=True)
+                          if isinstance(t, torch.Tensor)})
+        cuda = [d for d in devices if d.startswith("cuda")]
+        if not cuda:
+            raise RematError(
+                f"remat.sequential: offload=True probes the device the chain runs on, but it runs on "
+                f"{', '.join(devices) or 'no device'}, where offloading to host memory frees nothing. To plan as if "
+                "on a GPU, pass its model: offload=remat.DeviceModel(flops=..., d2h=..., h2d=...)."
+            )
+        return DeviceModel.probe(cuda[0])
 
     def __call__(self, x: Any) -> Any:
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
@@ -231,11 +266,21 @@ class Sequential:
     def __repr__(self) -> str:
         how = f"budget={self.budget!r}" if self.budget is not None else f"segments={self.segments}" + (
             f", levels={self.levels}" if self.levels > 1 else "")
+        how += "" if self.offload is None else f", offload={self.offload!r}"
         return f"remat.sequential({len(self.blocks)} blocks, {how})"
 
 
+_OFFLOAD_ALL = Offloadable(None, "cpu", defer=False)  # (the device bytes must go: NOTE [keep last])
+
+
+def _offload_all(op: Any, *args: Any, **kwargs: Any) -> Offloadable:
+    """An offloaded block's policy: every saved output to host memory, at once."""
+    return _OFFLOAD_ALL
+
+
 def sequential(blocks: Sequence[Callable[[Any], Any]], *, segments: int | None = None,
-               budget: int | float | None = None, policy: Any = None, levels: int = 1) -> Sequential:
+               budget: int | float | None = None, policy: Any = None, levels: int = 1,
+               offload: DeviceModel | bool | None = None, host_budget: int | None = None) -> Sequential:
     """Rematerialize a chain of blocks ``x -> x`` in segments: equal ones, or the fewest recomputes under a budget.
 
     ``remat.sequential(blocks)(x)`` runs ``blocks[0]`` to ``blocks[-1]`` on ``x``,
@@ -264,6 +309,11 @@ def sequential(blocks: Sequence[Callable[[Any], Any]], *, segments: int | None =
         levels: with ``segments`` or neither, how many levels of nested segments
             (1: a single level); ``segments`` is then the count per level
             (default ``ceil(n ** (1 / levels))``, at least 2).
+        offload: with ``budget``, a :class:`~remat.DeviceModel` (or ``True``: measure the chain's CUDA device):
+            a plain block may also be *offloaded*, its activations copied to host memory through the offload
+            engine, and the schedule is the one of least modelled step time within the budget (NOTE [offloading
+            in a chain] in ``remat/_chain_offload.py``); ``.plans`` says what it chose and its modelled time.
+        host_budget: with ``offload``, the host bytes the offloaded blocks may take (``None``: no bound).
 
     Returns:
         A callable :class:`Sequential`; ``.schedule(x)`` shows the schedule.
@@ -280,6 +330,14 @@ def sequential(blocks: Sequence[Callable[[Any], Any]], *, segments: int | None =
         >>> chain(x).sum().backward()
         >>> str(chain.schedule(x))
         'remat[0:3] remat[3:6] plain[6:9]'
+        >>> wide = [torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8))
+        ...         for _ in range(6)]
+        >>> slow = remat.DeviceModel(flops=1e8, d2h=64e9, h2d=64e9)  # copies cheap next to compute
+        >>> chain = remat.sequential(wide, budget=0.1, offload=slow)
+        >>> chain(x).sum().backward()
+        >>> plan = next(iter(chain.plans.values()))
+        >>> str(plan.schedule), plan.seconds < plan.two_way_seconds
+        ('offload[0:6]', True)
     """
     blocks = list(blocks)
     if not blocks or not all(callable(b) for b in blocks):
@@ -301,4 +359,12 @@ def sequential(blocks: Sequence[Callable[[Any], Any]], *, segments: int | None =
             raise ValueError(f"remat.sequential: a fractional budget must be in [0, 1], got {budget}")
         if isinstance(budget, int) and budget < 0:
             raise ValueError(f"remat.sequential: budget must be >= 0 bytes, got {budget}")
-    return Sequential(blocks, segments, budget, policy, levels)
+    if offload is not None and not isinstance(offload, (bool, DeviceModel)):
+        raise TypeError(f"remat.sequential: offload must be True, False, None or a remat.DeviceModel, got {offload!r}")
+    if offload and budget is None:
+        raise ValueError("remat.sequential: offload weighs copies against recomputes within a budget; pass budget= "
+                         "too (or offload every block: remat(block, policy=policies.offload_to_cpu()))")
+    if host_budget is not None and (not offload or isinstance(host_budget, bool) or not isinstance(host_budget, int)
+                                    or host_budget < 0):
+        raise ValueError(f"remat.sequential: host_budget must be bytes (an int >= 0) with offload, got {host_budget!r}")
+    return Sequential(blocks, segments, budget, policy, levels, offload if offload else None, host_budget)

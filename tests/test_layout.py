@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "remat"
 FLOORS = [
     {"_context", "_errors", "_torch_internals", "_outside", "_wiring", "bench", "_schedules"},
     {"_offload.pool", "_offload.geometry", "_offload.routes", "_device_model"},
-    {"_offload.copies"},
+    {"_offload.copies", "_chain_offload"},
     {"_offload.streams"},
     {"_offload.schedule"},
     {"_offload.engine"},
