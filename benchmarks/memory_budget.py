@@ -124,11 +124,12 @@ def run_offload(name: str, cfg: dict[str, int], budgets: list[float],
     """Rows (budget, plan, retained MiB, host MiB, modelled ms, recomputed GFLOP) for both kinds of plan."""
     from remat.offload import OffloadEngine, use_engine
 
-    params, x, _, apply = make_transformer(**cfg)
+    params, x, block, apply = make_transformer(**cfg)
     for blk in params:
         for t in blk.values():
             t.requires_grad_(True)
     wrt = [t for blk in params for t in blk.values()]
+    blocks = [functools.partial(block, p) for p in params]
 
     def measured(fn: Callable[..., torch.Tensor]) -> tuple[int, int]:
         loss, held = live_bytes_after(lambda: fn(params, x))
@@ -161,6 +162,27 @@ def run_offload(name: str, cfg: dict[str, int], budgets: list[float],
                 if f == 1.0:
                     continue
                 rows.append((label, kind, held, host, secs * 1e3, (fl - base) / 1e9))
+            if f == 1.0:
+                continue
+            for kind, off in (("sequential, keep/recompute", None), ("sequential, keep/offload/recompute", model)):
+                try:
+                    seq = remat.sequential(blocks, budget=f, offload=model)
+                    (seq(x) ** 2).mean().backward()  # solves
+                except ValueError:  # no schedule fits
+                    rows.append((f"{f:.0%}", f"{kind}: none fits", math.nan, math.nan, math.nan, math.nan))
+                    continue
+                plan = next(iter(seq.plans.values()))
+                if off is None:
+                    try:
+                        seq = remat.sequential(blocks, budget=f)
+                        (seq(x) ** 2).mean().backward()
+                    except ValueError:
+                        rows.append((f"{f:.0%}", f"{kind}: none fits", math.nan, math.nan, math.nan, math.nan))
+                        continue
+                secs = plan.seconds if off is not None else plan.two_way_seconds
+                host = plan.host_bytes if off is not None else 0
+                held, fl = measured(lambda p, x: (seq(x) ** 2).mean())  # noqa: B023
+                rows.append((f"{f:.0%}", f"{kind} ({seq.schedule(x)})", held, host, secs * 1e3, (fl - base) / 1e9))
     return rows
 
 
@@ -196,6 +218,9 @@ def main(argv: list[str] | None = None) -> None:
             rows = run_offload(name, cfg, budgets, model)
             plain = rows[0][4]
             for budget, what, held, host, ms, gf in rows:
+                if math.isnan(held):
+                    print(f"| {budget} | {what} | - | - | - | - | - |", flush=True)
+                    continue
                 print(f"| {budget} | {what} | {held / 2**20:.2f} | {host / 2**20:.2f} | {ms * 1e3:.1f} | "
                       f"{ms / plain:.3f}x | {gf:.3f} |", flush=True)
         return
