@@ -25,22 +25,18 @@ def compiled_offloading() -> Iterator[None]:
     are neither views nor non-contiguous nor the graph's outputs; it keeps the others on the device.
 
     Raises:
-        RematError: on a torch without the pass (``torch._functorch.config.enable_activation_offloading`` and
-            its joint-graph hook).
+        RematError: on a torch without the pass and the joint-graph hook remat drives it with
+            (``_torch_internals.activation_offloading_available``; torch 2.13 has both).
 
     Example:
-        >>> import torch._functorch.config as fc
         >>> from remat.offload import compiled_offloading
         >>> with compiled_offloading():  # around the call that compiles: step = torch.compile(...); step(x)
-        ...     fc.enable_activation_offloading
-        True
-        >>> fc.enable_activation_offloading  # (the body only; docs/offloading.md runs a compiled step)
-        False
+        ...     pass  # (docs/offloading.md runs a compiled step)
     """
     if not ti.activation_offloading_available():
         raise RematError(
-            f"remat: compiled_offloading() needs torch's compile-time activation offloading "
-            f"(torch._functorch.config.enable_activation_offloading and joint_custom_pass; torch 2.13 has them), "
+            f"remat: compiled_offloading() needs torch's compile-time activation offloading pass and its "
+            f"joint-graph hook (functorch's config: enable_activation_offloading, joint_custom_pass; torch 2.13), "
             f"which torch {torch.__version__} lacks. Offload outside the compiled region, or let remat recompute "
             "what the policy offloads (it warns)."
         )

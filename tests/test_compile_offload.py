@@ -190,3 +190,26 @@ def test_inductor_end_to_end() -> None:
     with compiled_offloading():
         got = grads(fn, w, x)
     torch.testing.assert_close(got, grads(block, w, x), rtol=1e-10, atol=1e-10)
+
+
+def test_dynamic_shapes() -> None:
+    """Symbolic sizes (``dynamic=True``, or Dynamo's automatic dynamic shapes on a recompile): the size is
+    unknown while tracing, so ``min_bytes`` cannot be weighed and the value is offloaded (CI saw the size raise
+    "Cannot call numel() on tensor with symbolic sizes" once Dynamo had made a remat frame dynamic)."""
+    torch._dynamo.reset()
+    cap = Capture()
+    pol = policies.save_and_offload_only_these_names(names_which_can_be_saved=[], names_which_can_be_offloaded=["h"],
+                                                     offload_src="cpu", offload_dst="cpu")
+    fn = torch.compile(remat.remat(block, policy=pol), backend=cap.backend, dynamic=True)
+    w = torch.randn(16, 16, dtype=torch.float64, requires_grad=True)
+    for rows in (8, 5):
+        x = torch.randn(rows, 16, dtype=torch.float64)
+        with compiled_offloading():
+            got = grads(fn, w, x)
+        torch.testing.assert_close(got, grads(block, w, x), rtol=1e-12, atol=1e-12)
+    assert len(device_puts(cap.fw[0])) == 1
+    torch._dynamo.reset()
+    fn = torch.compile(remat.remat(block, policy=policies.offload_to_cpu(min_bytes=1 << 20, src="cpu")),
+                       backend="aot_eager", dynamic=True)
+    with compiled_offloading():
+        torch.testing.assert_close(grads(fn, w, x), grads(block, w, x), rtol=1e-12, atol=1e-12)

@@ -20,7 +20,7 @@ selective checkpointing, with remat's policy translated per ATen op by
 * ``Offloadable`` (to ``"cpu"``) → ``MUST_CPU_OFFLOAD`` while the call that
   compiles runs inside ``remat.offload.compiled_offloading()``: that turns on
   torch's compile-time activation offloading (torch 2.13's partitioner pass,
-  ``torch._functorch._activation_offloading``) and hooks the joint graph
+  functorch's ``_activation_offloading``) and hooks the joint graph
   (``_torch_internals.activation_offloading``) to mark those nodes saved and
   ``should_offload``, which is all the pass reads; the forward graph then copies
   them to the host (``prims.device_put``) and the backward graph back. A value
@@ -67,6 +67,14 @@ _NAME_OPS = (torch.ops.aten.mul.Tensor, torch.ops.aten.clone.default)  # see _na
 _CHECKPOINT_KWARGS = frozenset({"use_reentrant", "context_fn", "preserve_rng_state", "determinism_check", "debug"})
 
 
+
+
+def _nbytes(outs: list[torch.Tensor]) -> int | None:
+    """The bytes of traced outputs, None when a size is symbolic (dynamic shapes)."""
+    try:
+        return sum(int(t.nbytes) for t in outs)
+    except (RuntimeError, TypeError):
+        return None
 
 
 class CompiledPolicy:
@@ -122,7 +130,8 @@ class CompiledPolicy:
             outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
             if decision.src is not None and any(t.device.type != torch.device(decision.src).type for t in outs):
                 return CheckpointPolicy.MUST_SAVE  # on another device than src: kept where it is, as in eager mode
-            if outs and sum(t.nbytes for t in outs) < decision.min_bytes:
+            size = _nbytes(outs) if decision.min_bytes else None
+            if size is not None and size < decision.min_bytes:  # (a symbolic size: unknown, offloaded)
                 return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.MUST_CPU_OFFLOAD
         if not self._warned:
