@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
 
 from . import _torch_internals as ti
-from ._errors import RematError
 from ._offload import Offloaded, OffloadEngine, default_engine, use_engine
 
 __all__ = ["OffloadEngine", "Offloaded", "default_engine", "use_engine", "compiled_offloading"]
@@ -24,9 +24,8 @@ def compiled_offloading() -> Iterator[None]:
     with a warning (NOTE [compiled remat] in ``remat/_engine/compiled.py``). torch's pass moves saved values that
     are neither views nor non-contiguous nor the graph's outputs; it keeps the others on the device.
 
-    Raises:
-        RematError: on a torch without the pass and the joint-graph hook remat drives it with
-            (``_torch_internals.activation_offloading_available``; torch 2.13 has both).
+    On a torch without the pass and the joint-graph hook remat drives it with (torch 2.13 has both), it warns
+    and the body runs as without it.
 
     Example:
         >>> from remat.offload import compiled_offloading
@@ -34,11 +33,13 @@ def compiled_offloading() -> Iterator[None]:
         ...     pass  # (docs/offloading.md runs a compiled step)
     """
     if not ti.activation_offloading_available():
-        raise RematError(
+        warnings.warn(
             f"remat: compiled_offloading() needs torch's compile-time activation offloading pass and its "
             f"joint-graph hook (functorch's config: enable_activation_offloading, joint_custom_pass; torch 2.13), "
-            f"which torch {torch.__version__} lacks. Offload outside the compiled region, or let remat recompute "
-            "what the policy offloads (it warns)."
-        )
+            f"which torch {torch.__version__} lacks: remat recomputes what the policy offloads in compiled code. "
+            "Offload outside the compiled region to move it to host memory.",
+            stacklevel=3)
+        yield
+        return
     with ti.activation_offloading():
         yield
