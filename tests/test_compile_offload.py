@@ -213,3 +213,23 @@ def test_dynamic_shapes() -> None:
                        backend="aot_eager", dynamic=True)
     with compiled_offloading():
         torch.testing.assert_close(grads(fn, w, x), grads(block, w, x), rtol=1e-12, atol=1e-12)
+
+
+def test_the_source_device_is_told_without_the_ops_output() -> None:
+    """Before torch 2.13 a checkpoint policy is not handed the op's output: the device of its tensor arguments
+    decides instead (found by CI on torch 2.11, where ``Offloadable("cuda", "cpu")`` moved a CPU value)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from remat._engine.compiled import CompiledPolicy
+
+    class Ctx:  # (torch 2.11's context: no op_output)
+        is_recompute = False
+
+    x = torch.ones(3)
+    with compiled_offloading():
+        cuda_only = CompiledPolicy(lambda op, *a, **k: policies.Offloadable("cuda", "cpu"))
+        assert cuda_only(Ctx(), torch.ops.aten.sin.default, x) is CheckpointPolicy.MUST_SAVE
+        cpu = CompiledPolicy(lambda op, *a, **k: policies.Offloadable("cpu", "cpu"))
+        assert cpu(Ctx(), torch.ops.aten.sin.default, x) is CheckpointPolicy.MUST_CPU_OFFLOAD
+        assert cpu(Ctx(), torch.ops.aten.cat.default, [x, x]) is CheckpointPolicy.MUST_CPU_OFFLOAD
+        assert cuda_only(Ctx(), torch.ops.aten.cat.default, [x, x]) is CheckpointPolicy.MUST_SAVE

@@ -119,16 +119,18 @@ class CompiledPolicy:
         if decision is Saveable:
             return CheckpointPolicy.MUST_SAVE
         if isinstance(decision, Offloadable):
-            return self._offload(ctx, decision)
+            return self._offload(ctx, decision, args)
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    def _offload(self, ctx: Any, decision: Offloadable) -> CheckpointPolicy:
+    def _offload(self, ctx: Any, decision: Offloadable, args: tuple[Any, ...]) -> CheckpointPolicy:
         """An offload decision: torch's offloading pass where it runs (``remat.offload.compiled_offloading``),
         else a recompute, with a warning."""
         if decision.dst == "cpu" and ti.activation_offloading_on():
             out = getattr(ctx, "op_output", None)  # (torch >= 2.13; before, every output the decision names moves)
             outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
-            if decision.src is not None and any(t.device.type != torch.device(decision.src).type for t in outs):
+            # (before torch 2.13, no output to look at: the op's tensor arguments say the device)
+            where = outs or [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,)) if isinstance(t, torch.Tensor)]
+            if decision.src is not None and any(t.device.type != torch.device(decision.src).type for t in where):
                 return CheckpointPolicy.MUST_SAVE  # on another device than src: kept where it is, as in eager mode
             size = _nbytes(outs) if decision.min_bytes else None
             if size is not None and size < decision.min_bytes:  # (a symbolic size: unknown, offloaded)
