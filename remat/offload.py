@@ -24,7 +24,7 @@ def compiled_offloading() -> Iterator[None]:
     with a warning (NOTE [compiled remat] in ``remat/_engine/compiled.py``). torch's pass moves saved values that
     are neither views nor non-contiguous nor the graph's outputs; it keeps the others on the device.
 
-    On a torch without the pass and the joint-graph hook remat drives it with (torch 2.13 has both), it warns
+    On a torch without the pass and the joint-graph hook remat drives it with (torch 2.11 to 2.13 have both), it warns
     and the body runs as without it.
 
     Example:
@@ -35,7 +35,7 @@ def compiled_offloading() -> Iterator[None]:
     if not ti.activation_offloading_available():
         warnings.warn(
             f"remat: compiled_offloading() needs torch's compile-time activation offloading pass and its "
-            f"joint-graph hook (functorch's config: enable_activation_offloading, joint_custom_pass; torch 2.13), "
+            f"joint-graph hook (functorch's config: enable_activation_offloading, joint_custom_pass; torch 2.11 to 2.13), "
             f"which torch {torch.__version__} lacks: remat recomputes what the policy offloads in compiled code. "
             "Offload outside the compiled region to move it to host memory.",
             stacklevel=3)

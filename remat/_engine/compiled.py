@@ -19,7 +19,7 @@ selective checkpointing, with remat's policy translated per ATen op by
   and complex values are cloned, so under inductor their names are not seen.
 * ``Offloadable`` (to ``"cpu"``) → ``MUST_CPU_OFFLOAD`` while the call that
   compiles runs inside ``remat.offload.compiled_offloading()``: that turns on
-  torch's compile-time activation offloading (torch 2.13's partitioner pass,
+  torch's compile-time activation offloading (the partitioner's pass in torch 2.11 to 2.13,
   functorch's ``_activation_offloading``) and hooks the joint graph
   (``_torch_internals.activation_offloading``) to mark those nodes saved and
   ``should_offload``, which is all the pass reads; the forward graph then copies
