@@ -35,6 +35,7 @@ from .planned import FastFrame
 from .plans import MAX_PLANS, fast_path_applies, signature
 from .recompute import call_nested_replay
 from .region import NeedsRegion, enclosed, run_region
+from .traced import TraceFrame, traceable
 
 __all__ = ["call"]
 
@@ -60,11 +61,14 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
     region = owner is not None and owner._region
     ctx = active_context()
     # 2. an outer recompute re-runs this call
-    if ctx is not None and not isinstance(ctx, Frame) and not region:
+    if ctx is not None and not isinstance(ctx, (Frame, TraceFrame)) and not region:
         return call_nested_replay(ctx, run, flat)
     # NOTE [state is an input]: what fn reads besides its arguments, held like them
     state = snapshot(fn, [a for a in flat if not isinstance(a, torch.Tensor)] + list(static_vals.values()))
     outermost = not enclosed()
+    in_trace = isinstance(ctx, TraceFrame)
+    if in_trace and (region or (owner is not None and owner.debug) or not traceable(flat, state.tensors)):
+        return run(flat)  # inside a traced call that this call cannot join: the enclosing trace records it
     frame: CallFrame | None = None
     key = None
     if owner is not None and not owner.debug and not region and ctx is None and fast_path_applies():
@@ -99,13 +103,18 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
             assert budget is not None
             budget.learn(bkey, call_policy, measuring, frame.recorder.ops)
             return out
-        # 5. a plan for this signature
+        # 5. the replay engine (NOTE [the trace] in trace.py): no torch.func level, no listener, plain tensors
+        if ((ctx is None or in_trace) and owner is not None and not owner.debug and INSPECTOR.get() is None
+                and not ti.interpreter_stack() and traceable(flat, state.tensors)):
+            frame = TraceFrame(run, flat, name, call_policy, default_engine())
+            return frame.forward()
+        # 6. a plan for this signature
         plan = owner._plans.get(key) if key is not None else None
         if plan is not None:
             frame = FastFrame(run, flat, name, preserve_rng, state, plan, lambda: owner._plans.__setitem__(key, None),
                               default_engine())
             return frame.forward()
-        # 6. the full engine, recording a plan for the signature
+        # 7. the full engine, recording a plan for the signature
         frame = Frame(run, flat, name, call_policy, preserve_rng, default_engine(), state)
         frame.watch_values = owner is not None and owner.debug  # NOTE [values between the passes]
         if key is not None and key not in owner._plans:

@@ -1,0 +1,183 @@
+"""The recompute of the replay engine: run again the recorded steps a backward pass needs, never the user's Python.
+
+NOTE [replay]
+    ``plan`` walks the trace backwards from the slots the backward pass needs (the saved tensors the policy
+    dropped) and keeps every step that makes one of them, or that writes into the storage of one (a write
+    through a view changes a value without renaming it), until what it needs is *available*: an outside
+    tensor (or its snapshot, NOTE [outside writes]), a value the policy kept, one the offload engine holds, or
+    one the enclosing call holds for a nested call. ``run`` then calls those steps' overloads in their recorded
+    order, below autograd (or, when the backward pass builds a graph, with grad mode as each step had it),
+    with autocast off (the trace holds the casts autocast made), the call's kernel flags, and each random
+    step's generator state put back (then restored). Each replayed value is let go after its last reader.
+
+    What it refuses, as plain autograd would: an outside tensor the replay reads that was written in place
+    since the forward pass read it (its version moved), and a saved tensor written in place after it was
+    saved (its version moved between the save and the end of the replay).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+
+from .. import _torch_internals as ti
+from .._context import internal
+from .._errors import RematError
+from .trace import Step, Trace
+
+__all__ = ["plan", "run"]
+
+Tensor = torch.Tensor
+
+
+def plan(trace: Trace, wanted: set[int], available: Callable[[int], bool]) -> list[Step]:
+    """The steps to replay, in order, to make the ``wanted`` slots (NOTE [replay])."""
+    need = {s for s in wanted if not available(s)}
+    if not need:
+        return []
+    producer = trace.producer
+    last = max(producer[s].index for s in need)
+    need_keys = {trace.key_of.get(s, 0) for s in need}
+    need_keys.discard(0)
+    out: list[Step] = []
+    steps = trace.steps
+    for i in range(last, -1, -1):
+        step = steps[i]
+        hit = False
+        for o in step.outs:
+            if o in need:
+                hit = True
+                break
+        if not hit and step.writes:
+            for k in step.writes:
+                if k in need_keys:
+                    hit = True
+                    break
+        if not hit:
+            continue
+        out.append(step)
+        for _, _, s in step.refs:
+            k = trace.key_of.get(s, 0)
+            if k:
+                need_keys.add(k)  # a write into what this step reads, before it, is replayed too
+            if s not in need and not available(s):
+                need.add(s)
+    out.reverse()
+    return out
+
+
+def run(trace: Trace, steps: list[Step], wanted: set[int], save_at: dict[int, int],
+        source: Callable[[int], Tensor], graph: bool) -> tuple[dict[int, Tensor], dict[int, tuple[int, int]]]:
+    """Replay ``steps``; return the ``wanted`` slots' values and those written after their save (slot -> the
+    versions at the save and at the end), NOTE [replay]."""
+    for step in steps:
+        if not step.replayable:
+            raise RematError(
+                f"remat: cannot replay {step.op} of {trace.fn_name} (a tensor subclass or storage argument, or "
+                "a write into a tensor from outside that its schema does not declare); save what it feeds (policy=policies.everything_saveable), or this is a bug "
+                "in remat, please report it."
+            )
+    last_use: dict[int, int] = {}
+    for k, step in enumerate(steps):
+        for _, _, s in step.refs:
+            last_use[s] = k
+    frees: list[list[int]] = [[] for _ in steps]
+    for s, k in last_use.items():
+        if s not in wanted:
+            frees[k].append(s)
+    for k, step in enumerate(steps):
+        for o in step.outs:
+            if o >= 0 and o not in last_use and o not in wanted:
+                frees[k].append(o)
+    # the versions of wanted slots when they were saved (NOTE [written after saved] in _packed.py)
+    checks: dict[int, list[int]] = {}
+    for s in wanted:
+        at = save_at.get(s)
+        if at is not None:
+            checks.setdefault(at, []).append(s)
+    vals: dict[int, Tensor] = {}
+    saved_versions: dict[int, int] = {}
+    gens: dict[int, tuple[torch.Generator, Any]] = {}
+    with contextlib.ExitStack() as es:
+        es.enter_context(internal())
+        if graph:
+            es.enter_context(torch.enable_grad())
+            es.enter_context(ti.saved_tensors_hooks_set_aside())
+        else:
+            es.enter_context(torch.no_grad())
+        for dev in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(dev):
+                es.enter_context(torch.autocast(dev, enabled=False))
+        undo = trace.flags.set()
+        try:
+            pending = sorted(checks)
+            pi = 0
+            for k, step in enumerate(steps):
+                while pi < len(pending) and pending[pi] <= step.index:
+                    for s in checks[pending[pi]]:
+                        v = vals.get(s)
+                        if v is not None:
+                            saved_versions[s] = v._version
+                    pi += 1
+                args = list(step.args)
+                kwargs = step.kwargs
+                copied: set[Any] = set()
+                for key, j, s in step.refs:
+                    v = vals.get(s)
+                    if v is None:
+                        v = vals[s] = source(s)
+                    if type(key) is int:
+                        if j < 0:
+                            args[key] = v
+                        else:
+                            if key not in copied:
+                                args[key] = list(args[key])
+                                copied.add(key)
+                            args[key][j] = v
+                    else:
+                        if kwargs is step.kwargs:
+                            kwargs = dict(kwargs)
+                        kwargs[key] = v
+                if step.rng is not None:
+                    gen, state = step.rng
+                    if id(gen) not in gens:
+                        gens[id(gen)] = (gen, gen.get_state())
+                    gen.set_state(state)
+                if graph and step.grad != torch.is_grad_enabled():
+                    with torch.set_grad_enabled(step.grad):
+                        out = step.op(*args, **kwargs)
+                else:
+                    out = step.op(*args, **kwargs)
+                if step.spec is None:
+                    vals[step.outs[0]] = out
+                else:
+                    for o, t in zip(step.outs, optree.tree_leaves(out, none_is_leaf=True)):
+                        if o >= 0:
+                            vals[o] = t
+                for s in frees[k]:
+                    vals.pop(s, None)
+            for at in pending[pi:]:
+                for s in checks[at]:
+                    v = vals.get(s)
+                    if v is not None:
+                        saved_versions[s] = v._version
+        finally:
+            for put, v in undo:
+                put(v)
+            for gen, state in gens.values():
+                gen.set_state(state)
+    made: dict[int, Tensor] = {}
+    written: dict[int, tuple[int, int]] = {}
+    for s in wanted:
+        v = vals.get(s)
+        if v is None:
+            v = source(s)
+        made[s] = v
+        v0 = saved_versions.get(s)
+        if v0 is not None and v._version != v0:
+            written[s] = (v0, v._version)
+    return made, written

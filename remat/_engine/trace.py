@@ -1,0 +1,456 @@
+"""The replay engine's record of one call: every ATen op its forward pass ran, replayable without the user's Python.
+
+NOTE [the trace]
+    A :class:`Tracer` (a dispatch mode, below autograd) sees each ATen op of the call and stores it as a
+    :class:`Step`: the overload, its non-tensor arguments as they were, and every tensor argument as a *slot*
+    (an int). A slot names one value of the call: an output of an earlier step (an in-place write gives its
+    result a new slot, so a value is never renamed behind a reader's back), or an *outside* tensor (an input
+    of the call, a parameter, a buffer, a global, the data behind ``torch.tensor(...)``), held with its version.
+    What the replay needs besides (``replaying.py``):
+
+    * random steps note their generator's state before they draw (a seed set inside the function, a user's
+      generator, a Megatron-style tracker's fork: whatever the state was, the replay draws the same numbers);
+    * factory steps (no tensor argument) pin the dtype and device they produced (``torch.set_default_dtype``
+      between the passes changes nothing);
+    * each step notes whether grad mode was on (a ``torch.no_grad()`` block replays without a graph);
+    * the kernel flags of the call (matmul precision, deterministic mode, oneDNN/cuDNN switches) are noted once
+      per call and set for the replay (``AmbientFlags``).
+
+    The policy is asked about every step as it runs; a step it keeps has its outputs held (weakly until a
+    step the replay may run reads them: NOTE [stash liveness] of this engine, ``Trace.read_by_replay``).
+
+NOTE [outside writes]
+    A step that writes into an outside tensor (a BatchNorm's running statistics, an accumulator, renormalised
+    embedding rows, an input written through a view) would write it again if the replay ran it on the tensor
+    itself. Before the first write into an outside tensor's storage the tracer copies it (``Trace.snapshots``);
+    the replay reads and writes a fresh copy of that snapshot, so the real tensor is written once, by the
+    forward pass, and every step reads what it read then. Which arguments an op writes comes from its schema
+    (``(a!)``), and for the few ops whose schema hides a write, from the argument names that torch's own
+    schemas declare written elsewhere (``running_mean``, ``running_var``: ``_hidden_write_names``); a write
+    neither shows (a version that moved across a step that declares none) poisons the trace: its replay
+    raises rather than guess.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+
+from .._context import INTERNAL, PENDING_NAME, internal
+from .._naming import checkpoint_name
+from .._ops import ALIAS, RANGE_OPS, ignored, profiler_op
+from .._policies import Decision, Offloadable, Recompute, decide, decide_explicit
+from .._torch_internals import TorchDispatchMode
+
+__all__ = ["OpInfo", "Step", "Trace", "Tracer", "op_info", "AmbientFlags"]
+
+Tensor = torch.Tensor
+
+
+@functools.cache
+def _hidden_write_names() -> frozenset[str]:
+    """Argument names that some ATen op's schema declares written (``Tensor(a!) running_mean``) while a sibling
+    op that takes the same argument declares nothing (``native_batch_norm``): derived from torch's schemas, not a
+    hand table. Generic names (``self``, ``out``, ...) are left out: every in-place op writes ``self``."""
+    declared: set[str] = set()
+    for name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is None or not hasattr(packet, "overloads"):
+            continue
+        try:
+            overloads = packet.overloads()
+        except Exception:  # noqa: BLE001 (an odd packet: skip it)
+            continue
+        for o in overloads:
+            op = getattr(packet, o, None)
+            if op is None or torch.Tag.out in op.tags or torch.Tag.inplace in op.tags:
+                continue
+            for a in op._schema.arguments:
+                if a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only:
+                    declared.add(a.name)
+    return frozenset(n for n in declared if n in {"running_mean", "running_var"} or n.startswith("running_"))
+
+
+class OpInfo:
+    """What an op's schema says that the trace needs, computed once per overload."""
+
+    __slots__ = ("written", "written_kw", "random", "pins", "hidden", "mutable")
+
+    def __init__(self, func: Any) -> None:
+        schema = func._schema
+        written: list[int] = []
+        written_kw: list[str] = []
+        hidden: list[int] = []
+        names = set()
+        hidden_names = _hidden_write_names()
+        for i, a in enumerate(schema.arguments):
+            names.add(a.name)
+            w = a.alias_info is not None and a.alias_info.is_write
+            if w:
+                if a.kwarg_only:
+                    written_kw.append(a.name)
+                else:
+                    written.append(i)
+            elif not a.kwarg_only and a.name in hidden_names:
+                hidden.append(i)  # NOTE [outside writes]: a write the schema does not declare
+        self.written = tuple(written) + tuple(hidden)
+        self.written_kw = tuple(written_kw)
+        self.hidden = bool(hidden)
+        self.mutable = bool(self.written or self.written_kw)
+        self.random = torch.Tag.nondeterministic_seeded in func.tags
+        self.pins = tuple(n for n in ("dtype", "device") if n in names)
+
+
+_INFO: dict[Any, OpInfo] = {}
+
+
+def op_info(func: Any) -> OpInfo:
+    info = _INFO.get(func)
+    if info is None:
+        info = _INFO[func] = OpInfo(func)
+    return info
+
+
+class Step:
+    """One recorded op: ``op(*args, **kwargs)`` with the tensors at ``refs`` taken from slots."""
+
+    __slots__ = ("op", "args", "kwargs", "refs", "outs", "spec", "rng", "grad", "decision", "writes", "out_keys",
+                 "nograd_outs", "replayable", "index")
+
+    def __init__(self, op: Any, args: list[Any], kwargs: dict[str, Any], refs: list[tuple[Any, int, int]]) -> None:
+        self.op = op
+        self.args = args  # tensors replaced by None
+        self.kwargs = kwargs
+        self.refs = refs  # (argument index or keyword, position in a list argument or -1, slot)
+        self.outs: list[int] = []  # the slots of its tensor outputs, in order (-1: not a tensor)
+        self.spec: Any = None  # the output's pytree structure, when it is not one tensor
+        self.rng: tuple[torch.Generator, torch.Tensor] | None = None  # generator state before a random op
+        self.grad = True  # grad mode was on
+        self.decision: Decision = Recompute
+        self.writes: tuple[int, ...] = ()  # storage keys it writes
+        self.out_keys: list[int] = []  # storage keys of its outputs
+        self.nograd_outs: list[weakref.ref[Tensor]] | None = None  # ran without grad: its outputs (custom Functions)
+        self.replayable = True
+        self.index = 0
+
+    def reads(self) -> list[int]:
+        return [s for _, _, s in self.refs]
+
+
+def _storage_key(t: Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+class AmbientFlags:
+    """Global switches that change what a kernel computes, noted once per call and set for its replay."""
+
+    __slots__ = ("values",)
+
+    _FLAGS: tuple[tuple[Callable[[], Any], Callable[[Any], None]], ...] = (
+        (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+        (lambda: (torch.are_deterministic_algorithms_enabled(),
+                  torch.is_deterministic_algorithms_warn_only_enabled()),
+         lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1])),
+        (lambda: torch.backends.mkldnn.enabled, lambda v: setattr(torch.backends.mkldnn, "enabled", v)),
+        (lambda: torch.backends.cudnn.enabled, lambda v: setattr(torch.backends.cudnn, "enabled", v)),
+        (lambda: torch.backends.cudnn.deterministic, lambda v: setattr(torch.backends.cudnn, "deterministic", v)),
+        (lambda: torch.backends.cudnn.allow_tf32, lambda v: setattr(torch.backends.cudnn, "allow_tf32", v)),
+        (lambda: torch.backends.cuda.matmul.allow_tf32, lambda v: setattr(torch.backends.cuda.matmul, "allow_tf32", v)),
+    )
+
+    def __init__(self) -> None:
+        self.values = tuple(get() for get, _ in self._FLAGS)
+
+    def set(self) -> list[tuple[Callable[[Any], None], Any]]:
+        """Set the call's flags; return what to restore."""
+        undo = []
+        for (get, put), v in zip(self._FLAGS, self.values):
+            now = get()
+            if now != v:
+                put(v)
+                undo.append((put, now))
+        return undo
+
+
+def generator_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Generator | None:
+    """The generator a random op draws from (None: one the trace does not know)."""
+    gen = kwargs.get("generator")
+    if gen is not None:
+        return gen  # type: ignore[no-any-return]
+    dev: Any = None
+    for a in args:
+        if isinstance(a, Tensor):
+            dev = a.device
+            break
+    if dev is None:
+        dev = kwargs.get("device")
+    dev = torch.device(dev) if dev is not None else torch.get_default_device()
+    if dev.type == "cpu":
+        return torch.default_generator
+    if dev.type == "cuda":
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[idx]
+    return None
+
+
+class Trace:
+    """One call's record: its steps, its outside tensors and what the policy keeps (NOTE [the trace])."""
+
+    def __init__(self, fn_name: str) -> None:
+        self.fn_name = fn_name
+        self.steps: list[Step] = []
+        self.n = 0  # slots handed out
+        self._slot_of: dict[int, tuple[weakref.ref[Tensor], int]] = {}  # id(tensor) -> (ref, slot)
+        self.producer: dict[int, Step] = {}  # op-made slot -> its step
+        self.refs: dict[int, weakref.ref[Tensor]] = {}  # op-made slot -> its tensor, weakly
+        self.on_demote: Callable[[int], None] | None = None  # a name dropped a kept slot (the frame re-packs it)
+        self.outside: dict[int, tuple[Tensor, int]] = {}  # outside slot -> (tensor, version when first read)
+        self.outside_keys: dict[int, list[int]] = {}  # storage key -> outside slots living there
+        self.inputs: dict[int, int] = {}  # outside slot -> which input of the call (set by the frame)
+        self.snapshots: dict[int, Tensor] = {}  # outside slot -> its value before the call first wrote it
+        self.stash: dict[int, Any] = {}  # kept slot -> its tensor (strong) or a weak reference
+        self.stash_keys: dict[int, list[int]] = {}  # storage key -> kept slots living there
+        self.dropped_keys: dict[int, list[Any]] = {}  # storage key -> the frame's packs of dropped tensors there
+        self.key_of: dict[int, int] = {}  # slot -> the storage key its tensor had when the trace met it
+        self.written_keys: set[int] = set()  # storage keys some step wrote in place
+        self.first_rng: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # generator -> state before its first draw
+        self.flags = AmbientFlags()
+        self.external: Callable[[int, Tensor], Any] | None = None  # nested calls: an outside tensor the parent made
+
+    # ---- slots ---------------------------------------------------------------
+    def slot_of(self, t: Tensor) -> int | None:
+        e = self._slot_of.get(id(t))
+        if e is not None and e[0]() is t:
+            return e[1]
+        return None
+
+    def read(self, t: Tensor) -> int:
+        """The slot of an argument: an op-made value, or an outside tensor (held, version noted)."""
+        e = self._slot_of.get(id(t))
+        if e is not None and e[0]() is t:
+            return e[1]
+        s = self.n
+        self.n = s + 1
+        self._slot_of[id(t)] = (weakref.ref(t), s)
+        self.outside[s] = (t, t._version)
+        key = self.key_of[s] = _storage_key(t)
+        self.outside_keys.setdefault(key, []).append(s)
+        if self.external is not None:
+            self.external(s, t)  # a nested call: the parent may have made it (NOTE [nested replay])
+        return s
+
+    def new_slot(self, t: Tensor, step: Step) -> int:
+        s = self.n
+        self.n = s + 1
+        ref = weakref.ref(t)
+        self._slot_of[id(t)] = (ref, s)
+        self.refs[s] = ref
+        self.producer[s] = step
+        return s
+
+    # ---- what the replay may read instead of running a step ----------------------
+    def keep(self, s: int, t: Tensor, key: int) -> None:
+        self.stash[s] = weakref.ref(t)
+        self.stash_keys.setdefault(key, []).append(s)
+
+    def read_by_replay(self, s: int) -> None:
+        """A step the replay may run reads slot ``s``: if the policy kept it, hold it now (NOTE [the trace])."""
+        ref = self.stash.get(s)
+        if ref is not None and type(ref) is weakref.ref:
+            t = ref()
+            if t is None:
+                del self.stash[s]
+            else:
+                with internal():
+                    self.stash[s] = t.detach()
+
+    def before_write(self, t: Tensor, info: OpInfo) -> int:
+        """NOTE [outside writes]: an op is about to write ``t`` in place; return its storage key."""
+        key = _storage_key(t)
+        self.written_keys.add(key)
+        for s in self.outside_keys.get(key, ()):
+            if s not in self.snapshots:
+                with internal():
+                    self.snapshots[s] = self.outside[s][0].detach().clone()
+        for s in self.stash_keys.pop(key, ()):
+            self.stash.pop(s, None)  # a kept value written: the replay recomputes it (its value before the write)
+        for p in self.dropped_keys.get(key, ()):
+            if p.ref() is not None:  # (alive: the very storage, not another one at a reused address)
+                p.version = -1  # a saved tensor written after its save: its unpack raises, as autograd's would
+        return key
+
+
+class Tracer(TorchDispatchMode):
+    """The forward pass's dispatch mode: record each op (NOTE [the trace]) and ask the policy about it."""
+
+    def __init__(self, trace: Trace, policy: Callable[..., Any]) -> None:
+        super().__init__()
+        self.trace = trace
+        self.policy = policy
+        self.paused = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if INTERNAL.get() or self.paused or ignored(func):
+            return profiler_op(func, args, kwargs) if func in RANGE_OPS else func(*args, **kwargs)
+        trace = self.trace
+        info = _INFO.get(func) or op_info(func)
+        refs: list[tuple[Any, int, int]] = []
+        targs = list(args)
+        replayable = True
+        for i, a in enumerate(args):
+            if isinstance(a, Tensor):
+                if type(a) is not Tensor and type(a) is not torch.nn.Parameter:
+                    replayable = False
+                refs.append((i, -1, trace.read(a)))
+                targs[i] = None
+            elif type(a) is list or type(a) is tuple:
+                if any(isinstance(x, Tensor) for x in a):
+                    targs[i] = [None if isinstance(x, Tensor) else x for x in a]
+                    for j, x in enumerate(a):
+                        if isinstance(x, Tensor):
+                            refs.append((i, j, trace.read(x)))
+            elif isinstance(a, (torch.UntypedStorage, torch.TypedStorage)):
+                replayable = False
+        tkw = kwargs
+        for k, a in kwargs.items():
+            if isinstance(a, Tensor):
+                if tkw is kwargs:
+                    tkw = dict(kwargs)
+                refs.append((k, -1, trace.read(a)))
+                tkw[k] = None
+            elif k == "generator" and a is not None:
+                pass  # the generator object itself: the replay sets its state (Step.rng)
+        step = Step(func, targs, tkw, refs)
+        step.index = len(trace.steps)
+        if info.mutable:
+            keys = []
+            for i in info.written:
+                if i < len(args) and isinstance(args[i], Tensor):
+                    keys.append(trace.before_write(args[i], info))
+            for k in info.written_kw:
+                a = kwargs.get(k)
+                if isinstance(a, Tensor):
+                    keys.append(trace.before_write(a, info))
+            step.writes = tuple(keys)
+        if info.random:
+            gen = generator_for(args, kwargs)
+            if gen is None:
+                replayable = False
+            else:
+                with internal():
+                    state = gen.get_state()
+                step.rng = (gen, state)
+                trace.first_rng.setdefault(id(gen), (gen, state))
+        versions = None
+        if not info.mutable and trace.outside:
+            # NOTE [outside writes]: a write no schema declares shows as a version that moved
+            versions = [(x, x._version) for x in _outside_args(trace, refs, args, kwargs)]
+        step.grad = grad = torch.is_grad_enabled()
+        out = func(*args, **kwargs)
+        if versions:
+            for x, v in versions:
+                if x._version != v:
+                    # NOTE [outside writes]: a write no schema declares; the replay must not run this step (it
+                    # would write again, from a value it cannot know): its outputs are held
+                    replayable = False
+        # the policy
+        name = PENDING_NAME.get() if func is ALIAS else None
+        explicit = False
+        if name is not None:
+            decision, explicit = decide_explicit(self.policy, checkpoint_name, args, {"name": name})
+        else:
+            decision = decide(self.policy, func, args, kwargs)
+        step.decision = decision
+        step.replayable = replayable
+        # the outputs
+        if isinstance(out, Tensor):
+            leaves: list[Any] = [out]
+        else:
+            leaves, step.spec = optree.tree_flatten(out, none_is_leaf=True)
+        in_keys = None
+        for t in leaves:
+            if not isinstance(t, Tensor):
+                step.outs.append(-1)
+                continue
+            s = trace.new_slot(t, step)
+            step.outs.append(s)
+            key = trace.key_of[s] = _storage_key(t)
+            step.out_keys.append(key)
+            if not replayable:
+                trace.stash[s] = _detached(t)
+                continue
+            if decision is not Recompute and not info.mutable and not info.random:
+                if in_keys is None:
+                    in_keys = {_storage_key(a) for a in _arg_tensors(args, kwargs)}
+                if key not in in_keys:  # a view costs nothing to run again: never kept for the replay
+                    trace.keep(s, t, key)
+        if info.pins and not refs and len(leaves) == 1 and isinstance(out, Tensor):
+            # a factory op: pin what it produced (a default dtype or device changed before the replay)
+            if tkw is kwargs:
+                tkw = step.kwargs = dict(kwargs)
+            for k in info.pins:
+                if tkw.get(k) is None:
+                    tkw[k] = out.dtype if k == "dtype" else out.device
+        if not grad:
+            step.nograd_outs = [weakref.ref(t) for t in leaves if isinstance(t, Tensor)]
+        if name is not None and refs and (decision is not Recompute or explicit):
+            _name_decides(trace, refs[0][2], decision)
+        if decision is Recompute or info.mutable or info.random or isinstance(decision, Offloadable):
+            for _, _, r in refs:
+                trace.read_by_replay(r)
+        trace.steps.append(step)
+        return out
+
+
+def _detached(t: Tensor) -> Tensor:
+    with internal():
+        return t.detach()
+
+
+def _arg_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+    out = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            out.append(a)
+        elif type(a) is list or type(a) is tuple:
+            out.extend(x for x in a if isinstance(x, Tensor))
+    return out
+
+
+def _outside_args(trace: Trace, refs: list[tuple[Any, int, int]], args: Any, kwargs: Any) -> list[Tensor]:
+    out = []
+    for k, j, s in refs:
+        if s in trace.outside:
+            a = args[k] if type(k) is int else kwargs[k]
+            out.append(a if j < 0 else a[j])
+    return out
+
+
+def _name_decides(trace: Trace, s: int, decision: Decision) -> None:
+    """A ``checkpoint_name`` decides for the op that computed the named value (NOTE [names decide for the value])."""
+    step = trace.producer.get(s)
+    if step is None or step.rng is not None or not step.replayable:
+        return
+    step.decision = decision
+    if decision is Recompute:
+        for o in step.outs:
+            trace.stash.pop(o, None)
+            if trace.on_demote is not None:
+                trace.on_demote(o)
+        for r in step.reads():
+            trace.read_by_replay(r)
+    elif not step.writes:
+        for o, key in zip((o for o in step.outs if o >= 0), step.out_keys):
+            t = trace.refs[o]()
+            if o not in trace.stash and t is not None:
+                trace.keep(o, t, key)
+            trace.read_by_replay(o)  # it may have been saved as dropped before the name was known

@@ -1,0 +1,363 @@
+"""The replay engine's call: record the forward pass (``trace.py``), replay what the backward pass needs
+(``replaying.py``). No line of the user's Python runs twice.
+
+A :class:`TraceFrame` is one call. Its forward pass runs the function once under autograd's saved-tensor hooks
+and the :class:`~remat._engine.trace.Tracer`. Per saved tensor its pack hook keeps it (an input, an outside
+tensor, the output of a step the policy keeps), hands it to the offload engine, or drops it, noting its slot.
+The first unpack of a dropped tensor replays the steps that make every dropped tensor of the call (NOTE
+[replay]); each is let go as soon as the backward pass has read it (NOTE [free as used] in ``full.py``), and
+whatever is left when the backward pass ends.
+
+NOTE [nested replay]
+    A remat call inside another one's forward pass is a frame of its own, with its own policy, whose parent is
+    the enclosing frame. What the inner call would hold between the passes (its inputs, the outside tensors the
+    parent made, what its policy keeps, the values its replay reads) is packed through the parent instead
+    (``ROUTED``), so the parent's policy decides whether it survives the forward pass, as in JAX: an outer
+    save-nothing over inner blocks holds only the outer inputs. The parent's trace saw the inner call's steps
+    too, so it can replay what it dropped; the inner call's replay fetches what it needs from the parent, which
+    replays in turn. Two-level checkpointing, with no Python run twice at any level.
+
+NOTE [graph replay]
+    A backward pass that builds a graph (``create_graph=True``, double backward) needs the dropped tensors with
+    their history. Then the replay reads only outside tensors (the inputs with their history), ignores kept
+    values (detached), and runs each step with grad mode as it had it. A custom ``autograd.Function`` inside the
+    call ran its ops without grad: replayed, their outputs would lack the Function's backward, so a replay with a
+    graph through one raises instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import _torch_internals as ti
+from .._context import INSPECTOR, activated, active_context, internal
+from .._errors import RematError, input_written_before_backward, saved_written_after_save
+from .._packed import DROP, INPUT, KEEP, OFFLOAD, ROUTED
+from .._policies import Offloadable, Recompute
+from .._torch_internals import saved_tensors_hooks
+from .capture import holdable
+from .region import NeedsRegion, forward_pass
+from .replaying import plan, run
+from .trace import Trace, Tracer
+
+__all__ = ["TraceFrame", "traceable"]
+
+Tensor = torch.Tensor
+
+
+class _Pack:
+    """What autograd holds for one saved tensor of a traced call."""
+
+    __slots__ = ("frame", "kind", "slot", "payload", "version", "at", "shape", "ref")
+
+    def __init__(self, frame: Any, kind: str, slot: int, payload: Any, version: int, at: int, shape: Any) -> None:
+        self.frame = frame
+        self.kind = kind
+        self.slot = slot
+        self.payload = payload
+        self.version = version
+        self.at = at  # steps recorded when it was saved
+        self.shape = shape
+        self.ref: Any = None  # a dropped tensor, weakly: written in place since it was saved, it raises
+
+
+def traceable(flat: list[Any], state_tensors: list[Tensor]) -> bool:
+    """Whether the replay engine takes a call of these inputs and module state: plain tensors only (a wrapper
+    subclass such as DTensor makes values in Python where no mode sees: the full engine handles those)."""
+    for a in flat:
+        if isinstance(a, Tensor) and type(a) is not Tensor and type(a) is not torch.nn.Parameter:
+            return False
+    for t in state_tensors:
+        if type(t) is not Tensor and type(t) is not torch.nn.Parameter:
+            return False
+    return True
+
+
+class TraceFrame:
+    """One call of a remat'd function on the replay engine."""
+
+    def __init__(self, run_fn: Callable[[list[Any]], Any], flat: list[Any], fn_name: str,
+                 policy: Callable[..., Any], engine: Any) -> None:
+        self.run = run_fn
+        self.flat: list[Any] = list(flat)
+        self.fn_name = fn_name
+        self.engine = engine
+        parent = active_context()
+        self.parent: TraceFrame | None = parent if isinstance(parent, TraceFrame) and parent.forwarding else None
+        self.trace = Trace(fn_name)
+        self.tracer = Tracer(self.trace, policy)
+        self.forwarding = False
+        self.recomputes = 0
+        self.counts: Counter[int] = Counter()  # dropped slot -> packs of it
+        self.save_at: dict[int, int] = {}  # dropped slot -> steps recorded when it was first saved
+        self.kept: dict[int, list[_Pack]] = {}  # kept op-made slot -> its packs (a name may drop it later)
+        self.offloaded: dict[int, Any] = {}  # slot -> what the offload engine holds for it
+        self.routed: dict[int, Any] = {}  # outside slot -> the parent's pack of it (NOTE [nested replay])
+        self.caches: dict[bool, tuple[dict[int, Tensor], Counter[int], dict[int, tuple[int, int]]]] = {}
+        self._lock = threading.RLock()
+        self._offloaded_any = False
+        wself = weakref.ref(self)
+        self.trace.on_demote = lambda s: wself()._demote(s)  # type: ignore[union-attr]
+        if self.parent is not None:
+            self.trace.external = lambda s, t: wself()._route_outside(s, t)  # type: ignore[union-attr]
+
+    # ---- forward -------------------------------------------------------------
+    def forward(self) -> Any:
+        trace = self.trace
+        with internal():
+            for i, a in enumerate(self.flat):
+                if isinstance(a, Tensor):
+                    trace.inputs[trace.read(a)] = i
+        self.forwarding = True
+        try:
+            with contextlib.ExitStack() as es:
+                es.enter_context(saved_tensors_hooks(self.pack, self.unpack))
+                es.enter_context(self.tracer)
+                es.enter_context(activated(self))
+                es.enter_context(forward_pass())
+                try:
+                    out = self.run(self.flat)
+                except RuntimeError as e:
+                    if "support saved tensor hooks" not in str(e):
+                        raise
+                    raise NeedsRegion(self, e) from e  # NOTE [reentrant region] in region.py
+        finally:
+            self.forwarding = False
+        self.caches.clear()  # what a backward pass inside the forward pass replayed (partial)
+        with internal():
+            self._prune()
+        if self._offloaded_any:
+            self.engine.end_of_call()  # NOTE [stream-ordered reuse] in _offload/streams.py
+        self.flat = [None if isinstance(a, Tensor) else a for a in self.flat]  # held as outside slots
+        return out
+
+    def rewind(self) -> None:
+        """Undo what a forward pass cut short did (random state), so that the call can run again."""
+        if self.trace.snapshots:
+            raise RematError(
+                f"remat: {self.fn_name} (or a remat'd function it calls) enters torch.func.grad, vjp, jacrev or "
+                "hessian, so remat runs it again as one region (NOTE [reentrant region]), but the first attempt "
+                "already wrote a tensor from outside in place (a BatchNorm's running statistics) and running it "
+                "again would write it twice. Move the inner transform before the in-place update, or remat the "
+                "parts on either side of it."
+            )
+        with internal():
+            for gen, state in self.trace.first_rng.values():
+                gen.set_state(state)
+
+    def _prune(self) -> None:
+        """When the forward pass ends: let go of kept values and outside tensors no replay reads (NOTE [replay])."""
+        trace = self.trace
+        wanted = set(self.counts)
+        used: set[int] = set(wanted)
+        if wanted:
+            for graph in (False, True):  # (a backward pass that builds a graph reads no kept value)
+                for step in plan(trace, wanted, self._available(graph)):
+                    used.update(step.reads())
+        for s in list(trace.stash):
+            v = trace.stash[s]
+            if s not in used or type(v) is weakref.ref:
+                del trace.stash[s]
+        for s, (t, v) in list(trace.outside.items()):
+            if s not in used or s in self.routed:
+                trace.outside[s] = (None, v)  # type: ignore[assignment]
+        trace.refs.clear()
+        trace.stash_keys.clear()
+        trace.dropped_keys.clear()
+        if self.parent is not None and trace.stash:
+            # the values the replay reads are saved through the parent too (NOTE [nested replay])
+            parent = self.parent
+            for s, t in list(trace.stash.items()):
+                self.routed[s] = parent.pack(t)
+                del trace.stash[s]
+
+    # ---- pack ----------------------------------------------------------------
+    def pack(self, t: Tensor) -> _Pack:
+        trace = self.trace
+        with internal():
+            s = trace.slot_of(t)
+            shape = tuple(t.shape)
+            at = len(trace.steps)
+            if s is None or s in trace.outside:
+                p = self._keep(t, -1 if s is None else s, INPUT, at, shape)
+            else:
+                step = trace.producer[s]
+                decision = step.decision
+                if not step.replayable:
+                    p = self._keep(t, s, KEEP, at, shape)  # (a step the replay cannot run: its output is held)
+                elif decision is Recompute:
+                    p = self._drop(s, at, shape)
+                    p.ref, p.version = weakref.ref(t), t._version
+                    trace.dropped_keys.setdefault(trace.key_of.get(s, 0), []).append(p)
+                elif isinstance(decision, Offloadable) and self.engine.applies(t, decision):
+                    o = self.engine.offload_saved(t, decision, group=self)
+                    if o is None:
+                        p = self._keep(t, s, KEEP, at, shape)
+                    else:
+                        self._offloaded_any = True
+                        self.offloaded[s] = o
+                        p = _Pack(self, OFFLOAD, s, o, t._version, at, shape)
+                else:
+                    p = self._keep(t, s, KEEP, at, shape)
+                    self.kept.setdefault(s, []).append(p)
+            insp = INSPECTOR.get()
+            if insp is not None:
+                insp.on_save(t, p.kind if p.kind != ROUTED else KEEP, None)
+            return p
+
+    def _keep(self, t: Tensor, s: int, kind: str, at: int, shape: Any) -> _Pack:
+        if self.parent is not None:
+            return _Pack(self, ROUTED, s, self.parent.pack(t), t._version, at, shape)
+        return _Pack(self, kind, s, holdable(t, mode=False), t._version, at, shape)
+
+    def _drop(self, s: int, at: int, shape: Any) -> _Pack:
+        self.counts[s] += 1
+        self.save_at.setdefault(s, at)
+        return _Pack(self, DROP, s, None, 0, at, shape)
+
+    def _demote(self, s: int) -> None:
+        """A ``checkpoint_name`` the policy drops names a value saved as kept already: drop it now."""
+        for p in self.kept.pop(s, ()):
+            if p.kind == KEEP:
+                p.kind, p.payload = DROP, None
+                self.counts[s] += 1
+                self.save_at.setdefault(s, p.at)
+
+    def _route_outside(self, s: int, t: Tensor) -> None:
+        """NOTE [nested replay]: an outside tensor of this call that the parent made (an input, a closure):
+        saved through the parent, not held here."""
+        parent = self.parent
+        assert parent is not None
+        if parent.trace.slot_of(t) is not None:
+            self.routed[s] = parent.pack(t)
+
+    # ---- unpack --------------------------------------------------------------
+    def unpack(self, p: _Pack) -> Tensor:
+        with self._lock:
+            kind = p.kind
+            if kind == KEEP or kind == INPUT:
+                t = p.payload
+                if t._version != p.version:
+                    self._written(p, t)
+                return t  # type: ignore[no-any-return]
+            if kind == OFFLOAD:
+                return self.engine.fetch(p.payload)  # type: ignore[no-any-return]
+            if kind == ROUTED:
+                assert self.parent is not None or isinstance(p.payload, _Pack)
+                return p.payload.frame.unpack(p.payload)  # type: ignore[no-any-return]
+            return self._take(p)
+
+    def _written(self, p: _Pack, t: Tensor) -> None:
+        raise RematError(
+            f"remat: a tensor of shape {list(p.shape)} that {self.fn_name} saved for the backward pass was "
+            f"modified in place after it was saved (version {p.version} -> {t._version}). Do not modify inputs "
+            "or results of a remat'd function in place before the backward pass; clone them first."
+        )
+
+    def _take(self, p: _Pack) -> Tensor:
+        graph = torch.is_grad_enabled()
+        s = p.slot
+        if p.ref is not None:
+            t = p.ref()
+            if p.version < 0 or t is not None and t._version != p.version:
+                # written in place since it was saved (in the forward pass: NOTE [outside writes] in trace.py)
+                raise saved_written_after_save(self.fn_name, s, t if t is not None else torch.empty(p.shape),
+                                               max(p.version, 0), -1 if t is None else t._version)
+        entry = self.caches.get(graph)
+        if entry is None or s not in entry[0]:
+            entry = self.caches[graph] = self._replay(graph)
+            ti.queue_backward_callback(self._release_later())
+        made, left, written = entry
+        t = made[s]
+        if s in written:
+            v0, v1 = written[s]
+            raise saved_written_after_save(self.fn_name, s, t, v0, v1)
+        left[s] -= 1
+        if left[s] <= 0:
+            del made[s]
+            del left[s]
+        return t
+
+    def _replay(self, graph: bool) -> tuple[dict[int, Tensor], Counter[int], dict[int, tuple[int, int]]]:
+        self.recomputes += 1
+        trace = self.trace
+        wanted = set(self.counts)
+        available = self._available(graph)
+        steps = plan(trace, wanted, available)
+        if graph:
+            for step in steps:
+                if step.nograd_outs is not None and any(r() is not None and r().grad_fn is not None
+                                                        for r in step.nograd_outs):
+                    raise RematError(
+                        f"remat: a backward pass that builds a graph (create_graph=True, a double backward) "
+                        f"reads a tensor {self.fn_name} dropped that a custom autograd.Function made "
+                        f"({step.op} ran inside its forward); remat's replay cannot rebuild that Function's "
+                        "graph. Save the Function's outputs (a policy that keeps them, e.g. "
+                        "policies.everything_saveable), or run the double backward without remat."
+                    )
+        made, written = run(trace, steps, wanted, self.save_at, self._source(graph), graph)
+        return made, Counter(self.counts), written
+
+    def _available(self, graph: bool) -> Callable[[int], bool]:
+        trace = self.trace
+        outside, routed = trace.outside, self.routed
+        if graph:
+            return lambda s: s in outside or s in routed
+        stash, offloaded = trace.stash, self.offloaded
+        written = trace.written_keys
+        return lambda s: (s in outside or s in routed or (s in stash and type(stash[s]) is not weakref.ref)
+                          or (s in offloaded and trace.key_of.get(s) not in written))
+
+    def _source(self, graph: bool) -> Callable[[int], Tensor]:
+        trace = self.trace
+
+        def source(s: int) -> Tensor:
+            h = self.routed.get(s)
+            if h is not None:
+                return h.frame.unpack(h)  # type: ignore[no-any-return]
+            e = trace.outside.get(s)
+            if e is not None:
+                snap = trace.snapshots.get(s)
+                if snap is not None:
+                    return snap.clone()
+                t, v0 = e
+                if t is None:
+                    raise RuntimeError(f"remat: internal error: outside slot {s} of {self.fn_name} was let go")
+                if t._version != v0:
+                    i = trace.inputs.get(s)
+                    if i is not None:
+                        raise input_written_before_backward(self.fn_name, i, t)
+                    raise RematError(
+                        f"remat: a tensor that {self.fn_name} read from outside its arguments (shape "
+                        f"{list(t.shape)}) was modified in place after the forward pass read it (version {v0} -> "
+                        f"{t._version}); the recompute would read the new value. Plain autograd refuses this too "
+                        "when it saved the tensor. Modify it after the backward pass, or clone it first."
+                    )
+                return t
+            if not graph:
+                v = trace.stash.get(s)
+                if v is not None and type(v) is not weakref.ref:
+                    return v  # type: ignore[no-any-return]
+                o = self.offloaded.get(s)
+                if o is not None:
+                    return self.engine.fetch(o)  # type: ignore[no-any-return]
+            raise RuntimeError(f"remat: internal error: the replay of {self.fn_name} has no value for slot {s}")
+
+        return source
+
+    def _release_later(self) -> Callable[[], None]:
+        wself = weakref.ref(self)
+
+        def release() -> None:
+            frame = wself()
+            if frame is not None:
+                frame.caches.clear()
+
+        return release

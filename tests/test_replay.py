@@ -1,0 +1,318 @@
+"""The replay engine (NOTE [the trace], NOTE [replay]): the recompute replays the forward pass's ATen ops, so Python
+state that changes between the passes cannot change what it computes, and nothing of the user's runs twice.
+
+Every case compares ``remat(f, policy=p)`` with plain ``f`` under plain autograd, float64, on the first call and on
+later ones, with the state changed between the forward and the backward pass after every call; as a function, a
+bound method and through ``remat_module``. Each case failed (off, or a false ``RematError``) on the re-run engine.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import remat
+from remat import RematError, checkpoint_name, policies
+
+from .helpers import OpCounter, census
+
+f64 = torch.float64
+POLICIES = {
+    "save-nothing": policies.nothing_saveable,
+    "save-matmuls": policies.dots_saveable,
+    "names": policies.save_only_these_names("h"),
+}
+
+
+class Flag(nn.Module):
+    """Which tensor an op reads depends on Python state: an input, an intermediate, a parameter or a global."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 6, dtype=f64))
+        self.vec = torch.randn(6, dtype=f64)
+        self.mode = 0
+        self.temperature = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint_name(torch.tanh(x @ self.w), "h")
+        src = [x, h, self.vec, self.w[0]][self.mode]
+        return (torch.sin(h * src) / self.temperature).sum()
+
+
+def _mutate(m: Flag, rng: random.Random) -> None:
+    m.mode = rng.randrange(4)
+    m.temperature = rng.choice([0.5, 2.0, 3.0])
+    m.vec = torch.randn(6, dtype=f64)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("how", ["function", "method", "remat_module"])
+def test_state_changed_between_the_passes_is_exact(policy: str, how: str) -> None:
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    m = Flag()
+    if how == "function":
+        run = remat.remat(lambda x: m(x), policy=POLICIES[policy])
+    elif how == "method":
+        run = remat.remat(m.forward, policy=POLICIES[policy])
+    else:
+        run = remat.remat_module(m, policy=POLICIES[policy])
+    for _ in range(6):
+        x = torch.randn(3, 6, dtype=f64, requires_grad=True)
+        _mutate(m, rng)
+        saved = (m.mode, m.temperature, m.vec)
+        y_ref = Flag.forward(m, x)
+        g_ref = torch.autograd.grad(y_ref, (x, m.w))
+        y = run(x)
+        _mutate(m, rng)  # between the forward and the backward pass
+        g = torch.autograd.grad(y, (x, m.w))
+        m.mode, m.temperature, m.vec = saved
+        for a, b in zip(g, g_ref):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_python_and_numpy_random_numbers_and_torch_tensor_of_python_data() -> None:
+    torch.manual_seed(0)
+    W = torch.randn(5, 5, dtype=f64, requires_grad=True)
+    scale = [1.5]
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        k = random.randrange(3)
+        c = torch.tensor(scale[0] + np.random.rand(), dtype=f64)
+        return torch.tanh((x @ W) * c + k).pow(2).sum()
+
+    rf = remat.remat(f)
+    for seed in range(4):
+        x = torch.randn(2, 5, dtype=f64)
+        random.seed(seed)
+        np.random.seed(seed)
+        g_ref = torch.autograd.grad(f(x), W)[0]
+        random.seed(seed)
+        np.random.seed(seed)
+        y = rf(x)
+        scale[0] += 1.0
+        random.seed(seed + 100)  # the recompute would draw other numbers
+        np.random.seed(seed + 100)
+        g = torch.autograd.grad(y, W)[0]
+        scale[0] -= 1.0
+        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
+
+
+class Tracker:
+    """A Megatron-style RNG tracker: dropout draws from its own state, forked inside the function."""
+
+    def __init__(self) -> None:
+        self.state = torch.random.get_rng_state()
+
+    def fork(self):  # type: ignore[no-untyped-def]
+        tracker = self
+
+        class _Fork:
+            def __enter__(self) -> None:
+                self.outer = torch.random.get_rng_state()
+                torch.random.set_rng_state(tracker.state)
+
+            def __exit__(self, *exc: object) -> None:
+                tracker.state = torch.random.get_rng_state()
+                torch.random.set_rng_state(self.outer)
+
+        return _Fork()
+
+
+@pytest.mark.parametrize("kind", ["tracker", "seed-inside", "own-generator"])
+def test_random_state_set_inside_the_function(kind: str) -> None:
+    torch.manual_seed(0)
+    W = torch.randn(8, 8, dtype=f64, requires_grad=True)
+    tracker = Tracker()
+    seeds = [10]
+    gen = torch.Generator().manual_seed(3)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = x @ W
+        if kind == "tracker":
+            with tracker.fork():
+                h = F.dropout(h, 0.5, training=True)
+        elif kind == "seed-inside":
+            torch.manual_seed(seeds[0])
+            seeds[0] += 1
+            h = F.dropout(h, 0.5, training=True)
+        else:
+            gen.manual_seed(seeds[0])
+            seeds[0] += 1
+            h = h * (torch.rand(h.shape, generator=gen, dtype=f64) > 0.5)
+        return torch.tanh(h).sum()
+
+    rf = remat.remat(f, policy=policies.dots_saveable)
+    for _ in range(3):
+        x = torch.randn(4, 8, dtype=f64)
+        state = (torch.random.get_rng_state(), tracker.state, seeds[0], gen.get_state())
+        g_ref = torch.autograd.grad(f(x), W)[0]
+        torch.random.set_rng_state(state[0])
+        tracker.state, seeds[0] = state[1], state[2]
+        gen.set_state(state[3])
+        y = rf(x)
+        torch.manual_seed(123)  # between the passes
+        seeds[0] += 7
+        g = torch.autograd.grad(y, W)[0]
+        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
+
+
+def test_global_settings_changed_between_the_passes() -> None:
+    W = torch.randn(4, 4, dtype=f64, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        ones = torch.ones(4)  # follows the default dtype
+        return torch.sin(x @ W + ones.to(f64) / 3).sum()
+
+    old = torch.get_default_dtype()
+    x = torch.randn(2, 4, dtype=f64)
+    g_ref = torch.autograd.grad(f(x), W)[0]
+    try:
+        y = remat.remat(f)(x)
+        torch.set_default_dtype(torch.float16)  # a replayed `ones` must keep float32
+        prec = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("medium")
+        g = torch.autograd.grad(y, W)[0]
+    finally:
+        torch.set_default_dtype(old)
+        torch.set_float32_matmul_precision(prec)
+    torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
+
+
+def test_writes_of_the_forward_pass_happen_once() -> None:
+    """A global accumulator, a buffer counter, renormalised embedding rows, BatchNorm statistics: written once per
+    call, as in plain autograd, and the replay reads what the forward pass read."""
+    torch.manual_seed(0)
+    acc = torch.zeros(3, dtype=f64)
+    bn = nn.BatchNorm1d(3).double()
+    emb = nn.Embedding(10, 3, max_norm=1.0).double()
+    log: list[int] = []
+
+    def f(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        log.append(1)
+        h = bn(torch.tanh(x))
+        acc.add_(h.detach().sum(0))
+        e = emb(idx)
+        return (torch.sin(h) * e).sum() + (acc * h).sum()
+
+    ref_bn, ref_emb = nn.BatchNorm1d(3).double(), nn.Embedding(10, 3, max_norm=1.0).double()
+    ref_bn.load_state_dict(bn.state_dict())
+    ref_emb.load_state_dict(emb.state_dict())
+    ref_acc = acc.clone()
+    idx = torch.tensor([1, 2, 1, 3])
+    rf = remat.remat(f)
+    for _ in range(3):
+        x = torch.randn(4, 3, dtype=f64, requires_grad=True)
+        y = rf(x, idx)
+        gx, gw = torch.autograd.grad(y, (x, bn.weight))
+
+        def g(x: torch.Tensor) -> torch.Tensor:
+            h = ref_bn(torch.tanh(x))
+            ref_acc.add_(h.detach().sum(0))
+            return (torch.sin(h) * ref_emb(idx)).sum() + (ref_acc * h).sum()
+
+        y_ref = g(x)
+        rx, rw = torch.autograd.grad(y_ref, (x, ref_bn.weight))
+        torch.testing.assert_close(gx, rx, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(gw, rw, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(acc, ref_acc, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(bn.running_mean, ref_bn.running_mean, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(emb.weight, ref_emb.weight, rtol=1e-10, atol=1e-10)
+    assert len(log) == 3  # the Python side effect ran once per call
+
+
+def test_buffers_as_explicit_inputs_with_batch_norm() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh()).double()
+    ref = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh()).double()
+    ref.load_state_dict(model.state_dict())
+    params = dict(model.named_parameters())
+    buffers = {k: v for k, v in model.named_buffers()}
+    x = torch.randn(5, 4, dtype=f64)
+    f = remat.remat(lambda p, b, x: torch.func.functional_call(model, {**p, **b}, (x,)).pow(2).sum())
+    y = f(params, buffers, x)
+    g = torch.autograd.grad(y, list(params.values()))
+    r = torch.autograd.grad(ref(x).pow(2).sum(), list(ref.parameters()))
+    for a, b in zip(g, r):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(model[1].running_var, ref[1].running_var, rtol=1e-10, atol=1e-10)
+
+
+def test_recompute_replays_ops_and_runs_no_python() -> None:
+    calls = [0]
+    W = torch.randn(16, 16, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        return torch.tanh(torch.tanh(x @ W) @ W).sum()
+
+    x = torch.randn(4, 16)
+    plain = OpCounter()
+    y = f(x)
+    with plain:
+        y.backward()
+    calls[0] = 0
+    mm = OpCounter()
+    y = remat.remat(f, policy=policies.dots_saveable)(x)
+    with mm:
+        y.backward()
+    assert calls[0] == 1
+    # the backward pass's own matmuls and none replayed: the policy kept the products
+    assert mm.count == plain.count == 3
+
+
+@pytest.mark.parametrize("policy,held_mib", [("save-nothing", 0.0), ("save-matmuls", 0.25), ("save-everything", 0.25)])
+def test_dropped_means_dropped(policy: str, held_mib: float) -> None:
+    """What a policy claims to drop is not held between the passes: the bytes of the storages the forward pass
+    allocated that are still alive, counted from outside remat (``census``)."""
+    W = torch.randn(256, 256, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(4):
+            x = torch.tanh(x @ W)  # 64 KiB products, 64 KiB tanh outputs
+        return x.sum()
+
+    x = torch.randn(64, 256)
+    with census() as c:
+        y_plain = f(x)
+    plain = c.live / 2**20
+    del y_plain
+    with census() as c:
+        y = remat.remat(f, policy=policy)(x)
+    held = c.live / 2**20
+    # plain autograd holds the 4 tanh outputs (what mm and tanh save); save-nothing none; save-matmuls the 4 products
+    # instead (the replay makes the tanh outputs from them); save-everything what plain autograd holds
+    assert plain == pytest.approx(0.25, abs=0.01)
+    assert held == pytest.approx(held_mib, abs=0.01), held
+    g = torch.autograd.grad(y, W)[0]
+    torch.testing.assert_close(g, torch.autograd.grad(f(x), W)[0], rtol=0, atol=0)
+
+
+def test_outside_tensor_written_between_the_passes_raises() -> None:
+    g = torch.randn(4, dtype=f64)
+    x = torch.randn(3, 4, dtype=f64, requires_grad=True)
+    y = remat.remat(lambda x: torch.sin(x + g).sum())(x)
+    g.add_(1.0)
+    with pytest.raises(RematError, match="modified in place after the forward pass read it"):
+        y.backward()
+
+
+def test_saved_tensor_written_after_its_save_raises_like_autograd() -> None:
+    W = torch.randn(4, 4, dtype=f64, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = x @ W
+        s = torch.sin(h)  # sin saves h
+        h.view(-1).mul_(2)  # written through a view after the save
+        return s.sum() + h.sum()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        f(torch.randn(2, 4, dtype=f64)).backward()
+    with pytest.raises(RematError, match="in place after an op saved it"):
+        remat.remat(f)(torch.randn(2, 4, dtype=f64)).backward()
