@@ -125,23 +125,21 @@ def run(trace: Trace, steps: list[Step], wanted: set[int], save_at: dict[int, in
                     pi += 1
                 args = list(step.args)
                 kwargs = step.kwargs
-                copied: set[Any] = set()
                 for key, j, s in step.refs:
                     v = vals.get(s)
                     if v is None:
                         v = vals[s] = source(s)
-                    if type(key) is int:
-                        if j < 0:
+                    if j < 0:
+                        if type(key) is int:
                             args[key] = v
                         else:
-                            if key not in copied:
-                                args[key] = list(args[key])
-                                copied.add(key)
-                            args[key][j] = v
+                            if kwargs is step.kwargs:
+                                kwargs = dict(kwargs)
+                            kwargs[key] = v
                     else:
-                        if kwargs is step.kwargs:
-                            kwargs = dict(kwargs)
-                        kwargs[key] = v
+                        if args[key] is step.args[key]:
+                            args[key] = list(args[key])
+                        args[key][j] = v
                 if step.rng is not None:
                     gen, state = step.rng
                     if id(gen) not in gens:
@@ -149,9 +147,9 @@ def run(trace: Trace, steps: list[Step], wanted: set[int], save_at: dict[int, in
                     gen.set_state(state)
                 if graph and step.grad != torch.is_grad_enabled():
                     with torch.set_grad_enabled(step.grad):
-                        out = step.op(*args, **kwargs)
+                        out = step.call(*args, **kwargs)
                 else:
-                    out = step.op(*args, **kwargs)
+                    out = step.call(*args, **kwargs)
                 if step.spec is None:
                     vals[step.outs[0]] = out
                 else:

@@ -4,15 +4,20 @@
  #    when                                                        route
 ====  ==========================================================  ============================================
  1    nothing will be saved (no grad, no ``torch.func`` level)    the function, plainly
- 2    an outer recompute is re-running this call                  ``recompute.call_nested_replay``
+ 2    an outer re-run recompute is re-running this call           ``recompute.call_nested_replay``
  3    the function enters a ``torch.func`` reverse transform      ``region.run_region`` (NOTE [reentrant region])
  4    a memory budget is still measuring this signature           ``full.Frame``, measuring (NOTE [memory budget])
- 5    a plan was recorded for this signature                      ``planned.FastFrame`` (NOTE [fast path])
- 6    otherwise                                                   ``full.Frame``, recording a plan if it may
+ 5    plain autograd: no ``torch.func`` level, plain tensors,     ``traced.TraceFrame``: the forward pass is
+      not ``debug``, no ``saved_residuals`` listening             recorded, the recompute replays it
+ 6    a plan was recorded for this signature                      ``planned.FastFrame`` (NOTE [fast path])
+ 7    otherwise                                                   ``full.Frame``, recording a plan if it may
 ====  ==========================================================  ============================================
 
-A call of route 4 to 6 that finds, mid-way, that the function enters a reverse transform (``NeedsRegion``) marks
-its function as a region and runs again from the top (route 3), from the outermost remat call.
+Routes 6 and 7 re-run the function's Python in the recompute; docs/how-it-works.md lists why each case that takes
+them cannot replay. A call inside a traced call (route 5) that cannot be traced itself runs plainly: the enclosing
+trace records its ops. A call of route 4 to 7 that finds, mid-way, that the function enters a reverse transform
+(``NeedsRegion``) marks its function as a region and runs again from the top (route 3), from the outermost remat
+call.
 """
 
 from __future__ import annotations
@@ -67,11 +72,14 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
     state = snapshot(fn, [a for a in flat if not isinstance(a, torch.Tensor)] + list(static_vals.values()))
     outermost = not enclosed()
     in_trace = isinstance(ctx, TraceFrame)
-    if in_trace and (region or (owner is not None and owner.debug) or not traceable(flat, state.tensors)):
+    # the replay engine (NOTE [the trace] in trace.py): no torch.func level, no listener, plain tensors
+    traced = ((ctx is None or in_trace) and owner is not None and not owner.debug and not region
+              and INSPECTOR.get() is None and not ti.interpreter_stack() and traceable(flat, state.tensors))
+    if in_trace and not traced:
         return run(flat)  # inside a traced call that this call cannot join: the enclosing trace records it
     frame: CallFrame | None = None
     key = None
-    if owner is not None and not owner.debug and not region and ctx is None and fast_path_applies():
+    if not traced and owner is not None and not owner.debug and not region and ctx is None and fast_path_applies():
         key = signature(flat, static_vals, state)  # NOTE [fast path] in plans.py
     budget, measuring, call_policy = None, None, policy
     if isinstance(policy, MemoryBudget):  # NOTE [budget plans] in _budget_policy.py: decided per signature
@@ -103,9 +111,8 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
             assert budget is not None
             budget.learn(bkey, call_policy, measuring, frame.recorder.ops)
             return out
-        # 5. the replay engine (NOTE [the trace] in trace.py): no torch.func level, no listener, plain tensors
-        if ((ctx is None or in_trace) and owner is not None and not owner.debug and INSPECTOR.get() is None
-                and not ti.interpreter_stack() and traceable(flat, state.tensors)):
+        # 5. the replay engine
+        if traced:
             frame = TraceFrame(run, flat, name, call_policy, default_engine())
             return frame.forward()
         # 6. a plan for this signature

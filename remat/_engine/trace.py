@@ -41,6 +41,7 @@ from typing import Any
 import optree
 import torch
 
+from .. import _torch_internals as ti
 from .._context import INTERNAL, PENDING_NAME, internal
 from .._naming import checkpoint_name
 from .._ops import ALIAS, RANGE_OPS, ignored, profiler_op
@@ -79,17 +80,25 @@ def _hidden_write_names() -> frozenset[str]:
 class OpInfo:
     """What an op's schema says that the trace needs, computed once per overload."""
 
-    __slots__ = ("written", "written_kw", "random", "pins", "hidden", "mutable")
+    __slots__ = ("written", "written_kw", "random", "pins", "hidden", "mutable", "tpos", "simple", "view", "trusted",
+                 "call")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
         written: list[int] = []
         written_kw: list[str] = []
         hidden: list[int] = []
+        tpos: list[int] = []
+        other = False  # a list of tensors, or a keyword-only tensor
         names = set()
         hidden_names = _hidden_write_names()
         for i, a in enumerate(schema.arguments):
             names.add(a.name)
+            kind = _tensor_kind(a.type)
+            if kind == 1 and not a.kwarg_only:
+                tpos.append(i)
+            elif kind:
+                other = True
             w = a.alias_info is not None and a.alias_info.is_write
             if w:
                 if a.kwarg_only:
@@ -104,6 +113,32 @@ class OpInfo:
         self.mutable = bool(self.written or self.written_kw)
         self.random = torch.Tag.nondeterministic_seeded in func.tags
         self.pins = tuple(n for n in ("dtype", "device") if n in names)
+        self.tpos = tuple(tpos)
+        self.call = ti.op_call(func)  # (its C++ callable: one Python frame less per op, in both passes)
+        # its outputs alias an argument (a view): never kept for the replay, which runs views again for free
+        self.view = any(r.alias_info is not None for r in schema.returns)
+        # ATen's schemas say what an op writes (but for the hidden writes above); another namespace's may not: a
+        # version that moved across such an op is a write nobody declared (NOTE [outside writes])
+        self.trusted = getattr(func, "namespace", None) in ("aten", "prims")
+        # the common case, recorded by the short path: tensors only as positional arguments, no write, no draw, not
+        # a factory (which pins its dtype), a schema to trust
+        self.simple = (not other and not self.mutable and not self.random and bool(tpos) and self.trusted
+                       and func is not ALIAS)
+
+
+def _tensor_kind(t: Any) -> int:
+    """1: a Tensor (or Tensor?) argument; 2: a list of them; 0: anything else."""
+    if isinstance(t, torch.OptionalType):
+        t = t.getElementType()
+    if isinstance(t, torch.TensorType):
+        return 1
+    if isinstance(t, torch.ListType):
+        e = t.getElementType()
+        if isinstance(e, torch.OptionalType):
+            e = e.getElementType()
+        if isinstance(e, torch.TensorType):
+            return 2
+    return 0
 
 
 _INFO: dict[Any, OpInfo] = {}
@@ -119,11 +154,13 @@ def op_info(func: Any) -> OpInfo:
 class Step:
     """One recorded op: ``op(*args, **kwargs)`` with the tensors at ``refs`` taken from slots."""
 
-    __slots__ = ("op", "args", "kwargs", "refs", "outs", "spec", "rng", "grad", "decision", "writes", "out_keys",
+    __slots__ = ("op", "call", "args", "kwargs", "refs", "outs", "spec", "rng", "grad", "decision", "writes",
                  "nograd_outs", "replayable", "index")
 
-    def __init__(self, op: Any, args: list[Any], kwargs: dict[str, Any], refs: list[tuple[Any, int, int]]) -> None:
+    def __init__(self, op: Any, call: Any, args: list[Any], kwargs: dict[str, Any],
+                 refs: list[tuple[Any, int, int]]) -> None:
         self.op = op
+        self.call = call
         self.args = args  # tensors replaced by None
         self.kwargs = kwargs
         self.refs = refs  # (argument index or keyword, position in a list argument or -1, slot)
@@ -133,7 +170,6 @@ class Step:
         self.grad = True  # grad mode was on
         self.decision: Decision = Recompute
         self.writes: tuple[int, ...] = ()  # storage keys it writes
-        self.out_keys: list[int] = []  # storage keys of its outputs
         self.nograd_outs: list[weakref.ref[Tensor]] | None = None  # ran without grad: its outputs (custom Functions)
         self.replayable = True
         self.index = 0
@@ -212,12 +248,15 @@ class Trace:
         self.producer: dict[int, Step] = {}  # op-made slot -> its step
         self.refs: dict[int, weakref.ref[Tensor]] = {}  # op-made slot -> its tensor, weakly
         self.on_demote: Callable[[int], None] | None = None  # a name dropped a kept slot (the frame re-packs it)
+        # an offloaded slot a replayed step reads: the frame hands it to the offload engine (True: it did)
+        self.offload: Callable[[int, Tensor, Any], bool] | None = None
         self.outside: dict[int, tuple[Tensor, int]] = {}  # outside slot -> (tensor, version when first read)
         self.outside_keys: dict[int, list[int]] = {}  # storage key -> outside slots living there
         self.inputs: dict[int, int] = {}  # outside slot -> which input of the call (set by the frame)
         self.snapshots: dict[int, Tensor] = {}  # outside slot -> its value before the call first wrote it
         self.stash: dict[int, Any] = {}  # kept slot -> its tensor (strong) or a weak reference
         self.stash_keys: dict[int, list[int]] = {}  # storage key -> kept slots living there
+        self.pending: list[tuple[Any, Tensor]] = []  # dropped tensors a write may have moved (after_write)
         self.dropped_keys: dict[int, list[Any]] = {}  # storage key -> the frame's packs of dropped tensors there
         self.key_of: dict[int, int] = {}  # slot -> the storage key its tensor had when the trace met it
         self.written_keys: set[int] = set()  # storage keys some step wrote in place
@@ -254,25 +293,34 @@ class Trace:
         self._slot_of[id(t)] = (ref, s)
         self.refs[s] = ref
         self.producer[s] = step
+        try:
+            self.key_of[s] = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            pass
         return s
 
     # ---- what the replay may read instead of running a step ----------------------
-    def keep(self, s: int, t: Tensor, key: int) -> None:
-        self.stash[s] = weakref.ref(t)
-        self.stash_keys.setdefault(key, []).append(s)
+    def keep(self, s: int, t: Tensor) -> None:
+        self.stash[s] = self.refs[s]
+        self.stash_keys.setdefault(self.key_of.get(s, 0), []).append(s)
 
     def read_by_replay(self, s: int) -> None:
-        """A step the replay may run reads slot ``s``: if the policy kept it, hold it now (NOTE [the trace])."""
+        """A step the replay may run reads slot ``s``: if the policy kept it, hold it now (NOTE [the trace]); if the
+        policy offloads it, hand it to the offload engine instead (``offload``, set by the frame)."""
         ref = self.stash.get(s)
         if ref is not None and type(ref) is weakref.ref:
             t = ref()
             if t is None:
                 del self.stash[s]
-            else:
-                with internal():
-                    self.stash[s] = t.detach()
+                return
+            decision = self.producer[s].decision
+            if isinstance(decision, Offloadable) and self.offload is not None and self.offload(s, t, decision):
+                del self.stash[s]
+                return
+            with internal():
+                self.stash[s] = t.detach()
 
-    def before_write(self, t: Tensor, info: OpInfo) -> int:
+    def before_write(self, t: Tensor) -> int:
         """NOTE [outside writes]: an op is about to write ``t`` in place; return its storage key."""
         key = _storage_key(t)
         self.written_keys.add(key)
@@ -282,10 +330,23 @@ class Trace:
                     self.snapshots[s] = self.outside[s][0].detach().clone()
         for s in self.stash_keys.pop(key, ()):
             self.stash.pop(s, None)  # a kept value written: the replay recomputes it (its value before the write)
-        for p in self.dropped_keys.get(key, ()):
-            if p.ref() is not None:  # (alive: the very storage, not another one at a reused address)
-                p.version = -1  # a saved tensor written after its save: its unpack raises, as autograd's would
         return key
+
+    def after_write(self, keys: tuple[int, ...]) -> None:
+        """A step wrote these storages: a dropped tensor there whose version moves was written after its save (its
+        unpack raises, as autograd's would; a tensor with a counter of its own, ``unsafe_split``'s, does not move).
+        The counter moves above this mode, once the op returns: checked at the next op (``settle``)."""
+        for key in keys:
+            for p in self.dropped_keys.get(key, ()):
+                t = p.ref()
+                if t is not None:
+                    self.pending.append((p, t))
+
+    def settle(self) -> None:
+        for p, t in self.pending:
+            if t._version != p.version:
+                p.version = -1
+        self.pending.clear()
 
 
 class Tracer(TorchDispatchMode):
@@ -301,8 +362,75 @@ class Tracer(TorchDispatchMode):
         kwargs = kwargs or {}
         if INTERNAL.get() or self.paused or ignored(func):
             return profiler_op(func, args, kwargs) if func in RANGE_OPS else func(*args, **kwargs)
-        trace = self.trace
         info = _INFO.get(func) or op_info(func)
+        if self.trace.pending:
+            self.trace.settle()
+        if not info.simple:
+            return self._general(func, info, args, kwargs)
+        # the short path (OpInfo.simple): positional tensors, no write, no draw
+        trace = self.trace
+        slot_of = trace._slot_of
+        refs = []
+        targs = list(args)
+        n = len(args)
+        plain = True
+        for i in info.tpos:
+            if i < n:
+                a = args[i]
+                if isinstance(a, Tensor):
+                    if type(a) is not Tensor and type(a) is not torch.nn.Parameter:
+                        plain = False
+                    e = slot_of.get(id(a))
+                    refs.append((i, -1, e[1] if e is not None and e[0]() is a else trace.read(a)))
+                    targs[i] = None
+        if not plain:
+            return self._general(func, info, args, kwargs)
+        step = Step(func, info.call, targs, kwargs, refs)
+        step.index = len(trace.steps)
+        step.grad = grad = torch.is_grad_enabled()
+        out = info.call(*args, **kwargs)
+        decision = decide(self.policy, func, args, kwargs)
+        step.decision = decision
+        keep = decision is not Recompute and not info.view
+        if type(out) is Tensor:
+            s = trace.new_slot(out, step)
+            step.outs.append(s)
+            if keep:
+                trace.keep(s, out)
+            if not grad:
+                step.nograd_outs = [weakref.ref(out)]
+        else:
+            self._outputs(step, out, keep, grad)
+        if decision is Recompute:
+            stash = trace.stash
+            for _, _, r in refs:
+                if r in stash:
+                    trace.read_by_replay(r)
+        trace.steps.append(step)
+        return out
+
+    def _outputs(self, step: Step, out: Any, keep: bool, grad: bool) -> None:
+        trace = self.trace
+        if isinstance(out, Tensor):
+            leaves: list[Any] = [out]
+        else:
+            leaves, step.spec = optree.tree_flatten(out, none_is_leaf=True)
+        for t in leaves:
+            if not isinstance(t, Tensor):
+                step.outs.append(-1)
+                continue
+            s = trace.new_slot(t, step)
+            step.outs.append(s)
+            if not step.replayable:
+                trace.stash[s] = _detached(t)
+            elif keep:
+                trace.keep(s, t)
+        if not grad:
+            step.nograd_outs = [weakref.ref(t) for t in leaves if isinstance(t, Tensor)]
+
+    def _general(self, func: Any, info: OpInfo, args: Any, kwargs: Any) -> Any:
+        """Every other op: lists of tensors, keyword tensors, writes, random draws, factories, names, subclasses."""
+        trace = self.trace
         refs: list[tuple[Any, int, int]] = []
         targs = list(args)
         replayable = True
@@ -327,19 +455,17 @@ class Tracer(TorchDispatchMode):
                     tkw = dict(kwargs)
                 refs.append((k, -1, trace.read(a)))
                 tkw[k] = None
-            elif k == "generator" and a is not None:
-                pass  # the generator object itself: the replay sets its state (Step.rng)
-        step = Step(func, targs, tkw, refs)
+        step = Step(func, info.call, targs, tkw, refs)
         step.index = len(trace.steps)
         if info.mutable:
             keys = []
             for i in info.written:
                 if i < len(args) and isinstance(args[i], Tensor):
-                    keys.append(trace.before_write(args[i], info))
+                    keys.append(trace.before_write(args[i]))
             for k in info.written_kw:
                 a = kwargs.get(k)
                 if isinstance(a, Tensor):
-                    keys.append(trace.before_write(a, info))
+                    keys.append(trace.before_write(a))
             step.writes = tuple(keys)
         if info.random:
             gen = generator_for(args, kwargs)
@@ -351,11 +477,13 @@ class Tracer(TorchDispatchMode):
                 step.rng = (gen, state)
                 trace.first_rng.setdefault(id(gen), (gen, state))
         versions = None
-        if not info.mutable and trace.outside:
+        if not info.trusted and not info.mutable:
             # NOTE [outside writes]: a write no schema declares shows as a version that moved
             versions = [(x, x._version) for x in _outside_args(trace, refs, args, kwargs)]
         step.grad = grad = torch.is_grad_enabled()
-        out = func(*args, **kwargs)
+        out = info.call(*args, **kwargs)
+        if step.writes and trace.dropped_keys:
+            trace.after_write(step.writes)
         if versions:
             for x, v in versions:
                 if x._version != v:
@@ -371,40 +499,22 @@ class Tracer(TorchDispatchMode):
             decision = decide(self.policy, func, args, kwargs)
         step.decision = decision
         step.replayable = replayable
-        # the outputs
-        if isinstance(out, Tensor):
-            leaves: list[Any] = [out]
-        else:
-            leaves, step.spec = optree.tree_flatten(out, none_is_leaf=True)
-        in_keys = None
-        for t in leaves:
-            if not isinstance(t, Tensor):
-                step.outs.append(-1)
-                continue
-            s = trace.new_slot(t, step)
-            step.outs.append(s)
-            key = trace.key_of[s] = _storage_key(t)
-            step.out_keys.append(key)
-            if not replayable:
-                trace.stash[s] = _detached(t)
-                continue
-            if decision is not Recompute and not info.mutable and not info.random:
-                if in_keys is None:
-                    in_keys = {_storage_key(a) for a in _arg_tensors(args, kwargs)}
-                if key not in in_keys:  # a view costs nothing to run again: never kept for the replay
-                    trace.keep(s, t, key)
-        if info.pins and not refs and len(leaves) == 1 and isinstance(out, Tensor):
+        keep = decision is not Recompute and not info.mutable and not info.random and not info.view
+        if keep and refs and isinstance(out, Tensor):
+            # (an op that returns its argument's storage although its schema says nothing: not kept either)
+            key = _storage_key(out)
+            keep = all(_storage_key(a) != key for a in _arg_tensors(args, kwargs))
+        self._outputs(step, out, keep, grad)
+        if info.pins and not refs and isinstance(out, Tensor):
             # a factory op: pin what it produced (a default dtype or device changed before the replay)
             if tkw is kwargs:
                 tkw = step.kwargs = dict(kwargs)
             for k in info.pins:
                 if tkw.get(k) is None:
                     tkw[k] = out.dtype if k == "dtype" else out.device
-        if not grad:
-            step.nograd_outs = [weakref.ref(t) for t in leaves if isinstance(t, Tensor)]
         if name is not None and refs and (decision is not Recompute or explicit):
             _name_decides(trace, refs[0][2], decision)
-        if decision is Recompute or info.mutable or info.random or isinstance(decision, Offloadable):
+        if decision is Recompute or info.mutable or info.random:
             for _, _, r in refs:
                 trace.read_by_replay(r)
         trace.steps.append(step)
@@ -449,8 +559,10 @@ def _name_decides(trace: Trace, s: int, decision: Decision) -> None:
         for r in step.reads():
             trace.read_by_replay(r)
     elif not step.writes:
-        for o, key in zip((o for o in step.outs if o >= 0), step.out_keys):
+        for o in step.outs:
+            if o < 0:
+                continue
             t = trace.refs[o]()
             if o not in trace.stash and t is not None:
-                trace.keep(o, t, key)
+                trace.keep(o, t)
             trace.read_by_replay(o)  # it may have been saved as dropped before the name was known

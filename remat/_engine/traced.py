@@ -37,8 +37,9 @@ from typing import Any
 import torch
 
 from .. import _torch_internals as ti
-from .._context import INSPECTOR, activated, active_context, internal
+from .._context import activated, active_context, internal
 from .._errors import RematError, input_written_before_backward, saved_written_after_save
+from .._ops import Half
 from .._packed import DROP, INPUT, KEEP, OFFLOAD, ROUTED
 from .._policies import Offloadable, Recompute
 from .._torch_internals import saved_tensors_hooks
@@ -55,7 +56,7 @@ Tensor = torch.Tensor
 class _Pack:
     """What autograd holds for one saved tensor of a traced call."""
 
-    __slots__ = ("frame", "kind", "slot", "payload", "version", "at", "shape", "ref")
+    __slots__ = ("frame", "kind", "slot", "payload", "version", "at", "shape", "ref", "dtype", "__weakref__")
 
     def __init__(self, frame: Any, kind: str, slot: int, payload: Any, version: int, at: int, shape: Any) -> None:
         self.frame = frame
@@ -66,6 +67,11 @@ class _Pack:
         self.at = at  # steps recorded when it was saved
         self.shape = shape
         self.ref: Any = None  # a dropped tensor, weakly: written in place since it was saved, it raises
+        self.dtype: Any = None
+
+
+def _has_node(t: Tensor | None) -> bool:
+    return t is not None and t.grad_fn is not None
 
 
 def traceable(flat: list[Any], state_tensors: list[Tensor]) -> bool:
@@ -80,165 +86,10 @@ def traceable(flat: list[Any], state_tensors: list[Tensor]) -> bool:
     return True
 
 
-class TraceFrame:
-    """One call of a remat'd function on the replay engine."""
+class _Serving(Half):
+    """The unpack hook of a traced call (``TraceFrame.unpack``): hand back what was kept, fetch what was offloaded,
+    replay once what was dropped (NOTE [replay]) and let go of it as it is read; a half of ``TraceFrame``."""
 
-    def __init__(self, run_fn: Callable[[list[Any]], Any], flat: list[Any], fn_name: str,
-                 policy: Callable[..., Any], engine: Any) -> None:
-        self.run = run_fn
-        self.flat: list[Any] = list(flat)
-        self.fn_name = fn_name
-        self.engine = engine
-        parent = active_context()
-        self.parent: TraceFrame | None = parent if isinstance(parent, TraceFrame) and parent.forwarding else None
-        self.trace = Trace(fn_name)
-        self.tracer = Tracer(self.trace, policy)
-        self.forwarding = False
-        self.recomputes = 0
-        self.counts: Counter[int] = Counter()  # dropped slot -> packs of it
-        self.save_at: dict[int, int] = {}  # dropped slot -> steps recorded when it was first saved
-        self.kept: dict[int, list[_Pack]] = {}  # kept op-made slot -> its packs (a name may drop it later)
-        self.offloaded: dict[int, Any] = {}  # slot -> what the offload engine holds for it
-        self.routed: dict[int, Any] = {}  # outside slot -> the parent's pack of it (NOTE [nested replay])
-        self.caches: dict[bool, tuple[dict[int, Tensor], Counter[int], dict[int, tuple[int, int]]]] = {}
-        self._lock = threading.RLock()
-        self._offloaded_any = False
-        wself = weakref.ref(self)
-        self.trace.on_demote = lambda s: wself()._demote(s)  # type: ignore[union-attr]
-        if self.parent is not None:
-            self.trace.external = lambda s, t: wself()._route_outside(s, t)  # type: ignore[union-attr]
-
-    # ---- forward -------------------------------------------------------------
-    def forward(self) -> Any:
-        trace = self.trace
-        with internal():
-            for i, a in enumerate(self.flat):
-                if isinstance(a, Tensor):
-                    trace.inputs[trace.read(a)] = i
-        self.forwarding = True
-        try:
-            with contextlib.ExitStack() as es:
-                es.enter_context(saved_tensors_hooks(self.pack, self.unpack))
-                es.enter_context(self.tracer)
-                es.enter_context(activated(self))
-                es.enter_context(forward_pass())
-                try:
-                    out = self.run(self.flat)
-                except RuntimeError as e:
-                    if "support saved tensor hooks" not in str(e):
-                        raise
-                    raise NeedsRegion(self, e) from e  # NOTE [reentrant region] in region.py
-        finally:
-            self.forwarding = False
-        self.caches.clear()  # what a backward pass inside the forward pass replayed (partial)
-        with internal():
-            self._prune()
-        if self._offloaded_any:
-            self.engine.end_of_call()  # NOTE [stream-ordered reuse] in _offload/streams.py
-        self.flat = [None if isinstance(a, Tensor) else a for a in self.flat]  # held as outside slots
-        return out
-
-    def rewind(self) -> None:
-        """Undo what a forward pass cut short did (random state), so that the call can run again."""
-        if self.trace.snapshots:
-            raise RematError(
-                f"remat: {self.fn_name} (or a remat'd function it calls) enters torch.func.grad, vjp, jacrev or "
-                "hessian, so remat runs it again as one region (NOTE [reentrant region]), but the first attempt "
-                "already wrote a tensor from outside in place (a BatchNorm's running statistics) and running it "
-                "again would write it twice. Move the inner transform before the in-place update, or remat the "
-                "parts on either side of it."
-            )
-        with internal():
-            for gen, state in self.trace.first_rng.values():
-                gen.set_state(state)
-
-    def _prune(self) -> None:
-        """When the forward pass ends: let go of kept values and outside tensors no replay reads (NOTE [replay])."""
-        trace = self.trace
-        wanted = set(self.counts)
-        used: set[int] = set(wanted)
-        if wanted:
-            for graph in (False, True):  # (a backward pass that builds a graph reads no kept value)
-                for step in plan(trace, wanted, self._available(graph)):
-                    used.update(step.reads())
-        for s in list(trace.stash):
-            v = trace.stash[s]
-            if s not in used or type(v) is weakref.ref:
-                del trace.stash[s]
-        for s, (t, v) in list(trace.outside.items()):
-            if s not in used or s in self.routed:
-                trace.outside[s] = (None, v)  # type: ignore[assignment]
-        trace.refs.clear()
-        trace.stash_keys.clear()
-        trace.dropped_keys.clear()
-        if self.parent is not None and trace.stash:
-            # the values the replay reads are saved through the parent too (NOTE [nested replay])
-            parent = self.parent
-            for s, t in list(trace.stash.items()):
-                self.routed[s] = parent.pack(t)
-                del trace.stash[s]
-
-    # ---- pack ----------------------------------------------------------------
-    def pack(self, t: Tensor) -> _Pack:
-        trace = self.trace
-        with internal():
-            s = trace.slot_of(t)
-            shape = tuple(t.shape)
-            at = len(trace.steps)
-            if s is None or s in trace.outside:
-                p = self._keep(t, -1 if s is None else s, INPUT, at, shape)
-            else:
-                step = trace.producer[s]
-                decision = step.decision
-                if not step.replayable:
-                    p = self._keep(t, s, KEEP, at, shape)  # (a step the replay cannot run: its output is held)
-                elif decision is Recompute:
-                    p = self._drop(s, at, shape)
-                    p.ref, p.version = weakref.ref(t), t._version
-                    trace.dropped_keys.setdefault(trace.key_of.get(s, 0), []).append(p)
-                elif isinstance(decision, Offloadable) and self.engine.applies(t, decision):
-                    o = self.engine.offload_saved(t, decision, group=self)
-                    if o is None:
-                        p = self._keep(t, s, KEEP, at, shape)
-                    else:
-                        self._offloaded_any = True
-                        self.offloaded[s] = o
-                        p = _Pack(self, OFFLOAD, s, o, t._version, at, shape)
-                else:
-                    p = self._keep(t, s, KEEP, at, shape)
-                    self.kept.setdefault(s, []).append(p)
-            insp = INSPECTOR.get()
-            if insp is not None:
-                insp.on_save(t, p.kind if p.kind != ROUTED else KEEP, None)
-            return p
-
-    def _keep(self, t: Tensor, s: int, kind: str, at: int, shape: Any) -> _Pack:
-        if self.parent is not None:
-            return _Pack(self, ROUTED, s, self.parent.pack(t), t._version, at, shape)
-        return _Pack(self, kind, s, holdable(t, mode=False), t._version, at, shape)
-
-    def _drop(self, s: int, at: int, shape: Any) -> _Pack:
-        self.counts[s] += 1
-        self.save_at.setdefault(s, at)
-        return _Pack(self, DROP, s, None, 0, at, shape)
-
-    def _demote(self, s: int) -> None:
-        """A ``checkpoint_name`` the policy drops names a value saved as kept already: drop it now."""
-        for p in self.kept.pop(s, ()):
-            if p.kind == KEEP:
-                p.kind, p.payload = DROP, None
-                self.counts[s] += 1
-                self.save_at.setdefault(s, p.at)
-
-    def _route_outside(self, s: int, t: Tensor) -> None:
-        """NOTE [nested replay]: an outside tensor of this call that the parent made (an input, a closure):
-        saved through the parent, not held here."""
-        parent = self.parent
-        assert parent is not None
-        if parent.trace.slot_of(t) is not None:
-            self.routed[s] = parent.pack(t)
-
-    # ---- unpack --------------------------------------------------------------
     def unpack(self, p: _Pack) -> Tensor:
         with self._lock:
             kind = p.kind
@@ -268,7 +119,8 @@ class TraceFrame:
             t = p.ref()
             if p.version < 0 or t is not None and t._version != p.version:
                 # written in place since it was saved (in the forward pass: NOTE [outside writes] in trace.py)
-                raise saved_written_after_save(self.fn_name, s, t if t is not None else torch.empty(p.shape),
+                raise saved_written_after_save(self.fn_name, s, t if t is not None else torch.empty(p.shape,
+                                                                                                   dtype=p.dtype),
                                                max(p.version, 0), -1 if t is None else t._version)
         entry = self.caches.get(graph)
         if entry is None or s not in entry[0]:
@@ -293,8 +145,7 @@ class TraceFrame:
         steps = plan(trace, wanted, available)
         if graph:
             for step in steps:
-                if step.nograd_outs is not None and any(r() is not None and r().grad_fn is not None
-                                                        for r in step.nograd_outs):
+                if step.nograd_outs is not None and any(_has_node(r()) for r in step.nograd_outs):
                     raise RematError(
                         f"remat: a backward pass that builds a graph (create_graph=True, a double backward) "
                         f"reads a tensor {self.fn_name} dropped that a custom autograd.Function made "
@@ -310,10 +161,11 @@ class TraceFrame:
         outside, routed = trace.outside, self.routed
         if graph:
             return lambda s: s in outside or s in routed
-        stash, offloaded = trace.stash, self.offloaded
+        stash, offloaded, replay_offloaded = trace.stash, self.offloaded, self.replay_offloaded
         written = trace.written_keys
         return lambda s: (s in outside or s in routed or (s in stash and type(stash[s]) is not weakref.ref)
-                          or (s in offloaded and trace.key_of.get(s) not in written))
+                          or (trace.key_of.get(s) not in written
+                              and (s in replay_offloaded or (s in offloaded and offloaded[s]() is not None))))
 
     def _source(self, graph: bool) -> Callable[[int], Tensor]:
         trace = self.trace
@@ -345,7 +197,11 @@ class TraceFrame:
                 v = trace.stash.get(s)
                 if v is not None and type(v) is not weakref.ref:
                     return v  # type: ignore[no-any-return]
-                o = self.offloaded.get(s)
+                o = self.replay_offloaded.get(s)
+                if o is None:
+                    ref = self.offloaded.get(s)
+                    p = ref() if ref is not None else None
+                    o = p.payload if p is not None else None
                 if o is not None:
                     return self.engine.fetch(o)  # type: ignore[no-any-return]
             raise RuntimeError(f"remat: internal error: the replay of {self.fn_name} has no value for slot {s}")
@@ -361,3 +217,173 @@ class TraceFrame:
                 frame.caches.clear()
 
         return release
+
+
+class TraceFrame(_Serving):
+    """One call of a remat'd function on the replay engine."""
+
+    def __init__(self, run_fn: Callable[[list[Any]], Any], flat: list[Any], fn_name: str,
+                 policy: Callable[..., Any], engine: Any) -> None:
+        self.run = run_fn
+        self.flat: list[Any] = list(flat)
+        self.fn_name = fn_name
+        self.engine = engine
+        parent = active_context()
+        self.parent: TraceFrame | None = (parent if isinstance(parent, TraceFrame) and bool(getattr(parent, "forwarding", False))
+                                          else None)
+        self.trace = Trace(fn_name)
+        self.tracer = Tracer(self.trace, policy)
+        self.forwarding = False
+        self.recomputes = 0
+        self.counts: Counter[int] = Counter()  # dropped slot -> packs of it
+        self.save_at: dict[int, int] = {}  # dropped slot -> steps recorded when it was first saved
+        self.kept: dict[int, list[_Pack]] = {}  # kept op-made slot -> its packs (a name may drop it later)
+        self.offloaded: dict[int, Any] = {}  # slot -> what the offload engine holds for it
+        self.routed: dict[int, Any] = {}  # outside slot -> the parent's pack of it (NOTE [nested replay])
+        self.caches: dict[bool, tuple[dict[int, Tensor], Counter[int], dict[int, tuple[int, int]]]] = {}
+        self._lock = threading.RLock()
+        self._offloaded_any = False
+        wself = weakref.ref(self)
+        self.trace.on_demote = lambda s: wself()._demote(s)  # type: ignore[union-attr]
+        self.trace.offload = lambda s, t, d: wself()._offload_for_replay(s, t, d)  # type: ignore[union-attr]
+        self.replay_offloaded: dict[int, Any] = {}  # slot -> the offload engine's copy of a value the replay reads
+        if self.parent is not None:
+            self.trace.external = lambda s, t: wself()._route_outside(s, t)  # type: ignore[union-attr]
+
+    # ---- forward -------------------------------------------------------------
+    def forward(self) -> Any:
+        trace = self.trace
+        with internal():
+            for i, a in enumerate(self.flat):
+                if isinstance(a, Tensor):
+                    trace.inputs[trace.read(a)] = i
+        self.forwarding = True
+        try:
+            with contextlib.ExitStack() as es:
+                es.enter_context(saved_tensors_hooks(self.pack, self.unpack))
+                es.enter_context(self.tracer)
+                es.enter_context(activated(self))
+                es.enter_context(forward_pass())
+                try:
+                    out = self.run(self.flat)
+                except RuntimeError as e:
+                    if "support saved tensor hooks" not in str(e):
+                        raise
+                    raise NeedsRegion(self, e) from e  # NOTE [reentrant region] in region.py
+        finally:
+            self.forwarding = False
+        self.caches.clear()  # what a backward pass inside the forward pass replayed (partial)
+        self.trace.settle()
+        with internal():
+            self._prune()
+        if self._offloaded_any:
+            self.engine.end_of_call()  # NOTE [stream-ordered reuse] in _offload/streams.py
+        self.flat = [None if isinstance(a, Tensor) else a for a in self.flat]  # held as outside slots
+        return out
+
+    def rewind(self) -> None:
+        """Undo what a forward pass cut short did (random state), so that the call can run again."""
+        if self.trace.snapshots:
+            raise RematError(
+                f"remat: {self.fn_name} (or a remat'd function it calls) enters torch.func.grad, vjp, jacrev or "
+                "hessian, so remat runs it again as one region (NOTE [reentrant region]), but the first attempt "
+                "already wrote a tensor from outside in place (a BatchNorm's running statistics) and running it "
+                "again would write it twice. Move the inner transform before the in-place update, or remat the "
+                "parts on either side of it."
+            )
+        with internal():
+            for gen, state in self.trace.first_rng.values():
+                gen.set_state(state)
+
+    def _prune(self) -> None:
+        """When the forward pass ends: let go of the kept values no replay reads (NOTE [replay]); outside tensors
+        stay held (inputs and parameters, as plain autograd holds them)."""
+        trace = self.trace
+        stash = trace.stash
+        if stash:
+            used: set[int] = set()
+            if self.counts:
+                for step in plan(trace, set(self.counts), self._available(False)):
+                    used.update(step.reads())
+            for s in list(stash):
+                if s not in used or type(stash[s]) is weakref.ref:
+                    del stash[s]
+        for s in self.routed:
+            t, v = trace.outside[s]
+            trace.outside[s] = (None, v)  # type: ignore[assignment]  # (the parent holds it)
+        trace.refs.clear()
+        trace.stash_keys.clear()
+        trace.dropped_keys.clear()
+        if self.parent is not None and stash:
+            # the values the replay reads are saved through the parent too (NOTE [nested replay])
+            parent = self.parent
+            for s, t in list(stash.items()):
+                self.routed[s] = parent.pack(t)
+                del stash[s]
+
+    # ---- pack ----------------------------------------------------------------
+    def pack(self, t: Tensor) -> _Pack:
+        trace = self.trace
+        e = trace._slot_of.get(id(t))
+        s = e[1] if e is not None and e[0]() is t else None
+        at = len(trace.steps)
+        if s is None or s in trace.outside:
+            return self._keep(t, -1 if s is None else s, INPUT, at)
+        step = trace.producer[s]
+        decision = step.decision
+        if decision is Recompute and step.replayable:
+            self.counts[s] += 1
+            if s not in self.save_at:
+                self.save_at[s] = at
+            p = _Pack(self, DROP, s, None, t._version, at, t.shape)
+            p.ref, p.dtype = weakref.ref(t), t.dtype
+            k = trace.key_of.get(s)
+            if k is not None:
+                trace.dropped_keys.setdefault(k, []).append(p)
+            return p
+        if isinstance(decision, Offloadable) and step.replayable and self.engine.applies(t, decision):
+            with internal():
+                o = self.engine.offload_saved(t, decision, group=self)
+            if o is not None:
+                self._offloaded_any = True
+                p = _Pack(self, OFFLOAD, s, o, t._version, at, t.shape)
+                # weakly: once autograd let go of the save, the engine may free its copy (NOTE [keep last])
+                self.offloaded[s] = weakref.ref(p)
+                return p
+        p = self._keep(t, s, KEEP, at)
+        if p.kind == KEEP:
+            self.kept.setdefault(s, []).append(p)
+        return p
+
+    def _keep(self, t: Tensor, s: int, kind: str, at: int) -> _Pack:
+        if self.parent is not None:
+            return _Pack(self, ROUTED, s, self.parent.pack(t), t._version, at, t.shape)
+        return _Pack(self, kind, s, holdable(t), t._version, at, t.shape)
+
+    def _demote(self, s: int) -> None:
+        """A ``checkpoint_name`` the policy drops names a value saved as kept already: drop it now."""
+        for p in self.kept.pop(s, ()):
+            if p.kind == KEEP:
+                p.kind, p.payload = DROP, None
+                self.counts[s] += 1
+                self.save_at.setdefault(s, p.at)
+
+    def _offload_for_replay(self, s: int, t: Tensor, decision: Offloadable) -> bool:
+        """An output the policy offloads that a replayed step reads: copied to host memory now, not held here."""
+        if not self.engine.applies(t, decision):
+            return False
+        with internal():
+            o = self.engine.offload_saved(t, decision, group=self)
+        if o is None:
+            return False
+        self._offloaded_any = True
+        self.replay_offloaded[s] = o
+        return True
+
+    def _route_outside(self, s: int, t: Tensor) -> None:
+        """NOTE [nested replay]: an outside tensor of this call that the parent made (an input, a closure):
+        saved through the parent, not held here."""
+        parent = self.parent
+        assert parent is not None
+        if parent.trace.slot_of(t) is not None:
+            self.routed[s] = parent.pack(t)
