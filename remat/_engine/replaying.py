@@ -11,8 +11,8 @@ NOTE [replay]
     step's generator state put back (then restored). Each replayed value is let go after its last reader.
 
     What it refuses, as plain autograd would: an outside tensor the replay reads that was written in place
-    since the forward pass read it (its version moved), and a saved tensor written in place after it was
-    saved (its version moved between the save and the end of the replay).
+    since the forward pass read it (its version moved). A saved tensor written in place after it was saved is
+    refused at its unpack (``traced.py``).
 """
 
 from __future__ import annotations
@@ -39,8 +39,10 @@ def plan(trace: Trace, wanted: set[int], available: Callable[[int], bool]) -> li
     need = {s for s in wanted if not available(s)}
     if not need:
         return []
-    producer = trace.producer
-    last = max(producer[s].index for s in need)
+    # from the last step back: a write into a wanted tensor's storage that autograd does not see (through .data, an
+    # alias with a version counter of its own) is part of the value the backward pass reads, as in plain autograd,
+    # whenever it happened in the forward pass; a write it sees raises at the unpack (``Trace.after_write``)
+    last = len(trace.steps) - 1
     need_keys = {trace.key_of.get(s, 0) for s in need}
     need_keys.discard(0)
     out: list[Step] = []
@@ -70,10 +72,9 @@ def plan(trace: Trace, wanted: set[int], available: Callable[[int], bool]) -> li
     return out
 
 
-def run(trace: Trace, steps: list[Step], wanted: set[int], save_at: dict[int, int],
-        source: Callable[[int], Tensor], graph: bool) -> tuple[dict[int, Tensor], dict[int, tuple[int, int]]]:
-    """Replay ``steps``; return the ``wanted`` slots' values and those written after their save (slot -> the
-    versions at the save and at the end), NOTE [replay]."""
+def run(trace: Trace, steps: list[Step], wanted: set[int], source: Callable[[int], Tensor],
+        graph: bool) -> dict[int, Tensor]:
+    """Replay ``steps``; return the ``wanted`` slots' values (NOTE [replay])."""
     for step in steps:
         if not step.replayable:
             raise RematError(
@@ -93,14 +94,7 @@ def run(trace: Trace, steps: list[Step], wanted: set[int], save_at: dict[int, in
         for o in step.outs:
             if o >= 0 and o not in last_use and o not in wanted:
                 frees[k].append(o)
-    # the versions of wanted slots when they were saved (NOTE [written after saved] in _packed.py)
-    checks: dict[int, list[int]] = {}
-    for s in wanted:
-        at = save_at.get(s)
-        if at is not None:
-            checks.setdefault(at, []).append(s)
     vals: dict[int, Tensor] = {}
-    saved_versions: dict[int, int] = {}
     gens: dict[int, tuple[torch.Generator, Any]] = {}
     with contextlib.ExitStack() as es:
         es.enter_context(internal())
@@ -114,15 +108,7 @@ def run(trace: Trace, steps: list[Step], wanted: set[int], save_at: dict[int, in
                 es.enter_context(torch.autocast(dev, enabled=False))
         undo = trace.flags.set()
         try:
-            pending = sorted(checks)
-            pi = 0
             for k, step in enumerate(steps):
-                while pi < len(pending) and pending[pi] <= step.index:
-                    for s in checks[pending[pi]]:
-                        v = vals.get(s)
-                        if v is not None:
-                            saved_versions[s] = v._version
-                    pi += 1
                 args = list(step.args)
                 kwargs = step.kwargs
                 for key, j, s in step.refs:
@@ -158,24 +144,13 @@ def run(trace: Trace, steps: list[Step], wanted: set[int], save_at: dict[int, in
                             vals[o] = t
                 for s in frees[k]:
                     vals.pop(s, None)
-            for at in pending[pi:]:
-                for s in checks[at]:
-                    v = vals.get(s)
-                    if v is not None:
-                        saved_versions[s] = v._version
         finally:
             for put, v in undo:
                 put(v)
             for gen, state in gens.values():
                 gen.set_state(state)
     made: dict[int, Tensor] = {}
-    written: dict[int, tuple[int, int]] = {}
     for s in wanted:
         v = vals.get(s)
-        if v is None:
-            v = source(s)
-        made[s] = v
-        v0 = saved_versions.get(s)
-        if v0 is not None and v._version != v0:
-            written[s] = (v0, v._version)
-    return made, written
+        made[s] = v if v is not None else source(s)
+    return made

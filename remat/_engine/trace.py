@@ -141,14 +141,9 @@ def _tensor_kind(t: Any) -> int:
     return 0
 
 
-_INFO: dict[Any, OpInfo] = {}
-
-
+@functools.cache
 def op_info(func: Any) -> OpInfo:
-    info = _INFO.get(func)
-    if info is None:
-        info = _INFO[func] = OpInfo(func)
-    return info
+    return OpInfo(func)
 
 
 class Step:
@@ -249,6 +244,8 @@ class Trace:
         self.refs: dict[int, weakref.ref[Tensor]] = {}  # op-made slot -> its tensor, weakly
         self.on_demote: Callable[[int], None] | None = None  # a name dropped a kept slot (the frame re-packs it)
         # an offloaded slot a replayed step reads: the frame hands it to the offload engine (True: it did)
+        self.on_write: Callable[[int], None] | None = None  # a storage about to be written (the offload engine)
+        self.root: dict[int, int] = {}  # a view's slot -> the slot it is a view of, transitively (its version counter)
         self.offload: Callable[[int, Tensor, Any], bool] | None = None
         self.outside: dict[int, tuple[Tensor, int]] = {}  # outside slot -> (tensor, version when first read)
         self.outside_keys: dict[int, list[int]] = {}  # storage key -> outside slots living there
@@ -256,6 +253,8 @@ class Trace:
         self.snapshots: dict[int, Tensor] = {}  # outside slot -> its value before the call first wrote it
         self.stash: dict[int, Any] = {}  # kept slot -> its tensor (strong) or a weak reference
         self.stash_keys: dict[int, list[int]] = {}  # storage key -> kept slots living there
+        self.raw: set[int] = set()  # kept slots held as the tensor itself until the forward pass ends (``seal``)
+        self.stash_versions: dict[int, int] = {}  # kept slot held strongly -> its version then (a write since: recompute)
         self.pending: list[tuple[Any, Tensor]] = []  # dropped tensors a write may have moved (after_write)
         self.dropped_keys: dict[int, list[Any]] = {}  # storage key -> the frame's packs of dropped tensors there
         self.key_of: dict[int, int] = {}  # slot -> the storage key its tensor had when the trace met it
@@ -317,8 +316,20 @@ class Trace:
             if isinstance(decision, Offloadable) and self.offload is not None and self.offload(s, t, decision):
                 del self.stash[s]
                 return
-            with internal():
+            # the tensor itself until the forward pass ends (a detach made here, below autograd, would have a version
+            # counter of its own, blind to the caller's writes through h.detach()): ``seal`` detaches it then
+            self.stash[s] = t
+            self.stash_versions[s] = t._version
+            self.raw.add(s)
+
+    def seal(self) -> None:
+        """The forward pass ended, outside every mode: hold kept values as detached aliases, which share their
+        version counter (no graph is held: the tensor's node would hold the frame, a cycle through C++)."""
+        for s in self.raw:
+            t = self.stash.get(s)
+            if t is not None and type(t) is not weakref.ref:
                 self.stash[s] = t.detach()
+        self.raw.clear()
 
     def before_write(self, t: Tensor) -> int:
         """NOTE [outside writes]: an op is about to write ``t`` in place; return its storage key."""
@@ -329,7 +340,20 @@ class Trace:
                 with internal():
                     self.snapshots[s] = self.outside[s][0].detach().clone()
         for s in self.stash_keys.pop(key, ()):
-            self.stash.pop(s, None)  # a kept value written: the replay recomputes it (its value before the write)
+            # a value the policy keeps, about to be written: keep its value before the write (the replay of a later
+            # step reads that), copied, or handed to the offload engine now if the policy offloads it
+            v = self.stash.pop(s, None)
+            v = v() if type(v) is weakref.ref else v
+            if v is None:
+                continue
+            decision = self.producer[s].decision
+            if isinstance(decision, Offloadable) and self.offload is not None and self.offload(s, v, decision):
+                continue
+            with internal():
+                self.stash[s] = c = v.detach().clone()
+                self.stash_versions[s] = c._version
+        if self.on_write is not None:
+            self.on_write(key)
         return key
 
     def after_write(self, keys: tuple[int, ...]) -> None:
@@ -362,7 +386,7 @@ class Tracer(TorchDispatchMode):
         kwargs = kwargs or {}
         if INTERNAL.get() or self.paused or ignored(func):
             return profiler_op(func, args, kwargs) if func in RANGE_OPS else func(*args, **kwargs)
-        info = _INFO.get(func) or op_info(func)
+        info = op_info(func)
         if self.trace.pending:
             self.trace.settle()
         if not info.simple:
@@ -395,6 +419,9 @@ class Tracer(TorchDispatchMode):
         if type(out) is Tensor:
             s = trace.new_slot(out, step)
             step.outs.append(s)
+            if info.view:
+                r = refs[0][2]
+                trace.root[s] = trace.root.get(r, r)
             if keep:
                 trace.keep(s, out)
             if not grad:
@@ -422,7 +449,9 @@ class Tracer(TorchDispatchMode):
             s = trace.new_slot(t, step)
             step.outs.append(s)
             if not step.replayable:
-                trace.stash[s] = _detached(t)
+                trace.stash[s] = t
+                trace.stash_versions[s] = t._version
+                trace.raw.add(s)
             elif keep:
                 trace.keep(s, t)
         if not grad:
@@ -505,6 +534,11 @@ class Tracer(TorchDispatchMode):
             key = _storage_key(out)
             keep = all(_storage_key(a) != key for a in _arg_tensors(args, kwargs))
         self._outputs(step, out, keep, grad)
+        if info.view and refs:
+            r = refs[0][2]
+            for o in step.outs:
+                if o >= 0:
+                    trace.root[o] = trace.root.get(r, r)
         if info.pins and not refs and isinstance(out, Tensor):
             # a factory op: pin what it produced (a default dtype or device changed before the replay)
             if tkw is kwargs:
@@ -547,18 +581,22 @@ def _outside_args(trace: Trace, refs: list[tuple[Any, int, int]], args: Any, kwa
 
 def _name_decides(trace: Trace, s: int, decision: Decision) -> None:
     """A ``checkpoint_name`` decides for the op that computed the named value (NOTE [names decide for the value])."""
+    s = trace.root.get(s, s)  # (the name of a view names its storage's value)
     step = trace.producer.get(s)
     if step is None or step.rng is not None or not step.replayable:
         return
-    step.decision = decision
     if decision is Recompute:
+        step.decision = decision
         for o in step.outs:
             trace.stash.pop(o, None)
             if trace.on_demote is not None:
                 trace.on_demote(o)
         for r in step.reads():
             trace.read_by_replay(r)
-    elif not step.writes:
+    elif not step.writes and all(trace.key_of.get(o) not in trace.written_keys for o in step.outs if o >= 0):
+        # (written in place since its op ran: the value named is not the op's output any more, which the replay
+        # makes by running the writes again: it is recomputed)
+        step.decision = decision
         for o in step.outs:
             if o < 0:
                 continue

@@ -56,7 +56,8 @@ Tensor = torch.Tensor
 class _Pack:
     """What autograd holds for one saved tensor of a traced call."""
 
-    __slots__ = ("frame", "kind", "slot", "payload", "version", "at", "shape", "ref", "dtype", "__weakref__")
+    __slots__ = ("frame", "kind", "slot", "payload", "version", "at", "shape", "ref", "dtype", "aliases",
+                 "__weakref__")
 
     def __init__(self, frame: Any, kind: str, slot: int, payload: Any, version: int, at: int, shape: Any) -> None:
         self.frame = frame
@@ -68,6 +69,7 @@ class _Pack:
         self.shape = shape
         self.ref: Any = None  # a dropped tensor, weakly: written in place since it was saved, it raises
         self.dtype: Any = None
+        self.aliases: list[Any] = []  # weak references to the dropped tensor's views and base
 
 
 def _has_node(t: Tensor | None) -> bool:
@@ -99,11 +101,27 @@ class _Serving(Half):
                     self._written(p, t)
                 return t  # type: ignore[no-any-return]
             if kind == OFFLOAD:
+                self._check_unwritten(p)
                 return self.engine.fetch(p.payload)  # type: ignore[no-any-return]
             if kind == ROUTED:
                 assert self.parent is not None or isinstance(p.payload, _Pack)
                 return p.payload.frame.unpack(p.payload)  # type: ignore[no-any-return]
             return self._take(p)
+
+    def _check_unwritten(self, p: _Pack) -> None:
+        if p.ref is None:
+            return
+        t = p.ref()
+        moved = p.version < 0 or (t is not None and t._version != p.version)
+        for ref in p.aliases:
+            a = ref()
+            if a is not None and a._version != p.version:
+                moved, t = True, a if t is None else t
+        if moved:
+            # written in place since it was saved (in the forward pass: NOTE [outside writes] in trace.py)
+            shown = t if t is not None else torch.empty(p.shape, dtype=p.dtype)
+            raise saved_written_after_save(self.fn_name, p.slot, shown, max(p.version, 0),
+                                           -1 if t is None else t._version)
 
     def _written(self, p: _Pack, t: Tensor) -> None:
         raise RematError(
@@ -115,29 +133,23 @@ class _Serving(Half):
     def _take(self, p: _Pack) -> Tensor:
         graph = torch.is_grad_enabled()
         s = p.slot
-        if p.ref is not None:
-            t = p.ref()
-            if p.version < 0 or t is not None and t._version != p.version:
-                # written in place since it was saved (in the forward pass: NOTE [outside writes] in trace.py)
-                raise saved_written_after_save(self.fn_name, s, t if t is not None else torch.empty(p.shape,
-                                                                                                   dtype=p.dtype),
-                                               max(p.version, 0), -1 if t is None else t._version)
+        self._check_unwritten(p)
         entry = self.caches.get(graph)
         if entry is None or s not in entry[0]:
             entry = self.caches[graph] = self._replay(graph)
             ti.queue_backward_callback(self._release_later())
-        made, left, written = entry
+        made, left, versions = entry
         t = made[s]
-        if s in written:
-            v0, v1 = written[s]
-            raise saved_written_after_save(self.fn_name, s, t, v0, v1)
+        if t._version != versions[s]:
+            # a backward node wrote it in place and another reads it now: plain autograd refuses this too
+            raise saved_written_after_save(self.fn_name, s, t, versions[s], t._version)
         left[s] -= 1
         if left[s] <= 0:
             del made[s]
             del left[s]
         return t
 
-    def _replay(self, graph: bool) -> tuple[dict[int, Tensor], Counter[int], dict[int, tuple[int, int]]]:
+    def _replay(self, graph: bool) -> tuple[dict[int, Tensor], Counter[int], dict[int, int]]:
         self.recomputes += 1
         trace = self.trace
         wanted = set(self.counts)
@@ -153,8 +165,9 @@ class _Serving(Half):
                         "graph. Save the Function's outputs (a policy that keeps them, e.g. "
                         "policies.everything_saveable), or run the double backward without remat."
                     )
-        made, written = run(trace, steps, wanted, self.save_at, self._source(graph), graph)
-        return made, Counter(self.counts), written
+        made = run(trace, steps, wanted, self._source(graph), graph)
+        versions = {s: t._version for s, t in made.items()}
+        return made, Counter(self.counts), versions
 
     def _available(self, graph: bool) -> Callable[[int], bool]:
         trace = self.trace
@@ -163,9 +176,12 @@ class _Serving(Half):
             return lambda s: s in outside or s in routed
         stash, offloaded, replay_offloaded = trace.stash, self.offloaded, self.replay_offloaded
         written = trace.written_keys
-        return lambda s: (s in outside or s in routed or (s in stash and type(stash[s]) is not weakref.ref)
-                          or (trace.key_of.get(s) not in written
-                              and (s in replay_offloaded or (s in offloaded and offloaded[s]() is not None))))
+        versions = trace.stash_versions
+        # (a copy the offload engine took for the replay holds the value before any later write; one taken for a
+        # save, the value then, which a write through .data since would make stale)
+        return lambda s: (s in outside or s in routed or s in replay_offloaded
+                          or (s in stash and type(stash[s]) is not weakref.ref and stash[s]._version == versions.get(s))
+                          or (trace.key_of.get(s) not in written and s in offloaded and offloaded[s]() is not None))
 
     def _source(self, graph: bool) -> Callable[[int], Tensor]:
         trace = self.trace
@@ -196,14 +212,17 @@ class _Serving(Half):
             if not graph:
                 v = trace.stash.get(s)
                 if v is not None and type(v) is not weakref.ref:
-                    return v  # type: ignore[no-any-return]
+                    # (a replayed step may write it: a copy, so that the next replay reads what was kept)
+                    return v.clone() if trace.key_of.get(s) in trace.written_keys else v  # type: ignore[no-any-return]
                 o = self.replay_offloaded.get(s)
                 if o is None:
                     ref = self.offloaded.get(s)
                     p = ref() if ref is not None else None
                     o = p.payload if p is not None else None
                 if o is not None:
-                    return self.engine.fetch(o)  # type: ignore[no-any-return]
+                    v = self.engine.fetch(o)
+                    # (a replayed step may write it: a copy of its own, not the engine's device copy)
+                    return v.clone() if trace.key_of.get(s) in trace.written_keys else v  # type: ignore[no-any-return]
             raise RuntimeError(f"remat: internal error: the replay of {self.fn_name} has no value for slot {s}")
 
         return source
@@ -236,16 +255,17 @@ class TraceFrame(_Serving):
         self.forwarding = False
         self.recomputes = 0
         self.counts: Counter[int] = Counter()  # dropped slot -> packs of it
-        self.save_at: dict[int, int] = {}  # dropped slot -> steps recorded when it was first saved
         self.kept: dict[int, list[_Pack]] = {}  # kept op-made slot -> its packs (a name may drop it later)
         self.offloaded: dict[int, Any] = {}  # slot -> what the offload engine holds for it
         self.routed: dict[int, Any] = {}  # outside slot -> the parent's pack of it (NOTE [nested replay])
-        self.caches: dict[bool, tuple[dict[int, Tensor], Counter[int], dict[int, tuple[int, int]]]] = {}
+        self.caches: dict[bool, tuple[dict[int, Tensor], Counter[int], dict[int, int]]] = {}
         self._lock = threading.RLock()
         self._offloaded_any = False
         wself = weakref.ref(self)
         self.trace.on_demote = lambda s: wself()._demote(s)  # type: ignore[union-attr]
         self.trace.offload = lambda s, t, d: wself()._offload_for_replay(s, t, d)  # type: ignore[union-attr]
+        self.trace.on_write = lambda key: wself()._storage_written(key)  # type: ignore[union-attr]
+        self.drops: list[_Pack] = []  # every pack of a dropped tensor (their aliases are noted at the end)
         self.replay_offloaded: dict[int, Any] = {}  # slot -> the offload engine's copy of a value the replay reads
         if self.parent is not None:
             self.trace.external = lambda s, t: wself()._route_outside(s, t)  # type: ignore[union-attr]
@@ -274,6 +294,7 @@ class TraceFrame(_Serving):
             self.forwarding = False
         self.caches.clear()  # what a backward pass inside the forward pass replayed (partial)
         self.trace.settle()
+        self.trace.seal()
         with internal():
             self._prune()
         if self._offloaded_any:
@@ -311,6 +332,22 @@ class TraceFrame(_Serving):
         for s in self.routed:
             t, v = trace.outside[s]
             trace.outside[s] = (None, v)  # type: ignore[assignment]  # (the parent holds it)
+        if self.drops and trace.root:
+            # NOTE [written after saved]: a dropped tensor's views and its base share its version counter (the caller's
+            # h.detach(), a view it returns): held weakly, a write through any of them raises at the unpack
+            by_root: dict[int, list[Any]] = {}
+            for v, r in trace.root.items():
+                ref = trace.refs.get(v)
+                if ref is not None:
+                    by_root.setdefault(r, []).append(ref)
+            for p in self.drops:
+                r = trace.root.get(p.slot, p.slot)
+                refs = by_root.get(r)
+                if refs or r != p.slot:
+                    base = trace.refs.get(r)
+                    p.aliases = [*(refs or ()), *(() if base is None else (base,))]
+        self.drops = []
+        trace.root.clear()
         trace.refs.clear()
         trace.stash_keys.clear()
         trace.dropped_keys.clear()
@@ -329,31 +366,41 @@ class TraceFrame(_Serving):
         at = len(trace.steps)
         if s is None or s in trace.outside:
             return self._keep(t, -1 if s is None else s, INPUT, at)
-        step = trace.producer[s]
+        # a view is decided for by the op that made its storage (keeping a view keeps that storage)
+        r = trace.root.get(s, s)
+        if r in trace.outside:
+            return self._keep(t, s, INPUT, at)  # (a view of an input or a parameter: nothing of the call's)
+        step = trace.producer[r]
         decision = step.decision
-        if decision is Recompute and step.replayable:
+        replayable = step.replayable and trace.producer[s].replayable
+        if decision is Recompute and replayable:
             self.counts[s] += 1
-            if s not in self.save_at:
-                self.save_at[s] = at
             p = _Pack(self, DROP, s, None, t._version, at, t.shape)
-            p.ref, p.dtype = weakref.ref(t), t.dtype
+            self._watch(p, t)
             k = trace.key_of.get(s)
             if k is not None:
                 trace.dropped_keys.setdefault(k, []).append(p)
             return p
-        if isinstance(decision, Offloadable) and step.replayable and self.engine.applies(t, decision):
+        if isinstance(decision, Offloadable) and replayable and self.engine.applies(t, decision):
             with internal():
                 o = self.engine.offload_saved(t, decision, group=self)
             if o is not None:
                 self._offloaded_any = True
                 p = _Pack(self, OFFLOAD, s, o, t._version, at, t.shape)
+                self._watch(p, t)
                 # weakly: once autograd let go of the save, the engine may free its copy (NOTE [keep last])
                 self.offloaded[s] = weakref.ref(p)
                 return p
         p = self._keep(t, s, KEEP, at)
         if p.kind == KEEP:
-            self.kept.setdefault(s, []).append(p)
+            self.kept.setdefault(r, []).append(p)
         return p
+
+    def _watch(self, p: _Pack, t: Tensor) -> None:
+        """NOTE [written after saved] in _packed.py: what is not held is watched (weakly, with its aliases) for a
+        write in place before its unpack, which plain autograd would refuse."""
+        p.ref, p.dtype = weakref.ref(t), t.dtype
+        self.drops.append(p)
 
     def _keep(self, t: Tensor, s: int, kind: str, at: int) -> _Pack:
         if self.parent is not None:
@@ -361,12 +408,15 @@ class TraceFrame(_Serving):
         return _Pack(self, kind, s, holdable(t), t._version, at, t.shape)
 
     def _demote(self, s: int) -> None:
-        """A ``checkpoint_name`` the policy drops names a value saved as kept already: drop it now."""
+        """A ``checkpoint_name`` the policy drops names a value saved as kept already (or a view of it): drop it."""
         for p in self.kept.pop(s, ()):
             if p.kind == KEEP:
                 p.kind, p.payload = DROP, None
-                self.counts[s] += 1
-                self.save_at.setdefault(s, p.at)
+                self.counts[p.slot] += 1
+
+    def _storage_written(self, key: int) -> None:
+        if self._offloaded_any:
+            self.engine.storage_written(self, {key})  # NOTE [one copy per storage] in _offload/copies.py
 
     def _offload_for_replay(self, s: int, t: Tensor, decision: Offloadable) -> bool:
         """An output the policy offloads that a replayed step reads: copied to host memory now, not held here."""
