@@ -140,7 +140,7 @@ def test_gradients_equal_no_remat(budget: float, dtype: torch.dtype) -> None:
     p, x, block = transformer(dtype)
     ref = grads(block, p, x)
     f = remat.remat(block, policy=policies.memory_budget(budget))
-    for _ in range(3):  # measuring, planned (full engine), fast path
+    for _ in range(3):  # measuring (old engine), then the plan's calls (replay engine)
         got = grads(f, p, x)
         if dtype is torch.float64:
             assert_tree_close(got, ref, **F64)
@@ -170,7 +170,7 @@ def test_budget_honoured_and_recompute_as_predicted() -> None:
         loss_of(f, p, x).backward()  # measures and solves
         plan = next(iter(pol.plans.values()))
         assert plan is not None and plan.kept_bytes <= plan.budget_bytes
-        for _ in range(2):  # the planned call on the full engine, then the fast path
+        for _ in range(2):  # the plan's calls (replay engine), each alike
             _, held = live_bytes_after(lambda: loss_of(f, p, x))  # noqa: B023
             assert held - out_bytes == plan.kept_bytes
             assert backward_flops(f, p, x) - base == plan.recompute_flops

@@ -214,7 +214,7 @@ def test_gradients_equal_no_remat(model: DeviceModel, budget: float, dtype: torc
     pol = policies.memory_budget(budget, offload=model)
     f = remat.remat(block, policy=pol)
     with use_engine(eng):
-        for _ in range(3):  # measuring, planned (full engine), fast path
+        for _ in range(3):  # measuring (old engine), then the plan's calls (replay engine)
             got = grads(f, p, x)
             if dtype is torch.float64:
                 assert_tree_close(got, ref, **F64)
@@ -243,7 +243,7 @@ def test_retained_bytes_measured_outside_are_the_plans_device_bytes() -> None:
             loss_of(f, p, x).backward()
             plan = next(iter(pol.plans.values()))
             assert plan is not None and plan.offloaded_bytes > 0
-            for _ in range(2):  # planned on the full engine, then the fast path
+            for _ in range(2):  # the plan's calls (replay engine), each alike
                 before = eng.stats["offloaded"]
                 loss, held = live_bytes_after(lambda: loss_of(f, p, x))  # noqa: B023
                 assert held - out_bytes == plan.kept_bytes <= frac * (full - out_bytes) + 1

@@ -23,13 +23,16 @@ def _block(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_a_plan_is_shared_by_every_remat_of_a_function_and_dies_with_it() -> None:
+    """(The replay engine, which runs plain autograd's calls, records no plan: the cache is the old routes'. What
+    stays: every wrapper of a function shares its entry, and neither keeps the function alive.)"""
+
     def block(x: torch.Tensor) -> torch.Tensor:
         return torch.sin(x).sum()
 
     x = torch.randn(3, dtype=torch.float64, requires_grad=True)
     remat(block)(x).backward()
     plans = CACHES.get().plans[block]
-    assert [len(p) for p in plans.values()] == [1]  # one signature recorded
+    assert len(plans) == 1  # one policy and static arguments
     g = remat(block)  # a new wrapper, as written inside a forward pass: the same plans
     assert g._plans is next(iter(plans.values()))
     gone = weakref.ref(block)

@@ -6,7 +6,7 @@ with every block remat'd in place (``remat_module`` before DDP or
 ``fully_shard``, ``remat_modules(net, Block)`` after it; or not, for the
 baselines), and records per step the loss, every parameter's full gradient (FSDP2's sharded
 DTensor gradients gathered with ``full_tensor()``), how many times each block's
-Python forward ran and how many matmuls the backward pass ran. The tests then
+Python forward ran and how many matmuls and LayerNorms the backward pass ran. The tests then
 check, per case:
 
 - loss and gradients equal those of one process running the same model without
@@ -14,10 +14,11 @@ check, per case:
   halves in another order), and are the same on both ranks;
 - loss and gradients equal, bitwise, those of the same distributed run without
   remat: remat changes no result;
-- the recompute ran: each block's forward runs twice per step under remat, once
-  without, and the backward pass runs one more matmul per block under
-  save-nothing (the recompute of the first Linear), none more under
-  ``dots_saveable``;
+- the recompute ran: the backward pass runs one more LayerNorm per block under
+  remat (its mean and rstd, which both policies drop, recomputed), one more matmul
+  per block under save-nothing (the recompute of the first Linear), none more under
+  ``dots_saveable``; each block's Python forward runs once per step (the replay
+  engine replays the recorded ops in the backward pass, not the Python);
 - under FSDP2 with ``reshard_after_forward=True`` (the default) the blocks'
   parameters were sharded again between forward and backward, so the
   recompute read parameters FSDP2 had gathered anew.
@@ -71,6 +72,9 @@ POLICIES: dict[str, Any] = {"none": None, "save-nothing": "save-nothing", "dots_
 # reads its output) but not `down`'s, whose output the backward pass never reads (NOTE [dead ops]);
 # dots_saveable keeps both products
 EXTRA_BACKWARD_MATMULS = {"none": 0, "save-nothing": BLOCKS, "dots_saveable": 0}
+# and both recompute each block's LayerNorm (its backward reads the mean and rstd the op returned, dropped by both)
+LAYER_NORM = torch.ops.aten.native_layer_norm.default
+EXTRA_BACKWARD_NORMS = {"none": 0, "save-nothing": BLOCKS, "dots_saveable": BLOCKS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,14 +170,14 @@ def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def train(model: nn.Module, named: nn.Module, x: torch.Tensor, y: torch.Tensor, full_loss: Any,
           full_grad: Any, count_collectives: bool = False) -> dict[str, Any]:
-    """STEPS steps of SGD; per step the (global) loss, the full gradients, block calls and backward matmuls (and
-    the collectives of the step, counted by CommDebugMode around it)."""
+    """STEPS steps of SGD; per step the (global) loss, the full gradients, block calls, backward matmuls and
+    LayerNorms (and the collectives of the step, counted by CommDebugMode around it)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.debug import CommDebugMode
 
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    out: dict[str, Any] = {"loss": [], "grads": [], "calls": [], "matmuls": [], "sharded": [], "collectives": [],
-                           "sharded_after_backward": [], "retained": []}
+    out: dict[str, Any] = {"loss": [], "grads": [], "calls": [], "matmuls": [], "norms": [], "sharded": [],
+                           "collectives": [], "sharded_after_backward": [], "retained": []}
     for _ in range(STEPS):
         counts = [b.count.calls for b in named.blocks]
         comm = CommDebugMode()
@@ -185,7 +189,7 @@ def train(model: nn.Module, named: nn.Module, x: torch.Tensor, y: torch.Tensor, 
             out["retained"].append(census.live)
             # FSDP2 registers the sharded parameters again after a block's forward pass if it reshards
             out["sharded"].append([isinstance(b.up.weight, DTensor) for b in named.blocks])
-            with OpCounter() as oc:
+            with OpCounter() as oc, OpCounter({LAYER_NORM}) as norms:
                 loss.backward()
         finally:
             if count_collectives:
@@ -194,6 +198,7 @@ def train(model: nn.Module, named: nn.Module, x: torch.Tensor, y: torch.Tensor, 
         out["sharded_after_backward"].append([isinstance(b.up.weight, DTensor) for b in named.blocks])
         out["calls"].append([b.count.calls - c for b, c in zip(named.blocks, counts)])
         out["matmuls"].append(oc.count)
+        out["norms"].append(norms.count)
         out["loss"].append(full_loss(loss.detach()))
         out["grads"].append({n: full_grad(p.grad).clone() for n, p in named.named_parameters()})
         opt.step()
@@ -291,11 +296,21 @@ def test_fsdp_resharded_between_forward_and_backward(runs, case):
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.inside != "torch"], ids=lambda c: c.id)
 def test_recompute_ran(runs, case):
-    calls_per_step = 1 if case.policy == "none" else 2
+    """Counted from outside: the ops the backward pass recomputes; each block's Python ran once a step."""
     for rank in range(WORLD):
         got, plain = result(runs, case, rank), result(runs, case.baseline, rank)
-        assert got["calls"] == [[calls_per_step] * BLOCKS] * STEPS
+        assert got["calls"] == [[1] * BLOCKS] * STEPS
         assert [m - p for m, p in zip(got["matmuls"], plain["matmuls"])] == [EXTRA_BACKWARD_MATMULS[case.policy]] * STEPS
+        assert [n - p for n, p in zip(got["norms"], plain["norms"])] == [EXTRA_BACKWARD_NORMS[case.policy]] * STEPS
+
+
+def test_torch_checkpoint_reruns_the_python(runs):
+    """The peer, torch.utils.checkpoint, re-runs each block's Python in the backward pass (and its matmul)."""
+    case = Case("fsdp", "none", inside="torch")
+    for rank in range(WORLD):
+        got, plain = result(runs, case, rank), result(runs, case.baseline, rank)
+        assert got["calls"] == [[2] * BLOCKS] * STEPS
+        assert [m - p for m, p in zip(got["matmuls"], plain["matmuls"])] == [BLOCKS] * STEPS
 
 
 @pytest.mark.parametrize("case", HOOKS_INSIDE, ids=lambda c: c.id)

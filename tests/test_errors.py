@@ -5,6 +5,11 @@ failing recompute, an exception inside the function mid-forward, an input modifi
 in place) no saved-tensor hook, dispatch mode, functorch level or RNG state of
 remat's is left behind: the ``clean_after`` fixture reads torch's own stacks, and
 :func:`plain_autograd_still_works` runs an ordinary computation afterwards.
+
+A recompute that diverges runs the function's Python again: the full engine
+(``debug=True`` here; torch.func transforms too). Under plain autograd the replay
+engine replays the forward pass's ATen ops instead and never runs the Python
+again, so the same functions are exact there (:func:`replayed_exactly`).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 from remat import RematError, checkpoint_name, policies, remat
 
 from .conftest import CLEAN, ambient_state
-from .helpers import Counted, leaf
+from .helpers import Counted, OpCounter, leaf
 
 pytestmark = pytest.mark.usefixtures("clean_after")
 
@@ -32,6 +37,23 @@ def plain_autograd_still_works():
 
 def two_sins(x):
     return x.sin().sin()
+
+
+def replayed_exactly(f, calls):
+    """The replay engine (plain autograd, not debug): ``f``'s Python runs once per call, and the gradient is plain
+    autograd's of what its forward pass computed (``calls``: ``f``'s call counter, set back to 0 before each)."""
+
+    def first(out):
+        return out[0] if isinstance(out, tuple) else out
+
+    x = leaf(3)
+    calls[0] = 0
+    (got,) = torch.autograd.grad(first(remat(f)(x)).sum(), x)
+    assert calls[0] == 1
+    calls[0] = 0
+    (want,) = torch.autograd.grad(first(f(x)).sum(), x)
+    assert torch.equal(got, want)
+    plain_autograd_still_works()
 
 
 # ---- bad arguments ------------------------------------------------------------------
@@ -80,10 +102,13 @@ def test_static_argnums_out_of_range(nums):
 def test_static_argnums_work():
     f = Counted(lambda x, flag: x.sin().sin() if flag == "sin" else x.cos().cos())
     x = leaf(3)
-    (g,) = torch.autograd.grad(remat(f, static_argnums=1)(x, "sin").sum(), x)
+    out = remat(f, static_argnums=1)(x, "sin")
+    with OpCounter({torch.ops.aten.sin.default}) as replayed:
+        (g,) = torch.autograd.grad(out.sum(), x)
     (g0,) = torch.autograd.grad(x.sin().sin().sum(), x)
     torch.testing.assert_close(g, g0, rtol=1e-12, atol=1e-12)
-    assert f.calls == 2
+    assert f.calls == 1
+    assert replayed.count == 1  # the recompute made x.sin() again (plain autograd's backward pass runs no sin)
 
 
 def test_preserve_rng_state_type():
@@ -134,12 +159,13 @@ def test_recompute_runs_another_op():
         calls[0] += 1  # global state: the recompute takes the other branch
         return x.sin().sin() if calls[0] == 1 else x.cos().sin()
 
-    out = remat(f)(leaf(3))
+    out = remat(f, debug=True)(leaf(3))
     with pytest.raises(RematError, match=r"the recompute of f diverged from its forward pass: op #0 was "
                                          r"aten.sin.default -> \[3\] float64 in the forward pass but "
                                          r"aten.cos.default now. The wrapped function must run the same ops"):
         out.sum().backward()
     plain_autograd_still_works()
+    replayed_exactly(f, calls)
 
 
 def test_recompute_computes_another_shape():
@@ -149,7 +175,7 @@ def test_recompute_computes_another_shape():
         calls[0] += 1
         return torch.cat([x] * calls[0]).sin().sin().sum()
 
-    out = remat(f)(leaf(3))
+    out = remat(f, debug=True)(leaf(3))
     # (NOTE [same reads]: the op's arguments differ before its output does: two tensors to concatenate, not one)
     with pytest.raises(RematError, match=r"the recompute of f diverged .*: op #0 aten.cat.default read other values "
                                          r"than in the forward pass: argument #0 is \[argument #0 of the call .*, "
@@ -157,6 +183,7 @@ def test_recompute_computes_another_shape():
                                          r"call .*\] in the forward pass"):
         out.backward()
     plain_autograd_still_works()
+    replayed_exactly(f, calls)
 
 
 def test_recompute_runs_more_ops():
@@ -167,11 +194,12 @@ def test_recompute_runs_more_ops():
         y = x.sin().sin()
         return y.exp().exp() if calls[0] > 1 else y
 
-    out = remat(f)(leaf(3))
+    out = remat(f, debug=True)(leaf(3))
     with pytest.raises(RematError, match=r"diverged from its forward pass: it ran aten.exp.default after the 2 ops "
                                          r"of the forward pass"):
         out.sum().backward()
     plain_autograd_still_works()
+    replayed_exactly(f, calls)
 
 
 def test_recompute_runs_fewer_ops():
@@ -182,11 +210,12 @@ def test_recompute_runs_fewer_ops():
         y = x.sin().sin()
         return (y.exp() if calls[0] == 1 else y), y  # the dropped tensors are all read by then
 
-    y, _ = remat(f)(leaf(3))
+    y, _ = remat(f, debug=True)(leaf(3))
     with pytest.raises(RematError, match=r"diverged from its forward pass: it stopped after 2 ops; the forward "
                                          r"pass went on with aten.exp.default"):
         y.sum().backward()
     plain_autograd_still_works()
+    replayed_exactly(f, calls)
 
 
 def test_exception_raised_in_the_recompute():
@@ -199,7 +228,7 @@ def test_exception_raised_in_the_recompute():
         return x.sin().sin()
 
     x = leaf(3)
-    out = remat(f)(x)
+    out = remat(f, debug=True)(x)
     state = torch.get_rng_state()
     torch.rand(3)
     state = torch.get_rng_state()
@@ -207,6 +236,7 @@ def test_exception_raised_in_the_recompute():
         out.sum().backward()
     assert torch.equal(state, torch.get_rng_state())  # the forward's RNG state was restored only inside
     plain_autograd_still_works()
+    replayed_exactly(f, calls)
 
 
 def test_exception_raised_mid_forward():
@@ -264,13 +294,24 @@ def test_kept_input_modified_in_place_before_the_backward():
 
 
 def test_input_modified_in_place_inside_the_function():
+    """The full engine (``debug=True``), whose recompute would read the modified input, raises; the replay engine
+    writes the input once, as plain autograd does, and gives plain autograd's gradient."""
+
     def f(x):
         x.mul_(2)
         return x.sin().sin()
 
     with pytest.raises(RematError, match=r"f modified its input #0 \(shape \[3\], float64\) in place during its "
                                          r"forward pass; .* Clone the input inside the function"):
-        remat(f)(leaf(3) * 1)
+        remat(f, debug=True)(leaf(3) * 1)
+    plain_autograd_still_works()
+    x = leaf(3)
+    inp = x * 1
+    (got,) = torch.autograd.grad(remat(f)(inp).sum(), x)
+    assert torch.equal(inp, x.detach() * 2)  # written once
+    inp = x * 1
+    (want,) = torch.autograd.grad(f(inp).sum(), x)
+    assert torch.equal(got, want)
     plain_autograd_still_works()
 
 

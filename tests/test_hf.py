@@ -7,9 +7,13 @@ against the untransformed model under the same transform: plain autograd,
 parameters differ from the module's own, so a recompute that read the module's
 parameters would give wrong gradients), and per-example ``vmap(grad)``. Float64
 to 1e-10; float32 bitwise where the recompute runs the same kernels. Each test
-proves that the recompute ran by counting the calls of a submodule of every
-block (a forward hook, which runs again when the block's forward is recomputed)
-and, under autograd, the matmuls of the backward pass (``OpCounter``).
+proves that the recompute ran. Under ``torch.func`` (the engine that re-runs the
+block's Python) by counting the calls of a submodule of every block (a forward
+hook, which runs again when the block's forward is recomputed). Under plain
+autograd (the replay engine, which runs the Python once and replays the recorded
+ops in the backward pass) by the same hook counting one call per block, and the
+ATen ops of the backward pass seen from outside (``OpLog``, ``OpCounter``): more
+than plain autograd's backward pass of the same model runs.
 
 Tiny configs with random weights (nothing is downloaded), ``use_cache=False``,
 dropout 0. Also: what ``use_cache=True`` does in training, HF's
@@ -26,6 +30,7 @@ import functools
 import importlib
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,7 +44,7 @@ import remat
 from remat import RematError, policies
 from remat.bench.measure import live_bytes_after
 
-from .helpers import OpCounter, assert_tree_close, tree_allclose
+from .helpers import OpCounter, OpLog, assert_tree_close, tree_allclose
 
 transformers = pytest.importorskip("transformers")
 
@@ -106,9 +111,9 @@ def make(name: str, attn: str = "eager", dtype: torch.dtype = torch.float64, use
     return copy.deepcopy(_build(name, attn, dtype, use_cache))
 
 
-def rematted(model: nn.Module, name: str, policy: Any) -> tuple[nn.Module, list[str]]:
+def rematted(model: nn.Module, name: str, policy: Any, debug: bool = False) -> tuple[nn.Module, list[str]]:
     r = copy.deepcopy(model)
-    names = remat.remat_modules(r, where=SPECS[name].block_cls(), policy=policy)
+    names = remat.remat_modules(r, where=SPECS[name].block_cls(), policy=policy, debug=debug)
     return r, names
 
 
@@ -126,9 +131,19 @@ def shifted_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach() + 0.01 for k, v in model.named_parameters()}
 
 
-def autograd_grads(model: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+def logged_backward(loss: torch.Tensor, log: list[Any] | None = None) -> None:
+    """``loss.backward()``; the ATen ops it runs, seen from outside remat, appended to ``log`` if given
+    (``aten.detach`` left out: autograd's own unpacking of saved tensors, not a recompute)."""
+    with OpLog() as mode:
+        loss.backward()
+    if log is not None:
+        log.extend(op for op in mode.ops if op is not torch.ops.aten.detach.default)
+
+
+def autograd_grads(model: nn.Module, ids: torch.Tensor, log: list[Any] | None = None) -> dict[str, torch.Tensor]:
+    """Plain autograd's gradients; the backward pass's ops appended to ``log`` if given (``logged_backward``)."""
     model.zero_grad(set_to_none=True)
-    loss_of(model, ids).backward()
+    logged_backward(loss_of(model, ids), log)
     return {k: p.grad for k, p in model.named_parameters()}
 
 
@@ -163,15 +178,33 @@ class CallCount:
             h.remove()
 
 
-def counted_step(model: nn.Module, name: str, blocks: list[str], step: Callable[[], Any]) -> Any:
-    """Run a forward+backward ``step`` of a remat'd model; check each block ran twice: forward and recompute."""
+def counted_step(model: nn.Module, name: str, blocks: list[str], step: Callable[[], Any], runs: int = 2) -> Any:
+    """Run a forward+backward ``step`` of a remat'd model; check each block's Python ran ``runs`` times: under
+    torch.func twice (forward and recompute), under plain autograd once (``runs=1``: the replay engine)."""
     count = CallCount(model, name, blocks)
     try:
         out = step()
     finally:
         count.remove()
-    assert count.calls == 2 * len(blocks), f"{count.calls} calls for {len(blocks)} blocks: no recompute?"
+    assert count.calls == runs * len(blocks), f"{count.calls} calls for {len(blocks)} blocks, expected {runs} each"
     return out
+
+
+def replayed_step(model: nn.Module, name: str, blocks: list[str], step: Callable[[list[Any]], Any],
+                  plain_ops: list[Any]) -> Any:
+    """Run a forward+backward ``step(log)`` of a remat'd model under plain autograd, which appends its backward
+    pass's ops to ``log``: each block's Python ran once, and the backward pass ran more ops than plain autograd's
+    (``plain_ops``, the same step on the model without remat): the recorded ops replayed."""
+    ops: list[Any] = []
+    out = counted_step(model, name, blocks, lambda: step(ops), runs=1)
+    assert_recomputed(ops, plain_ops)
+    return out
+
+
+def assert_recomputed(ops: list[Any], plain_ops: list[Any]) -> None:
+    """The backward pass that logged ``ops`` ran every op plain autograd's (``plain_ops``) did, and more."""
+    extra, missing = Counter(ops) - Counter(plain_ops), Counter(plain_ops) - Counter(ops)
+    assert not missing and extra.total() > 0, f"no recompute? extra {dict(extra)}, missing {dict(missing)}"
 
 
 MODELS = list(SPECS)
@@ -197,9 +230,10 @@ def test_block_names_and_state_dict_keys_unchanged() -> None:
 @pytest.mark.parametrize("name,attn", CASES, ids=CASE_IDS)
 def test_autograd_gradients_equal_the_model_without_remat(name: str, attn: str, policy: str) -> None:
     model, ids = make(name, attn), token_ids()
-    want = autograd_grads(model, ids)
+    plain_ops: list[Any] = []
+    want = autograd_grads(model, ids, plain_ops)
     r, blocks = rematted(model, name, POLICIES[policy])
-    got = counted_step(r, name, blocks, lambda: autograd_grads(r, ids))
+    got = replayed_step(r, name, blocks, lambda ops: autograd_grads(r, ids, ops), plain_ops)
     assert_tree_close(got, want, **F64)
 
 
@@ -241,9 +275,10 @@ def test_vmap_grad_per_example(name: str, attn: str, policy: str) -> None:
 def test_float32_bitwise(name: str, attn: str, policy: str) -> None:
     """In float32 the recompute runs the same kernels on the same values: the same bits, not merely close."""
     model, ids = make(name, attn, torch.float32), token_ids()
-    want = autograd_grads(model, ids)
+    plain_ops: list[Any] = []
+    want = autograd_grads(model, ids, plain_ops)
     r, blocks = rematted(model, name, POLICIES[policy])
-    got = counted_step(r, name, blocks, lambda: autograd_grads(r, ids))
+    got = replayed_step(r, name, blocks, lambda ops: autograd_grads(r, ids, ops), plain_ops)
     assert_tree_close(got, want)  # torch.equal for float32 leaves
 
 
@@ -298,48 +333,61 @@ def test_backward_recomputes_the_block_matmuls_unless_saved(name: str, policy: s
 # transformers 5.24 turns the KV cache off in training only under its own gradient checkpointing
 # (GradientCheckpointingLayer sets use_cache=False, cache=None when model.gradient_checkpointing is on). With
 # remat_modules it does not know: with config.use_cache=True a forward pass in training creates a DynamicCache and
-# every block appends its keys and values to it. The recompute in the backward pass appends again and sees a
-# longer cache: remat raises a RematError whose message says to pass use_cache=False. Never a wrong gradient.
+# every block appends its keys and values to it. Under plain autograd the replay engine replays the ops the forward
+# pass ran, so the longer cache is never read: plain autograd's gradients. An engine that re-runs the block's
+# Python (debug=True; torch.func) appends again and sees a longer cache: it raises a RematError whose message says
+# to pass use_cache=False. Never a wrong gradient.
 
 
+@pytest.mark.parametrize("engine", ["replay", "debug"])
 @pytest.mark.parametrize("cache", ["made-by-model", "empty"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_use_cache_true_in_training_raises_with_the_fix(name: str, policy: str, cache: str) -> None:
+def test_use_cache_true_in_training_is_exact_or_raises_with_the_fix(name: str, policy: str, cache: str,
+                                                                    engine: str) -> None:
     model = make(name, use_cache=True)
-    r, _ = rematted(model, name, POLICIES[policy])
-    kw: dict[str, Any] = {}
-    if cache != "made-by-model":
-        kw["cache"] = transformers.DynamicCache(config=model.config)
-    out = r(input_ids=token_ids(), labels=token_ids(), **kw)
-    assert isinstance(out.cache, transformers.DynamicCache)  # HF did not turn the cache off
-    with pytest.raises(RematError, match=r"use_cache=False \(model\.config\.use_cache = False\)"):
-        out.loss.backward()
+    r, blocks = rematted(model, name, POLICIES[policy], debug=engine == "debug")
+
+    def step(m: nn.Module, log: list[Any] | None = None) -> dict[str, torch.Tensor]:
+        kw: dict[str, Any] = {}
+        if cache != "made-by-model":
+            kw["cache"] = transformers.DynamicCache(config=model.config)
+        m.zero_grad(set_to_none=True)
+        out = m(input_ids=token_ids(), labels=token_ids(), **kw)
+        assert isinstance(out.cache, transformers.DynamicCache)  # HF did not turn the cache off
+        logged_backward(out.loss, log)
+        return {k: p.grad for k, p in m.named_parameters()}
+
+    if engine == "replay":
+        plain_ops: list[Any] = []
+        want = step(model, plain_ops)
+        assert_tree_close(replayed_step(r, name, blocks, lambda ops: step(r, ops), plain_ops), want, **F64)
+    else:
+        with pytest.raises(RematError, match=r"use_cache=False \(model\.config\.use_cache = False\)"):
+            step(r)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_prefilled_small_cache_is_read_as_in_the_forward(name: str, policy: str) -> None:
-    """A cache prefilled under no_grad holds small tensors that need no gradient: the recompute reads copies of
-    what the forward read (NOTE [outside tensors]), so the gradients are exact although the cache grew."""
+    """A cache prefilled under no_grad, which the forward pass then grows: the recompute reads what the forward
+    read (the replay engine replays its ops; NOTE [outside tensors]), so the gradients are exact."""
 
-    def grads(m: nn.Module) -> dict[str, torch.Tensor]:
+    def grads(m: nn.Module, log: list[Any] | None = None) -> dict[str, torch.Tensor]:
         cache = transformers.DynamicCache(config=m.config)
         with torch.no_grad():
             m(input_ids=token_ids(2), cache=cache)
         m.zero_grad(set_to_none=True)
-        loss_of(m, token_ids(), cache=cache).backward()
+        logged_backward(loss_of(m, token_ids(), cache=cache), log)
         return {k: p.grad for k, p in m.named_parameters()}
 
     model = make(name, use_cache=True)
     r, blocks = rematted(model, name, POLICIES[policy])
-    want = grads(model)
-    count = CallCount(r, name, blocks)
-    try:
-        got = grads(r)
-    finally:
-        count.remove()
-    assert count.calls == 3 * len(blocks)  # the prefill, the forward, the recompute
+    plain_ops: list[Any] = []
+    want = grads(model, plain_ops)
+    ops: list[Any] = []
+    got = counted_step(r, name, blocks, lambda: grads(r, ops), runs=2)  # the prefill, the forward (Python once)
+    assert_recomputed(ops, plain_ops)  # the recompute: the forward's ops replayed in the backward pass
     assert_tree_close(got, want, **F64)
 
 
@@ -347,14 +395,15 @@ def test_prefilled_small_cache_is_read_as_in_the_forward(name: str, policy: str)
 def test_use_cache_true_save_everything_or_use_cache_false_is_exact(name: str) -> None:
     """Nothing to recompute (save-everything) or no cache (the fix): exact gradients despite config.use_cache."""
     model, ids = make(name, use_cache=True), token_ids()
-    want = autograd_grads(make(name), ids)
+    plain_ops: list[Any] = []
+    want = autograd_grads(make(name), ids, plain_ops)
     r, _ = rematted(model, name, policies.everything_saveable)
     r.zero_grad(set_to_none=True)
     loss_of(r, ids, cache=transformers.DynamicCache(config=model.config)).backward()
     assert_tree_close({k: p.grad for k, p in r.named_parameters()}, want, **F64)
     r, blocks = rematted(model, name, policies.nothing_saveable)
     r.zero_grad(set_to_none=True)
-    counted_step(r, name, blocks, lambda: loss_of(r, ids, use_cache=False).backward())
+    replayed_step(r, name, blocks, lambda ops: logged_backward(loss_of(r, ids, use_cache=False), ops), plain_ops)
     assert_tree_close({k: p.grad for k, p in r.named_parameters()}, want, **F64)
 
 
@@ -398,13 +447,15 @@ def test_enable_input_require_grads_breaks_torch_func_disable_fixes_it() -> None
     model, ids = make("gpt2"), token_ids()
     params = shifted_params(model)
     want = func_grads(model, params, ids)
-    want_eager = autograd_grads(model, ids)
+    plain_ops: list[Any] = []
+    want_eager = autograd_grads(model, ids, plain_ops)
     r, blocks = rematted(model, "gpt2", policies.nothing_saveable)
     for m in (model, r):  # the hook's fault, not remat's: the plain model fails alike
         m.enable_input_require_grads()  # once: a second call would leak the first hook (HF keeps one list)
         with pytest.raises(RuntimeError, match=r"requires_grad_\(\)"):
             func_grads(m, params, ids)
-    assert_tree_close(counted_step(r, "gpt2", blocks, lambda: autograd_grads(r, ids)), want_eager, **F64)
+    got = replayed_step(r, "gpt2", blocks, lambda ops: autograd_grads(r, ids, ops), plain_ops)
+    assert_tree_close(got, want_eager, **F64)
     for m in (model, r):
         m.disable_input_require_grads()
     assert_tree_close(counted_step(r, "gpt2", blocks, lambda: func_grads(r, params, ids)), want, **F64)
@@ -416,8 +467,9 @@ def test_frozen_embeddings_need_no_input_require_grads() -> None:
     r, blocks = rematted(model, "llama", policies.nothing_saveable)
     for m in (model, r):
         m.get_input_embeddings().weight.requires_grad_(False)
-    want = {k: g for k, g in autograd_grads(model, ids).items() if g is not None}
-    got = counted_step(r, "llama", blocks, lambda: autograd_grads(r, ids))
+    plain_ops: list[Any] = []
+    want = {k: g for k, g in autograd_grads(model, ids, plain_ops).items() if g is not None}
+    got = replayed_step(r, "llama", blocks, lambda ops: autograd_grads(r, ids, ops), plain_ops)
     assert_tree_close({k: got[k] for k in want}, want, **F64)
     assert got["model.embed_tokens.weight"] is None
     # under torch.func: differentiate with respect to the trainable parameters only

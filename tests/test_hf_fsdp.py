@@ -8,14 +8,18 @@ outside the region), by Hugging Face's own hook with remat as its checkpoint
 function (``model._set_gradient_checkpointing(gradient_checkpointing_func=...)``),
 or checkpointed by ``gradient_checkpointing_enable()`` (``torch.utils.checkpoint``,
 the peer). Per case: loss and gradients equal one process without sharding or
-remat (1e-10), and bitwise the same sharded run without remat; every layer's
-forward runs twice per step; and a step all-gathers and reduce-scatters as often
-as without remat (a third step, under ``CommDebugMode``, whose gradients are compared too).
+remat (1e-10), and bitwise the same sharded run without remat; the backward pass
+recomputes: it runs every ATen op the run without remat's does and more (seen from
+outside by ``OpLog``), while every layer's Python runs once per step under remat (the
+replay engine replays the recorded ops) and twice under ``torch.utils.checkpoint``;
+and a step all-gathers and reduce-scatters as often as without remat (a third step,
+under ``CommDebugMode``, whose gradients are compared too).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -25,7 +29,7 @@ import torch.distributed as dist
 import remat
 from remat import policies
 
-from .helpers import assert_tree_close
+from .helpers import OpLog, assert_tree_close
 from .spawned import result, spawn
 
 transformers = pytest.importorskip("transformers")
@@ -97,11 +101,13 @@ def train(model: Any, ids: torch.Tensor, full_grad: Any, count_collectives: bool
 
     calls = Calls(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    out: dict[str, Any] = {"loss": [], "grads": [], "calls": [], "collectives": []}
+    out: dict[str, Any] = {"loss": [], "grads": [], "calls": [], "collectives": [], "backward_ops": []}
     for _ in range(STEPS):
         before = list(calls.counts)
         loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        with OpLog() as log:  # (aten.detach left out: autograd's own unpacking of saved tensors)
+            loss.backward()
+        out["backward_ops"].append(Counter(str(op) for op in log.ops if op is not torch.ops.aten.detach.default))
         out["calls"].append([c - b for c, b in zip(calls.counts, before)])
         out["loss"].append(full_loss(loss.detach().clone()))
         out["grads"].append({n: full_grad(p.grad).clone() for n, p in model.named_parameters()})
@@ -172,4 +178,9 @@ def test_matches_the_sharded_run_without_remat_and_gathers_as_often(runs, case):
         got, want = result(runs, case, rank), result(runs, Case(case.model, "none"), rank)
         assert_tree_close((got["loss"], got["grads"]), (want["loss"], want["grads"]), rtol=0, atol=0)
         assert got["collectives"] == want["collectives"] and got["collectives"][0]
-        assert got["calls"] == [[2] * len(got["calls"][0])] * STEPS  # recomputed: each layer ran twice a step
+        # recomputed: the backward pass ran every op of the one without remat, and more
+        for ops, plain in zip(got["backward_ops"], want["backward_ops"]):
+            assert not plain - ops and (ops - plain).total() > 0, (dict(ops - plain), dict(plain - ops))
+        # each layer's Python ran once a step under remat (its ops replayed), twice under torch's checkpoint
+        python_runs = 2 if case.how == "hf-torch" else 1
+        assert got["calls"] == [[python_runs] * len(got["calls"][0])] * STEPS

@@ -9,9 +9,13 @@ Two independent measurements, neither of which asks remat what it holds:
   ``shared/research/measuring-memory.md``), on tensors of 2 MiB, where RSS follows
   live tensor bytes to within about 1 MiB.
 
-And the absence of leaks: no remat ``Frame`` survives a step (not even waiting for the
-garbage collector), live tensors stay constant over many steps, and 1,000 steps
-leave RSS flat.
+Whether a recompute ran is read from the ATen ops the backward pass runs (a dispatch mode
+around it), against plain autograd's backward pass: under plain autograd the replay engine
+(remat/_engine/traced.py) replays recorded ops and runs the Python once per call.
+
+And the absence of leaks: no remat frame (the replay engine's ``TraceFrame``, the full
+engine's ``Frame``) survives a step (not even waiting for the garbage collector), live
+tensors stay constant over many steps, and 1,000 steps leave RSS flat.
 """
 
 from __future__ import annotations
@@ -23,14 +27,16 @@ import subprocess
 import sys
 import textwrap
 import weakref
+from collections import Counter
 
 import pytest
 import torch
 
 from remat import checkpoint_name, policies, remat
 from remat._engine.full import Frame
+from remat._engine.traced import TraceFrame
 
-from .helpers import Counted, StorageCensus
+from .helpers import Counted, OpLog, StorageCensus
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -54,10 +60,19 @@ def chain(W1, W2, x, seen, name=None):
     return d.cos()
 
 
+def backward_ops(out):
+    """The ATen ops ``out.sum().backward()`` runs (``aten.detach``, autograd's unpacking, left out)."""
+    with OpLog() as log:
+        out.sum().backward()
+    return Counter(op for op in log.ops if op is not torch.ops.aten.detach.default)
+
+
 def held_after_forward(policy, name=None):
     g = torch.Generator().manual_seed(0)
     W1, W2 = (torch.randn(8, 8, generator=g, requires_grad=True) for _ in range(2))
     x = torch.randn(4, 8, generator=g)
+    plain = backward_ops(chain(W1, W2, x, {}, name))
+    W1.grad = W2.grad = None  # (the same backward pass: no accumulation into earlier gradients)
     seen: dict[str, torch.Tensor] = {}
     f = Counted(lambda *a: chain(*a, seen, name))
     fn = f if policy == "plain" else remat(f, policy=policy)
@@ -65,9 +80,10 @@ def held_after_forward(policy, name=None):
     refs = {k: weakref.ref(t.untyped_storage()) for k, t in seen.items()}
     seen.clear()
     held = sorted(k for k, r in refs.items() if r() is not None)
-    out.sum().backward()
+    recomputed = backward_ops(out) - plain  # the ops the backward pass ran beyond plain autograd's
+    assert f.calls == 1  # the Python ran once
     # the recompute ran exactly when something autograd keeps was dropped
-    assert f.calls == (1 if held == ["a", "b", "d"] else 2)
+    assert bool(recomputed) == (held != ["a", "b", "d"]), recomputed
     return held
 
 
@@ -159,9 +175,12 @@ def _step(policy):
     out.sum().backward()
 
 
+FRAMES = (Frame, TraceFrame)  # one call of a remat'd function: the full engine's, the replay engine's
+
+
 def _frames():
     """Frames alive now that were not alive when this module's tests began (other tests may hold graphs)."""
-    return [o for o in gc.get_objects() if type(o) is Frame and id(o) not in _BASELINE]
+    return [o for o in gc.get_objects() if type(o) in FRAMES and id(o) not in _BASELINE]
 
 
 gc.collect()
@@ -172,7 +191,7 @@ _BASELINE: set[int] = set()
 def _frames_of_other_tests():
     gc.collect()
     _BASELINE.clear()
-    _BASELINE.update(id(o) for o in gc.get_objects() if type(o) is Frame)
+    _BASELINE.update(id(o) for o in gc.get_objects() if type(o) in FRAMES)
     yield
 
 
@@ -221,6 +240,7 @@ RSS_SCRIPT = textwrap.dedent("""
     import gc, json, sys
     import torch
     import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
     from remat import remat, policies, checkpoint_name
 
     torch.set_num_threads(1)
@@ -235,6 +255,16 @@ RSS_SCRIPT = textwrap.dedent("""
     Ws = [(torch.randn(D, D, generator=g) / D ** 0.5).requires_grad_() for _ in range(L)]
     x = torch.randn(N, D, generator=g)
     calls = [0]
+
+    class Gelus(TorchDispatchMode):  # the gelus a backward pass runs: plain autograd's none, a recompute some
+
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func is torch.ops.aten.gelu.default
+            return func(*args, **(kwargs or {}))
 
     def f(Ws, x):
         calls[0] += 1
@@ -257,25 +287,27 @@ RSS_SCRIPT = textwrap.dedent("""
     P["save-nothing-first-call"] = "save-nothing"
     for name, pol in P.items():
         fn = f if name == "plain" else remat(f, policy=pol)
-        for _ in range(2):  # warm up (save-nothing: the first call records, the second takes the fast path)
-            fn(Ws, x).backward()
+        for _ in range(2):  # warm up (allocator, lazy init, the mode's first use)
+            with Gelus():
+                fn(Ws, x).backward()
             for W in Ws:
                 W.grad = None
         if name == "save-nothing-first-call":
-            # the full engine: a function remat has not seen (NOTE [fast path]: a signature's first call records)
+            # a function remat has not seen (its first call)
             fn = remat(lambda Ws, x: f(Ws, x), policy=pol)
         gc.collect()
         calls[0] = 0
         r0 = rss()
         loss = fn(Ws, x)
         r1 = rss()
-        loss.backward()
+        with Gelus() as gelus:
+            loss.backward()
         del loss
         for W in Ws:
             W.grad = None
         gc.collect()
         r2 = rss()
-        out[name] = {"held": (r1 - r0) / MiB, "after": (r2 - r0) / MiB, "calls": calls[0]}
+        out[name] = {"held": (r1 - r0) / MiB, "after": (r2 - r0) / MiB, "calls": calls[0], "gelus": gelus.n}
     print(json.dumps(out))
 """)
 
@@ -295,19 +327,21 @@ A = 2.0  # MiB per activation
 TOL = 1.0  # MiB (RSS followed live tensor bytes to within 0.05 MiB here)
 
 
-@pytest.mark.parametrize("name,held,calls", [
-    ("plain", 8 * A, 1),  # 4 mm outputs + 4 gelu outputs
-    ("save-everything", 8 * A, 1),  # the same, and nothing recomputed
-    ("save-nothing", 0.0, 2),  # only the inputs (already there) and the scalar output
-    ("save-nothing-first-call", 0.0, 2),  # the same on the full engine
-    ("save-matmuls", 4 * A, 2),  # the 4 mm outputs, no gelu output
-    ("only-n", 1 * A, 2),  # one named tensor
-    ("except-n", 7 * A, 2),  # everything but the named tensor
+@pytest.mark.parametrize("name,held,recomputes", [
+    ("plain", 8 * A, False),  # 4 mm outputs + 4 gelu outputs
+    ("save-everything", 8 * A, False),  # the same, and nothing recomputed
+    ("save-nothing", 0.0, True),  # only the inputs (already there) and the scalar output
+    ("save-nothing-first-call", 0.0, True),  # the same on a function's first call
+    ("save-matmuls", 4 * A, True),  # the 4 mm outputs, no gelu output
+    ("only-n", 1 * A, True),  # one named tensor
+    ("except-n", 7 * A, True),  # everything but the named tensor
 ])
-def test_rss_held_between_forward_and_backward(rss_figures, name, held, calls):
+def test_rss_held_between_forward_and_backward(rss_figures, name, held, recomputes):
     fig = rss_figures[name]
     assert abs(fig["held"] - held) < TOL, fig
-    assert fig["calls"] == calls, fig  # forward, plus one recompute where something was dropped
+    assert fig["calls"] == 1, fig  # the Python runs once: a recompute replays the recorded ops
+    # one recompute where something was dropped: gelus run again, none of the 4 twice
+    assert (fig["gelus"] > 0) == recomputes and fig["gelus"] <= 4, fig
     assert abs(fig["after"]) < TOL, fig  # the backward pass gave everything back
 
 
@@ -316,6 +350,7 @@ STEPS_SCRIPT = textwrap.dedent("""
     import torch
     from remat import remat
     from remat._engine.full import Frame
+    from remat._engine.traced import TraceFrame
 
     torch.set_num_threads(1)
 
@@ -339,7 +374,7 @@ STEPS_SCRIPT = textwrap.dedent("""
         h.sum().backward()
         if step in (100, 1000):
             gc.collect()
-            frames = sum(1 for o in gc.get_objects() if type(o) is Frame)
+            frames = sum(1 for o in gc.get_objects() if type(o) in (Frame, TraceFrame))
             tensors = sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
             marks[step] = {"rss": rss() / (1 << 20), "frames": frames, "tensors": tensors}
     print(json.dumps(marks))

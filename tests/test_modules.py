@@ -1,8 +1,10 @@
 """Module state is an input: parameters, buffers and closed-over tensors read inside a remat'd function.
 
 Every case compares ``remat`` against the same model without remat under the same
-transform (float64 at 1e-10, float32 bitwise), and counts calls to prove that the
-recompute ran. The cases that used to give silent wrong gradients: a remat'd
+transform (float64 at 1e-10, float32 bitwise), and proves that the recompute ran: under plain
+autograd (the replay engine, which runs the block's Python once) by the ``tanh`` ops the backward
+pass runs, seen from outside (plain autograd's backward runs none); under ``torch.func`` (where the
+block's Python runs again) by counting calls. The cases that used to give silent wrong gradients: a remat'd
 ``forward`` under ``functional_call`` with parameters that differ from the
 module's own (the recompute read the module's own), a closure over a tensor of a
 ``vjp``/``jacrev`` level, BatchNorm's statistics written twice.
@@ -26,7 +28,7 @@ import remat
 from remat import RematError, policies
 from remat.bench.measure import live_bytes_after
 
-from .helpers import CountCalls, assert_tree_close
+from .helpers import CountCalls, OpCounter, assert_tree_close
 
 DT = torch.float64
 TOL = {"rtol": 1e-10, "atol": 1e-10}
@@ -67,6 +69,17 @@ def _tally(m: ConvNet) -> int:
     return m.body[-1].calls  # type: ignore[no-any-return]
 
 
+TANH = {torch.ops.aten.tanh.default}
+
+
+def _backward_tanhs(loss: torch.Tensor) -> int:
+    """Run ``loss.backward()``; return how many ``tanh`` ops it ran, seen from outside remat. Plain autograd's
+    backward runs none (tanh saves its output); each one is a recomputed ``tanh`` of the forward pass."""
+    with OpCounter(TANH) as c:
+        loss.backward()
+    return c.count
+
+
 def _swapped(m: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters that differ from the module's own: what functional_call is for."""
     return {k: v.detach() + 0.25 for k, v in m.named_parameters()}
@@ -95,9 +108,13 @@ TRANSFORMS: dict[str, Callable[[nn.Module, dict[str, torch.Tensor], torch.Tensor
 }
 
 
-def _eager(m: nn.Module, p: dict[str, torch.Tensor], x: torch.Tensor) -> dict[str, torch.Tensor]:
+def _eager(m: nn.Module, p: dict[str, torch.Tensor], x: torch.Tensor,
+           tanhs: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """Plain autograd's gradients; the backward pass's ``tanh`` count appended to ``tanhs`` if given."""
     leaves = {k: v.clone().requires_grad_() for k, v in p.items()}
-    _loss(m, leaves, x).backward()
+    n = _backward_tanhs(_loss(m, leaves, x))
+    if tanhs is not None:
+        tanhs.append(n)
     return {k: v.grad for k, v in leaves.items()}  # type: ignore[misc]
 
 
@@ -109,17 +126,22 @@ def test_functional_call_with_other_parameters(transform: str, policy: str, wrap
     plain, ours = _net(bn=False), _net(bn=False)
     WRAPS[wrap](ours, POLICIES[policy])
     p, x = _swapped(plain), _x()
-    run = _eager if transform == "eager" else TRANSFORMS[transform]
+    tanhs: list[int] = []
+    run = functools.partial(_eager, tanhs=tanhs) if transform == "eager" else TRANSFORMS[transform]
     want = run(plain, p, x)
     before = _tally(ours)
     got = run(ours, p, x)
     assert_tree_close(got, want, **TOL)
     calls = _tally(ours) - before
     base = _tally(plain)
-    # save-nothing and dots re-run the block in the backward pass, save-everything does not; offload
-    # re-runs it under torch.func only, replaying the offloaded outputs (NOTE [offload under torch.func])
+    # save-nothing and dots recompute the block in the backward pass, save-everything does not; offload
+    # recomputes under torch.func only, replaying the offloaded outputs (NOTE [offload under torch.func])
     rerun = policy in ("nothing", "dots") or (policy == "offload" and transform != "eager")
-    assert calls == (2 * base if rerun else base), (calls, base)
+    if transform == "eager":
+        # the replay engine runs the block's Python once and replays its ops: its two tanh ops, once each
+        assert calls == base and tanhs == [0, 2 if rerun else 0], (calls, base, tanhs)
+    else:
+        assert calls == (2 * base if rerun else base), (calls, base)
 
 
 def test_float32_bitwise_under_functional_call(clean_after: None) -> None:
@@ -294,9 +316,9 @@ def test_remat_module_keeps_class_names_and_hooks(clean_after: None) -> None:
     assert remat.remat_module(m.body, policy="save-nothing") is m.body
     assert isinstance(m.body, nn.Sequential)
     assert [n for n, _ in m.named_parameters()] == names and list(m.state_dict()) == keys
-    m(_x()).sum().backward()
-    # the recompute runs the block's forward again, but its hooks stay outside the remat'd region
-    assert _tally(m) == 2 and pre == [1] and post == [1]
+    tanhs = _backward_tanhs(m(_x()).sum())
+    # the recompute replays the block's ops (its two tanh), its Python ran once, its hooks stay outside
+    assert tanhs == 2 and _tally(m) == 1 and pre == [1] and post == [1]
 
 
 def test_remat_modules_selectors_and_undo(clean_after: None) -> None:
@@ -328,7 +350,7 @@ def test_deepcopy_uses_the_copys_parameters(wrap: str, clean_after: None) -> Non
         for t in c.parameters():
             t.add_(0.5)
     x = _x()
-    c(x).square().sum().backward()
+    tanhs = _backward_tanhs(c(x).square().sum())
     assert all(t.grad is None for t in m.parameters())  # the original module was not run
     ref = _net(bn=False)
     with torch.no_grad():
@@ -337,7 +359,7 @@ def test_deepcopy_uses_the_copys_parameters(wrap: str, clean_after: None) -> Non
     ref(x).square().sum().backward()
     for (name, a), b in zip(ref.named_parameters(), c.parameters()):
         assert torch.allclose(a.grad, b.grad, **TOL), name  # type: ignore[arg-type]
-    assert _tally(c) == 2  # the copy's forward is remat'd too
+    assert tanhs == 2 and _tally(c) == 1  # the copy's forward is remat'd too: its ops replayed, its Python once
 
 
 @pytest.mark.parametrize("wrap", list(WRAPS))
@@ -354,8 +376,9 @@ def test_torch_save_and_pickle_round_trip(wrap: str, clean_after: None) -> None:
     for other in (loaded, again):
         assert other.body.forward.policy is policies.dots_saveable
         assert other.body.forward.__remat_target__.__self__ is other.body
-        other(x).sum().backward()
-        assert _tally(other) == 2
+        # its ops replayed in the backward pass (dots_saveable keeps the convolutions, not the tanh outputs)
+        assert _backward_tanhs(other(x).sum()) == 2
+        assert _tally(other) == 1
         for (name, a), b in zip(m.named_parameters(), other.parameters()):
             assert torch.equal(a.grad, b.grad), name  # type: ignore[arg-type]
 
@@ -394,22 +417,29 @@ def test_remat_as_a_method_decorator(clean_after: None) -> None:
 _GLOBAL_TABLE: dict[str, torch.Tensor] = {}
 
 
+@pytest.mark.parametrize("engine", ["replay", "debug"])
 @pytest.mark.parametrize("kind", ["requires_grad", "large"])
-def test_replaced_global_tensor_raises_naming_it(kind: str, clean_after: None) -> None:
-    """A tensor remat cannot put back (a global) replaced between forward and backward: checked. (Small
-    ones that need no gradient are copied instead, and exact: test_buffer_updated_outside_the_call...)"""
+def test_replaced_global_tensor_is_the_forwards_or_raises_naming_it(kind: str, engine: str,
+                                                                     clean_after: None) -> None:
+    """A global tensor replaced between forward and backward: the replay engine replays the ops on the tensor
+    the forward pass read (plain autograd's gradient); debug=True (the full engine, which re-runs the Python)
+    checks what it reads, naming the tensor."""
     n = 4 if kind == "requires_grad" else 128  # 128 x 128 float64: 128 KiB, above the copy threshold
     _GLOBAL_TABLE["w"] = torch.randn(n, n, dtype=DT).requires_grad_(kind == "requires_grad")
 
-    @remat.remat
     def f(x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(torch.tanh(x @ _GLOBAL_TABLE["w"])).sum()
 
     x = torch.randn(3, n, dtype=DT, requires_grad=True)
-    out = f(x)
+    (want,) = torch.autograd.grad(f(x), x)
+    out = remat.remat(f, debug=engine == "debug")(x)
     _GLOBAL_TABLE["w"] = (_GLOBAL_TABLE["w"] + 1).detach().requires_grad_(kind == "requires_grad")
-    with pytest.raises(RematError, match=rf"read a different tensor of shape \[{n}, {n}\].*Pass it to the function"):
-        out.backward()
+    if engine == "replay":
+        (got,) = torch.autograd.grad(out, x)
+        assert torch.allclose(got, want, **TOL)
+    else:
+        with pytest.raises(RematError, match=rf"read a different tensor of shape \[{n}, {n}\].*Pass it to the function"):
+            out.backward()
 
 
 def test_dict_in_a_closure_replaced_is_put_back(clean_after: None) -> None:
@@ -435,7 +465,8 @@ def test_parameter_modified_in_place_before_backward_raises(clean_after: None) -
     loss = m(_x()).sum()
     with torch.no_grad():
         m.body[0].weight.add_(1)  # an optimizer step before the backward pass
-    with pytest.raises(RematError, match=r"shape \[4, 4, 3, 3\] \(Sequential\.0\.weight\).*modified in place"):
+    with pytest.raises(RematError, match=r"Sequential\.forward read from outside its arguments "
+                                         r"\(shape \[4, 4, 3, 3\]\).*modified in place"):
         loss.backward()
 
 
@@ -453,25 +484,45 @@ def test_constant_made_on_every_call_is_fine(clean_after: None) -> None:
     assert torch.allclose(x.grad, y.grad, **TOL)  # type: ignore[arg-type]
 
 
-def test_errors_name_the_function_briefly(clean_after: None) -> None:
-    class Flaky(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-            self.n = 0
+class _Flaky(nn.Module):
+    """Runs other ops on its second call: what a re-run of its Python in the recompute would see."""
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            self.n += 1
-            h = torch.tanh(self.lin(x))
-            return torch.tanh(h if self.n == 1 else h[:, :2]).sum()
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.n = 0
 
-    m = remat.remat_module(Flaky())
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.n += 1
+        h = torch.tanh(self.lin(x))
+        return torch.tanh(h if self.n == 1 else h[:, :2]).sum()
+
+
+def test_function_that_changes_on_its_next_call_is_exact(clean_after: None) -> None:
+    """The replay engine runs the Python once and replays the ops: plain autograd's gradients, bit for bit."""
+    plain, ours = _Flaky(), remat.remat_module(_Flaky())
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    for m in (plain, ours):
+        m(x).backward()
+    for (name, a), b in zip(plain.named_parameters(), ours.parameters()):
+        assert torch.equal(a.grad, b.grad), name  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("engine", ["replay", "debug"])
+def test_errors_name_the_function_briefly(engine: str, clean_after: None) -> None:
+    """The error of each engine: a parameter written before the backward pass (replay), a recompute that ran
+    other ops (debug=True, which re-runs the Python)."""
+    m = remat.remat_module(_Flaky(), debug=engine == "debug")
     out = m(torch.randn(2, 4))
+    if engine == "replay":
+        with torch.no_grad():
+            m.lin.weight.add_(1)
     with pytest.raises(RematError) as err:
         out.backward()
     msg = str(err.value)
-    assert "Flaky.forward" in msg and "\n" not in msg and "Linear(" not in msg
-    assert repr(m.forward) == "remat(Flaky.forward, policy='nothing_saveable')"
+    assert "_Flaky.forward" in msg and "\n" not in msg and "Linear(" not in msg
+    assert repr(m.forward) == "remat(_Flaky.forward, policy='nothing_saveable')"
 
 
 # ---- memory: it really drops what it claims ---------------------------------------------------
@@ -495,10 +546,12 @@ def test_remat_of_a_module_runs_its_hooks_once_outside(clean_after: None) -> Non
     seen = []
     ours.body.register_forward_hook(lambda mod, args, out: seen.append(out.detach().clone()))
     x = _x()
+    tanhs = []
     for m, wrap in ((plain, lambda f: f), (ours, remat.remat)):
         h = torch.tanh(m.stem(x))
-        m.head(wrap(m.body)(h).flatten(1)).square().sum().backward()
-    assert len(seen) == 1 and _tally(ours) == 2  # the hook ran once; the block's forward twice
+        tanhs.append(_backward_tanhs(m.head(wrap(m.body)(h).flatten(1)).square().sum()))
+    # the hook ran once; the block's forward once, its ops (two tanh) replayed in the backward pass
+    assert len(seen) == 1 and _tally(ours) == 1 and tanhs == [0, 2]
     assert "forward" not in vars(ours.body)  # nothing left on the module
     for (name, a), b in zip(plain.named_parameters(), ours.parameters()):
         assert torch.allclose(a.grad, b.grad, **TOL), name  # type: ignore[arg-type]
@@ -578,20 +631,33 @@ def test_constant_from_changed_python_state_is_the_forwards(clean_after: None) -
     assert torch.allclose(ours.lin.weight.grad, plain.lin.weight.grad, **TOL)  # type: ignore[arg-type]
 
 
-def test_python_number_from_changed_state_raises(clean_after: None) -> None:
+@pytest.mark.parametrize("engine", ["replay", "debug"])
+def test_python_number_from_changed_state_is_the_forwards_or_raises(engine: str, clean_after: None) -> None:
+    """A Python number computed from state the call changes: the replay engine replays the forward's value
+    (plain autograd's gradients, bit for bit); debug=True re-runs the Python, which reads another, and raises."""
+
     class Warm(nn.Module):
         def __init__(self) -> None:
             super().__init__()
+            torch.manual_seed(0)
             self.lin = nn.Linear(4, 4)
             self.steps = 0
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            self.steps += 1  # the recompute sees 2
+            self.steps += 1  # a re-run of the Python sees 2
             return torch.tanh(self.lin(x) * min(1.0, self.steps / 100)).sin()
 
-    out = remat.remat_module(Warm())(torch.randn(3, 4))
-    with pytest.raises(RematError, match=r"argument #1 is 0\.02 in the recompute but 0\.01 in the forward pass"):
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    plain, ours = Warm(), remat.remat_module(Warm(), debug=engine == "debug")
+    out = ours(x)
+    if engine == "replay":
+        plain(x).sum().backward()
         out.sum().backward()
+        for (name, a), b in zip(plain.named_parameters(), ours.parameters()):
+            assert torch.equal(a.grad, b.grad), name  # type: ignore[arg-type]
+    else:
+        with pytest.raises(RematError, match=r"argument #1 is 0\.02 in the recompute but 0\.01 in the forward pass"):
+            out.sum().backward()
 
 
 def test_buffer_written_in_forward_keeps_its_version_and_history(clean_after: None) -> None:
@@ -653,11 +719,13 @@ def test_partial_with_tensor_arguments_under_vjp(clean_after: None) -> None:
     assert_tree_close(got, want, **TOL)
 
 
+@pytest.mark.parametrize("engine", ["replay", "debug"])
 @pytest.mark.parametrize("n", [2, 20_000], ids=["small-copied", "large-checked"])
-def test_outside_tensor_replaced_during_the_call(n: int, clean_after: None) -> None:
+def test_outside_tensor_replaced_during_the_call(n: int, engine: str, clean_after: None) -> None:
     """An object (not a module: remat does not put it back) whose tensor the call reads, then replaces by a
-    same-shaped slice of its own output (a sliding-window cache): small gradient-free ones are read from a
-    copy (exact), larger ones are checked (RematError). Never the new tensor silently."""
+    same-shaped slice of its own output (a sliding-window cache): the replay engine replays the ops on the
+    tensor the forward pass read (exact); debug=True reads small gradient-free ones from a copy (exact) and
+    checks larger ones (RematError). Never the new tensor silently."""
 
     class Cache:
         def __init__(self, keys: torch.Tensor) -> None:
@@ -671,8 +739,8 @@ def test_outside_tensor_replaced_during_the_call(n: int, clean_after: None) -> N
     prefix = torch.linspace(-5, 5, n, dtype=DT)
     x = torch.randn(4, dtype=DT, requires_grad=True)
     (want,) = torch.autograd.grad(f(x, Cache(prefix.clone())), x)
-    out = remat.remat(f)(x, Cache(prefix.clone()))
-    if n == 2:
+    out = remat.remat(f, debug=engine == "debug")(x, Cache(prefix.clone()))
+    if n == 2 or engine == "replay":
         (got,) = torch.autograd.grad(out, x)
         assert torch.allclose(got, want, **TOL)
     else:
@@ -706,9 +774,9 @@ class _Chain:
 
 
 @pytest.mark.parametrize("how", ["object", "closure", "partial-of-list"])
-def test_params_in_partials_are_state_and_take_the_fast_path(how: str, clean_after: None) -> None:
+def test_params_in_partials_are_state_and_drop_what_they_claim(how: str, clean_after: None) -> None:
     """functools.partial(block, params) in a list (an object's attribute, a closure cell, a partial's argument):
-    the params are found as state, so later calls are planned (no recorder) and drop what they claim."""
+    the params are found as state, every call is exact and drops what it claims."""
     params = _params(3)
     blocks = [functools.partial(_block, p) for p in params]
     if how == "object":
@@ -726,8 +794,6 @@ def test_params_in_partials_are_state_and_take_the_fast_path(how: str, clean_aft
     g = remat.remat(fn)
     for _ in range(3):
         assert_tree_close(torch.autograd.grad(g(x).sum(), [x, *wrt]), want, **TOL)
-    plans = list(g._plans.values())
-    assert plans and all(p is not None for p in plans)  # clean: the params were found, not read from outside
     _, held = live_bytes_after(lambda: g(x).sum())
     _, plain = live_bytes_after(lambda: _Chain(blocks)(x).sum())
     assert held < plain
@@ -782,7 +848,6 @@ def test_block_replaced_before_backward_is_not_what_the_recompute_runs(how: str,
         if call:
             blocks[0] = functools.partial(_block, other)
         assert_tree_close(torch.autograd.grad(y, wrt), want, **TOL)
-    assert all(p is not None for p in g._plans.values())
 
 
 @pytest.mark.parametrize("policy", list(POLICY_NAMES))

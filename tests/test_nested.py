@@ -2,9 +2,12 @@
 
 Correctness: an inner ``remat`` (its own policy) inside an outer ``remat`` under
 every kind of transform, against plain ``f`` (float64, 1e-10). Proof that each
-level keeps its own policy: Python calls of the inner function (an inner
-save-everything is only re-run by the outer recompute, never by a recompute of
-its own; an inner save-nothing is). Memory: the RSS of a fresh subprocess
+level keeps its own policy: under torch.func transforms (the full engine), Python
+calls of the inner function (an inner save-everything is only re-run by the outer
+recompute, never by a recompute of its own; an inner save-nothing is); under plain
+autograd (the replay engine: the Python runs once, NOTE [nested replay] in
+remat/_engine/traced.py), the ATen ops the backward pass runs, seen from outside:
+the same claim, counted in replayed ops. Memory: the RSS of a fresh subprocess
 (glibc told to return freed memory, /work/shared/research/measuring-memory.md)
 between the forward and the backward pass shows that an outer save-nothing
 keeps only its inputs, whatever the inner policy.
@@ -13,6 +16,7 @@ keeps only its inputs, whatever the inner policy.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
 import json
@@ -30,7 +34,7 @@ from torch.func import grad, hessian, jacrev, vjp, vmap
 from remat import RematError, policies, remat
 from remat.bench.measure import LiveCensus
 
-from .helpers import Counted, assert_tree_close
+from .helpers import Counted, OpLog, assert_tree_close
 
 DT = torch.float64
 TOL = {"rtol": 1e-10, "atol": 1e-10}
@@ -55,22 +59,31 @@ def make_outer(inner: Callable[..., Any]) -> Callable[..., Any]:
     return outer_fn
 
 
-def _backward(g: Callable[..., Any]) -> Any:
+def _backward(g: Callable[..., Any], watch: Any) -> Any:
     W = W1.clone().requires_grad_()
     x = X.clone().requires_grad_()
-    g(W, W2, x).backward()
+    loss = g(W, W2, x)
+    with watch:
+        loss.backward()
     return W.grad, x.grad
 
 
-def _double_backward(g: Callable[..., Any]) -> Any:
+def _double_backward(g: Callable[..., Any], watch: Any) -> Any:
     x = X.clone().requires_grad_()
-    (gx,) = torch.autograd.grad(g(W1, W2, x), x, create_graph=True)
-    return gx.detach(), torch.autograd.grad(gx.pow(2).sum(), x)[0]
+    loss = g(W1, W2, x)
+    with watch:
+        (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+        return gx.detach(), torch.autograd.grad(gx.pow(2).sum(), x)[0]
 
 
-TRANSFORMS: dict[str, Callable[[Callable[..., Any]], Any]] = {
+# plain autograd, the replay engine: ``watch`` is entered around the backward passes only
+PLAIN: dict[str, Callable[[Callable[..., Any], Any], Any]] = {
     "backward": _backward,
     "double_backward": _double_backward,
+}
+
+# torch.func transforms, the full engine (it runs the Python again in each recompute)
+TRANSFORMS: dict[str, Callable[[Callable[..., Any]], Any]] = {
     "grad": lambda g: grad(g, argnums=(0, 1, 2))(W1, W2, X),
     "vjp_twice": lambda g: [fn(torch.tensor(c, dtype=DT)) for fn in [vjp(g, W1, W2, X)[1]] for c in (1.0, 2.0)],
     "vmap(grad)": lambda g: vmap(grad(g), in_dims=(None, None, 0))(W1, W2, XB),
@@ -115,12 +128,45 @@ def test_nested_under_transforms(transform: str, pair: str) -> None:
     assert outer_reruns >= 0
 
 
+@pytest.mark.parametrize("pair", list(PAIRS))
+@pytest.mark.parametrize("transform", list(PLAIN))
+def test_nested_on_plain_autograd(transform: str, pair: str) -> None:
+    """The same claims on the replay engine, counted in the ops the backward pass runs: ``exp`` (the outer
+    function's own op) runs again iff the outer call recomputes; ``tanh`` (the inner function's) runs more often
+    than under the same outer call over a plain inner function iff the inner call recomputes its own activations."""
+    run = PLAIN[transform]
+    outer_pol, inner_pol = PAIRS[pair]
+    exp, tanh = torch.ops.aten.exp.default, torch.ops.aten.tanh.default
+    plain = OpLog()
+    ref = run(make_outer(inner_fn), plain)
+    outer_only = OpLog()  # the outer call over a plain inner function: what the outer recompute runs
+    assert_tree_close(run(remat(make_outer(inner_fn), policy=outer_pol), outer_only), ref, **TOL)
+    inner = Counted(inner_fn)
+    outer = Counted(make_outer(remat(inner, policy=inner_pol)))
+    log = OpLog()
+    out = run(remat(outer, policy=outer_pol), log)
+    assert_tree_close(out, ref, **TOL)
+    assert (outer.calls, inner.calls) == (1, 2)  # no Python runs twice, at any level
+    assert plain.ops.count(exp) == plain.ops.count(tanh) == 0  # (plain autograd's backward runs neither)
+    if outer_pol is policies.everything_saveable:
+        assert log.ops.count(exp) == 0, "the outer call recomputed"
+    else:
+        assert log.ops.count(exp) > 0, "the outer call never recomputed"
+    own = log.ops.count(tanh) - outer_only.ops.count(tanh)
+    if inner_pol is policies.everything_saveable:
+        assert own == 0, f"inner save-everything recomputed its own activations ({own} more tanh)"
+    else:
+        assert own > 0, "the inner call never recomputed its own activations"
+
+
 THREE = {"n": policies.nothing_saveable, "e": policies.everything_saveable, "d": policies.dots_saveable}
 
 
 @pytest.mark.parametrize("pols", ["".join(c) for c in itertools.product("ned", repeat=3)])
 def test_three_levels_bitwise(pols: str) -> None:
-    """outer / middle / inner policies: kept tensors routed through two parents (NOTE [nested remat])."""
+    """outer / middle / inner policies: kept tensors routed through two parents (NOTE [nested replay] in
+    remat/_engine/traced.py). Each level's recompute counted in the ops the backward pass runs: ``tanh`` is the
+    inner block's (plain autograd's backward runs none)."""
     def blk(W: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return torch.tanh(torch.tanh(h @ W) @ W.T).sin()
 
@@ -131,21 +177,29 @@ def test_three_levels_bitwise(pols: str) -> None:
     W0 = torch.randn(5, 5, generator=torch.Generator().manual_seed(4)) / 3
     x0 = torch.randn(3, 5, generator=torch.Generator().manual_seed(5))
 
-    def grads(f: Callable[..., Any]) -> list[torch.Tensor]:
+    def grads(f: Callable[..., Any], log: OpLog) -> list[torch.Tensor]:
         W, x = W0.clone().requires_grad_(), x0.clone().requires_grad_()
-        f(W, x).backward()
+        loss = f(W, x)
+        with log:
+            loss.backward()
         return [W.grad, x.grad]
 
-    ref = grads(build(blk, lambda f, i: f))
-    outer_only = Counted(blk)  # the same outer levels over a plain inner: calls its recomputes make
-    grads(build(outer_only, lambda f, i: remat(f, policy=THREE[pols[i]])))
+    tanh = torch.ops.aten.tanh.default
+    plain = OpLog()
+    ref = grads(build(blk, lambda f, i: f), plain)
+    assert plain.ops.count(tanh) == 0
+    outer_only = OpLog()  # the same outer levels over a plain inner: the tanhs their recomputes run
+    grads(build(blk, lambda f, i: remat(f, policy=THREE[pols[i]])), outer_only)
     inner = Counted(blk)
-    out = grads(build(remat(inner, policy=THREE[pols[2]]), lambda f, i: remat(f, policy=THREE[pols[i]])))
+    log = OpLog()
+    out = grads(build(remat(inner, policy=THREE[pols[2]]), lambda f, i: remat(f, policy=THREE[pols[i]])), log)
     assert all(torch.equal(a, b) for a, b in zip(out, ref)), pols  # float32: bitwise
-    if pols[2] == "e":  # an inner save-everything is only re-run by the recomputes of the levels above
-        assert inner.calls == outer_only.calls, (inner.calls, outer_only.calls)
+    assert inner.calls == 4  # two mid calls of two inner calls each, each run once
+    ours, theirs = log.ops.count(tanh), outer_only.ops.count(tanh)
+    if pols[2] == "e":  # an inner save-everything is only replayed by the recomputes of the levels above
+        assert ours == theirs, (ours, theirs)
     else:
-        assert inner.calls > outer_only.calls, "the inner call never recomputed itself"
+        assert ours > theirs, "the inner call never recomputed itself"
 
 
 # ---- memory: two-level checkpointing, measured by RSS in a fresh process ----------------------

@@ -118,7 +118,7 @@ def test_a_bool_view_shares_its_storages_copy_byte_exact(f: Callable[[torch.Tens
     (want,) = torch.autograd.grad(f(x), x)
     g = remat(f, policy=policies.offload_to_cpu(min_bytes=0))
     with use_engine(OffloadEngine()):
-        for _ in range(3):  # the recorded call, then the fast path's
+        for _ in range(3):  # every call exact, not only the first
             (got,) = torch.autograd.grad(g(x), x)
             assert torch.equal(got, want)
 
@@ -207,9 +207,9 @@ def test_a_tensor_of_another_version_counter_never_shares_a_copy_made_before_a_w
         eng.fetch(held)  # (b was written after its save)
 
 
-def test_a_planned_call_that_writes_through_another_counter_is_exact() -> None:
-    """The same through remat: a planned offload call runs without a recorder to tell the engine of the write;
-    the signature's first calls do not write (so it is planned), the last one does."""
+def test_an_offload_call_that_writes_through_another_counter_is_exact() -> None:
+    """The same through remat: a write through ``y.data`` (a counter of its own) after ``y`` was offloaded whole;
+    the signature's first calls do not write, the last ones do."""
     keep, flag = [], {"on": False}
 
     def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

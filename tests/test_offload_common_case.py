@@ -1,6 +1,6 @@
 """The offload engine's common case (``offload_saved``): a whole storage, copied synchronously, first in
 its call, runs inline, with the same copies, sharing and values as the general path; what its decision does not
-move is kept; a planned call's whole tensors take it; its handle is its own copy (NOTE [solo handles]).
+move is kept; a call's whole tensors take it; its handle is its own copy (NOTE [solo handles]).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def test_offload_saved_matches_the_general_path_tensor_for_tensor(grad: bool) ->
     case through the general path: the same copies, sharing, copies back, values and strides as
     offload_below_modes, case by case (a whole tensor, a view of it, a bool, a small slice, a transpose, its storage
     again, a small slice saved before its whole storage, a write between saves), with and without grad mode (a
-    pack hook runs without it; a planned call's tap holds outputs with it)."""
+    pack hook runs without it; a caller outside a pack hook may run with it)."""
 
     class Key:
         pass
@@ -114,9 +114,9 @@ def test_offload_saved_keeps_what_the_decision_does_not_move(grouped: bool) -> N
     assert eng.stats["offloaded"] == 3
 
 
-def test_a_planned_calls_whole_tensors_take_offload_saveds_common_case() -> None:
-    """The forward pass's hot path: on a planned call (the signature's second), every offloaded tensor that is all of
-    its storage goes through offload_saved's own copy, not the general path, but the call's first (its group is
+def test_a_calls_whole_tensors_take_offload_saveds_common_case() -> None:
+    """The forward pass's hot path: on every call (the replay engine's pack hook), every offloaded tensor that is all
+    of its storage goes through offload_saved's own copy, not the general path, but the call's first (its group is
     looked up then); gradients equal plain autograd's."""
 
     class Spy(OffloadEngine):
@@ -140,8 +140,7 @@ def test_a_planned_calls_whole_tensors_take_offload_saveds_common_case() -> None
             (got,) = torch.autograd.grad(g(x), (x,))
             assert torch.equal(got, want)
             assert eng.stats["copies"] - copies == 4  # the three exps' and tanh's outputs (sin saves x, held)
-            if call > 0:
-                assert Spy.general == 1, (call, Spy.general)
+            assert Spy.general <= 1, (call, Spy.general)
 
 
 def test_a_solo_handle_is_its_own_copy_shared_by_later_views_and_freed_with_them() -> None:

@@ -9,6 +9,7 @@ import gc
 import pathlib
 import re
 import weakref
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -20,13 +21,24 @@ from remat.bench.models import make_model
 from remat.offload import OffloadEngine, use_engine
 from remat.policies import Offloadable, Recompute, Saveable
 
-from .helpers import MATMUL_OPS, Counted, OpCounter, assert_tree_close, leaves, requires_grad_tree
+from .helpers import MATMUL_OPS, Counted, OpCounter, OpLog, assert_tree_close, leaves, requires_grad_tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 aten = torch.ops.aten
 NO_BATCH_DOTS = {aten.mm.default, aten.addmm.default}
+# what a backward pass runs besides plain autograd's ops without recomputing anything: autograd's own unpacking
+# (detach) and the offload engine's copies back from the host (a host buffer, the copy, set_ onto it)
+NOT_A_RECOMPUTE = {aten.detach.default, aten._to_copy.default, aten.copy_.default, aten.empty.memory_format,
+                   aten.set_.source_Storage_storage_offset}
+
+
+def recomputed_ops(log: OpLog, plain: OpLog) -> Counter[Any]:
+    """The ops a backward pass ran beyond plain autograd's backward of the same model, copies left out: what a
+    recompute ran."""
+    extra = Counter(log.ops) - Counter(plain.ops)
+    return Counter({op: n for op, n in extra.items() if op not in NOT_A_RECOMPUTE})
 
 
 def mixed_policy(op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -106,10 +118,14 @@ def test_offload_frees_the_saved_tensor_and_recomputes_nothing(policy: str) -> N
         loss = g(W, x)
         gc.collect()
         alive = refs[0]() is not None
-        grads = torch.autograd.grad(loss, (W, x))
-    ref_grads = torch.autograd.grad(_probe([])(W, x), (W, x))
+        with OpLog() as log:
+            grads = torch.autograd.grad(loss, (W, x))
+    loss0 = _probe([])(W, x)
+    with OpLog() as log0:
+        ref_grads = torch.autograd.grad(loss0, (W, x))
     assert_tree_close(grads, ref_grads)
-    assert f.calls == 1  # nothing recomputed
+    assert f.calls == 1  # the Python ran once
+    assert not recomputed_ops(log, log0)  # nothing recomputed: the backward pass ran plain autograd's ops
     if policy == "offload":
         assert not alive, "the offloaded tensor is still alive after the forward pass"
         assert (eng.stats["offloaded"], eng.stats["shared"], eng.stats["copies"]) == (3, 2, 1)
@@ -161,13 +177,14 @@ def test_names_policy_saves_offloads_and_recomputes_in_one_function() -> None:
         loss = remat(fc, policy=pol)(W, x)
         gc.collect()
         assert refs[0]() is None
-        with OpCounter() as oc:
+        with OpLog() as log, OpCounter() as oc:
             grads = torch.autograd.grad(loss, (W, x))
     loss0 = f(W, x)
-    with OpCounter() as oc0:
+    with OpLog() as log0, OpCounter() as oc0:
         ref_grads = torch.autograd.grad(loss0, (W, x))
     assert_tree_close(grads, ref_grads)
-    assert fc.calls == 2  # the rest was recomputed...
+    assert fc.calls == 1  # the Python ran once: the backward pass replays the recorded ops
+    assert recomputed_ops(log, log0)[aten.tanh.default] == 1  # the rest was recomputed (a, from the saved h)...
     assert oc.count == oc0.count  # ...but no matmul: h was saved, o came back from the host
     assert eng.stats["offloaded_bytes"] == 16 * 48 * 8 and eng.stats["fetched"] >= 1
 
@@ -193,15 +210,16 @@ def test_each_offload_policy_on_each_model_is_exact_and_runs_no_product_again(pn
     with use_engine(eng):
         loss = apply(params, x, lambda f: remat(blk, policy=OFFLOAD_POLICIES[pname]))
         fwd_calls = blk.calls
-        with OpCounter(ops) as oc:
+        with OpLog() as log, OpCounter(ops) as oc:
             grads = torch.autograd.grad(loss, leaves(params))
     loss0 = apply(params, x)
-    with OpCounter(ops) as oc0:
+    with OpLog() as log0, OpCounter(ops) as oc0:
         ref = torch.autograd.grad(loss0, leaves(params))
     assert_tree_close(grads, ref)
-    recomputed = blk.calls - fwd_calls
+    assert fwd_calls > 0 and blk.calls == fwd_calls  # the Python ran once per block: a recompute replays ops
     # the MLP block (addmm, gelu) saves only the product and its inputs: nothing left to recompute
-    assert recomputed == (0 if pname == "offload_to_cpu" or (model == "mlp" and pname != "names") else fwd_calls)
+    recomputes = not (pname == "offload_to_cpu" or (model == "mlp" and pname != "names"))
+    assert bool(recomputed_ops(log, log0)) == recomputes, recomputed_ops(log, log0)
     assert oc.count == oc0.count  # no product recomputed (offloaded, or saved)
     if pname == "offload_dot_with_no_batch_dims" and model == "cnn":
         assert eng.stats["offloaded"] == 0  # JAX's meaning: convolutions are not dots

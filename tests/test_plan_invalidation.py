@@ -1,14 +1,14 @@
-"""When a call cannot follow its signature's plan (NOTE [fast path] and NOTE [planned calls] in
-``remat/_engine/plans.py``): another signature records again; calls that are never planned keep the full engine and
-its checks; a call that leaves its plan is exact, and its signature runs on the full engine from then on; a
-recompute that diverges from its forward pass raises ``RematError``.
-
-Whether a call ran fast is observed from inside the function, independently of remat's bookkeeping (``Probe``:
-the full engine's recorder is a ``TorchDispatchMode`` of ``remat._dispatch`` on the stack, the fast path's are of
-``remat._engine``). Gradients are compared with the plain function under the same inputs.
+"""Calls whose signature or Python state changes: another signature, a module's training flag, BatchNorm's
+statistics, nested calls, outside tensors, several outputs, Python numbers and flags that change between calls or
+between the forward and the backward pass. On plain autograd (the replay engine) every call gives plain autograd's
+gradients, runs the function's Python once and recomputes what its policy drops (counted from outside with
+``OpCounter`` around the backward pass, against plain autograd's); under ``torch.func`` and with ``debug=True`` the
+old engine re-runs the Python and raises ``RematError`` where the recompute diverges.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -16,25 +16,26 @@ from torch import nn
 
 from remat import RematError, policies, remat, remat_module
 
-from .helpers import Probe, assert_tree_close, chain, f32, f64, grads, leaf
+from .helpers import OpCounter, Probe, assert_tree_close, chain, f32, f64, grads, leaf
 
-# ---- another signature records again -------------------------------------------------------------------------------
+TANH = {torch.ops.aten.tanh.default}
+
+# ---- another signature: exact, recomputed, the Python run once ----------------------------------------------------
 
 
 @pytest.mark.parametrize("change", ["shape", "dtype", "requires_grad", "training", "autocast", "module state shape"])
-def test_signature_change_records_again(change):
-    probe = Probe()
+def test_signature_change_is_exact(change):
+    calls = [0]
     lin = nn.Linear(8, 8).double()
 
     def f(x):
-        probe()
+        calls[0] += 1
         return torch.tanh(lin(x))
 
     g = remat(f)
     x = leaf(4, 8)
     g(x).sum().backward()
     g(x).sum().backward()
-    assert len(g._plans) == 1 and probe.fast_calls()[-2:] == [True, True]
     if change == "shape":
         x = leaf(5, 8)
     elif change == "dtype":
@@ -46,67 +47,71 @@ def test_signature_change_records_again(change):
     elif change == "module state shape":
         lin.weight = nn.Parameter(torch.randn(8, 8, dtype=f64, requires_grad=True)[:, :8].contiguous())
         lin.bias = nn.Parameter(torch.randn(1, 8, dtype=f64))
-    probe.modes.clear()
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if change == "autocast" else torch.enable_grad()
+    calls[0] = 0
     with ctx:
         out = g(x)
         ref_out = f(x)
-    ref = torch.autograd.grad(ref_out.float().sum(), [p for p in (x, *lin.parameters()) if p.requires_grad])
-    got = torch.autograd.grad(out.float().sum(), [p for p in (x, *lin.parameters()) if p.requires_grad])
+    assert calls[0] == 2  # g's call and f's: the Python ran once each
+    wrt = [p for p in (x, *lin.parameters()) if p.requires_grad]
+    with OpCounter(TANH) as plain:
+        ref = torch.autograd.grad(ref_out.float().sum(), wrt)
+    with OpCounter(TANH) as c:
+        got = torch.autograd.grad(out.float().sum(), wrt)
     assert_tree_close(got, ref)
-    assert len(g._plans) == 2  # a new signature, recorded by the full engine
-    assert probe.modes[0] is True  # g's call ran under the recorder
+    assert (plain.count, c.count) == (0, 1)  # save-nothing: tanh's output made again by the recompute
+    assert calls[0] == 2  # (and no Python in the backward pass)
 
 
-# ---- calls that are never planned keep the full engine and its checks ----------------------------------------------
+# ---- module state, nested calls, outside tensors -------------------------------------------------------------------
 
 
-def test_training_batchnorm_never_takes_the_fast_path():
-    """BatchNorm in training mode writes its running statistics: the full engine writes them once."""
-    probe = Probe()
+def test_training_batchnorm_writes_its_statistics_once():
+    """BatchNorm in training mode writes its running statistics: once per call, as plain autograd's forward pass
+    does, never again in a recompute; the gradients and statistics are plain autograd's, then in eval mode too."""
     bn = nn.BatchNorm1d(8).double()
+    ref_bn = copy.deepcopy(bn)
 
     def f(x):
-        probe()
         return torch.tanh(bn(x))
 
     g = remat(f)
     x = leaf(16, 8)
-    for _ in range(3):
-        g(x).sum().backward()
-    assert list(g._plans.values()) == [None]
-    assert not any(probe.fast_calls())
-    assert bn.num_batches_tracked.item() == 3  # once per call, never again in a recompute
-    bn.eval()
-    probe.modes.clear()
     for _ in range(2):
-        g(x).sum().backward()
-    assert probe.fast_calls() == [False, False, True, True]  # eval: another signature, clean
+        for _ in range(3):
+            wrt = (x, *bn.parameters())
+            got = grads(g, (x,), wrt)
+            want = grads(lambda x: torch.tanh(ref_bn(x)), (x,), (x, *ref_bn.parameters()))
+            assert_tree_close(got, want)
+            assert_tree_close(list(bn.buffers()), list(ref_bn.buffers()))
+        assert bn.num_batches_tracked.item() == 3  # once per call, never again in a recompute
+        bn.eval()
+        ref_bn.eval()
 
 
-_GLOBAL = torch.randn(4, 4, dtype=f64)  # a global: the state walk does not reach it, the recorder watches it
+_GLOBAL = torch.randn(4, 4, dtype=f64)  # a global: the state walk does not reach it, the trace holds it
 
 
-def test_nested_and_outside_tensors_keep_the_full_engine():
-    probe = Probe()
+def test_nested_and_outside_tensors_are_exact():
+    calls = [0]
     inner = remat(lambda h: torch.sin(h) * 2, policy=policies.dots_saveable)
 
     def nested(W, x):
-        probe()
+        calls[0] += 1
         return inner(torch.tanh(x @ W)).sum()
 
     def reads_global(W, x):
-        probe()
+        calls[0] += 1
         return (torch.tanh(x @ W) @ _GLOBAL).sum()
 
     W, x = leaf(4, 4), leaf(3, 4, seed=1)
     for f in (nested, reads_global):
         g = remat(f)
-        probe.modes.clear()
         for _ in range(2):
-            assert_tree_close(torch.autograd.grad(g(W, x), (W, x)), torch.autograd.grad(f(W, x), (W, x)))
-        assert list(g._plans.values()) == [None], f.__name__
-        assert not any(probe.modes[i] is False for i in (0, 1, 3, 4)), f.__name__
+            want = torch.autograd.grad(f(W, x), (W, x))
+            calls[0] = 0
+            assert_tree_close(torch.autograd.grad(g(W, x), (W, x)), want)
+            assert calls[0] == 1, f.__name__  # the Python ran once: the recompute replayed its ops
 
 
 def test_under_torch_func_no_fast_path():
@@ -120,24 +125,38 @@ def test_under_torch_func_no_fast_path():
     assert not g._plans
 
 
-def test_several_outputs_keep_the_full_engine_and_its_checks():
-    """Only the full engine skips what feeds outputs a backward pass does not differentiate (NOTE [unused
-    outputs]): a call with several differentiable outputs is never planned. Its checks hold on every call."""
+@pytest.mark.parametrize("debug", [False, True], ids=["replay", "debug"])
+def test_a_held_output_returned_and_written_raises(debug):
+    """Several outputs: the matmul's output is returned and held for the recompute (tanh saves its output, dropped
+    by save-matmuls). Written in place by the caller (no_grad), it cannot make tanh's output again; plain autograd
+    is unaffected (tanh saved its output). The full engine (debug) raises, on every call; the replay sees the held
+    value's version move and makes it again from the inputs: plain autograd's gradient."""
 
     def f(W, x):
         a = x @ W
         return a, torch.tanh(a)  # tanh saves its output: dropped, recomputed from the held matmul output
 
+    def both(W, x):
+        a, b = f(W, x)
+        return a.sum() + b.sum()
+
     W, x = leaf(4, 4), leaf(2, 4, seed=1)
-    g = remat(f, policy=policies.dots_saveable)
+    g = remat(f, policy=policies.dots_saveable, debug=debug)
     a, b = g(W, x)
-    (a.sum() + b.sum()).backward()
-    assert list(g._plans.values()) == [None]
-    a, b = g(W, x)
+    assert_tree_close(torch.autograd.grad(a.sum() + b.sum(), (W, x)), grads(both, (W, x), (W, x)))
+    a0, b0 = f(W, x)
     with torch.no_grad():
-        a.mul_(2)  # the matmul's output, which the call holds for its recompute
-    with pytest.raises(RematError, match="modified in place"):
-        (b.sum()).backward()
+        a0.mul_(2)
+    want = torch.autograd.grad(b0.sum(), (W, x))
+    for _ in range(2):
+        a, b = g(W, x)
+        with torch.no_grad():
+            a.mul_(2)  # the matmul's output, which the call holds for its recompute
+        if debug:
+            with pytest.raises(RematError, match="modified in place"):
+                (b.sum()).backward()
+        else:
+            assert_tree_close(torch.autograd.grad(b.sum(), (W, x)), want)
 
 
 def test_debug_runs_every_call_on_the_full_engine():
@@ -153,32 +172,40 @@ def test_debug_runs_every_call_on_the_full_engine():
         remat(f, debug="yes")
 
 
-def test_numbers_that_change_before_the_recompute_keep_the_full_engine():
-    """The full engine checks each op's Python numbers in the recompute; a signature whose recorded call fails
-    that check is never planned, so every call keeps raising rather than a later one going silently wrong."""
+class Ramp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.step = 0
 
-    class Ramp(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-            self.step = 0
+    def forward(self, x):
+        self.step += 1  # a recompute that ran the Python again would see the next step's scale
+        return torch.tanh(self.lin(x) * min(1.0, self.step / 10))
 
-        def forward(self, x):
-            self.step += 1  # the recompute would see the next step's scale
-            return torch.tanh(self.lin(x) * min(1.0, self.step / 10))
 
-    m = remat_module(Ramp().double())
+@pytest.mark.parametrize("debug", [False, True], ids=["replay", "debug"])
+def test_numbers_that_change_before_the_recompute(debug):
+    """A Python number the module changes on every call: the replay reads the forward pass's number, so every call
+    gives plain autograd's gradients; the old engine (debug) re-runs the Python, sees another number and raises
+    rather than go silently wrong."""
+    torch.manual_seed(0)
+    plain = Ramp().double()
+    m = remat_module(copy.deepcopy(plain), debug=debug)
     x = leaf(3, 4)
     for _ in range(3):
-        with pytest.raises(RematError, match="read other values than in the forward pass: argument #1 is"):
-            m(x).sum().backward()
-    assert list(m.forward._plans.values()) == [None]
+        if debug:
+            with pytest.raises(RematError, match="read other values than in the forward pass: argument #1 is"):
+                m(x).sum().backward()
+            continue
+        got = grads(m, (x,), (x, *m.parameters()))
+        assert_tree_close(got, grads(plain, (x,), (x, *plain.parameters())))
+    assert m.step == (6 if debug else 3)  # the old engine runs the Python again in its recompute; the replay never
 
 
-# ---- a call that leaves its plan is exact, then the full engine runs -----------------------------------------------
+def test_a_state_write_on_a_later_call_happens_once_and_is_exact():
+    """A buffer written in place on a later call only (Python state): written once, by the forward pass, never
+    again by the recompute; the gradient is plain autograd's."""
 
-
-def test_data_dependent_state_write_raises_then_the_full_engine_runs():
     class Counter(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -196,24 +223,21 @@ def test_data_dependent_state_write_raises_then_the_full_engine_runs():
     g(x).sum().backward()
     g(x).sum().backward()
     m.count = True
-    with pytest.raises(RematError, match=r"wrote Counter.n in place in this call.*first call"):
-        g(x)
-    assert list(g._inner._plans.values()) == [None]  # the full engine from now on, exactly
-    n0 = m.n.item()
-    out = g(x)
-    assert m.n.item() == n0 + 1
-    (gx,) = torch.autograd.grad(out.sum(), (x,))
-    assert m.n.item() == n0 + 1  # the recompute did not write it again
-    assert_tree_close(gx, 2 * torch.cos(x))
+    for call in range(1, 3):
+        out = g(x)
+        assert m.n.item() == call
+        (gx,) = torch.autograd.grad(out.sum(), (x,))
+        assert m.n.item() == call  # the recompute did not write it again
+        assert_tree_close(gx, 2 * torch.cos(x))
 
 
-def test_planned_call_leaving_the_plan_is_exact_then_the_full_engine_runs():
+def test_a_later_call_that_runs_other_ops_is_exact():
     extra = {"on": False}
 
     def f(W, x):
         h = torch.sin(x @ W)
         if extra["on"]:
-            h = torch.exp(h) * 0.1  # ops the plan does not have
+            h = torch.exp(h) * 0.1  # ops the first call did not run
         return torch.tanh(h @ W)
 
     W, x = leaf(6, 6), leaf(3, 6, seed=1)
@@ -221,47 +245,60 @@ def test_planned_call_leaving_the_plan_is_exact_then_the_full_engine_runs():
     g(W, x).sum().backward()
     extra["on"] = True
     ref = grads(f, (W, x), (W, x))
-    assert_tree_close(grads(g, (W, x), (W, x)), ref)  # left the plan at exp: every later save held
-    assert list(g._plans.values()) == [None]  # the full engine from now on
-    assert_tree_close(grads(g, (W, x), (W, x)), ref)
+    for _ in range(2):
+        assert_tree_close(grads(g, (W, x), (W, x)), ref)
+    extra["on"] = False
+    assert_tree_close(grads(g, (W, x), (W, x)), grads(f, (W, x), (W, x)))
 
 
-# ---- a recompute that diverges from its forward pass raises --------------------------------------------------------
+# ---- Python state changed between the forward and the backward pass ------------------------------------------------
 
 
-def test_flag_flipped_between_forward_and_backward_is_caught():
-    """An impure function: what the recompute saves is made by another op; never a wrong gradient."""
+def _between_the_passes(f, g, args, change, debug, match):
+    """The gradients of a call whose Python state ``change`` flips between its forward and backward pass: plain
+    autograd's (computed with the same flip), or, on the old engine (debug), a ``RematError`` matching ``match``."""
+    plain_out, out = f(*args), g(*args)
+    change()
+    ref = torch.autograd.grad(plain_out.sum(), args)
+    if debug:
+        with pytest.raises(RematError, match=match):
+            out.sum().backward()
+    else:
+        assert_tree_close(torch.autograd.grad(out.sum(), args), ref)
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["replay", "debug"])
+def test_flag_flipped_between_forward_and_backward(debug):
+    """An impure function: the Python would run another op in a recompute; the replay runs the forward pass's."""
     flag = {"cos": False}
 
     def f(W, x):
         h = torch.cos(x) if flag["cos"] else torch.sin(x)
         return h @ W
 
-    g = remat(f)
+    g = remat(f, debug=debug)
     W, x = leaf(4, 4), leaf(2, 4, seed=1)
     g(W, x).sum().backward()
-    out = g(W, x)
-    flag["cos"] = True
-    with pytest.raises(RematError, match="op #0 was aten.sin.default in the forward pass but aten.cos.default now"):
-        out.sum().backward()
+    _between_the_passes(f, g, (W, x), lambda: flag.update(cos=True), debug,
+                        "op #0 was aten.sin.default -> .* in the forward pass but aten.cos.default now")
 
 
-def test_recompute_shape_divergence_is_caught():
+@pytest.mark.parametrize("debug", [False, True], ids=["replay", "debug"])
+def test_a_shape_changed_between_forward_and_backward(debug):
     n = [4]
 
     def f(W, x):
         return torch.sin(x[:, : n[0]]) @ W[: n[0]]
 
-    g = remat(f)
+    g = remat(f, debug=debug)
     W, x = leaf(4, 4), leaf(2, 4, seed=1)
     g(W, x).sum().backward()
-    out = g(W, x)
-    n[0] = 3
-    with pytest.raises(RematError, match="diverged from its forward pass: op #0 was aten.alias.default"):
-        out.sum().backward()
+    _between_the_passes(f, g, (W, x), lambda: n.__setitem__(0, 3), debug,
+                        "diverged from its forward pass: op #0 was aten.alias.default")
 
 
-def test_planned_recompute_that_runs_other_ops_raises():
+@pytest.mark.parametrize("debug", [False, True], ids=["replay", "debug"])
+def test_a_recompute_that_would_run_other_ops(debug):
     flag = {"cos": False}
 
     def f(W, x):
@@ -269,9 +306,7 @@ def test_planned_recompute_that_runs_other_ops_raises():
         return torch.tanh(h @ W)
 
     W, x = leaf(6, 6), leaf(3, 6, seed=1)
-    g = remat(f, policy=policies.dots_saveable)
+    g = remat(f, policy=policies.dots_saveable, debug=debug)
     g(W, x).sum().backward()
-    out = g(W, x)
-    flag["cos"] = True
-    with pytest.raises(RematError, match="diverged from its forward pass: op #1 was aten.sin.default"):
-        out.sum().backward()
+    _between_the_passes(f, g, (W, x), lambda: flag.update(cos=True), debug,
+                        "diverged from its forward pass: op #1 was aten.sin.default")

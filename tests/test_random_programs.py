@@ -4,9 +4,9 @@ A program is a seeded list of steps over a pool of float64 ``(4, 6)`` intermedia
 menu of matmuls, elementwise ops, reductions, views, cat/stack, layer_norm, random ops, in-place
 ops on intermediates and ``checkpoint_name`` tags; it returns a tensor, a tuple or a dict (sometimes
 including an intermediate). For every policy, values and gradients must match plain ``f`` run with
-the same RNG seed, on the signature's first call (the full engine) and on a later one (the plan it left:
-NOTE [fast path], NOTE [value recompute]); subsets also run under ``torch.func.grad``, ``vmap(grad)``, double
-backward and nested remat. Plain ``f`` raising (e.g. autograd's version-counter check) skips the program.
+the same RNG seed, on a function's first call and on a later one ("planned": under plain autograd both run on
+the replay engine, remat/_engine/traced.py); subsets also run under ``torch.func.grad``, ``vmap(grad)`` (the full
+engine), double backward and nested remat. Plain ``f`` raising (e.g. autograd's version-counter check) skips the program.
 """
 
 from __future__ import annotations
@@ -333,7 +333,7 @@ def run_mode(mode: str, prog: dict[str, Any], policy: Any) -> tuple[Any, Any]:
     plain = make_fn(prog)
     if mode == "plain":
         return eager(remat(plain, policy=policy), seed), eager(plain, seed)
-    if mode == "planned":  # a later call of the signature: the fast path replays its first call's plan
+    if mode == "planned":  # a later call of the same function and signature
         fn = remat(plain, policy=policy)
         eager(fn, seed)
         return eager(fn, seed), eager(plain, seed)

@@ -1,13 +1,17 @@
 """When and how often the recompute runs, what it holds and for how long; nesting; randomness.
 
-Everything here is observed from outside the library: Python call counts of the
-wrapped function, tensor hooks firing in the backward pass, matmul ATen ops counted
-by a dispatch mode around the backward pass, and weak references to storages.
+Everything here is observed from outside the library: the ATen ops a dispatch mode around the backward pass sees
+(against plain autograd's backward pass on the same function: more ops mean a recompute ran), tensor hooks firing
+in the backward pass, weak references to storages, and Python call counts of the wrapped function. Under plain
+autograd the replay engine runs each call (remat/_engine/traced.py): its recompute replays the ATen ops the forward
+pass recorded, so the Python runs once per call; on the full engine (``debug=True``) it runs again.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections import Counter
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -17,7 +21,24 @@ import torch.nn.functional as F
 
 from remat import checkpoint_name, policies, remat
 
-from .helpers import Counted, OpCounter, assert_tree_close, leaf
+from .helpers import Counted, OpCounter, OpLog, assert_tree_close, census, leaf
+
+aten = torch.ops.aten
+TANH = aten.tanh.default  # in the forward pass only: plain autograd's backward runs tanh_backward
+
+
+def ops_of(run: Callable[[], Any]) -> Counter[Any]:
+    """The ATen ops ``run()`` runs, seen from outside remat (``aten.detach``, autograd's unpacking, left out)."""
+    with OpLog() as log:
+        run()
+    return Counter(op for op in log.ops if op is not aten.detach.default)
+
+
+def replayed(fn: Callable[..., Any], plain: Callable[..., Any], args: tuple[Any, ...], wrt: Any) -> Counter[Any]:
+    """The ops the backward pass of ``fn(*args).sum()`` runs beyond plain autograd's backward pass of ``plain``:
+    what its recompute ran."""
+    out, out0 = fn(*args).sum(), plain(*args).sum()
+    return ops_of(lambda: torch.autograd.grad(out, wrt)) - ops_of(lambda: torch.autograd.grad(out0, wrt))
 
 
 def mlp2(W1, W2, x):
@@ -37,26 +58,31 @@ def mlp2(W1, W2, x):
 def test_recompute_runs_once_per_backward(policy, recomputes):
     W1, W2, x = leaf(6, 6), leaf(6, 6, seed=1), leaf(4, 6, seed=2)
     f = Counted(mlp2)
-    out = remat(f, policy=policy)(W1, W2, x)
-    assert f.calls == 1
-    torch.autograd.grad(out.sum(), (W1, W2, x))
-    # many dropped tensors (tanh, sin, mul, exp outputs), one recompute
-    assert f.calls == 1 + recomputes
+    forward = ops_of(lambda: mlp2(W1, W2, x))
+    extra = replayed(remat(f, policy=policy), mlp2, (W1, W2, x), (W1, W2, x))
+    assert f.calls == 1  # the recompute replays the recorded ops: the Python ran once
+    # many dropped tensors (tanh, sin, mul, exp outputs), one recompute: no forward op runs twice
+    assert extra[TANH] == recomputes, extra
+    assert not extra - forward, extra
 
 
 def test_recompute_is_lazy():
     """Nothing is recomputed in the forward pass, nor before the backward pass reaches the call."""
     W1, W2, x = leaf(6, 6), leaf(6, 6, seed=1), leaf(4, 6, seed=2)
     f = Counted(mlp2)
-    out = remat(f)(W1, W2, x)
+    with OpLog() as forward:
+        out = remat(f)(W1, W2, x)
+    assert forward.ops.count(TANH) == 1  # the forward pass ran the function's one tanh, no recompute
+    log = OpLog()  # the backward pass's ops: each recompute runs the tanh again
     seen = []
-    out.register_hook(lambda g: seen.append(("output grad", f.calls)))
+    out.register_hook(lambda g: seen.append(("output grad", log.ops.count(TANH))))
     # work after the remat'd call: its backward runs before the call's own backward
     loss = (out.cos() * 3).sum()
+    x.register_hook(lambda g: seen.append(("input grad", log.ops.count(TANH))))
+    with log:
+        loss.backward()
+    assert seen == [("output grad", 0), ("input grad", 1)]
     assert f.calls == 1
-    x.register_hook(lambda g: seen.append(("input grad", f.calls)))
-    loss.backward()
-    assert seen == [("output grad", 1), ("input grad", 2)]
 
 
 def test_recompute_starts_only_when_that_call_is_reached():
@@ -65,11 +91,14 @@ def test_recompute_starts_only_when_that_call_is_reached():
     a, b = Counted(mlp2), Counted(mlp2)
     h = remat(a)(W1, W2, x)
     out = remat(b)(W1, W2, h)
+    log = OpLog()  # each call's recompute runs its tanh once
     seen = []
-    h.register_hook(lambda g: seen.append((a.calls, b.calls)))
-    out.sum().backward()
-    assert seen == [(1, 2)]  # when b's backward is done, a has not been recomputed yet
-    assert (a.calls, b.calls) == (2, 2)
+    h.register_hook(lambda g: seen.append(log.ops.count(TANH)))
+    with log:
+        out.sum().backward()
+    assert seen == [1]  # when b's backward is done (b recomputed, to get there), a has not been recomputed yet
+    assert log.ops.count(TANH) == 2
+    assert (a.calls, b.calls) == (1, 1)
 
 
 def test_a_call_whose_gradient_is_not_needed_is_not_recomputed():
@@ -77,8 +106,9 @@ def test_a_call_whose_gradient_is_not_needed_is_not_recomputed():
     a, b = Counted(mlp2), Counted(mlp2)
     u = remat(a)(W1, W2, x)
     v = remat(b)(W1.detach() * 2, W2.detach(), x.detach())  # nothing here requires grad
-    torch.autograd.grad((u + v).sum(), x)
-    assert (a.calls, b.calls) == (2, 1)
+    ops = ops_of(lambda: torch.autograd.grad((u + v).sum(), x))
+    assert ops[TANH] == 1  # a's recompute only (plain autograd's backward runs no tanh)
+    assert (a.calls, b.calls) == (1, 1)
 
 
 def test_dots_saveable_recomputes_no_matmul():
@@ -124,24 +154,32 @@ def alive(refs):
     return [r() is not None for r in refs]
 
 
+def recomputed(c: Any, names: tuple[str, ...]) -> list[weakref.ref[Any]]:
+    """The storages of the ops named ``names`` that the census saw made (in the backward pass: by a recompute)."""
+    return [ref for name, ref in c.records if name in names]
+
+
 def test_forward_intermediates_are_freed_and_recomputed_copies_freed_after_the_call_backward():
-    made = []  # weak references to the storages of the intermediates, forward and recompute
+    made = []  # weak references to the storages of the intermediates the forward pass made
+    names = ("tanh.default", "exp.default")  # (plain autograd's backward of these three runs neither)
 
     def f(x):
-        a = x.sin()
+        a = x.tanh()
         b = a.exp()
         made.append(storages([a, b]))
-        return b.cos()
+        return b.sigmoid()
 
     x = leaf(50)
     out = remat(f)(x)
     assert [alive(r) for r in made] == [[False, False]]  # dropped: nothing holds them until the backward
     seen = []
-    out.register_hook(lambda g: seen.append(("call's backward starts", len(made))))
-    x.register_hook(lambda g: seen.append(("call's backward done", [alive(r) for r in made])))
-    out.sum().backward()
+    with census() as c:  # the storages the recompute makes, seen from outside
+        out.register_hook(lambda g: seen.append(("call's backward starts", alive(recomputed(c, names)))))
+        x.register_hook(lambda g: seen.append(("call's backward done", alive(recomputed(c, names)))))
+        out.sum().backward()
     # not recomputed before the call's backward; its copies are gone as soon as that backward is done
-    assert seen == [("call's backward starts", 1), ("call's backward done", [[False, False], [False, False]])]
+    assert seen == [("call's backward starts", []), ("call's backward done", [False, False])]
+    assert len(made) == 1  # the Python ran once
 
 
 def test_recomputed_copies_are_freed_before_the_backward_pass_ends():
@@ -150,7 +188,7 @@ def test_recomputed_copies_are_freed_before_the_backward_pass_ends():
 
     def make(i):
         def f(x):
-            a = x.sin()
+            a = x.sin()  # (plain autograd's backward of sin and exp runs cos and mul, no sin)
             made[i].append(weakref.ref(a.untyped_storage()))
             return a.exp()
         return f
@@ -160,24 +198,27 @@ def test_recomputed_copies_are_freed_before_the_backward_pass_ends():
     out = remat(make(1))(h)
     assert [alive(r) for r in made] == [[False], [False]]
     observed = []
-    h.register_hook(lambda g: observed.append([alive(r) for r in made]))
-    out.sum().backward()
+    with census() as c:  # the sin outputs each recompute makes, seen from outside
+        h.register_hook(lambda g: observed.append(alive(recomputed(c, ("sin.default",)))))
+        out.sum().backward()
     # when call 2's backward is done (h's gradient is ready): call 2 recomputed and freed its copy,
     # call 1 has not recomputed yet
-    assert observed == [[[False], [False, False]]]
-    assert [alive(r) for r in made] == [[False, False], [False, False]]
+    assert observed == [[False]]
+    assert alive(recomputed(c, ("sin.default",))) == [False, False]
+    assert [alive(r) for r in made] == [[False], [False]]  # the Python ran once per call
 
 
 def test_retain_graph_and_two_backward_passes():
     W1, W2, x = leaf(6, 6), leaf(6, 6, seed=1), leaf(4, 6, seed=2)
     f = Counted(mlp2)
     out = remat(f)(W1, W2, x).sum()
-    g1 = torch.autograd.grad(out, (W1, W2, x), retain_graph=True)
-    assert f.calls == 2
-    g2 = torch.autograd.grad(out, (W1, W2, x), retain_graph=True)
-    assert f.calls == 3  # each backward pass recomputes once
-    out.backward()
-    assert f.calls == 4
+    res: list[Any] = []
+    tanhs = [ops_of(lambda: res.append(torch.autograd.grad(out, (W1, W2, x), retain_graph=True)))[TANH]
+             for _ in range(2)]
+    tanhs.append(ops_of(out.backward)[TANH])
+    assert tanhs == [1, 1, 1]  # each backward pass recomputes once
+    assert f.calls == 1
+    g1, g2 = res
     want = torch.autograd.grad(mlp2(W1, W2, x).sum(), (W1, W2, x))
     assert_tree_close(g1, want)
     assert_tree_close(g2, want)
@@ -209,26 +250,35 @@ def test_two_backward_passes_through_different_outputs():
 @pytest.mark.parametrize("inner_policy", [None, policies.dots_saveable, policies.everything_saveable])
 @pytest.mark.parametrize("outer_policy", [None, policies.dots_saveable, policies.everything_saveable])
 def test_nested_remat(inner_policy, outer_policy):
+    """NOTE [nested replay] in remat/_engine/traced.py: the inner call is a frame whose parent is the outer one."""
     W1, W2, x = leaf(6, 6), leaf(6, 6, seed=1), leaf(4, 6, seed=2)
     inner = Counted(mlp2)
     ri = remat(inner, policy=inner_policy)
 
     def outer_fn(W1, W2, x):
-        return ri(W1, W2, ri(W1, W2, x).exp()).cos()
+        return ri(W1, W2, ri(W1, W2, x).sigmoid()).cos()  # (sigmoid: the outer's own op, once per outer run)
 
     outer = Counted(outer_fn)
     out = remat(outer, policy=outer_policy)(W1, W2, x)
     assert (inner.calls, outer.calls) == (2, 1)
-    g = torch.autograd.grad(out.sum(), (W1, W2, x))
     inner_fn = inner.fn
-    want = torch.autograd.grad(inner_fn(W1, W2, inner_fn(W1, W2, x).exp()).cos().sum(), (W1, W2, x))
+    want = torch.autograd.grad(inner_fn(W1, W2, inner_fn(W1, W2, x).sigmoid()).cos().sum(), (W1, W2, x))
+    with OpLog() as log:
+        g = torch.autograd.grad(out.sum(), (W1, W2, x))
     assert_tree_close(g, want)
-    # each call recomputes at most once: the outer once (if it drops anything), which re-runs both
-    # inner calls, and each inner call once more for its own dropped tensors
-    outer_re = outer.calls - 1
-    assert outer_re == (0 if outer_policy is policies.everything_saveable else 1)
+    assert (inner.calls, outer.calls) == (2, 1)  # no Python runs again at any level
+    # each call recomputes at most once: the outer once (if it drops anything), replaying its sigmoid
+    assert log.ops.count(aten.sigmoid.default) == (0 if outer_policy is policies.everything_saveable else 1)
+    # tanh (one per inner call, never in plain autograd's backward): each inner call replays it once for its own
+    # dropped tensors (unless it saves everything), and the outer replay runs the two inner tanhs again when what
+    # it must remake needs them: under an outer save-nothing always (the inner outputs, or the matmul outputs an
+    # inner dots_saveable keeps through it), under an outer dots_saveable only the tanh outputs an inner
+    # save-everything keeps through it (the inner outputs come from the matmul outputs it keeps)
     inner_re = 0 if inner_policy is policies.everything_saveable else 2
-    assert inner.calls == 2 + 2 * outer_re + inner_re
+    outer_re = {None: 2,
+                policies.dots_saveable: 2 if inner_policy is policies.everything_saveable else 0,
+                policies.everything_saveable: 0}[outer_policy]
+    assert log.ops.count(TANH) == inner_re + outer_re
 
 
 def test_nested_remat_double_backward():
@@ -267,7 +317,8 @@ def test_random_ops_give_the_same_gradients_and_leave_the_rng_as_plain(policy):
     torch.manual_seed(7)
     f = Counted(noisy)
     out = remat(f, policy=policy)(W, x)
-    g = torch.autograd.grad(out.sum(), (W, x))
+    with OpLog() as log:
+        g = torch.autograd.grad(out.sum(), (W, x))
     state = torch.get_rng_state()
     after = torch.rand(3)  # the caller's stream goes on as if remat was not there
     torch.manual_seed(7)
@@ -275,7 +326,9 @@ def test_random_ops_give_the_same_gradients_and_leave_the_rng_as_plain(policy):
     g0 = torch.autograd.grad(out0.sum(), (W, x))
     assert torch.equal(state, torch.get_rng_state())
     assert torch.equal(after, torch.rand(3))
-    assert f.calls == (1 if policy == "save-everything" else 2)
+    assert f.calls == 1
+    draws = [log.ops.count(op) for op in (aten.bernoulli_.float, aten.rand_like.default, aten.randn.default)]
+    assert draws == ([0, 0, 0] if policy == "save-everything" else [1, 1, 1])  # the recompute drew again
     assert_tree_close((out, g), (out0, g0))
 
 
@@ -318,22 +371,25 @@ def test_a_generator_of_your_own_draws_the_same_numbers_in_the_recompute(policy,
         assert torch.equal(G.get_state(), state)
 
 
-def test_preserve_rng_state_false():
-    """Documented: the recompute draws from the caller's current stream, so random functions get
-    other masks (wrong gradients); functions that draw nothing are unaffected, and the caller's
-    stream advances by the recompute's draws."""
+@pytest.mark.parametrize("debug", [False, True], ids=["replay", "full-engine"])
+def test_preserve_rng_state_false(debug):
+    """Documented for the full engine (``debug=True``): the recompute runs the function again and draws from the
+    caller's current stream, so random functions get other masks (wrong gradients), and the caller's stream
+    advances by the recompute's draws. The replay engine (plain autograd) replays each draw from the generator state
+    its forward pass recorded: plain autograd's gradient, the caller's stream as plain autograd leaves it. Functions
+    that draw nothing are unaffected either way."""
     W, x = leaf(16, 16), leaf(8, 16, seed=1)
     torch.manual_seed(3)
-    g = torch.autograd.grad(remat(noisy, preserve_rng_state=False)(W, x).sum(), (W, x))
+    g = torch.autograd.grad(remat(noisy, preserve_rng_state=False, debug=debug)(W, x).sum(), (W, x))
     after = torch.get_rng_state()
     torch.manual_seed(3)
     g0 = torch.autograd.grad(noisy(W, x).sum(), (W, x))
-    assert not torch.equal(g[0], g0[0])
-    assert not torch.equal(after, torch.get_rng_state())
+    assert torch.equal(g[0], g0[0]) is not debug
+    assert torch.equal(after, torch.get_rng_state()) is not debug
     # deterministic functions: same gradients, RNG untouched
     W1, W2, x = leaf(6, 6), leaf(6, 6, seed=1), leaf(4, 6, seed=2)
     state = torch.get_rng_state()
-    g = torch.autograd.grad(remat(mlp2, preserve_rng_state=False)(W1, W2, x).sum(), (W1, W2, x))
+    g = torch.autograd.grad(remat(mlp2, preserve_rng_state=False, debug=debug)(W1, W2, x).sum(), (W1, W2, x))
     assert torch.equal(state, torch.get_rng_state())
     assert_tree_close(g, torch.autograd.grad(mlp2(W1, W2, x).sum(), (W1, W2, x)))
 
@@ -370,9 +426,15 @@ def test_dropping_a_named_value_whose_input_is_already_freed(policy):
         return (a @ w).tanh().sum()
 
     counted = Counted(f)
-    g = torch.autograd.grad(remat(counted, policy=policy)(x, w), (x, w))
-    assert counted.calls == 2
-    assert_tree_close(g, torch.autograd.grad(f(x, w), (x, w)))
+    out = remat(counted, policy=policy)(x, w)
+    with OpCounter() as oc:
+        g = torch.autograd.grad(out, (x, w))
+    out0 = f(x, w)
+    with OpCounter() as plain:
+        g0 = torch.autograd.grad(out0, (x, w))
+    assert counted.calls == 1
+    assert oc.count == plain.count + 1  # the product x @ w ran again in the recompute
+    assert_tree_close(g, g0)
 
 
 @pytest.mark.parametrize("where", ["forward-under-autocast", "backward-under-autocast"])
@@ -425,25 +487,34 @@ def _hooked(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls"])
-@pytest.mark.parametrize("lose_the_alias", [False, True])
-def test_a_value_made_in_a_hook_is_recomputed_or_the_recompute_runs_again(policy, lose_the_alias, monkeypatch):
-    """``exp`` after the hook reads an alias of the add's output that no mode saw made. The liveness walk takes it
-    for that output (its storage's op), so the add runs in the recompute. If the walk missed it (forced here), the
-    add would be dead and its NaN placeholder, through the hook's alias, ``exp``'s input: a wrong gradient without
-    an error (as under FSDP2 before issue 39). An op the recompute needs, or a saved tensor, that shares a
-    placeholder's storage stops the recompute, which runs again without skipping any op (the function runs three
-    times). Exact either way, float64 bitwise."""
+@pytest.mark.parametrize("engine", ["replay", "full-engine", "full-engine-alias-lost"])
+def test_a_value_made_in_a_hook_is_recomputed_or_the_recompute_runs_again(policy, engine, monkeypatch):
+    """``exp`` after the hook reads an alias of the add's output that no mode saw made.
+
+    On the replay engine (plain autograd) the add runs in the recompute, as every op the dropped values need, and the
+    function runs once. On the full engine (``debug=True``) the liveness walk takes the alias for the add's output
+    (its storage's op), so the add runs in the recompute. If the walk missed it (forced here), the add would be dead
+    and its NaN placeholder, through the hook's alias, ``exp``'s input: a wrong gradient without an error (as under
+    FSDP2 before issue 39). An op the recompute needs, or a saved tensor, that shares a placeholder's storage stops
+    the recompute, which runs again without skipping any op (the function runs three times). Exact on every engine,
+    float64 bitwise."""
     from remat._dispatch import Recorder
 
-    if lose_the_alias:
+    if engine == "full-engine-alias-lost":
         vid = Recorder.vid
         monkeypatch.setattr(Recorder, "vid", lambda self, t, read=False: vid(self, t))
     W = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
     x = torch.randn(4, 8, dtype=torch.float64)
     want = torch.autograd.grad(_hooked(W, x), W)
-    g = remat(lambda W, x: _hooked(W, x), policy=policy)  # (a function of its own: plans are per function)
-    for _ in range(3):  # (the first call on the full engine, the later ones planned: NOTE [fast path])
+    out0 = _hooked(W, x)
+    plain = ops_of(lambda: torch.autograd.grad(out0, W))  # plain autograd's backward pass
+    # (a function of its own: the full engine's plans are per function)
+    g = remat(lambda W, x: _hooked(W, x), policy=policy, debug=engine != "replay")
+    for _ in range(3):
         _CALLS[0] = 0
-        got = torch.autograd.grad(g(W, x), W)
-        assert_tree_close(got, want, rtol=0, atol=0)
-        assert _CALLS[0] == (3 if lose_the_alias else 2)
+        out = g(W, x)
+        got: list[Any] = []
+        extra = ops_of(lambda: got.extend(torch.autograd.grad(out, W))) - plain
+        assert_tree_close(tuple(got), want, rtol=0, atol=0)
+        assert _CALLS[0] == {"replay": 1, "full-engine": 2, "full-engine-alias-lost": 3}[engine]
+        assert extra[aten.add.Tensor] == 1, extra  # the add ran in the recompute (once: its alias is not held)

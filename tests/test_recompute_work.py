@@ -105,7 +105,7 @@ def test_a_constant_from_numpy_is_not_held_between_forward_and_backward() -> Non
     assert refs[-1]() is None  # remat holds neither the tensor nor its numpy buffer
     (got,) = torch.autograd.grad(loss, x)
     assert torch.equal(got, want)
-    assert len(refs) == 3  # the recompute built it again
+    assert len(refs) == 2  # the Python ran once per call (the replay engine replays the recorded ops)
 
 
 @pytest.mark.parametrize("make", ["tensor", "as_tensor"])
@@ -122,7 +122,10 @@ def test_a_constant_built_from_python_data_gives_exact_gradients(make: str) -> N
         assert_tree_close(got, want)
 
 
-def test_a_large_constant_whose_data_changed_before_the_backward_raises() -> None:
+@pytest.mark.parametrize("debug", [False, True], ids=["replay", "full-engine"])
+def test_a_large_constant_whose_data_changed_before_the_backward_is_exact_or_raises(debug: bool) -> None:
+    """The replay engine (plain autograd) replays the constant the forward pass built: plain autograd's gradient.
+    The full engine (``debug=True``) builds it again from the Python data and raises, as the data changed."""
     # (a small one, up to 64 KiB, is copied and the recompute reads the forward's value: test_modules.py)
     scale = [2.0] * 20000  # 160 KB as float64
 
@@ -130,8 +133,13 @@ def test_a_large_constant_whose_data_changed_before_the_backward_raises() -> Non
         return (x * torch.tensor(scale, dtype=x.dtype)).sin().sum()
 
     x = seeded_randn(20000).requires_grad_()
-    loss = remat(f)(x)
+    (want,) = torch.autograd.grad(f(x), x)
+    loss = remat(f, debug=debug)(x)
     scale[0] = 3.0
+    if not debug:
+        (got,) = torch.autograd.grad(loss, x)
+        assert torch.allclose(got, want, rtol=1e-10, atol=1e-10)
+        return
     with pytest.raises(RematError, match="built from Python data"):
         loss.backward()
 
@@ -362,8 +370,11 @@ def test_three_levels_of_nesting_under_double_backward() -> None:
         assert_tree_close(run(remat(top, policy=policy)), want)
 
 
-def test_a_large_constant_checksum_is_a_real_hash() -> None:
-    """Two large index lists that a positional byte sum cannot tell apart (elements 65521 apart swapped)."""
+@pytest.mark.parametrize("debug", [False, True], ids=["replay", "full-engine"])
+def test_a_large_constant_checksum_is_a_real_hash(debug: bool) -> None:
+    """Two large index lists that a positional byte sum cannot tell apart (elements 65521 apart swapped): the full
+    engine (``debug=True``), which builds the constant again, raises. The replay engine (plain autograd) replays
+    the index tensor the forward pass built: plain autograd's gradient."""
     n = 70000
     data = list(range(n))
 
@@ -372,7 +383,12 @@ def test_a_large_constant_checksum_is_a_real_hash() -> None:
         return (x[idx] * torch.arange(n, dtype=x.dtype)).sin().sum()
 
     x = seeded_randn(n).requires_grad_()
-    loss = remat(f)(x)
+    (want,) = torch.autograd.grad(f(x), x)
+    loss = remat(f, debug=debug)(x)
     data[0], data[65521] = data[65521], data[0]
+    if not debug:
+        (got,) = torch.autograd.grad(loss, x)
+        assert torch.allclose(got, want, rtol=1e-10, atol=1e-10)
+        return
     with pytest.raises(RematError, match="built from Python data"):
         loss.backward()

@@ -294,11 +294,20 @@ def test_dropped_means_dropped(policy: str, held_mib: float) -> None:
     torch.testing.assert_close(g, torch.autograd.grad(f(x), W)[0], rtol=0, atol=0)
 
 
-def test_outside_tensor_written_between_the_passes_raises() -> None:
-    g = torch.randn(4, dtype=f64)
+def test_outside_tensor_written_between_the_passes() -> None:
+    """Read by an op whose input no node saved: plain autograd is unaffected by a later write. A small outside tensor
+    that needs no gradient is copied when the forward pass ends: exact; a large one is checked by version, and the
+    replay, which cannot know the old value, raises."""
     x = torch.randn(3, 4, dtype=f64, requires_grad=True)
+    g = torch.randn(4, dtype=f64)
+    want = torch.autograd.grad(torch.sin(x + g).sum(), x)[0]
     y = remat.remat(lambda x: torch.sin(x + g).sum())(x)
     g.add_(1.0)
+    torch.testing.assert_close(torch.autograd.grad(y, x)[0], want, rtol=1e-10, atol=1e-10)
+    big = torch.randn(3, 4096, dtype=f64)
+    xb = torch.randn(3, 4096, dtype=f64, requires_grad=True)
+    y = remat.remat(lambda x: torch.sin(x + big).sum())(xb)
+    big.add_(1.0)
     with pytest.raises(RematError, match="modified in place after the forward pass read it"):
         y.backward()
 

@@ -4,15 +4,20 @@ Each case runs a transform over plain ``f`` and over ``remat(f, policy=p)`` and
 compares the results (float64, 1e-10), then proves from outside the library
 that remat did what its policy says:
 
-* Python calls of the wrapped function (``Counted``): the plain transform calls
-  ``f`` ``base`` times (vmap runs it once for the whole batch, ``chunk_size``
-  once per chunk); under save-nothing each saving level whose saved tensors a
-  backward pass reads re-runs it once per such backward pass, so the count is
-  exactly ``base + recomputes`` (the ``recomputes`` column of the case table:
-  2 for a vjp function called twice; 1 for ``grad(grad)``, whose outer
-  backward pass walks the recompute's graph, not the forward's; 2 for eager
-  double backward, where autograd re-attaches the forward's graph to the
-  recomputed tensors); save-everything never re-runs it;
+* recomputes: under torch.func transforms (the full engine) Python calls of the
+  wrapped function (``Counted``): the plain transform calls ``f`` ``base``
+  times (vmap runs it once for the whole batch, ``chunk_size`` once per chunk);
+  under save-nothing each saving level whose saved tensors a backward pass
+  reads re-runs it once per such backward pass, so the count is exactly
+  ``base + recomputes`` (the ``recomputes`` column of the case table: 2 for a
+  vjp function called twice; 1 for ``grad(grad)``, whose outer backward pass
+  walks the recompute's graph, not the forward's); save-everything never
+  re-runs it. Under plain autograd (``backward_mixed``, ``double_backward``:
+  the replay engine, remat/_engine/traced.py) ``f`` runs once per call and a
+  recompute replays the recorded ATen ops: counted by the ``sin`` ops run
+  beyond plain ``f``'s (one per recompute: every policy that recomputes
+  anything needs ``sin``'s output again; 2 for eager double backward, whose
+  second backward pass replays again);
 * matrix products seen by an ``OpCounter`` around the transformed computation:
   save-everything, dots_saveable and offload run exactly as many as plain ``f``
   (no matmul recomputed), save-nothing and save_only_these_names run more
@@ -51,7 +56,7 @@ from remat import RematError, checkpoint_name, policies, remat
 from remat.bench.models import cnn_block, transformer_block
 from remat.offload import OffloadEngine, use_engine
 
-from .helpers import Counted, OpCounter, assert_tree_close
+from .helpers import Counted, OpCounter, OpLog, assert_tree_close
 
 DT = torch.float64
 TOL = {"rtol": 1e-10, "atol": 1e-10}
@@ -134,6 +139,8 @@ CASES = [
     Case("double_backward", mlp, lambda g: _double_backward(g), 2),
 ]
 CASE_IDS = [c.name for c in CASES]
+# plain autograd: the replay engine runs these (f runs once per call; a recompute replays the recorded ops)
+REPLAYED = {"backward_mixed", "double_backward"}
 
 
 def _vjp_twice(g: Callable[..., Any]) -> Any:
@@ -169,14 +176,14 @@ def _double_backward(g: Callable[..., Any]) -> Any:
 
 
 def _measure(run: Callable[[Callable[..., Any]], Any], fn: Callable[..., Any], policy: Any,
-             seed: int = 0) -> tuple[Any, int, int]:
-    """(result, Python calls of fn, matmuls run) for run(fn) or run(remat(fn, policy))."""
+             seed: int = 0) -> tuple[Any, int, int, int]:
+    """(result, Python calls of fn, matmuls run, sins run) for run(fn) or run(remat(fn, policy))."""
     counted = Counted(fn)
     g = counted if policy is None else remat(counted, policy=policy)
     torch.manual_seed(seed)
-    with OpCounter() as oc:
+    with OpCounter() as oc, OpLog() as log:
         out = run(g)
-    return out, counted.calls, oc.count
+    return out, counted.calls, oc.count, log.ops.count(torch.ops.aten.sin.default)
 
 
 BATCHED_MATMULS = {torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default, torch.ops.aten.convolution.default}
@@ -198,25 +205,28 @@ def _forward_matmuls(run: Callable[[Callable[..., Any]], Any], fn: Callable[...,
 
 
 def check_case(case: Case, pol: str) -> None:
-    ref, base_calls, base_mm = _measure(case.run, case.fn, None)
+    ref, base_calls, base_mm, base_sins = _measure(case.run, case.fn, None)
     eng = OffloadEngine()
     with use_engine(eng):
-        out, calls, mm = _measure(case.run, case.fn, POLICIES[pol])
+        out, calls, mm, sins = _measure(case.run, case.fn, POLICIES[pol])
     assert_tree_close(out, ref, **TOL)
     backward = case.recomputes > 0
+    if case.name in REPLAYED:
+        assert calls == base_calls, f"f ran {calls} times under plain autograd, plain {base_calls}"
+        reruns = sins - base_sins  # each recompute replays f's sin
+    else:
+        reruns = calls - base_calls  # each recompute runs f again
     if pol == "everything":
-        assert (calls, mm) == (base_calls, base_mm), "save-everything recomputed"
+        assert (reruns, mm) == (0, base_mm), "save-everything recomputed"
     elif pol == "nothing":
-        assert calls == base_calls + case.recomputes, (
-            f"save-nothing ran f {calls} times, expected {base_calls} + {case.recomputes} recomputes"
-        )
+        assert reruns == case.recomputes, f"save-nothing recomputed {reruns} times, expected {case.recomputes}"
         # every matmul of these functions feeds a value some backward formula reads: each is recomputed
         assert mm > base_mm if backward else mm == base_mm, f"save-nothing ran {mm} matmuls, plain {base_mm}"
     elif pol == "dots":
         assert mm == base_mm, f"dots_saveable recomputed matmuls: {mm} vs plain {base_mm}"
-        assert (calls > base_calls) == backward, "dots_saveable did not recompute the elementwise ops"
+        assert (reruns > 0) == backward, "dots_saveable did not recompute the elementwise ops"
     elif pol == "dots_no_batch":
-        assert (calls > base_calls) == backward, f"{pol}: no recompute ran"
+        assert (reruns > 0) == backward, f"{pol}: no recompute ran"
         # matmuls without batch dims (mm, addmm) are saved; a batched one in the forward (bmm under vmap over
         # the weights or jacfwd's tangents, attention, convolution) is recomputed when a backward pass runs
         batched = bool(_forward_matmuls(case.run, case.fn) & BATCHED_MATMULS)
@@ -225,7 +235,7 @@ def check_case(case: Case, pol: str) -> None:
         else:
             assert mm == base_mm, f"dots_no_batch recomputed unbatched matmuls: {mm} vs plain {base_mm}"
     elif pol == "names":
-        assert (calls > base_calls) == backward, f"{pol}: no recompute ran"
+        assert (reruns > 0) == backward, f"{pol}: no recompute ran"
         # everything but h1 is recomputed, matmuls included
         assert mm > base_mm if backward else mm == base_mm, f"names: {mm} matmuls vs plain {base_mm}"
     elif pol == "offload_cpu":
@@ -233,7 +243,7 @@ def check_case(case: Case, pol: str) -> None:
         if backward:  # (a forward-only transform may still pack a tensor nobody reads)
             assert eng.stats["offloaded"] > 0, f"nothing offloaded: {dict(eng.stats)}"
     if not backward:
-        assert calls == base_calls, "a forward-only transform re-ran the function"
+        assert reruns == 0, "a forward-only transform re-ran the function"
 
 
 @pytest.mark.parametrize("pol", POLICY_IDS)
@@ -415,7 +425,7 @@ TREE_CASES = [
 @pytest.mark.parametrize("case", TREE_CASES, ids=[c.name for c in TREE_CASES])
 def test_pytrees_static_kwargs(case: Case, pol: str) -> None:
     # remat(tree_fn, static_argnums=(1, 2)): the activation function and the loop count are static
-    ref, base_calls, base_mm = _measure(case.run, case.fn, None)
+    ref, base_calls, base_mm, _ = _measure(case.run, case.fn, None)
     counted = Counted(case.fn)
     g = remat(counted, policy=POLICIES[pol], static_argnums=(1, 2))
     torch.manual_seed(0)
@@ -464,6 +474,7 @@ def _mut_backward(g: Callable[..., Any]) -> Any:
     y = g(P, xc)
     xc.mul_(2)
     y.backward()
+    return x.grad
 
 
 MUTATION_CASES = {
@@ -478,17 +489,19 @@ MUTATION_CASES = {
 }
 
 
-# nothing is recomputed (save-everything; offload outside torch.func) and the backward pass does not
-# read the mutated tensor, exactly as for plain f: no error, same gradients
+# nothing is recomputed (save-everything; offload outside torch.func), or, under plain autograd (the replay engine),
+# the replay starts from the kept matmul output (dots_saveable), and the backward pass does not read the mutated
+# tensor, exactly as for plain f: no error, same gradients
 _NOTHING_READS_THE_MUTATED_VALUE = {("everything", "grad(grad)"), ("everything", "hessian"),
-                                    ("everything", "backward"), ("offload_cpu", "backward")}
+                                    ("everything", "backward"), ("offload_cpu", "backward"), ("dots", "backward")}
 
 
 @pytest.mark.parametrize("pol", ["nothing", "dots", "everything", "offload_cpu"])
 @pytest.mark.parametrize("name", list(MUTATION_CASES))
 def test_mutated_input_raises(name: str, pol: str) -> None:
     # plain autograd notices only where it saved the mutated tensor itself (not always: it
-    # may not need it), remat always does, since its recompute reads the input. Under vjp
+    # may not need it), remat does wherever its recompute reads the input (under torch.func, where
+    # the full engine runs the function again, always). Under vjp
     # plain torch.func misses it (the saved wrapper has its own version counter) and silently
     # uses the new value; remat checks the plain tensor's version, so even save-everything raises.
     run = MUTATION_CASES[name]

@@ -13,9 +13,12 @@ where ``torch.utils.checkpoint`` runs. NOTE [hooks' aliases] in
 name; a pass may lack them or have more.
 
 Every case compares ``remat(block, policy=p)`` with the plain block under the same
-mode, on three calls (the first on the full engine, the later ones planned),
-float64 and float32, bitwise; and checks from outside that the recompute ran
-(the block's forward runs twice per step under a policy that drops something).
+mode, on three calls, float64 and float32, bitwise; and checks from outside that
+the recompute ran: the backward pass runs forward ops (``tanh``, the layer norm)
+that plain autograd's backward pass never runs, under a policy that drops
+something, and none under one that offloads. The block's Python runs once per
+call on the replay engine (the first call of a memory budget measures on the
+full engine, which runs it again in its recompute).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import policies, remat_module
 
-from .helpers import CountCalls, assert_tree_close
+from .helpers import CountCalls, OpCounter, assert_tree_close
 
 POLICIES: dict[str, Any] = {
     "save-nothing": "save-nothing",
@@ -41,6 +44,8 @@ POLICIES: dict[str, Any] = {
     "offload": policies.offload_to_cpu(min_bytes=0),
 }
 RECOMPUTES = {"save-nothing": True, "dots_saveable": True, "memory_budget": True, "offload": False}
+# forward ops that a backward pass runs only to recompute (plain autograd's backward pass runs none of them)
+FORWARD_OPS = {torch.ops.aten.tanh.default, torch.ops.aten.native_layer_norm.default}
 
 
 class Block(nn.Module):
@@ -90,17 +95,23 @@ MODES: dict[str, Callable[[], Any]] = {"comm-debug": comm_debug, "counting": Cou
                                        "backward-hooks": full_backward_hooks}
 
 
-def step(model: nn.Module, x: torch.Tensor, mode: Callable[[], Any] | None, where: str) -> tuple[Any, ...]:
-    """One forward and backward pass, with the mode around both, the forward pass only or the backward pass only."""
+def step(model: nn.Module, x: torch.Tensor, mode: Callable[[], Any] | None, where: str,
+         replayed: list[int] | None = None) -> tuple[Any, ...]:
+    """One forward and backward pass, with the mode around both, the forward pass only or the backward pass only;
+    appends to ``replayed`` how many ``FORWARD_OPS`` the backward pass ran (seen inside the user's mode)."""
     fwd = mode() if mode is not None and where in ("both", "forward") else contextlib.nullcontext()
     bwd = mode() if mode is not None and where == "backward" else contextlib.nullcontext()
+    counter = OpCounter(FORWARD_OPS)
     with fwd:
         out = model(x)
         if where == "both":
-            out.pow(2).sum().backward()
+            with counter:
+                out.pow(2).sum().backward()
     if where != "both":
-        with bwd:
+        with bwd, counter:
             out.pow(2).sum().backward()
+    if replayed is not None:
+        replayed.append(counter.count)
     grads = tuple(p.grad.clone() for p in model.parameters())
     model.zero_grad(set_to_none=True)
     return (out.detach(), *grads)
@@ -115,13 +126,18 @@ def test_a_mode_or_hooks_around_the_call_leave_it_exact(policy, mode, where, dty
     torch.manual_seed(0)
     plain = Block().to(dtype)
     torch.manual_seed(0)
-    model = remat_module(Block().to(dtype), policy=POLICIES[policy])
+    budget = policy == "memory_budget"
+    model = remat_module(Block().to(dtype), policy=policies.memory_budget(0.3) if budget else POLICIES[policy])
     x = torch.randn(2, 3, 8, dtype=dtype)
     for call in range(3):
         before = model.count.calls
-        got = step(model, x, MODES[mode], where)
-        assert model.count.calls - before == (2 if RECOMPUTES[policy] else 1), f"call {call}: not remat'd"
-        assert_tree_close(got, step(plain, x, MODES[mode], where), rtol=0, atol=0)
+        replayed: list[int] = []
+        got = step(model, x, MODES[mode], where, replayed)
+        want = step(plain, x, MODES[mode], where, replayed)
+        assert model.count.calls - before == (2 if budget and call == 0 else 1), f"call {call}"
+        assert plain.count.calls == call + 1
+        assert (replayed[0] > replayed[1]) == RECOMPUTES[policy], f"call {call}: forward ops in backward {replayed}"
+        assert_tree_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")
@@ -139,7 +155,9 @@ def test_a_mode_between_calls_changes_nothing():
 
 def test_a_detach_made_in_the_forward_pass_only_is_the_same_value():
     """A function whose forward pass alone detaches a tensor (an identity alias, the same value) recomputes the
-    forward's values; one that reads another value there still raises (NOTE [same reads])."""
+    forward's values. One whose Python reads another value after the forward pass gets the forward's gradient on
+    the replay engine (its Python is not run again); on the full engine (debug=True), which runs it again, it
+    still raises (NOTE [same reads])."""
     from remat import RematError, remat
 
     W = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
@@ -162,7 +180,14 @@ def test_a_detach_made_in_the_forward_pass_only_is_the_same_value():
 
     gh = remat(h, policy="save-nothing")
     for _ in range(2):
+        want = torch.autograd.grad(h(x), W)
         y = gh(x)
+        scale["s"] += 1.0
+        assert_tree_close(torch.autograd.grad(y, W), want, rtol=1e-10, atol=1e-10)
+
+    debug = remat(h, policy="save-nothing", debug=True)
+    for _ in range(2):
+        y = debug(x)
         scale["s"] += 1.0
         with pytest.raises(RematError, match="read other values"):
             torch.autograd.grad(y, W)

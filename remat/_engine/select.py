@@ -74,7 +74,8 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
     in_trace = isinstance(ctx, TraceFrame)
     # the replay engine (NOTE [the trace] in trace.py): no torch.func level, no listener, plain tensors
     traced = ((ctx is None or in_trace) and owner is not None and not owner.debug and not region
-              and INSPECTOR.get() is None and not ti.interpreter_stack() and traceable(flat, state.tensors))
+              and INSPECTOR.get() is None and not ti.interpreter_stack()
+              and traceable(flat, state.tensors, state.modules))
     if in_trace and not traced:
         return run(flat)  # inside a traced call that this call cannot join: the enclosing trace records it
     frame: CallFrame | None = None

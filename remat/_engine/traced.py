@@ -28,6 +28,7 @@ NOTE [graph replay]
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import weakref
 from collections import Counter
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 
+from .. import _outside as ox
 from .. import _torch_internals as ti
 from .._context import activated, active_context, internal
 from .._errors import RematError, input_written_before_backward, saved_written_after_save
@@ -72,13 +74,23 @@ class _Pack:
         self.aliases: list[Any] = []  # weak references to the dropped tensor's views and base
 
 
+def _alive(ref: Any) -> Any:
+    return ref()
+
+
 def _has_node(t: Tensor | None) -> bool:
     return t is not None and t.grad_fn is not None
 
 
-def traceable(flat: list[Any], state_tensors: list[Tensor]) -> bool:
+def traceable(flat: list[Any], state_tensors: list[Tensor], modules: list[Any]) -> bool:
     """Whether the replay engine takes a call of these inputs and module state: plain tensors only (a wrapper
-    subclass such as DTensor makes values in Python where no mode sees: the full engine handles those)."""
+    subclass such as DTensor makes values in Python where no mode sees: the full engine handles those), and no
+    FSDP2 module below the first one the call reaches: FSDP2 frees such a module's gathered parameters after its
+    forward pass and gathers them again only when the backward pass reaches it, after the replay would read them
+    (NOTE [FSDP's hooks] in _dispatch.py; the full engine runs the hooks again)."""
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    if fsdp is not None and any(isinstance(m, fsdp) for m in modules[1:]):
+        return False
     for a in flat:
         if isinstance(a, Tensor) and type(a) is not Tensor and type(a) is not torch.nn.Parameter:
             return False
@@ -101,8 +113,9 @@ class _Serving(Half):
                     self._written(p, t)
                 return t  # type: ignore[no-any-return]
             if kind == OFFLOAD:
-                self._check_unwritten(p)
-                return self.engine.fetch(p.payload)  # type: ignore[no-any-return]
+                t = self.engine.fetch(p.payload)  # (which raises if the tensor it copied was written since)
+                self._check_unwritten(p)  # (or one of its aliases)
+                return t  # type: ignore[no-any-return]
             if kind == ROUTED:
                 assert self.parent is not None or isinstance(p.payload, _Pack)
                 return p.payload.frame.unpack(p.payload)  # type: ignore[no-any-return]
@@ -117,6 +130,13 @@ class _Serving(Half):
             a = ref()
             if a is not None and a._version != p.version:
                 moved, t = True, a if t is None else t
+        if moved and p.kind == OFFLOAD:
+            raise RematError(
+                f"remat: a tensor of shape {list(p.shape)} that {self.fn_name} offloaded for the backward pass was "
+                "modified in place after it was saved; plain autograd raises here too (\"one of the variables needed "
+                "for gradient computation has been modified by an inplace operation\"). Do not modify intermediate "
+                "results in place after an op has used them; clone them first."
+            )
         if moved:
             # written in place since it was saved (in the forward pass: NOTE [outside writes] in trace.py)
             shown = t if t is not None else torch.empty(p.shape, dtype=p.dtype)
@@ -332,6 +352,15 @@ class TraceFrame(_Serving):
         for s in self.routed:
             t, v = trace.outside[s]
             trace.outside[s] = (None, v)  # type: ignore[assignment]  # (the parent holds it)
+        if self.counts:
+            # NOTE [outside tensors]: a small one that needs no gradient (running statistics, a mask, a constant from
+            # torch.tensor) is copied now: the replay reads the forward's value whatever happens to it next, even a
+            # write no version counter shows (a batch norm's, outside the call)
+            snaps = trace.snapshots
+            for s, (t, _) in trace.outside.items():
+                if (t is not None and s not in snaps and s not in trace.inputs and not t.requires_grad
+                        and ox.nbytes(t) <= ox.SMALL):
+                    snaps[s] = ti.detach_below_modes(t).clone()
         if self.drops and trace.root:
             # NOTE [written after saved]: a dropped tensor's views and its base share its version counter (the caller's
             # h.detach(), a view it returns): held weakly, a write through any of them raises at the unpack
@@ -347,6 +376,7 @@ class TraceFrame(_Serving):
                     base = trace.refs.get(r)
                     p.aliases = [*(refs or ()), *(() if base is None else (base,))]
         self.drops = []
+        self.kept.clear()  # (a name decides during the forward pass only; the packs hold this frame: no cycle)
         trace.root.clear()
         trace.refs.clear()
         trace.stash_keys.clear()
@@ -388,6 +418,9 @@ class TraceFrame(_Serving):
                 self._offloaded_any = True
                 p = _Pack(self, OFFLOAD, s, o, t._version, at, t.shape)
                 self._watch(p, t)
+                k = trace.key_of.get(s)
+                if k is not None:
+                    trace.dropped_keys.setdefault(k, []).append(p)
                 # weakly: once autograd let go of the save, the engine may free its copy (NOTE [keep last])
                 self.offloaded[s] = weakref.ref(p)
                 return p
@@ -415,8 +448,16 @@ class TraceFrame(_Serving):
                 self.counts[p.slot] += 1
 
     def _storage_written(self, key: int) -> None:
-        if self._offloaded_any:
-            self.engine.storage_written(self, {key})  # NOTE [one copy per storage] in _offload/copies.py
+        if not self._offloaded_any:
+            return
+        keys = {key}
+        self.engine.storage_written(self, keys)  # NOTE [one copy per storage] in _offload/copies.py
+        # a copy not taken yet (the engine keeps the newest call on the device: NOTE [keep last]) is taken before
+        # the write, which on CUDA waits for a copy still running
+        handles = [*self.replay_offloaded.values(), *(p.payload for p in map(_alive, self.offloaded.values()) if p)]
+        for o in handles:
+            if self.engine.shares_storage(o, keys):
+                self.engine.before_write(o)
 
     def _offload_for_replay(self, s: int, t: Tensor, decision: Offloadable) -> bool:
         """An output the policy offloads that a replayed step reads: copied to host memory now, not held here."""

@@ -8,9 +8,13 @@ copied: the same intent and, where sensible, the same shapes, with ``remat`` (no
 semantics) in place of ``torch.utils.checkpoint.checkpoint`` and remat policies in place of
 selective-checkpoint contexts. Every case compares against the function without remat
 (float64 to 1e-10, float32 bitwise where the recompute runs the same kernels); where
-upstream counts recomputes or memory, these count Python calls and ATen ops (``OpCounter``,
-``FlopCounterMode``) and measure memory from outside remat (``StorageCensus`` of
-``tests/helpers.py`` on the CPU, the CUDA allocator's statistics on CUDA). Cases that fail
+upstream counts recomputes or memory, these count ATen ops (``OpCounter``, ``OpLog``,
+``FlopCounterMode``) and Python calls and measure memory from outside remat (``StorageCensus`` of
+``tests/helpers.py`` on the CPU, the CUDA allocator's statistics on CUDA). Under plain autograd
+remat's replay engine runs each call (remat/_engine/traced.py): its recompute replays the ATen
+ops the forward pass recorded and runs the Python once per call; ``debug=True`` runs the full
+engine, whose recompute runs the Python again (the cases about a recompute that diverges or
+raises run there). Cases that fail
 because of remat are ``xfail(strict=True)`` with the reason (none today); CUDA-only cases
 skip without a GPU.
 
@@ -142,6 +146,7 @@ checkpoint without the word in their name): 53 ported, 8 not ported (use_reentra
 checkpoint_sequential, context_fn, early-stop flags, torch.compile internals).
 """
 
+import collections
 import contextlib
 import copy
 import gc
@@ -156,7 +161,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from remat import RematError, policies, remat
 
-from ..helpers import Counted, OpCounter, StorageCensus, assert_tree_close, census
+from ..helpers import Counted, OpCounter, OpLog, StorageCensus, assert_tree_close, census
 
 F64 = torch.float64
 SIN = torch.ops.aten.sin.default
@@ -613,14 +618,30 @@ def test_autocast_state_is_replayed_in_the_recompute(device, enabled):
                 for i in range(3)]
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=enabled):
             loss = wrap(foo)(*args).sum()
-        loss.backward()  # the recompute must run in bfloat16 again
-        return [a.grad for a in args]
+        made = []  # (op, dtype of its tensor output) for each op of the backward pass
 
-    grads = run(remat)
+        class Dtypes(OpLog):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if isinstance(out, torch.Tensor) and func is not torch.ops.aten.detach.default:
+                    made.append((func, out.dtype))
+                return out
+
+        with Dtypes():
+            loss.backward()  # the recompute must run in bfloat16 again
+        return [a.grad for a in args], made
+
+    grads, made = run(remat)
+    ref, plain_made = run(lambda f: f)
     expected = torch.bfloat16 if enabled else torch.float32
-    # forward + recompute; without autocast only inputs are saved and nothing needs recomputing
-    assert seen == [expected] * (2 if enabled else 1)
-    assert_tree_close(grads, run(lambda f: f))
+    assert seen == [expected] * 2  # the forward pass, once with remat and once without: no Python runs again
+    replayed = list(made)  # the backward pass's ops beyond plain autograd's: the recompute's
+    for op in plain_made:
+        replayed.remove(op)
+    # without autocast only inputs are saved and nothing needs recomputing; with it, the casts and matmuls the
+    # recompute replays make bfloat16 values, as the forward pass did
+    assert {dtype for _, dtype in replayed} == ({torch.bfloat16} if enabled else set()), replayed
+    assert_tree_close(grads, ref)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -707,17 +728,27 @@ def two_outputs(x):
 
 
 def test_each_backward_pass_recomputes_once():
+    def ops(run):
+        """The ATen ops of ``run()`` (``aten.detach``, autograd's unpacking, left out) and its result."""
+        with OpLog() as log:
+            out = run()
+        return [op for op in log.ops if op is not torch.ops.aten.detach.default], out
+
     fn = Counted(two_outputs)
     x = leaf(3, 3)
-    y, z = remat(fn)(x)
-    (gy,) = torch.autograd.grad(z, (y,), (torch.ones(3, 3, dtype=F64),))
-    (gx,) = torch.autograd.grad(y, (x,), (gy,))
-    assert fn.calls == 3  # forward + one recompute per backward pass
+    forward, (y, z) = ops(lambda: remat(fn)(x))
+    first, (gy,) = ops(lambda: torch.autograd.grad(z, (y,), (torch.ones(3, 3, dtype=F64),)))
+    second, (gx,) = ops(lambda: torch.autograd.grad(y, (x,), (gy,)))
+    assert fn.calls == 1  # the recompute replays the recorded ops
     x2 = fresh(x)
     y2, z2 = two_outputs(x2)
-    (gy2,) = torch.autograd.grad(z2, (y2,), (torch.ones(3, 3, dtype=F64),))
-    (gx2,) = torch.autograd.grad(y2, (x2,), (gy2,))
+    plain_first, (gy2,) = ops(lambda: torch.autograd.grad(z2, (y2,), (torch.ones(3, 3, dtype=F64),)))
+    plain_second, (gx2,) = ops(lambda: torch.autograd.grad(y2, (x2,), (gy2,)))
     close64((gy, gx), (gy2, gx2))
+    # one recompute per backward pass: each runs ops beyond plain autograd's, none more often than the forward did
+    for got, plain in ((first, plain_first), (second, plain_second)):
+        extra = collections.Counter(got) - collections.Counter(plain)
+        assert extra and not extra - collections.Counter(forward), extra
 
 
 def save_the_sin(op, *args, **kwargs):
@@ -762,12 +793,21 @@ def first_call_then(orig, recompute):
     return fn
 
 
+@pytest.mark.parametrize("debug", [False, True], ids=["replay", "full-engine"])
 @pytest.mark.parametrize("orig, recompute", [(sin_exp_sin, sin_exp), (sin_exp, sin_times_vector)],
                          ids=["fewer_ops", "other_shapes"])
-def test_recompute_that_differs_from_the_forward_raises(orig, recompute, clean_after):
+def test_recompute_that_differs_from_the_forward_raises(orig, recompute, debug, clean_after):
+    """The full engine (``debug=True``) runs the function again and refuses a run that differs; the replay engine
+    (plain autograd) replays the forward pass's ops and gives the gradient of what the forward pass computed."""
     a = leaf(1)
-    with pytest.raises(RematError, match="diverged"):
-        remat(first_call_then(orig, recompute))(a).backward()
+    if debug:
+        with pytest.raises(RematError, match="diverged"):
+            remat(first_call_then(orig, recompute), debug=True)(a).backward()
+        return
+    remat(first_call_then(orig, recompute))(a).backward()
+    b = fresh(a)
+    orig(b).backward()
+    close64(a.grad, b.grad)
 
 
 def test_recompute_with_extra_ops_is_refused_or_correct():
@@ -800,13 +840,19 @@ def test_saved_tensor_read_outside_backward(fn, attr):
     d = remat(counted)(a)
     assert counted.calls == 1
     expected = getattr(fn(fresh(a)).grad_fn, attr)
-    first = getattr(d.grad_fn, attr)
-    assert counted.calls == 2  # a read outside backward recomputes...
-    second = getattr(d.grad_fn, attr)
-    assert counted.calls == 3  # ...and keeps nothing for the next read
+    exps = []  # the exps each read runs: the recompute replays the saved tensor's exp
+    for _ in range(2):
+        with OpCounter({torch.ops.aten.exp.default}) as c:
+            exps.append(getattr(d.grad_fn, attr))
+        exps[-1:] = [exps[-1], c.count]
+    first, n_first, second, n_second = exps
+    assert n_first == 1  # a read outside backward recomputes...
+    assert n_second == 1  # ...and keeps nothing for the next read
     close64((first, second), (expected, expected))
-    d.sum().backward()
-    assert counted.calls == 4
+    with OpCounter({torch.ops.aten.exp.default}) as c:
+        d.sum().backward()
+    assert c.count == 1
+    assert counted.calls == 1  # the Python ran once
     a2 = fresh(a)
     fn(a2).sum().backward()
     close64(a.grad, a2.grad)
@@ -832,7 +878,12 @@ def test_errors_leave_remat_usable(clean_after):
             raise ValueError("boom in recompute")
         return x.exp().sin()
 
-    out = remat(fails_in_recompute)(a).sum()
+    # the replay engine (plain autograd) runs the Python once: no recompute to fail, plain autograd's gradient
+    remat(fails_in_recompute)(a).sum().backward()
+    assert calls[0] == 1 and torch.allclose(a.grad, a.exp() * a.exp().cos(), rtol=1e-12, atol=1e-12)
+    a.grad = None
+    # the full engine (debug=True) runs it again in the recompute, which raises
+    out = remat(fails_in_recompute, debug=True)(a).sum()
     with pytest.raises((ValueError, RuntimeError), match="boom in recompute"):
         out.backward()
     a.grad = None

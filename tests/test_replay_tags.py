@@ -1,7 +1,7 @@
-"""``checkpoint_name`` tags on later calls (NOTE [skipped tags] in ``remat/_engine/planned.py``): a planned call
-lets go of the tags it does not need (no op, as outside remat) and counts the others as its recorded call did
-(twice on one tensor, under a torch.func or forward-AD level, in a thread with a mode of its own); a user's mode
-sees every call's tags; a tag the plan does not have ends the plan, exact.
+"""``checkpoint_name`` tags on the first and later calls of a signature: a user's mode sees every call's tags; a
+tag only a later call has is exact; tags in odd places (twice on one tensor, under a torch.func or forward-AD level,
+in a thread with a mode of its own) keep the gradients exact; a tag kept, dropped or taken is exact, and a kept tag
+of a dead op is handed back, not recomputed (ops counted from outside, against plain autograd's backward).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from remat import checkpoint_name, policies, remat
 
 from .helpers import PLAN_POLICIES, OpCounter, OpLog, assert_tree_close, grads, leaf, mlp
 
-# ---- a user's mode sees the tags; a tag the plan does not have ends it ---------------------------------------------
+# ---- a user's mode sees the tags; a tag only a later call has -----------------------------------------------------
 
 
 @pytest.mark.parametrize("where", ["around", "inside"])
 def test_a_users_mode_sees_every_calls_tags(where):
-    """A mode of the user's, around the call or pushed inside the function, sees a tag's alias on the recorded call;
-    a planned call lets the tag go (NOTE [skipped tags]: no op, as outside remat), and the plan holds."""
+    """A mode of the user's, around the call or pushed inside the function, sees a tag's alias, and the same ops, on
+    every call; the gradients are exact."""
     W1, W2, x = leaf(8, 8), leaf(8, 8, seed=1), leaf(4, 8, seed=2)
     mode = OpLog()
 
@@ -31,21 +31,22 @@ def test_a_users_mode_sees_every_calls_tags(where):
 
     ref = grads(mlp, (W1, W2, x), (W1, W2, x))
     g = remat(f, policy=PLAN_POLICIES["names"])
-    for call in range(3):
+    seen = []
+    for _ in range(3):
         mode.ops.clear()
         if where == "around":
             with mode:
                 out = g(W1, W2, x)
         else:
             out = g(W1, W2, x)
-        assert mode.ops.count(torch.ops.aten.alias.default) == (0 if call else 1), mode.ops
+        assert mode.ops.count(torch.ops.aten.alias.default) == 1, mode.ops
+        seen.append(list(mode.ops))
         assert_tree_close(torch.autograd.grad(out.sum(), (W1, W2, x)), ref)
-    assert g._plans and all(p is not None for p in g._plans.values())
+    assert seen[1] == seen[0] and seen[2] == seen[0]
 
 
-def test_a_tag_the_plan_does_not_have_ends_the_plan_exact():
-    """A tag is checked against the plan as any op is: one the recorded call did not have (a data-dependent branch)
-    ends the plan; the gradients stay exact."""
+def test_a_tag_only_later_calls_have_is_exact():
+    """A tag the first call did not have (a branch on Python state) and the calls after it: exact on every call."""
     extra = {"on": False}
 
     def f(W1, W2, x):
@@ -57,14 +58,13 @@ def test_a_tag_the_plan_does_not_have_ends_the_plan_exact():
 
     W1, W2, x = leaf(8, 8), leaf(8, 8, seed=1), leaf(4, 8, seed=2)
     g = remat(f, policy=policies.save_only_these_names("mid", "other"))
-    for on in (False, False, True, True):
+    for on in (False, False, True, True, False):
         extra["on"] = on
         ref = grads(f, (W1, W2, x), (W1, W2, x))
         assert_tree_close(grads(g, (W1, W2, x), (W1, W2, x)), ref)
-    assert all(p is None for p in g._plans.values())  # refused on leaving it
 
 
-# ---- tags in odd places keep the plan and the gradients ------------------------------------------------------------
+# ---- tags in odd places keep the gradients -------------------------------------------------------------------------
 
 
 def _tagged_twice(W1, W2, x):
@@ -116,24 +116,22 @@ _THREADS_SAW: list[int] = []
                                     policies.save_from_both_policies(policies.dots_saveable,
                                                                      policies.save_only_these_names("mid"))],
                          ids=["names", "dots+names"])
-def test_tags_in_odd_places_keep_the_plan_and_the_gradients(f, policy):
-    """Tags a planned call must count as the recorded call did (from a review of a change that took tags below the
-    dispatch mode, measured no faster and not kept: docs/benchmarks.md): the same tensor tagged twice (a held tag's
-    detach), tags under a torch.func level or a forward-AD level (wrappers' and tangents' ops), a tag in a thread
-    that copied the call's context under a mode of its own (which sees it)."""
+def test_tags_in_odd_places_keep_the_gradients(f, policy):
+    """Tags in odd places (from a review of a change that took tags below the dispatch mode, measured no faster and
+    not kept: docs/benchmarks.md): the same tensor tagged twice (a held tag's detach), tags under a torch.func level
+    or a forward-AD level (wrappers' and tangents' ops), a tag in a thread that copied the call's context under a
+    mode of its own (which sees it). Exact on every call."""
     W1, W2, x = leaf(6, 6), leaf(6, 6, seed=1), leaf(3, 6, seed=2)
     ref = grads(f, (W1, W2, x), (W1, W2, x))
     _THREADS_SAW.clear()  # (plain f tags nothing)
     g = remat(f, policy=policy)
     for _ in range(3):
         assert_tree_close(grads(g, (W1, W2, x), (W1, W2, x)), ref)
-    if f is _tags_in_a_thread_with_a_mode:  # the thread's mode saw its tag in every forward pass and recompute
-        assert _THREADS_SAW == [1] * 6, _THREADS_SAW
-    if isinstance(policy, policies.save_only_these_names):  # (dots with names under vmap: never planned)
-        assert g._plans and all(p is not None for p in g._plans.values())
+    if f is _tags_in_a_thread_with_a_mode:  # the thread's mode saw its tag in every forward pass, which ran once
+        assert _THREADS_SAW == [1] * 3, _THREADS_SAW
 
 
-# ---- a planned call lets go of the tags it does not need -----------------------------------------------------------
+# ---- tags kept, dropped or taken: exact; a kept tag of a dead op is handed back -------------------------------------
 
 
 def _named_block(W, h):
@@ -143,26 +141,27 @@ def _named_block(W, h):
     return (v @ W.t() * a).sum()
 
 
-@pytest.mark.parametrize("policy", [policies.save_only_these_names("q"), policies.save_anything_except_these_names("v"),
-                                    policies.save_only_these_names("q", "v")], ids=["only q", "except v", "q and v"])
-def test_a_planned_call_lets_the_tags_it_does_not_need_go(policy):
-    """A tag the plan does not hold, skip or take a dropped tensor from dispatches nothing on a planned call (counted
-    from outside); gradients bitwise equal to plain autograd's in the forward, both recomputes and a retained pass."""
+@pytest.mark.parametrize("policy,extra", [(policies.save_only_these_names("q"), 1),
+                                           (policies.save_anything_except_these_names("v"), 0),
+                                           (policies.save_only_these_names("q", "v"), 1)],
+                         ids=["only q", "except v", "q and v"])
+def test_tags_kept_dropped_or_taken_are_exact_on_every_call(policy, extra):
+    """A tag whose op is kept (q) or dropped (v): gradients bitwise equal to plain autograd's, in a backward pass that
+    retains the graph, a second one that builds one (the recompute with a graph), on every call; q's product is
+    never recomputed, the untagged ``v @ W.t()`` is where the policy drops it (matmuls counted from outside, against
+    plain autograd's backward)."""
     W, h = leaf(6, 6), leaf(4, 6, seed=1)
     g = remat(_named_block, policy=policy)
-    for call in range(3):
-        with OpCounter({torch.ops.aten.alias.default}) as c:
-            out = g(W, h)
-        got = torch.autograd.grad(out, (W, h), retain_graph=True)
-        ref = torch.autograd.grad(_named_block(W, h), (W, h))
+    plain = _named_block(W, h)
+    with OpCounter() as plain_mm:
+        ref = torch.autograd.grad(plain, (W, h))
+    for _ in range(3):
+        out = g(W, h)
+        with OpCounter() as c:
+            got = torch.autograd.grad(out, (W, h), retain_graph=True)
         assert_tree_close(got, ref, rtol=0, atol=0)
+        assert c.count == plain_mm.count + extra
         assert_tree_close(torch.autograd.grad(out, (W, h), create_graph=True), ref, rtol=0, atol=0)  # (the graph one)
-        (plan,) = g._plans.values()
-        assert plan is not None
-        assert c.count == (2 if call == 0 else 2 - len(plan.skip_names))
-    assert 2 in plan.skip_names  # the q tag (op 2) at least: its matmul is held, not the tag
-    if policy == policies.save_only_these_names("q"):  # v's tag returns a tensor the value recompute takes: it stays
-        assert plan.values is not None and plan.skip_names == {2}
 
 
 def _tagged_chain(W, x):
@@ -172,21 +171,18 @@ def _tagged_chain(W, x):
 
 
 def test_a_kept_tag_of_a_dead_op_is_handed_back_not_recomputed_nor_a_placeholder():
-    """A tag a planned call lets go hands on its input: the tensor kept for the tag is then the dead matmul's output,
-    and the recompute hands it back instead of running the matmul or making a placeholder (counted from outside,
-    against plain autograd's backward); gradients bitwise equal to plain autograd's."""
+    """The tensor kept for the first tag is the dead matmul's output (nothing the recompute needs reads it), and the
+    recompute hands it back instead of running the matmul or making a placeholder (counted from outside, against
+    plain autograd's backward), on every call; gradients bitwise equal to plain autograd's."""
     W, x = leaf(6, 6), leaf(4, 6, seed=1)
     g = remat(_tagged_chain, policy=policies.save_only_these_names("mm"))
     counted = {torch.ops.aten.mm.default, torch.ops.aten.empty_strided.default, torch.ops.aten.fill_.Scalar}
     plain = _tagged_chain(W, x)
     with OpCounter(counted) as ref_count:
         ref = torch.autograd.grad(plain, (W, x))
-    for call in range(3):
+    for _ in range(3):
         out = g(W, x)
         with OpCounter(counted) as c:
             got = torch.autograd.grad(out, (W, x))
         assert_tree_close(got, ref, rtol=0, atol=0)
-        if call > 0:  # (planned calls; the first records)
-            assert c.count == ref_count.count
-    (plan,) = g._plans.values()
-    assert plan is not None and plan.values is not None and set(plan.kept_dead.values()) == {0}
+        assert c.count == ref_count.count

@@ -1,15 +1,15 @@
-"""Later calls follow the plan their signature's first call left (NOTE [fast path] and NOTE [planned calls] in
-``remat/_engine/plans.py``): exact, and recomputing what the first call recomputed.
+"""Every call of a signature, the first and the later ones, on plain autograd (the replay engine): exact (float64
+tight, float32 bitwise), the function's Python run once per call, and the backward pass recomputing what the policy
+drops and nothing past the last dropped tensor.
 
-A signature's first call runs the full engine and records; later calls run with saved-tensor hooks only
-(save-nothing) or under the planned call's small dispatch mode (every other policy). Whether a call ran fast is
-observed from inside the function, independently of remat's bookkeeping (``Probe``: the full engine's recorder is
-a ``TorchDispatchMode`` of ``remat._dispatch`` on the stack, the fast path's are ``Tap``, ``Replay`` and ``ValueReplay`` of ``remat._engine``).
-Gradients are compared with the plain function under the same inputs (float64 tight, float32 bitwise); what the
-backward pass recomputes is counted from outside with ``OpCounter``.
+What the backward pass runs is seen from outside (``OpLog``, ``OpCounter``): the ops it runs beyond plain
+autograd's backward on the same function are the recompute's (``aten.detach`` is autograd's own unpacking, not a
+recompute).
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
@@ -19,23 +19,41 @@ from torch import nn
 from remat import policies, remat
 from remat.bench.measure import live_bytes_after
 
-from .helpers import PLAN_POLICIES, OpCounter, Probe, assert_tree_close, chain, f32, f64, grads, leaf, mlp
+from .helpers import PLAN_POLICIES, OpCounter, OpLog, Probe, assert_tree_close, chain, f32, f64, grads, leaf, mlp
 
-# ---- save-nothing: later calls run with saved-tensor hooks only, exact ---------------------------------------------
+aten = torch.ops.aten
+
+
+def recomputed(plain_out, out, wrt, **kw):
+    """Run the backward passes of ``plain_out`` (plain autograd) and ``out`` (a remat call of the same function);
+    return ``out``'s gradients and the ops its backward pass ran beyond plain autograd's, by overload."""
+    with OpLog() as plain:
+        torch.autograd.grad(plain_out, wrt, **kw)
+    with OpLog() as log:
+        got = torch.autograd.grad(out, wrt, **kw)
+    extra = Counter(log.ops) - Counter(plain.ops)
+    del extra[aten.detach.default]
+    return got, extra
+
+
+# ---- save-nothing: exact on every call, the recompute replays ops ---------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [f64, f32], ids=["f64", "f32"])
-def test_later_calls_run_fast_and_exact(dtype):
+def test_every_call_is_exact_and_runs_the_python_once(dtype):
     probe = Probe()
     f = chain(probe)
     W, b, x = leaf(8, 8, dtype=dtype), leaf(8, dtype=dtype, seed=1), leaf(4, 8, dtype=dtype, seed=2)
     ref = grads(f, (W, b, x), (W, b, x))
     g = remat(f)
-    probe.modes.clear()
-    for _ in range(3):
-        assert_tree_close(grads(g, (W, b, x), (W, b, x)), ref)
-    # per call: the forward, then the recompute; the first call (forward and recompute) records
-    assert probe.fast_calls() == [False, False, True, True, True, True]
+    for call in range(1, 4):
+        probe.modes.clear()
+        got, extra = recomputed(f(W, b, x).sum(), g(W, b, x).sum(), (W, b, x))
+        assert_tree_close(got, ref)
+        assert len(probe.modes) == 2  # the plain call's and remat's forward pass: no Python in the backward pass
+        # save-nothing recomputes each layer (the last scaling's output is saved by nothing: not run again)
+        assert extra == {aten.mm.default: 3, aten.sin.default: 3, aten.add.Tensor: 3, aten.tanh.default: 3,
+                         aten.mul.Tensor: 2}, (call, extra)
 
 
 def test_recompute_stops_after_the_last_dropped_tensor():
@@ -44,7 +62,7 @@ def test_recompute_stops_after_the_last_dropped_tensor():
     def f(W, x):
         h = torch.tanh(x @ W)
         seen.append("a")
-        h = torch.sin(h)  # saves tanh's output again: the last tensor to drop
+        h = torch.sin(h)  # saves tanh's output: the last tensor to drop
         seen.append("b")
         out = (h * 3).sum()  # saves nothing: the recompute need not get here
         seen.append("c")
@@ -54,8 +72,10 @@ def test_recompute_stops_after_the_last_dropped_tensor():
     g = remat(f)
     for _ in range(2):
         seen.clear()
-        g(W, x).backward()
-    assert seen == ["a", "b", "c", "a"]
+        got, extra = recomputed(f(W, x), g(W, x), (W, x))
+        assert seen == ["a", "b", "c"] * 2  # plain f's forward pass and remat's: the backward pass runs no Python
+        assert extra == {aten.mm.default: 1, aten.tanh.default: 1}, extra  # no sin, no mul, no sum
+        assert_tree_close(got, grads(f, (W, x), (W, x)))
 
 
 def test_double_backward_and_second_backward():
@@ -63,17 +83,21 @@ def test_double_backward_and_second_backward():
     f = chain(probe)
     W, b, x = leaf(6, 6), leaf(6, seed=1), leaf(3, 6, seed=2)
     g = remat(f)
-    g(W, b, x).sum().backward()  # records
+    g(W, b, x).sum().backward()
     W.grad = None
     (gW,) = grads(f, (W, b, x), (W,), create_graph=True)
     ref = torch.autograd.grad(gW.pow(2).sum(), (W, x))
     (gW2,) = grads(g, (W, b, x), (W,), create_graph=True)
     assert_tree_close(torch.autograd.grad(gW2.pow(2).sum(), (W, x)), ref)
-    # retain_graph: a second backward pass recomputes again
-    out = g(W, b, x).sum()
-    first = torch.autograd.grad(out, (W,), retain_graph=True)
-    assert_tree_close(torch.autograd.grad(out, (W,)), first)
-    assert probe.fast_calls()[-3:] == [True, True, True]
+    # retain_graph: a second backward pass recomputes again (more tanhs than plain autograd's, each time), exact
+    probe.modes.clear()
+    out, plain = g(W, b, x).sum(), f(W, b, x).sum()
+    first, extra = recomputed(plain, out, (W,), retain_graph=True)
+    assert extra[aten.tanh.default] == 3
+    second, extra = recomputed(plain, out, (W,))
+    assert extra[aten.tanh.default] == 3
+    assert_tree_close(second, first)
+    assert len(probe.modes) == 2  # (the forward passes: no Python in either backward pass)
 
 
 def test_module_with_dropout_replays_random_numbers():
@@ -86,10 +110,9 @@ def test_module_with_dropout_replays_random_numbers():
         ref = torch.autograd.grad(block(x).sum(), (x, *block.parameters()))
         torch.manual_seed(step)
         assert_tree_close(torch.autograd.grad(rematted(x).sum(), (x, *block.parameters())), ref)
-    assert rematted._inner._plans and all(p is not None for p in rematted._inner._plans.values())
 
 
-def test_hf_gpt2_blocks_take_the_fast_path():
+def test_hf_gpt2_blocks_are_exact_and_recompute():
     transformers = pytest.importorskip("transformers")
     from remat import remat_modules
 
@@ -102,33 +125,35 @@ def test_hf_gpt2_blocks_take_the_fast_path():
     def step(seed):
         torch.manual_seed(seed)
         loss = model(ids, labels=ids).loss
-        return torch.autograd.grad(loss, list(model.parameters()))
+        with OpCounter() as c:  # the matmuls of the backward pass
+            got = torch.autograd.grad(loss, list(model.parameters()))
+        return got, c.count
 
     refs = [step(s) for s in range(3)]
     remat_modules(model, type(model.transformer.h[0]))
     for s in range(3):
-        assert_tree_close(step(s), refs[s])
-    plans = [p for blk in model.transformer.h for p in blk.forward._plans.values()]
-    assert plans and all(p is not None for p in plans)
+        got, matmuls = step(s)
+        assert_tree_close(got, refs[s][0])
+        assert matmuls > refs[s][1]  # save-nothing: the blocks' matmuls run again in the backward pass
 
 
-# ---- every other policy: a planned call recomputes what the recorded call did, exact -------------------------------
+# ---- every policy: each call recomputes what the policy drops, exact ----------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [f64, f32], ids=["f64", "f32"])
 @pytest.mark.parametrize("name", list(PLAN_POLICIES))
-def test_planned_calls_exact(name, dtype):
+def test_every_call_exact(name, dtype):
     W1, W2, x = leaf(8, 8, dtype=dtype), leaf(8, 8, dtype=dtype, seed=1), leaf(4, 8, dtype=dtype, seed=2)
     ref = grads(mlp, (W1, W2, x), (W1, W2, x))
     g = remat(mlp, policy=PLAN_POLICIES[name])
     for _ in range(3):
         assert_tree_close(grads(g, (W1, W2, x), (W1, W2, x)), ref)
-    assert g._plans and all(p is not None for p in g._plans.values())
 
 
 @pytest.mark.parametrize("name,matmuls", [("dots", 0), ("custom", 0), ("names", 2)])
-def test_planned_calls_replay_what_the_policy_saves(name, matmuls):
-    """Matmuls counted in the backward pass from outside: a planned call recomputes what the recorded one did."""
+def test_calls_recompute_what_the_policy_drops(name, matmuls):
+    """Matmuls counted in the backward pass from outside: no kept product is recomputed, on every call; under the
+    names policy the two untagged products are."""
     W1, W2, x = leaf(8, 8), leaf(8, 8, seed=1), leaf(4, 8, seed=2)
     g = remat(mlp, policy=PLAN_POLICIES[name])
     counts = []
@@ -141,7 +166,10 @@ def test_planned_calls_replay_what_the_policy_saves(name, matmuls):
     assert counts[0] == counts[1] == counts[2] == 6 + matmuls, counts
 
 
-def test_planned_call_with_dropout_replays_random_numbers():
+def test_a_call_with_dropout_replays_random_numbers():
+    """The recompute replays the dropout's mask (save-matmuls drops it), and the call draws from the generator what
+    plain autograd draws: the next random numbers are the same too."""
+
     def f(W, x):
         h = F.dropout(x @ W, 0.5, training=True)
         return torch.tanh(h @ W)
@@ -150,10 +178,9 @@ def test_planned_call_with_dropout_replays_random_numbers():
     g = remat(f, policy=policies.dots_saveable)
     for step in range(3):
         torch.manual_seed(step)
-        ref = grads(f, (W, x), (W, x))
+        ref = (*grads(f, (W, x), (W, x)), torch.rand(3))
         torch.manual_seed(step)
-        assert_tree_close(grads(g, (W, x), (W, x)), ref)
-    assert list(g._plans.values())[0].random
+        assert_tree_close((*grads(g, (W, x), (W, x)), torch.rand(3)), ref)
 
 
 @pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls"])
@@ -172,6 +199,6 @@ def test_forward_under_a_users_dispatch_mode_and_backward_outside(policy: str) -
 
     ref = torch.autograd.grad(attn(W, X).pow(2).sum(), W)[0]
     f = remat(attn, policy=policy)
-    for _ in range(3):  # the recorded call, then planned ones
+    for _ in range(3):
         loss, _ = live_bytes_after(lambda: f(W, X).pow(2).sum())
         assert_tree_close(torch.autograd.grad(loss, W)[0], ref, rtol=1e-10, atol=1e-10)

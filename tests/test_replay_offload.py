@@ -1,7 +1,8 @@
-"""Later calls under offload policies (NOTE [planned calls] and NOTE [offloaded and written] in
-``remat/_engine/plans.py`` and ``remat/_engine/planned.py``): exact on every call with every engine (prefetching or not, keeping the newest call on the
-device), letting go of the outputs they offloaded, watching them for writes; an in-place activation under an
-offload policy is planned; a write the plan cannot see leaves no plan.
+"""Calls under offload policies, the first of a signature and the later ones: exact on every call with every
+offload engine (prefetching or not, keeping the newest call on the device), letting go of the outputs they
+offloaded (weighed from outside), watching them for writes; an in-place activation under an offload policy is
+offloaded and exact; an offloaded product written in place is not run again (matmuls counted from outside); a write
+no version counter shows is exact.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from remat.bench.measure import live_bytes_after
 
 from .helpers import OpCounter, assert_tree_close, f32, f64, grads, keeping_engine, leaf, mlp_inplace
 
-# ---- offloaded outputs on planned calls: exact, let go of, watched for writes --------------------------------------
+# ---- offloaded outputs: exact, let go of, watched for writes -------------------------------------------------------
 
 
 def _offload_engine(kind):
@@ -28,11 +29,10 @@ def _offload_engine(kind):
 @pytest.mark.parametrize("policy", ["matmuls", "everything"])
 def test_a_gru_cell_with_its_products_offloaded_is_exact_on_every_call(policy, engine):
     """Review: ``nn.GRUCell`` on the CPU splits its gate products with ``unsafe_chunk`` (pieces with version counters
-    of their own) and writes them in place. The full engine sees the writes and gives a tensor saved after one a
-    copy of its own (NOTE [one copy per storage]); the planned calls, which see no write, shared the copy made
-    before it: a wrong gradient without an error from the second call on. A call that writes a storage with a
-    copy in it leaves no plan. Kept on the device (NOTE [keep last]), the product was written before its copy
-    went out, on every call: the engine looked for the product, gone, and not for the storage it keeps."""
+    of their own) and writes them in place: a tensor saved after a write needs a copy of its own (NOTE [one copy
+    per storage]), not the copy made before it (a wrong gradient without an error, once). Kept on the device (NOTE
+    [keep last]), the product is written before its copy goes out, on every call. Bitwise plain autograd's
+    gradients on every call."""
     from remat.offload import use_engine
     from remat.policies import Offloadable
 
@@ -58,11 +58,11 @@ def test_a_gru_cell_with_its_products_offloaded_is_exact_on_every_call(policy, e
     assert eng.stats["offloaded"] >= 3
 
 
-def test_planned_calls_let_go_of_the_outputs_they_offloaded():
-    """Review: a planned call held an alias of every output it offloaded for its recompute (to watch the output's
-    version after the forward pass), which kept the device bytes the offload had let go of: from the second call
-    on, offloading the matrix products kept them, as saving would. Counted from outside, by a dispatch mode that
-    weighs the storages the ops allocate and watches them die."""
+def test_calls_let_go_of_the_outputs_they_offloaded():
+    """Review: a call that holds an alias of every output it offloaded for its recompute (to watch the output's
+    version after the forward pass) keeps the device bytes the offload let go of: offloading the matrix products
+    keeps them, as saving would. Counted from outside, on every call, by a dispatch mode that weighs the storages
+    the ops allocate and watches them die."""
     from remat.offload import OffloadEngine, use_engine
     from remat.policies import Offloadable
 
@@ -88,9 +88,9 @@ def test_planned_calls_let_go_of_the_outputs_they_offloaded():
 
 
 @pytest.mark.parametrize("engine", ["default", "no-prefetch", "kept"])
-def test_a_detached_result_written_after_a_planned_call_raises(engine):
-    """Second review: a planned call watched the output it offloaded through a weak reference, dead once the call
-    returns only ``a.detach()``; kept on the device, the storage was read in place, written by the caller: a wrong
+def test_a_detached_result_written_after_the_call_raises_or_gives_the_values_saved(engine):
+    """Second review: a call that watches the output it offloaded through a weak reference, dead once the call
+    returns only ``a.detach()``; kept on the device, the storage is read in place, written by the caller: a wrong
     gradient without an error (plain autograd raises). The engine watches the output's own version counter while
     its copy has not read the bytes; once it has, the copy holds the values saved."""
     from remat.offload import use_engine
@@ -113,7 +113,7 @@ def test_a_detached_result_written_after_a_planned_call_raises(engine):
     g = remat(f, policy=only_mm)
     eng = _offload_engine(engine)
     with use_engine(eng):
-        loss, _ = g(W, x)  # (the first call, unwritten, leaves the plan)
+        loss, _ = g(W, x)  # (the first call, unwritten)
         assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(loss, (W, x)), clean))
         for _ in range(3):
             loss, r = g(W, x)
@@ -128,12 +128,10 @@ def test_a_detached_result_written_after_a_planned_call_raises(engine):
 
 
 @pytest.mark.parametrize("engine", ["default", "no-prefetch", "kept"])
-def test_an_offloaded_output_written_in_a_planned_call_is_not_read_written(engine):
-    """Third review: a planned call's offloaded matrix product, written in place after ``sin`` saved it (the write's
-    target depends on the data: the same op at the same index, so the plan holds). The call lets the held output
-    go, and the copy ``sin``'s saved tensor shares was watched through an alias made below autograd, which the write
-    does not move: kept on the device, the written storage was read in place (a wrong gradient without an error;
-    plain autograd raises). The engine watches the output's own counter from its version when it was held."""
+def test_an_offloaded_output_written_in_a_later_call_is_not_read_written(engine):
+    """Third review: a later call's offloaded matrix product, written in place after ``sin`` saved it (the write's
+    target depends on the data: the same op at the same index). Kept on the device, the written storage must not be
+    read in place (a wrong gradient without an error; plain autograd raises): a RematError, with every engine."""
     from remat.offload import use_engine
     from remat.policies import Offloadable
 
@@ -155,28 +153,25 @@ def test_an_offloaded_output_written_in_a_planned_call_is_not_read_written(engin
     saved = torch.autograd.grad((xn @ W).sin().mul(3).sum(), (W, xn))  # the values as saved
     g = remat(f, policy=only_mm)
     with use_engine(_offload_engine(engine)):
-        torch.autograd.grad(g(W, xp), (W, xp))  # (writes c: leaves the plan)
+        torch.autograd.grad(g(W, xp), (W, xp))  # (writes c)
         for _ in range(3):
-            if engine == "kept":
-                with pytest.raises(RematError, match="modified in place after it was saved"):
-                    torch.autograd.grad(g(W, xn), (W, xn))
-            else:  # (copied before the write: the gradient of the values saved, where plain autograd raises)
-                got = torch.autograd.grad(g(W, xn), (W, xn))
-                assert all(torch.equal(a, b) for a, b in zip(got, saved))
+            # as plain autograd: the replay engine watches what it offloaded for writes, whichever engine copies it
+            with pytest.raises(RematError, match="modified in place after it was saved"):
+                torch.autograd.grad(g(W, xn), (W, xn))
+    assert saved is not None
 
 
-# ---- an in-place activation under an offload policy is planned (NOTE [offloaded and written]) ----------------------
+# ---- an in-place activation under an offload policy ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("engine", ["default", "no-prefetch", "kept"])
 @pytest.mark.parametrize("dtype", [f64, f32], ids=["f64", "f32"])
-def test_an_in_place_activation_under_offload_is_planned_and_exact(dtype, engine):
-    """``h = relu_(x @ W)`` under ``offload_to_cpu``: the recorder offloads the product as the matmul returns, and
-    the ReLU writes it; every call ran on the full engine. A planned call copies saved tensors only, at their saves
-    (nothing was saved of the product before the write), so such a call is planned. Its gradients are the plain
-    function's, bit for bit, on every call; it offloads as many tensors as the recorded call; and what stays alive
-    after its forward pass, weighed from outside, is what the recorded call kept, far below plain autograd (but for
-    an engine that keeps the newest call on the device: NOTE [keep last])."""
+def test_an_in_place_activation_under_offload_is_offloaded_and_exact(dtype, engine):
+    """``h = relu_(x @ W)`` under ``offload_to_cpu``: the product is offloaded as the matmul returns, and the ReLU
+    writes it. The gradients are the plain function's, bit for bit, on every call; every call offloads as many
+    tensors as the first; and what stays alive after its forward pass, weighed from outside, is the same on every
+    call, far below plain autograd (but for an engine that keeps the newest call on the device: NOTE [keep
+    last])."""
     from remat.offload import use_engine
 
     def f(Ws, x):
@@ -193,8 +188,6 @@ def test_an_in_place_activation_under_offload_is_planned_and_exact(dtype, engine
             held.append(n)
             offloaded.append(eng.stats["offloaded"] - before)
             assert_tree_close(torch.autograd.grad(loss, Ws), torch.autograd.grad(f(Ws, x + call), Ws), rtol=0, atol=0)
-    (plan,) = g._plans.values()
-    assert plan is not None and plan.ops is None  # planned, with no dispatch mode
     _, plain = live_bytes_after(lambda: f(Ws, x))
     assert offloaded == [offloaded[0]] * 4 and offloaded[0] >= 6, offloaded  # (each layer: the ReLU's, the tanh's)
     assert held == [held[0]] * 4, held
@@ -202,11 +195,10 @@ def test_an_in_place_activation_under_offload_is_planned_and_exact(dtype, engine
         assert held[0] < plain // 4, (held, plain)
 
 
-def test_offloaded_matmuls_written_in_place_are_not_run_again_by_a_plan():
-    """Found by review: under ``offload_dot_with_no_batch_dims`` the ReLU writes each offloaded product, which a plan
-    does not hold; with the rest dropped, a plan without a mode recomputed the whole function, its matmuls too (8
-    in the backward pass instead of 5). A call that recomputes and wrote an offloaded output leaves no plan: the
-    full engine replays the products."""
+def test_offloaded_matmuls_written_in_place_are_not_run_again():
+    """Found by review: under ``offload_dot_with_no_batch_dims`` the ReLU writes each offloaded product; with the rest
+    dropped, recomputing the whole function runs its matmuls too (8 in the backward pass instead of 5). The
+    offloaded products are handed back: the backward pass runs plain autograd's matmuls only, on every call."""
     Ws, x = [leaf(16, 16, seed=i) for i in range(3)], leaf(8, 16, seed=9, grad=False)
     g = remat(mlp_inplace, policy=policies.offload_dot_with_no_batch_dims(None, "cpu"))
     counts = []
@@ -226,13 +218,11 @@ def _written_unseen(W0, W1, x):
     return (a @ W1).sum()  # the matmul saves a again, after the write
 
 
-@pytest.mark.parametrize("debug", [True, pytest.param(False, marks=pytest.mark.xfail(
-    strict=True, reason="NOTE [offloaded and written]: a plan without a mode sees no data-dependent write through a "
-    "version counter of its own"))])
-def test_a_data_dependent_write_through_data_needs_the_full_engine(debug):
-    """Found by review, and as old as plans without a mode: a later call writes, through ``.data``, a storage copied
-    for a save, which its signature's first call did not; the matmul's save after the write shares the copy made
-    before it. ``debug=True`` (the full engine on every call) is exact."""
+@pytest.mark.parametrize("debug", [False, True], ids=["replay", "debug"])
+def test_a_data_dependent_write_through_data_is_exact(debug):
+    """Found by review: a later call writes, through ``.data``, a storage copied for a save, which its signature's
+    first call did not; the matmul's save after the write must not share the copy made before it. Exact on every
+    call, with ``debug=True`` (the old engine) and without."""
     from remat.offload import OffloadEngine, use_engine
 
     W0, W1 = leaf(16, 16), leaf(16, 16, seed=1)
@@ -250,18 +240,18 @@ def _offload_but_recompute_exp(op, *args, **kwargs):
     return policies.Offloadable(None, "cpu", 0)
 
 
-def test_a_planned_write_into_another_storage_through_data_is_exact_under_a_mode():
-    """A plan with a dispatch mode (exp's and add's outputs are recomputed) whose recorded call wrote, through ``.data``, a
-    storage it had not copied (``r``); a later call's same op writes ``q``'s, copied for ReLU's save, and the
-    matmul saves ``q`` again after it. The tap tells the offload engine of the op's write, so that save gets a
-    copy of its own (before, it shared the copy made before the write: a wrong gradient without an error)."""
+def test_a_write_into_another_storage_through_data_on_a_later_call_is_exact():
+    """exp's and add's outputs are recomputed, the rest offloaded. The first call writes, through ``.data``, a
+    storage it had not copied (``r``); a later call's same op writes ``q``'s, copied for ReLU's save, and the matmul
+    saves ``q`` again after it: that save needs a copy of its own (sharing the copy made before the write gives a
+    wrong gradient without an error). Bitwise plain autograd's gradients on every call."""
     from remat.offload import OffloadEngine, use_engine
 
     branch = {"q": False}
 
     def f(W0, W1, x):
         q = torch.relu(x @ W0)  # ReLU saves q: copied
-        r = x + 1  # saved by nothing, recomputed (an output the recorder offloads and sees written leaves no plan)
+        r = x + 1  # saved by nothing, recomputed
         (q if branch["q"] else r).data.mul_(2)  # (the signature's first call writes r)
         return (q @ W1).sum() + (x @ W0).exp().sum()  # the matmul saves q again; exp's output: a recompute
 
@@ -269,21 +259,18 @@ def test_a_planned_write_into_another_storage_through_data_is_exact_under_a_mode
     x = torch.rand(8, 16, dtype=f64, generator=torch.Generator().manual_seed(2))
     g = remat(f, policy=_offload_but_recompute_exp)
     with use_engine(OffloadEngine()) as eng:
-        for call, on in enumerate((0, 0, 1, 1, 0)):
-            if call == 2:  # (the first call that writes q follows the plan; the full engine may take over after it)
-                (plan,) = g._plans.values()
-                assert plan is not None and plan.ops is not None  # planned, with a mode
+        for on in (0, 0, 1, 1, 0):
             branch["q"] = bool(on)
             want = torch.autograd.grad(f(W0, W1, x), (W0, W1))
             assert_tree_close(torch.autograd.grad(g(W0, W1, x), (W0, W1)), want, rtol=0, atol=0)
     assert eng.stats["offloaded"] > 0
 
 
-def test_superpoint_s_conv_blocks_with_in_place_relus_are_planned_under_offload():
+def test_superpoint_s_conv_blocks_with_in_place_relus_under_offload():
     """Real model code: transformers' SuperPoint encoder (convolutions, ``nn.ReLU(inplace=True)``, max pooling), random
     weights from a config, each conv block under ``remat_modules`` with ``offload_to_cpu``. Every call is bit-exact
-    against the plain encoder, and the blocks' later calls follow plans without a dispatch mode (before, the ReLUs'
-    writes sent every call to the full engine)."""
+    against the plain encoder, and offloads: what stays alive after the forward pass, weighed from outside, is a
+    fraction of what the plain encoder keeps."""
     import copy
 
     transformers = pytest.importorskip("transformers")
@@ -302,20 +289,16 @@ def test_superpoint_s_conv_blocks_with_in_place_relus_are_planned_under_offload(
         got = torch.autograd.grad(enc(xi)[0].sum(), (xi, *enc.parameters()))
         want = torch.autograd.grad(ref(xi)[0].sum(), (xi, *ref.parameters()))
         assert_tree_close(got, want, rtol=0, atol=0)
-    for name in names:
-        (plan,) = enc.get_submodule(name).forward._plans.values()
-        assert plan is not None and plan.ops is None, name
-    # and the planned calls offload: what stays alive after the forward pass, weighed from outside, is a fraction of
-    # what the plain encoder keeps
+    # and the calls offload: what stays alive after the forward pass, weighed from outside, is a fraction of what
+    # the plain encoder keeps
     _, held = live_bytes_after(lambda: enc(x)[0].sum())
     _, plain = live_bytes_after(lambda: ref(x)[0].sum())
     assert held < plain // 4, (held, plain)
 
 
-def test_a_write_into_a_storage_offloaded_for_a_save_still_leaves_no_plan():
-    """NOTE [offloaded and written]: ``unsafe_split`` pieces have version counters of their own; the second piece's
-    write lands in a storage the first piece's save copied, which a call without a dispatch mode would not see
-    (the piece saved after it would share the stale copy). Such a recorded call leaves no plan, and every call is
+def test_a_write_into_a_storage_offloaded_for_a_save_is_exact():
+    """``unsafe_split`` pieces have version counters of their own; the second piece's write lands in a storage the
+    first piece's save copied (the piece saved after it must not share the stale copy). Every call is bitwise
     exact."""
     W, x = leaf(4, 6), leaf(3, 4, seed=1)
 
@@ -327,4 +310,3 @@ def test_a_write_into_a_storage_offloaded_for_a_save_still_leaves_no_plan():
     want = grads(f, (W, x), (W, x))
     for _ in range(3):
         assert_tree_close(grads(g, (W, x), (W, x)), want, rtol=0, atol=0)
-    assert list(g._plans.values()) == [None]

@@ -1,7 +1,8 @@
-"""A planned call's recompute without a graph (NOTE [value recompute] in ``remat/_engine/planned.py``): it runs
-the function under no_grad and takes the dropped tensors as the ops return them, bitwise equal to plain autograd;
-a call that needs a graph (a double backward, other ops without one, hooks on intermediates) recomputes with one;
-the tensor taken is the one the node saved (written values, factories, the data's choice, parameters).
+"""What the recompute hands the backward pass, on the first and later calls of a signature: bitwise plain
+autograd's gradients, with the function's Python run once per call (the recompute replays its ATen ops) and more ops
+in the backward pass than plain autograd's (the recompute's, seen from outside); a double backward, a function that
+runs other ops without grad mode, hooks on intermediates; the tensor handed back is the one the node saved (written
+values, factories, the data's choice, parameters).
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from torch import nn
 
 from remat import RematError, checkpoint_name, policies, remat, remat_module
 
-from .helpers import PLAN_POLICIES, SquareWritingItsSaved, assert_tree_close, f32, f64, grads, leaf, mlp
+from .helpers import PLAN_POLICIES, OpLog, SquareWritingItsSaved, assert_tree_close, f32, f64, grads, leaf, mlp
 
-# ---- without a graph, exact; with one where the call needs it ------------------------------------------------------
+# ---- exact, the Python run once, a recompute in the backward pass ---------------------------------------------------
 
 
 class GradModes:
-    """Inside the function: whether grad mode was on, per run (the forward pass, then each recompute)."""
+    """Inside the function: whether grad mode was on, per run of its Python (each forward pass; a recompute that ran
+    the Python again would add one)."""
 
     def __init__(self, fn):
         self.fn, self.modes = fn, []
@@ -54,10 +56,9 @@ VALUE_CASES = {  # (function, policy): each drops tensors and holds others for i
 
 @pytest.mark.parametrize("dtype", [f64, f32], ids=["f64", "f32"])
 @pytest.mark.parametrize("case", list(VALUE_CASES))
-def test_a_planned_recompute_runs_without_a_graph_and_is_exact(case, dtype):
-    """A planned call's recompute runs the function under no_grad (seen from inside it) and takes the dropped
-    tensors as its ops return them; gradients bitwise equal to plain autograd's (the recorded call's recompute,
-    which saves, runs with grad mode on)."""
+def test_a_recompute_is_exact_and_runs_no_python(case, dtype):
+    """Each call's backward pass runs more ops than plain autograd's (a recompute ran) and the function's Python
+    ran once per call, in its forward pass, with grad mode on; gradients bitwise equal to plain autograd's."""
     which, policy = VALUE_CASES[case]
     if which == "block":
         params, x = block_inputs(dtype)
@@ -65,19 +66,23 @@ def test_a_planned_recompute_runs_without_a_graph_and_is_exact(case, dtype):
     else:
         fn, args = mlp, (leaf(8, 8, dtype=dtype), leaf(8, 8, dtype=dtype, seed=1), leaf(4, 8, dtype=dtype, seed=2))
     wrt = [t for t in torch.utils._pytree.tree_leaves(args) if t.requires_grad]
-    ref = grads(fn, args, wrt)
+    plain_out = fn(*args).sum()
+    with OpLog() as plain:
+        ref = torch.autograd.grad(plain_out, wrt)
     probe = GradModes(fn)
     g = remat(probe, policy=policy)
     for _ in range(3):
-        got = grads(g, args, wrt)
+        out = g(*args).sum()
+        with OpLog() as log:
+            got = torch.autograd.grad(out, wrt)
         assert all(torch.equal(a, b) for a, b in zip(got, ref))  # (the same kernels: bitwise)
-    # the recorded call and its recompute, then two planned calls recomputed without a graph
-    assert probe.modes == [True, True, True, False, True, False], probe.modes
+        assert len(log.ops) > len(plain.ops)
+    assert probe.modes == [True, True, True], probe.modes
 
 
-def test_a_planned_recompute_for_a_double_backward_builds_its_graph():
-    """create_graph=True: the backward pass differentiates what the recompute made, so the recompute builds the
-    graph (grad mode on inside the function); the second backward pass recomputes again, without one."""
+def test_a_recompute_for_a_double_backward_is_exact():
+    """create_graph=True: the backward pass differentiates what the recompute made; the double backward's gradients
+    are plain autograd's, and the function's Python ran once per call."""
     W1, W2, x = leaf(8, 8), leaf(8, 8, seed=1), leaf(4, 8, seed=2)
     probe = GradModes(mlp)
     g = remat(probe, policy=policies.dots_saveable)
@@ -85,13 +90,13 @@ def test_a_planned_recompute_for_a_double_backward_builds_its_graph():
     gw = grads(g, (W1, W2, x), (W1,), create_graph=True)[0]
     want = grads(mlp, (W1, W2, x), (W1,), create_graph=True)[0]
     assert_tree_close(torch.autograd.grad(gw.pow(2).sum(), (W2, x)), torch.autograd.grad(want.pow(2).sum(), (W2, x)))
-    assert probe.modes == [True, True, True, True, False], probe.modes
+    assert probe.modes == [True, True], probe.modes
 
 
-def test_a_function_that_runs_other_ops_without_a_graph_recomputes_with_one():
+def test_a_function_that_runs_other_ops_without_grad_mode_is_exact():
     """torch's TransformerEncoderLayer in eval mode takes its fused path when grad mode is off (one op instead of
-    ~40): the recompute without a graph sees another op and gives way to the recompute with one, for this call
-    and the signature's later ones; gradients exact."""
+    ~40): the recompute must make what the forward pass (grad mode on) made; gradients exact on every call, the
+    Python run once per call."""
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dtype=f64).eval()
     x = leaf(2, 5, 16)
@@ -100,15 +105,13 @@ def test_a_function_that_runs_other_ops_without_a_graph_recomputes_with_one():
     g = remat(probe, policy=policies.dots_saveable)
     for _ in range(3):
         assert_tree_close(grads(g, (x,), (x, *layer.parameters())), ref)
-    # recorded; planned: tried without a graph, then with one; planned: with one from the start
-    assert probe.modes == [True, True, True, False, True, True, True], probe.modes
+    assert probe.modes == [True, True, True], probe.modes
 
 
 @pytest.mark.parametrize("what", ["register_hook", "retain_grad"])
-def test_a_function_that_needs_grad_mode_recomputes_with_a_graph(what):
-    """Review: ``h.register_hook`` or ``h.retain_grad()`` on an intermediate raises without grad mode: the
-    recompute without a graph gives way to the one with it (which runs them), for the signature's later calls
-    too; exact."""
+def test_a_function_that_needs_grad_mode_is_exact(what):
+    """Review: ``h.register_hook`` or ``h.retain_grad()`` on an intermediate raises without grad mode: a recompute
+    that ran the Python without a graph would fail; the hook runs once per backward pass, exact on every call."""
     def f(W, x):
         h = torch.sin(x @ W)
         if what == "register_hook":
@@ -123,18 +126,17 @@ def test_a_function_that_needs_grad_mode_recomputes_with_a_graph(what):
     g = remat(probe, policy=policies.dots_saveable)
     for _ in range(3):
         assert all(torch.equal(a, b) for a, b in zip(grads(g, (W, x), (W, x)), ref))
-    assert probe.modes == [True, True, True, False, True, True, True], probe.modes
+    assert probe.modes == [True, True, True], probe.modes
 
 
-# ---- the tensor the recompute takes is the one the node saved ------------------------------------------------------
+# ---- the tensor the recompute hands back is the one the node saved --------------------------------------------------
 
 
 @pytest.mark.parametrize("name", ["dots", "custom"])
 def test_a_dropped_tensor_written_before_it_was_saved_comes_back_written(name):
-    """A tensor written in place between the op that made it and the op that saved it: the recompute without a
-    graph takes it where the forward pass's ops last returned it and runs on to the op that saved it (an in-place
-    op's version moves after the op returns), so it holds the written value and its version; exact, no false
-    RematError. A write after the save raises, as in plain autograd (NOTE [written after saved])."""
+    """A tensor written in place between the op that made it and the op that saved it: the recompute hands back the
+    written value with its version; exact, no false RematError, the Python run once per call. A write after the
+    save raises, as in plain autograd (NOTE [written after saved])."""
     def f(W, x, after=False):
         h = torch.sin(x @ W)
         h.mul_(1.5)
@@ -149,7 +151,7 @@ def test_a_dropped_tensor_written_before_it_was_saved_comes_back_written(name):
     g = remat(probe, policy=PLAN_POLICIES[name])
     for _ in range(3):
         assert all(torch.equal(a, b) for a, b in zip(grads(g, (W, x), (W, x)), ref))
-    assert probe.modes[-2:] == [True, False]
+    assert probe.modes == [True, True, True], probe.modes
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         grads(f, (W, x, True), (W, x))
     g2 = remat(lambda W, x: f(W, x, True), policy=PLAN_POLICIES[name])
@@ -162,9 +164,8 @@ def test_a_dropped_tensor_written_before_it_was_saved_comes_back_written(name):
 @pytest.mark.parametrize("name", ["dots", "custom"])
 def test_a_backward_that_writes_a_recomputed_tensor_another_node_reads_raises(name, view):
     """Review: a node's backward writes the recomputed tensor it read, which another node saved too (or a view of
-    it): plain autograd raises, and so must every call, planned ones on the value recompute included (versions
-    noted in the recompute and compared when read; not noting them for plans without an in-place op gave a
-    wrong gradient without an error)."""
+    it): plain autograd raises, and so must every call (versions noted in the recompute and compared when read; not
+    noting them gave a wrong gradient without an error)."""
     def f(x, w):
         a = (x @ w).sin()
         other = (a.t() @ x).sum() if view else a.cos().sum()
@@ -178,15 +179,14 @@ def test_a_backward_that_writes_a_recomputed_tensor_another_node_reads_raises(na
     for _ in range(3):
         with pytest.raises(RematError, match="in place"):
             torch.autograd.grad(g(x, w), (x, w))
-    assert probe.modes[-2:] == [True, False]  # the planned call's recompute ran without a graph
+    assert probe.modes == [True, True, True], probe.modes
 
 
 @pytest.mark.parametrize("factory", ["rand_like", "zeros_like", "randn"])
 def test_a_factory_output_then_a_detach_of_your_own(factory):
-    """Review: torch's binding detaches a factory's output that Python holds as it returns; the recompute without a
-    graph held what it took strongly, so an extra detach came first and was taken for the function's own
-    ``s.detach()`` (the dropped tensor then came from the factory: a wrong gradient without an error). What the
-    ops return is held weakly until the next op."""
+    """Review: torch's binding detaches a factory's output that Python holds as it returns; an extra detach must not
+    be taken for the function's own ``s.detach()`` (the dropped tensor would then come from the factory: a wrong
+    gradient without an error). Bitwise exact on every call, under the same seed."""
     make = {"rand_like": torch.rand_like, "zeros_like": torch.zeros_like,
             "randn": lambda y: torch.randn(y.shape, dtype=y.dtype)}[factory]
 
@@ -206,13 +206,13 @@ def test_a_factory_output_then_a_detach_of_your_own(factory):
         torch.manual_seed(0)
         got = torch.autograd.grad(g(W, x), (W, x))
         assert all(torch.equal(a, b) for a, b in zip(got, ref))
-    assert probe.modes[-2:] == [True, False]
+    assert probe.modes == [True, True, True], probe.modes
 
 
 def test_a_named_parameter_updated_between_steps():
-    """Review: the recompute without a graph compared a dropped tensor's version with the recorded call's; a
-    ``checkpoint_name`` alias of a parameter shares its version counter, which an optimizer step moves, so every
-    later step raised a false RematError. The versions are read in the recompute, where the forward saved them."""
+    """Review: a recompute that compared a dropped tensor's version with an earlier call's raised a false RematError
+    on every later step: a ``checkpoint_name`` alias of a parameter shares its version counter, which an optimizer
+    step moves. Bitwise plain autograd's gradients on every step."""
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
@@ -244,10 +244,9 @@ def test_a_named_parameter_updated_between_steps():
 
 @pytest.mark.parametrize("policy", ["dots", "custom"])
 def test_a_dropped_tensor_chosen_by_the_data_is_recomputed_from_its_own_op(policy):
-    """Which of two tensors of one shape a node saves depends on the data. The value recompute took each dropped
-    tensor from the op the recorded call saw make it: the sine where a planned call had saved the cosine, a wrong
-    gradient without an error. A planned call now checks that each dropped tensor is the one the plan takes (by
-    identity, as the tap saw the op return it); another one sends that call to the recompute that saves."""
+    """Which of two tensors of one shape a node saves depends on the data. A recompute that took each dropped tensor
+    from the op an earlier call saw make it took the sine where this call had saved the cosine, a wrong gradient
+    without an error. Exact on every call, whichever the data picks."""
     W = leaf(4, 4)
 
     def f(W, x):
@@ -261,5 +260,3 @@ def test_a_dropped_tensor_chosen_by_the_data_is_recomputed_from_its_own_op(polic
         x = leaf(3, 4, seed=1, grad=False).clone()
         x[0, 0] = sign * x[0, 0].abs()
         assert_tree_close(torch.autograd.grad(g(W, x), W), torch.autograd.grad(f(W, x), W))
-    (plan,) = g._plans.values()
-    assert plan is not None and plan.values is not None  # planned, with a value recompute for the recorded wiring
