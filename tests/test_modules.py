@@ -466,7 +466,7 @@ def test_parameter_modified_in_place_before_backward_raises(clean_after: None) -
     with torch.no_grad():
         m.body[0].weight.add_(1)  # an optimizer step before the backward pass
     with pytest.raises(RematError, match=r"Sequential\.forward read from outside its arguments "
-                                         r"\(shape \[4, 4, 3, 3\]\).*modified in place"):
+                                         r"\(Sequential\.0\.weight, shape \[4, 4, 3, 3\]\).*modified in place"):
         loss.backward()
 
 

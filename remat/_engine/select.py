@@ -114,7 +114,7 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
             return out
         # 5. the replay engine
         if traced:
-            frame = TraceFrame(run, flat, name, call_policy, default_engine())
+            frame = TraceFrame(run, flat, name, call_policy, default_engine(), state.label_of)
             return frame.forward()
         # 6. a plan for this signature
         plan = owner._plans.get(key) if key is not None else None

@@ -222,8 +222,10 @@ class _Serving(Half):
                     i = trace.inputs.get(s)
                     if i is not None:
                         raise input_written_before_backward(self.fn_name, i, t)
+                    label = self.describe(t)
                     raise RematError(
-                        f"remat: a tensor that {self.fn_name} read from outside its arguments (shape "
+                        f"remat: a tensor that {self.fn_name} read from outside its arguments ("
+                        f"{label + ', ' if label else ''}shape "
                         f"{list(t.shape)}) was modified in place after the forward pass read it (version {v0} -> "
                         f"{t._version}); the recompute would read the new value. Plain autograd refuses this too "
                         "when it saved the tensor. Modify it after the backward pass, or clone it first."
@@ -262,8 +264,10 @@ class TraceFrame(_Serving):
     """One call of a remat'd function on the replay engine."""
 
     def __init__(self, run_fn: Callable[[list[Any]], Any], flat: list[Any], fn_name: str,
-                 policy: Callable[..., Any], engine: Any) -> None:
+                 policy: Callable[..., Any], engine: Any,
+                 describe: Callable[[Tensor], str | None] = lambda t: None) -> None:
         self.run = run_fn
+        self.describe = describe  # the module attribute an outside tensor came from, for messages
         self.flat: list[Any] = list(flat)
         self.fn_name = fn_name
         self.engine = engine
