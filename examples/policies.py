@@ -10,8 +10,9 @@ under each policy, and for each one prints:
 * the bytes of tensors allocated in the forward pass and still alive when it
   ends (activation memory held until the backward pass), counted from outside
   remat by a dispatch mode that watches which storages stay alive;
-* how many times the block's Python function ran (2 = forward only, 4 = the
-  backward pass recomputed both blocks) and how many matrix products the backward
+* how many times the block's Python function ran (2: once per block under every
+  policy, since the backward pass replays the ATen ops the forward pass recorded
+  and never runs the Python again) and how many matrix products the backward
   pass ran (plain autograd runs 2 per forward product; more means products were
   recomputed);
 * whether the loss and every gradient are bitwise equal to plain autograd.
@@ -153,7 +154,7 @@ def main() -> None:
     print(f"{'policy':<72} {'held MiB':>9} {'block calls':>11} {'bwd matmuls':>11}  equal")
     for name, r, same in rows:
         print(f"{name:<72} {r['held'] / 2**20:>9.2f} {r['calls']:>11} {r['bwd_matmuls']:>11}  {same}")
-    print(f"(block calls: {blocks} = no recompute; {2 * blocks} = every block recomputed in the backward pass. "
+    print(f"(block calls: {blocks} = once per block; a recompute replays the recorded ops, not the Python. "
           f"bwd matmuls: {base['bwd_matmuls']} = no product recomputed.)")
     bad = [name for name, _, same in rows if not same]
     if bad:

@@ -418,6 +418,18 @@ def is_compiling() -> bool:
 # The C guard skips Python dispatch for the one call; only for plain tensors, whose detach no subclass defines.
 # With no mode pushed (in a mode's handler, where its own is popped, or under none) there is nothing to skip, and
 # the guard would cost more than the detach (1.0 against 0.4 us).
+def below_autograd() -> contextlib.AbstractContextManager[Any]:
+    """Run ops below autograd and below ``ADInplaceOrView``: no graph, no view bookkeeping, no version bumps.
+
+    The replay engine's recompute (NOTE [replay] in ``_engine/replaying.py``) calls the recorded ATen overloads
+    again and needs none of that: a version bump made by a replayed in-place op (``squeeze_`` on an alias of a
+    kept value, a write into a replayed value) would move the counter of a tensor autograd holds and make its
+    unpack fail; and skipping both layers is faster than ``torch.no_grad()``. No public API dispatches below
+    ``ADInplaceOrView`` (``torch.no_grad`` stays above it); torch's own functionalization and custom ops use this
+    guard."""
+    return torch._C._AutoDispatchBelowADInplaceOrView()  # type: ignore[no-any-return]
+
+
 def detach_below_modes(t: torch.Tensor) -> torch.Tensor:
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
         if no_modes_pushed():

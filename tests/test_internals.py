@@ -293,3 +293,17 @@ def test_made_hands_each_recomputed_tensor_back_once_and_refuses_one_it_did_not_
     written.add_(1)
     with pytest.raises(RematError, match="modified|written"):
         made.take_if_made("f", 3)
+
+
+def test_below_autograd_runs_in_place_ops_without_a_graph_or_a_version_bump() -> None:
+    """The replay engine's recompute runs below autograd and ADInplaceOrView (NOTE [replay])."""
+    x = torch.ones(3, requires_grad=True)
+    y = x * 2
+    v = y._version
+    with ti.below_autograd():
+        z = torch.ops.aten.mul.Tensor(y, y)
+        torch.ops.aten.mul_.Tensor(z, 2)
+        torch.ops.aten.squeeze_.default(y.detach())
+    assert z.grad_fn is None and not z.requires_grad
+    assert y._version == v
+    assert torch.equal(z, torch.full((3,), 8.0))

@@ -16,7 +16,6 @@ keeps only its inputs, whatever the inner policy.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import itertools
 import json

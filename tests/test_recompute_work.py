@@ -90,7 +90,10 @@ def test_a_saved_tensor_read_twice_is_recomputed_again() -> None:
 # ---- a tensor built from Python data inside the function -------------------------------------------------
 
 
-def test_a_constant_from_numpy_is_not_held_between_forward_and_backward() -> None:
+def test_a_constant_from_numpy_is_held_as_plain_autograd_holds_it_and_let_go_after() -> None:
+    """``x * torch.from_numpy(arr)``: ``mul`` saves the constant (x needs a gradient), so plain autograd holds it
+    between the passes. The replay engine cannot build it again without running the Python (which it never does):
+    it holds it as plain autograd does, reads it in the replay, and lets it go with the graph."""
     refs: list[weakref.ref] = []
 
     def f(x: torch.Tensor) -> torch.Tensor:
@@ -99,12 +102,19 @@ def test_a_constant_from_numpy_is_not_held_between_forward_and_backward() -> Non
         return (x * torch.from_numpy(arr)).sin().sum()
 
     x = seeded_randn(1 << 18).requires_grad_()
-    (want,) = torch.autograd.grad(f(x), x)
+    loss = f(x)
+    gc.collect()
+    assert refs[-1]() is not None  # plain autograd holds it
+    (want,) = torch.autograd.grad(loss, x)
+    del loss
     loss = remat(f)(x)
     gc.collect()
-    assert refs[-1]() is None  # remat holds neither the tensor nor its numpy buffer
+    assert refs[-1]() is not None
     (got,) = torch.autograd.grad(loss, x)
     assert torch.equal(got, want)
+    del loss
+    gc.collect()
+    assert refs[-1]() is None  # let go with the graph
     assert len(refs) == 2  # the Python ran once per call (the replay engine replays the recorded ops)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from remat import RematError, policies, remat
+from remat import policies, remat
 from remat.bench.measure import live_bytes_after
 
 from .helpers import PLAN_POLICIES, OpCounter, assert_tree_close, f64, leaf, mlp, peak_bytes_of

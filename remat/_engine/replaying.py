@@ -29,7 +29,7 @@ from .._context import internal
 from .._errors import RematError
 from .trace import Step, Trace
 
-__all__ = ["plan", "run"]
+__all__ = ["plan", "run", "ancestors"]
 
 Tensor = torch.Tensor
 
@@ -72,6 +72,22 @@ def plan(trace: Trace, wanted: set[int], available: Callable[[int], bool]) -> li
     return out
 
 
+def ancestors(trace: Trace, slots: set[int]) -> set[int]:
+    """Every slot the values of ``slots`` were computed from (writes into their storages included): NOTE [unused
+    outputs] in traced.py."""
+    anc = set(slots)
+    keys = {trace.key_of.get(s, 0) for s in slots} - {0}
+    for step in reversed(trace.steps):
+        if any(o in anc for o in step.outs) or any(k in keys for k in step.writes):
+            for _, _, s in step.refs:
+                if s not in anc:
+                    anc.add(s)
+                    k = trace.key_of.get(s, 0)
+                    if k:
+                        keys.add(k)
+    return anc
+
+
 def run(trace: Trace, steps: list[Step], wanted: set[int], source: Callable[[int], Tensor],
         graph: bool) -> dict[int, Tensor]:
     """Replay ``steps``; return the ``wanted`` slots' values (NOTE [replay])."""
@@ -102,7 +118,7 @@ def run(trace: Trace, steps: list[Step], wanted: set[int], source: Callable[[int
             es.enter_context(torch.enable_grad())
             es.enter_context(ti.saved_tensors_hooks_set_aside())
         else:
-            es.enter_context(torch.no_grad())
+            es.enter_context(ti.below_autograd())
         for dev in ("cpu", "cuda"):
             if torch.is_autocast_enabled(dev):
                 es.enter_context(torch.autocast(dev, enabled=False))
@@ -126,6 +142,9 @@ def run(trace: Trace, steps: list[Step], wanted: set[int], source: Callable[[int
                         if args[key] is step.args[key]:
                             args[key] = list(args[key])
                         args[key][j] = v
+                if step.inplace_view:
+                    # (on an alias: the value it reshapes may be a kept value or an outside tensor, read again later)
+                    args[0] = args[0].view_as(args[0]) if graph else args[0].detach()
                 if step.rng is not None:
                     gen, state = step.rng
                     if id(gen) not in gens:

@@ -81,7 +81,7 @@ class OpInfo:
     """What an op's schema says that the trace needs, computed once per overload."""
 
     __slots__ = ("written", "written_kw", "random", "pins", "hidden", "mutable", "tpos", "simple", "view", "trusted",
-                 "call")
+                 "call", "inplace_view")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
@@ -107,6 +107,10 @@ class OpInfo:
                     written.append(i)
             elif not a.kwarg_only and a.name in hidden_names:
                 hidden.append(i)  # NOTE [outside writes]: a write the schema does not declare
+        # (squeeze_, transpose_, as_strided_: they change a tensor's shape, not its data; replayed on an alias)
+        self.inplace_view = torch.Tag.inplace_view in func.tags
+        if self.inplace_view:
+            written = []
         self.written = tuple(written) + tuple(hidden)
         self.written_kw = tuple(written_kw)
         self.hidden = bool(hidden)
@@ -123,7 +127,7 @@ class OpInfo:
         # the common case, recorded by the short path: tensors only as positional arguments, no write, no draw, not
         # a factory (which pins its dtype), a schema to trust
         self.simple = (not other and not self.mutable and not self.random and bool(tpos) and self.trusted
-                       and func is not ALIAS)
+                       and func is not ALIAS and not self.inplace_view)
 
 
 def _tensor_kind(t: Any) -> int:
@@ -149,13 +153,14 @@ def op_info(func: Any) -> OpInfo:
 class Step:
     """One recorded op: ``op(*args, **kwargs)`` with the tensors at ``refs`` taken from slots."""
 
-    __slots__ = ("op", "call", "args", "kwargs", "refs", "outs", "spec", "rng", "grad", "decision", "writes",
+    __slots__ = ("op", "call", "args", "kwargs", "refs", "outs", "inplace_view", "spec", "rng", "grad", "decision", "writes",
                  "nograd_outs", "replayable", "index")
 
     def __init__(self, op: Any, call: Any, args: list[Any], kwargs: dict[str, Any],
                  refs: list[tuple[Any, int, int]]) -> None:
         self.op = op
         self.call = call
+        self.inplace_view = False  # changes its argument's shape in place: replayed on an alias of it
         self.args = args  # tensors replaced by None
         self.kwargs = kwargs
         self.refs = refs  # (argument index or keyword, position in a list argument or -1, slot)
@@ -330,6 +335,11 @@ class Trace:
             if t is not None and type(t) is not weakref.ref:
                 self.stash[s] = t.detach()
         self.raw.clear()
+        # the versions a write after the forward pass would move (the forward's own writes copied the values
+        # before them, and its squeeze_ & co. moved the counter without changing a value)
+        for s, t in self.stash.items():
+            if type(t) is not weakref.ref:
+                self.stash_versions[s] = t._version
 
     def before_write(self, t: Tensor) -> int:
         """NOTE [outside writes]: an op is about to write ``t`` in place; return its storage key."""
@@ -486,6 +496,7 @@ class Tracer(TorchDispatchMode):
                 tkw[k] = None
         step = Step(func, info.call, targs, tkw, refs)
         step.index = len(trace.steps)
+        step.inplace_view = info.inplace_view
         if info.mutable:
             keys = []
             for i in info.written:

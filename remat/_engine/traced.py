@@ -17,6 +17,14 @@ NOTE [nested replay]
     too, so it can replay what it dropped; the inner call's replay fetches what it needs from the parent, which
     replays in turn. Two-level checkpointing, with no Python run twice at any level.
 
+NOTE [unused outputs]
+    When the backward pass differentiates only some outputs of a call (``a, b = f(x, y)``, then
+    ``a.sum().backward()``), the replay makes only the dropped tensors the used outputs were computed from, as
+    JAX's dead-code elimination does (``test_remat_eqn_dce``). An output is unused when the engine will not run
+    its node (``_torch_internals.will_engine_execute``, asked as ``register_multi_grad_hook`` asks; a prehook notes
+    the nodes it ran already, which it no longer reports). A dropped tensor skipped and read after all (a double
+    backward reaches the forward's nodes through the first backward's graph) makes the replay run again in full.
+
 NOTE [graph replay]
     A backward pass that builds a graph (``create_graph=True``, double backward) needs the dropped tensors with
     their history. Then the replay reads only outside tensors (the inputs with their history), ignores kept
@@ -35,6 +43,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
 
 from .. import _outside as ox
@@ -47,7 +56,7 @@ from .._policies import Offloadable, Recompute
 from .._torch_internals import saved_tensors_hooks
 from .capture import holdable
 from .region import NeedsRegion, forward_pass
-from .replaying import plan, run
+from .replaying import ancestors, plan, run
 from .trace import Trace, Tracer
 
 __all__ = ["TraceFrame", "traceable"]
@@ -72,6 +81,20 @@ class _Pack:
         self.ref: Any = None  # a dropped tensor, weakly: written in place since it was saved, it raises
         self.dtype: Any = None
         self.aliases: list[Any] = []  # weak references to the dropped tensor's views and base
+
+
+class _Ran:
+    """A prehook on an output's node noting that the backward pass ran it (NOTE [unused outputs]); it holds the
+    frame weakly (the node would hold the frame: a cycle through the graph)."""
+
+    __slots__ = ("frame", "ran", "__weakref__")
+
+    def __init__(self, frame: Any) -> None:
+        self.frame = weakref.ref(frame)
+        self.ran = False
+
+    def __call__(self, grad_outputs: Any) -> None:
+        self.ran = True
 
 
 def _alive(ref: Any) -> Any:
@@ -156,8 +179,16 @@ class _Serving(Half):
         self._check_unwritten(p)
         entry = self.caches.get(graph)
         if entry is None or s not in entry[0]:
-            entry = self.caches[graph] = self._replay(graph)
-            ti.queue_backward_callback(self._release_later())
+            entry = self.caches[graph] = self._replay(graph, full=s in self.skipped)
+            if s not in entry[0]:
+                # NOTE [unused outputs]: one the analysis skipped is read after all: everything, this time
+                entry = self.caches[graph] = self._replay(graph, full=True)
+            if not ti.queue_backward_callback(self._release_later()):
+                # read outside a backward pass (``grad_fn._saved_self``): nothing ends it, so nothing is kept
+                made, left, versions = entry
+                self.caches.pop(graph, None)
+                t = made[s]
+                return t
         made, left, versions = entry
         t = made[s]
         if t._version != versions[s]:
@@ -169,10 +200,22 @@ class _Serving(Half):
             del left[s]
         return t
 
-    def _replay(self, graph: bool) -> tuple[dict[int, Tensor], Counter[int], dict[int, int]]:
+    def _replay(self, graph: bool, full: bool = False) -> tuple[dict[int, Tensor], Counter[int], dict[int, int]]:
         self.recomputes += 1
         trace = self.trace
         wanted = set(self.counts)
+        self.skipped = set()
+        if self._outs and not graph and not self.forwarding and not full:
+            used = set()
+            for ref, s, version, ran in self._outs:
+                t, hook = ref(), ran()
+                if t is None or hook is None or hook.ran or t._version != version or t.grad_fn is None \
+                        or ti.will_engine_execute(t.grad_fn):
+                    used.add(s)
+            if len(used) < len(self._outs):
+                anc = ancestors(trace, used)
+                self.skipped = {s for s in wanted if s not in anc}
+                wanted -= self.skipped
         available = self._available(graph)
         steps = plan(trace, wanted, available)
         if graph:
@@ -282,6 +325,8 @@ class TraceFrame(_Serving):
         self.kept: dict[int, list[_Pack]] = {}  # kept op-made slot -> its packs (a name may drop it later)
         self.offloaded: dict[int, Any] = {}  # slot -> what the offload engine holds for it
         self.routed: dict[int, Any] = {}  # outside slot -> the parent's pack of it (NOTE [nested replay])
+        self._outs: list[tuple[Any, int, int, Any]] = []  # NOTE [unused outputs]: (tensor, slot, version, prehook)
+        self.skipped: set[int] = set()  # dropped slots the last replay skipped (NOTE [unused outputs])
         self.caches: dict[bool, tuple[dict[int, Tensor], Counter[int], dict[int, int]]] = {}
         self._lock = threading.RLock()
         self._offloaded_any = False
@@ -314,17 +359,42 @@ class TraceFrame(_Serving):
                     if "support saved tensor hooks" not in str(e):
                         raise
                     raise NeedsRegion(self, e) from e  # NOTE [reentrant region] in region.py
+        except BaseException:
+            # the kept values held as themselves until the end of the forward pass hold their graph, which holds
+            # this frame: let go of everything, or the cycle outlives the exception
+            self.trace.stash.clear()
+            self.trace.raw.clear()
+            self.kept.clear()
+            self.drops = []
+            raise
         finally:
             self.forwarding = False
         self.caches.clear()  # what a backward pass inside the forward pass replayed (partial)
         self.trace.settle()
         self.trace.seal()
+        self._watch_outputs(out)
         with internal():
             self._prune()
         if self._offloaded_any:
             self.engine.end_of_call()  # NOTE [stream-ordered reuse] in _offload/streams.py
         self.flat = [None if isinstance(a, Tensor) else a for a in self.flat]  # held as outside slots
         return out
+
+    def _watch_outputs(self, out: Any) -> None:
+        """NOTE [unused outputs]: with several outputs, note which of them the backward pass runs."""
+        outs = [t for t in optree.tree_leaves(out, none_is_leaf=True)
+                if isinstance(t, Tensor) and t.grad_fn is not None]
+        if len(outs) < 2 or not self.counts:
+            return
+        for t in outs:
+            s = self.trace.slot_of(t)
+            if s is None:
+                return  # (an output no step made: every output counts as used)
+            ran = _Ran(self)
+            node = t.grad_fn
+            assert node is not None
+            node.register_prehook(ran)
+            self._outs.append((weakref.ref(t), s, t._version, weakref.ref(ran)))
 
     def rewind(self) -> None:
         """Undo what a forward pass cut short did (random state), so that the call can run again."""
