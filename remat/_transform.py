@@ -49,8 +49,12 @@ def remat(fn: Any = None, *, policy: Any = None, static_argnums: int | Sequence[
 
     Args:
         fn: the function. Its arguments and results are pytrees (``optree``) whose
-            leaves are tensors or plain values. It must be pure: the recompute
-            runs it again on the same inputs and must do the same work.
+            leaves are tensors or plain values. Under plain autograd its Python
+            runs once: the recompute replays the ATen ops its forward pass ran
+            (docs/how-it-works.md, "Replay, don't re-run"), so Python state it
+            reads may change before the backward pass. Under ``torch.func``
+            transforms the recompute runs it again, checked op by op: it must
+            then do the same work on the same inputs, or remat raises.
         policy: a policy from :mod:`remat.policies`, any callable
             ``policy(op, *args, **kwargs)``, or one of the strings
             ``"save-nothing"`` (the default), ``"save-everything"``,
@@ -58,18 +62,19 @@ def remat(fn: Any = None, *, policy: Any = None, static_argnums: int | Sequence[
         static_argnums: positions of arguments passed through untouched (not
             treated as pytrees of tensors), such as flags or modules.
         preserve_rng_state: the recompute sees exactly the random numbers the
-            forward pass saw (CPU and every CUDA device in use). Turn off only
-            for functions that draw no random numbers, to save the state copy.
-        debug: run every call on the full engine, which records each op and checks
-            in the recompute that every op and its Python numbers are the same.
-            By default only the first call of each input signature does; later
-            calls follow the plan it recorded, checking the saved tensors' count,
-            shapes, dtypes and producing ops (NOTE [fast path] in
-            ``remat/_engine/plans.py``). It also hashes the inputs and module
-            state when the forward pass ends and refuses a recompute from
-            values written since through ``.data``, which no version counter
-            shows (NOTE [values between the passes]). Use it to find a
-            function that is not pure.
+            forward pass saw (CPU and every CUDA device in use). Under plain
+            autograd the replay always puts back each draw's generator state
+            (it costs nothing when nothing is drawn), so this only matters
+            under ``torch.func``: turn it off there only for functions that
+            draw no random numbers, to save the state copy.
+        debug: run every call on the re-run engine, which runs the function
+            again in the recompute and checks that every op and its Python
+            numbers are the same as in the forward pass (a function whose
+            Python state changed raises instead of being replayed). It also
+            hashes the inputs and module state when the forward pass ends and
+            refuses a recompute from values written since through ``.data``,
+            which no version counter shows (NOTE [values between the passes]).
+            Use it to find a function that is not pure.
 
     Returns:
         The wrapped function, with ``fn``'s name and docstring. Used bare

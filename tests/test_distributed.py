@@ -296,10 +296,12 @@ def test_fsdp_resharded_between_forward_and_backward(runs, case):
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.inside != "torch"], ids=lambda c: c.id)
 def test_recompute_ran(runs, case):
-    """Counted from outside: the ops the backward pass recomputes; each block's Python ran once a step."""
+    """Counted from outside: the ops the backward pass recomputes; each block's Python ran once a step (twice where
+    FSDP2-sharded Linears sit inside the block: FSDP2 gathers their parameters again only when the backward pass
+    reaches them, so that call takes the re-run engine, docs/how-it-works.md "Where the replay does not serve")."""
     for rank in range(WORLD):
         got, plain = result(runs, case, rank), result(runs, case.baseline, rank)
-        assert got["calls"] == [[1] * BLOCKS] * STEPS
+        assert got["calls"] == [[2 if case.shard_linears else 1] * BLOCKS] * STEPS
         assert [m - p for m, p in zip(got["matmuls"], plain["matmuls"])] == [EXTRA_BACKWARD_MATMULS[case.policy]] * STEPS
         assert [n - p for n, p in zip(got["norms"], plain["norms"])] == [EXTRA_BACKWARD_NORMS[case.policy]] * STEPS
 

@@ -191,13 +191,18 @@ class _Serving(Half):
                 return t
         made, left, versions = entry
         t = made[s]
-        if t._version != versions[s]:
-            # a backward node wrote it in place and another reads it now: plain autograd refuses this too
+        r = self.view_roots.get(s)
+        b = self.made_roots.get(r) if r is not None else None
+        if t._version != versions[s] or (b is not None and b._version != versions[r]):  # type: ignore[index]
+            # a backward node wrote it (or the value it is a view of: the replay's views share no version
+            # counter) in place and another reads it now: plain autograd refuses this too
             raise saved_written_after_save(self.fn_name, s, t, versions[s], t._version)
         left[s] -= 1
         if left[s] <= 0:
             del made[s]
             del left[s]
+            if r is not None and not any(left.get(v) for v, rr in self.view_roots.items() if rr == r):
+                self.made_roots.pop(r, None)
         return t
 
     def _replay(self, graph: bool, full: bool = False) -> tuple[dict[int, Tensor], Counter[int], dict[int, int]]:
@@ -230,6 +235,10 @@ class _Serving(Half):
                     )
         made = run(trace, steps, wanted, self._source(graph), graph)
         versions = {s: t._version for s, t in made.items()}
+        # the dropped values that dropped views were made from: held until the views are read (a view holds their
+        # storage anyway), so that a write into one before a view is read is seen (the replay's views share no
+        # version counter with their base)
+        self.made_roots = {r: made[r] for r in self.view_roots.values() if r in made}
         return made, Counter(self.counts), versions
 
     def _available(self, graph: bool) -> Callable[[int], bool]:
@@ -299,6 +308,7 @@ class _Serving(Half):
             frame = wself()
             if frame is not None:
                 frame.caches.clear()
+                frame.made_roots = {}
 
         return release
 
@@ -318,6 +328,8 @@ class TraceFrame(_Serving):
         self.parent: TraceFrame | None = (parent if isinstance(parent, TraceFrame) and bool(getattr(parent, "forwarding", False))
                                           else None)
         self.trace = Trace(fn_name)
+XX
+        self._group: Any = None  # the offload engine's group of this call
         self.tracer = Tracer(self.trace, policy)
         self.forwarding = False
         self.recomputes = 0
@@ -326,7 +338,9 @@ class TraceFrame(_Serving):
         self.offloaded: dict[int, Any] = {}  # slot -> what the offload engine holds for it
         self.routed: dict[int, Any] = {}  # outside slot -> the parent's pack of it (NOTE [nested replay])
         self._outs: list[tuple[Any, int, int, Any]] = []  # NOTE [unused outputs]: (tensor, slot, version, prehook)
-        self.skipped: set[int] = set()  # dropped slots the last replay skipped (NOTE [unused outputs])
+        self.skipped: set[int] = set()
+        self.view_roots: dict[int, int] = {}  # a dropped view -> the dropped value it is a view of
+        self.made_roots: dict[int, Tensor] = {}  # dropped values the last replay made views of (their writes)  # dropped slots the last replay skipped (NOTE [unused outputs])
         self.caches: dict[bool, tuple[dict[int, Tensor], Counter[int], dict[int, int]]] = {}
         self._lock = threading.RLock()
         self._offloaded_any = False
@@ -449,6 +463,8 @@ class TraceFrame(_Serving):
                 if refs or r != p.slot:
                     base = trace.refs.get(r)
                     p.aliases = [*(refs or ()), *(() if base is None else (base,))]
+        self.view_roots = {p.slot: trace.root[p.slot] for p in self.drops
+                           if p.kind == DROP and trace.root.get(p.slot) in self.counts}
         self.drops = []
         self.kept.clear()  # (a name decides during the forward pass only; the packs hold this frame: no cycle)
         trace.root.clear()
@@ -486,8 +502,10 @@ class TraceFrame(_Serving):
                 trace.dropped_keys.setdefault(k, []).append(p)
             return p
         if isinstance(decision, Offloadable) and replayable and self.engine.applies(t, decision):
+            if self._group is None:
+                self._group = self.engine.group(self)  # (looked up once a call: the engine's common case)
             with internal():
-                o = self.engine.offload_saved(t, decision, group=self)
+                o = self.engine.offload_saved(t, decision, group=self._group, own_modes=self.depth)
             if o is not None:
                 self._offloaded_any = True
                 p = _Pack(self, OFFLOAD, s, o, t._version, at, t.shape)

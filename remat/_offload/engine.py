@@ -189,21 +189,22 @@ class OffloadEngine(_Schedule):
         with _ti.no_dispatch_modes(), self._lock:
             return self._offload(t, dst, group)
 
-    def offload_saved(self, t: torch.Tensor, decision: Any, group: Any = None) -> Offloaded | None:
+    def offload_saved(self, t: torch.Tensor, decision: Any, group: Any = None, own_modes: int = 0) -> Offloaded | None:
         """:meth:`applies`, then :meth:`offload_below_modes`, in one call: ``t``'s handle, or None where
         ``decision`` (an Offloadable) does not move it (the caller keeps it). The saved-tensor hooks' entry, once
         per saved tensor on the forward pass's hot path: its common case (no dispatch mode, a synchronous copy of
         a plain CPU tensor that is all of its storage's bytes, in order, their first copy in the call) runs here,
         the steps of :meth:`_offload`, :meth:`_copy_out`, :meth:`_copy_raw` and ``_Group.register`` inline (each Python
         call costs ~0.1-0.2 us, per saved tensor), and makes one object, a solo handle (NOTE [solo handles]); every
-        other case runs through them."""
+        other case runs through them. ``own_modes``: how many dispatch modes on the stack are remat's own, which let
+        the copy through unseen (the replay engine's tracers, called from a pack hook under ``internal()``)."""
         if not decision.defer and group is not None:  # NOTE [keep last]: this call's copies start at once
             group = self.group(group) if type(group) is not _Group else group
             group.now = True
         grp = group
         src_kind = decision.src
         if not t.is_cpu or type(grp) is not _Group or type(t) is not _Tensor \
-                or (src_kind is not None and self._kinds.get(src_kind) != "cpu") or _dispatch_modes_pushed() \
+                or (src_kind is not None and self._kinds.get(src_kind) != "cpu") or _dispatch_modes_pushed() != own_modes \
                 or _pre_dispatch_modes_pushed():
             # (not the CPU: graph capture, asynchronous copies, kept storages; a mode to pop; a group to look up)
             return self._offload_saved_slowly(t, decision, group)
