@@ -328,7 +328,7 @@ class TraceFrame(_Serving):
         self.parent: TraceFrame | None = (parent if isinstance(parent, TraceFrame) and bool(getattr(parent, "forwarding", False))
                                           else None)
         self.trace = Trace(fn_name)
-XX
+        self.depth: int = 1 + (int(self.parent.depth) if self.parent is not None else 0)  # remat's tracers on the stack
         self._group: Any = None  # the offload engine's group of this call
         self.tracer = Tracer(self.trace, policy)
         self.forwarding = False
