@@ -148,6 +148,11 @@ def decide_explicit(policy: Policy, op: Any, args: tuple[Any, ...], kwargs: dict
     return _normalize(policy, op, kwargs, out), False
 
 
+def decide_answer(policy: Policy, op: Any, kwargs: dict[str, Any], out: Any) -> Decision:
+    """A policy's answer ``out`` for ``op``, normalised to a Decision (what :func:`decide` does after the call)."""
+    return _normalize(policy, op, kwargs, out)
+
+
 def _normalize(policy: Policy, op: Any, kwargs: dict[str, Any], out: Any) -> Decision:
     if out is True:
         return Saveable

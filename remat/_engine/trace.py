@@ -45,7 +45,7 @@ from .. import _torch_internals as ti
 from .._context import INTERNAL, PENDING_NAME, internal
 from .._naming import checkpoint_name
 from .._ops import ALIAS, RANGE_OPS, ignored, profiler_op
-from .._policies import Decision, Offloadable, Recompute, decide, decide_explicit
+from .._policies import Decision, Offloadable, Recompute, Saveable, decide, decide_answer, decide_explicit
 from .._torch_internals import TorchDispatchMode
 
 __all__ = ["OpInfo", "Step", "Trace", "Tracer", "op_info", "AmbientFlags"]
@@ -81,9 +81,10 @@ class OpInfo:
     """What an op's schema says that the trace needs, computed once per overload."""
 
     __slots__ = ("written", "written_kw", "random", "pins", "hidden", "mutable", "tpos", "simple", "view", "trusted",
-                 "call", "inplace_view")
+                 "call", "inplace_view", "ignored")
 
     def __init__(self, func: Any) -> None:
+        self.ignored = ignored(func)  # not an op of the call (a profiler marker, a size query)
         schema = func._schema
         written: list[int] = []
         written_kw: list[str] = []
@@ -179,8 +180,10 @@ class Step:
 
 
 def _storage_key(t: Tensor) -> int:
+    """The address of ``t``'s storage (which its views share), without making the storage's Python object (which
+    costs more than the rest of recording an op)."""
     try:
-        return int(t.untyped_storage().data_ptr())
+        return int(t.data_ptr() - t.storage_offset() * t.element_size())
     except (RuntimeError, NotImplementedError):
         return 0
 
@@ -298,7 +301,7 @@ class Trace:
         self.refs[s] = ref
         self.producer[s] = step
         try:
-            self.key_of[s] = t.untyped_storage().data_ptr()
+            self.key_of[s] = int(t.data_ptr() - t.storage_offset() * t.element_size())  # (_storage_key, inline)
         except (RuntimeError, NotImplementedError):
             pass
         return s
@@ -390,13 +393,12 @@ class Tracer(TorchDispatchMode):
         super().__init__()
         self.trace = trace
         self.policy = policy
-        self.paused = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if INTERNAL.get() or self.paused or ignored(func):
-            return profiler_op(func, args, kwargs) if func in RANGE_OPS else func(*args, **kwargs)
         info = op_info(func)
+        if info.ignored or INTERNAL.get():
+            return profiler_op(func, args, kwargs) if func in RANGE_OPS else func(*args, **kwargs)
         if self.trace.pending:
             self.trace.settle()
         if not info.simple:
@@ -423,7 +425,10 @@ class Tracer(TorchDispatchMode):
         step.index = len(trace.steps)
         step.grad = grad = torch.is_grad_enabled()
         out = info.call(*args, **kwargs)
-        decision = decide(self.policy, func, args, kwargs)
+        # (decide's work, inline: the answers most policies give)
+        answer = self.policy(func, *args, **kwargs)
+        decision = (Recompute if answer is False or answer is Recompute else Saveable if answer is True
+                    else decide_answer(self.policy, func, kwargs, answer))
         step.decision = decision
         keep = decision is not Recompute and not info.view
         if type(out) is Tensor:

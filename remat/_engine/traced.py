@@ -333,7 +333,7 @@ class TraceFrame(_Serving):
         self.tracer = Tracer(self.trace, policy)
         self.forwarding = False
         self.recomputes = 0
-        self.counts: Counter[int] = Counter()  # dropped slot -> packs of it
+        self.counts: dict[int, int] = {}  # dropped slot -> packs of it
         self.kept: dict[int, list[_Pack]] = {}  # kept op-made slot -> its packs (a name may drop it later)
         self.offloaded: dict[int, Any] = {}  # slot -> what the offload engine holds for it
         self.routed: dict[int, Any] = {}  # outside slot -> the parent's pack of it (NOTE [nested replay])
@@ -492,14 +492,20 @@ class TraceFrame(_Serving):
             return self._keep(t, s, INPUT, at)  # (a view of an input or a parameter: nothing of the call's)
         step = trace.producer[r]
         decision = step.decision
-        replayable = step.replayable and trace.producer[s].replayable
+        replayable = step.replayable and (r == s or trace.producer[s].replayable)
         if decision is Recompute and replayable:
-            self.counts[s] += 1
+            counts = self.counts
+            counts[s] = counts.get(s, 0) + 1
             p = _Pack(self, DROP, s, None, t._version, at, t.shape)
-            self._watch(p, t)
+            p.ref, p.dtype = weakref.ref(t), t.dtype  # (self._watch, inline: the hot path)
+            self.drops.append(p)
             k = trace.key_of.get(s)
             if k is not None:
-                trace.dropped_keys.setdefault(k, []).append(p)
+                dk = trace.dropped_keys
+                if k in dk:
+                    dk[k].append(p)
+                else:
+                    dk[k] = [p]
             return p
         if isinstance(decision, Offloadable) and replayable and self.engine.applies(t, decision):
             if self._group is None:
@@ -537,7 +543,7 @@ class TraceFrame(_Serving):
         for p in self.kept.pop(s, ()):
             if p.kind == KEEP:
                 p.kind, p.payload = DROP, None
-                self.counts[p.slot] += 1
+                self.counts[p.slot] = self.counts.get(p.slot, 0) + 1
 
     def _storage_written(self, key: int) -> None:
         if not self._offloaded_any:
