@@ -313,7 +313,113 @@ class _Serving(Half):
         return release
 
 
-class TraceFrame(_Serving):
+class _Saving(Half):
+    """The pack hook of a traced call (``TraceFrame.pack``): per saved tensor, keep it, offload it or drop it, as
+    the policy decided for the op that made its storage; and what the tracer reports (a name that drops a kept
+    value, a write into an offloaded storage, an outside tensor the parent made); a half of ``TraceFrame``."""
+
+    _group: Any  # (set by TraceFrame.__init__, as every attribute this half reads)
+
+    def pack(self, t: Tensor) -> _Pack:
+        trace = self.trace
+        e = trace._slot_of.get(id(t))
+        s = e[1] if e is not None and e[0]() is t else None
+        at = len(trace.steps)
+        if s is None or s in trace.outside:
+            return self._keep(t, -1 if s is None else s, INPUT, at)
+        # a view is decided for by the op that made its storage (keeping a view keeps that storage)
+        r = trace.root.get(s, s)
+        if r in trace.outside:
+            return self._keep(t, s, INPUT, at)  # (a view of an input or a parameter: nothing of the call's)
+        step = trace.producer[r]
+        decision = step.decision
+        replayable = step.replayable and (r == s or trace.producer[s].replayable)
+        if decision is Recompute and replayable:
+            counts = self.counts
+            counts[s] = counts.get(s, 0) + 1
+            p = _Pack(self, DROP, s, None, t._version, at, t.shape)
+            p.ref, p.dtype = weakref.ref(t), t.dtype  # (self._watch, inline: the hot path)
+            self.drops.append(p)
+            k = trace.key_of.get(s)
+            if k is not None:
+                dk = trace.dropped_keys
+                if k in dk:
+                    dk[k].append(p)
+                else:
+                    dk[k] = [p]
+            return p
+        if isinstance(decision, Offloadable) and replayable and self.engine.applies(t, decision):
+            if self._group is None:
+                self._group = self.engine.group(self)  # (looked up once a call: the engine's common case)
+            with internal():
+                o = self.engine.offload_saved(t, decision, group=self._group, own_modes=self.depth)
+            if o is not None:
+                self._offloaded_any = True
+                p = _Pack(self, OFFLOAD, s, o, t._version, at, t.shape)
+                self._watch(p, t)
+                k = trace.key_of.get(s)
+                if k is not None:
+                    trace.dropped_keys.setdefault(k, []).append(p)
+                # weakly: once autograd let go of the save, the engine may free its copy (NOTE [keep last])
+                self.offloaded[s] = weakref.ref(p)
+                return p
+        p = self._keep(t, s, KEEP, at)
+        if p.kind == KEEP:
+            self.kept.setdefault(r, []).append(p)
+        return p
+
+    def _watch(self, p: _Pack, t: Tensor) -> None:
+        """NOTE [written after saved] in _packed.py: what is not held is watched (weakly, with its aliases) for a
+        write in place before its unpack, which plain autograd would refuse."""
+        p.ref, p.dtype = weakref.ref(t), t.dtype
+        self.drops.append(p)
+
+    def _keep(self, t: Tensor, s: int, kind: str, at: int) -> _Pack:
+        if self.parent is not None:
+            return _Pack(self, ROUTED, s, self.parent.pack(t), t._version, at, t.shape)
+        return _Pack(self, kind, s, holdable(t), t._version, at, t.shape)
+
+    def _demote(self, s: int) -> None:
+        """A ``checkpoint_name`` the policy drops names a value saved as kept already (or a view of it): drop it."""
+        for p in self.kept.pop(s, ()):
+            if p.kind == KEEP:
+                p.kind, p.payload = DROP, None
+                self.counts[p.slot] = self.counts.get(p.slot, 0) + 1
+
+    def _storage_written(self, key: int) -> None:
+        if not self._offloaded_any:
+            return
+        keys = {key}
+        self.engine.storage_written(self, keys)  # NOTE [one copy per storage] in _offload/copies.py
+        # a copy not taken yet (the engine keeps the newest call on the device: NOTE [keep last]) is taken before
+        # the write, which on CUDA waits for a copy still running
+        handles = [*self.replay_offloaded.values(), *(p.payload for p in map(_alive, self.offloaded.values()) if p)]
+        for o in handles:
+            if self.engine.shares_storage(o, keys):
+                self.engine.before_write(o)
+
+    def _offload_for_replay(self, s: int, t: Tensor, decision: Offloadable) -> bool:
+        """An output the policy offloads that a replayed step reads: copied to host memory now, not held here."""
+        if not self.engine.applies(t, decision):
+            return False
+        with internal():
+            o = self.engine.offload_saved(t, decision, group=self)
+        if o is None:
+            return False
+        self._offloaded_any = True
+        self.replay_offloaded[s] = o
+        return True
+
+    def _route_outside(self, s: int, t: Tensor) -> None:
+        """NOTE [nested replay]: an outside tensor of this call that the parent made (an input, a closure):
+        saved through the parent, not held here."""
+        parent = self.parent
+        assert parent is not None
+        if parent.trace.slot_of(t) is not None:
+            self.routed[s] = parent.pack(t)
+
+
+class TraceFrame(_Saving, _Serving):
     """One call of a remat'd function on the replay engine."""
 
     def __init__(self, run_fn: Callable[[list[Any]], Any], flat: list[Any], fn_name: str,
@@ -477,102 +583,3 @@ class TraceFrame(_Serving):
             for s, t in list(stash.items()):
                 self.routed[s] = parent.pack(t)
                 del stash[s]
-
-    # ---- pack ----------------------------------------------------------------
-    def pack(self, t: Tensor) -> _Pack:
-        trace = self.trace
-        e = trace._slot_of.get(id(t))
-        s = e[1] if e is not None and e[0]() is t else None
-        at = len(trace.steps)
-        if s is None or s in trace.outside:
-            return self._keep(t, -1 if s is None else s, INPUT, at)
-        # a view is decided for by the op that made its storage (keeping a view keeps that storage)
-        r = trace.root.get(s, s)
-        if r in trace.outside:
-            return self._keep(t, s, INPUT, at)  # (a view of an input or a parameter: nothing of the call's)
-        step = trace.producer[r]
-        decision = step.decision
-        replayable = step.replayable and (r == s or trace.producer[s].replayable)
-        if decision is Recompute and replayable:
-            counts = self.counts
-            counts[s] = counts.get(s, 0) + 1
-            p = _Pack(self, DROP, s, None, t._version, at, t.shape)
-            p.ref, p.dtype = weakref.ref(t), t.dtype  # (self._watch, inline: the hot path)
-            self.drops.append(p)
-            k = trace.key_of.get(s)
-            if k is not None:
-                dk = trace.dropped_keys
-                if k in dk:
-                    dk[k].append(p)
-                else:
-                    dk[k] = [p]
-            return p
-        if isinstance(decision, Offloadable) and replayable and self.engine.applies(t, decision):
-            if self._group is None:
-                self._group = self.engine.group(self)  # (looked up once a call: the engine's common case)
-            with internal():
-                o = self.engine.offload_saved(t, decision, group=self._group, own_modes=self.depth)
-            if o is not None:
-                self._offloaded_any = True
-                p = _Pack(self, OFFLOAD, s, o, t._version, at, t.shape)
-                self._watch(p, t)
-                k = trace.key_of.get(s)
-                if k is not None:
-                    trace.dropped_keys.setdefault(k, []).append(p)
-                # weakly: once autograd let go of the save, the engine may free its copy (NOTE [keep last])
-                self.offloaded[s] = weakref.ref(p)
-                return p
-        p = self._keep(t, s, KEEP, at)
-        if p.kind == KEEP:
-            self.kept.setdefault(r, []).append(p)
-        return p
-
-    def _watch(self, p: _Pack, t: Tensor) -> None:
-        """NOTE [written after saved] in _packed.py: what is not held is watched (weakly, with its aliases) for a
-        write in place before its unpack, which plain autograd would refuse."""
-        p.ref, p.dtype = weakref.ref(t), t.dtype
-        self.drops.append(p)
-
-    def _keep(self, t: Tensor, s: int, kind: str, at: int) -> _Pack:
-        if self.parent is not None:
-            return _Pack(self, ROUTED, s, self.parent.pack(t), t._version, at, t.shape)
-        return _Pack(self, kind, s, holdable(t), t._version, at, t.shape)
-
-    def _demote(self, s: int) -> None:
-        """A ``checkpoint_name`` the policy drops names a value saved as kept already (or a view of it): drop it."""
-        for p in self.kept.pop(s, ()):
-            if p.kind == KEEP:
-                p.kind, p.payload = DROP, None
-                self.counts[p.slot] = self.counts.get(p.slot, 0) + 1
-
-    def _storage_written(self, key: int) -> None:
-        if not self._offloaded_any:
-            return
-        keys = {key}
-        self.engine.storage_written(self, keys)  # NOTE [one copy per storage] in _offload/copies.py
-        # a copy not taken yet (the engine keeps the newest call on the device: NOTE [keep last]) is taken before
-        # the write, which on CUDA waits for a copy still running
-        handles = [*self.replay_offloaded.values(), *(p.payload for p in map(_alive, self.offloaded.values()) if p)]
-        for o in handles:
-            if self.engine.shares_storage(o, keys):
-                self.engine.before_write(o)
-
-    def _offload_for_replay(self, s: int, t: Tensor, decision: Offloadable) -> bool:
-        """An output the policy offloads that a replayed step reads: copied to host memory now, not held here."""
-        if not self.engine.applies(t, decision):
-            return False
-        with internal():
-            o = self.engine.offload_saved(t, decision, group=self)
-        if o is None:
-            return False
-        self._offloaded_any = True
-        self.replay_offloaded[s] = o
-        return True
-
-    def _route_outside(self, s: int, t: Tensor) -> None:
-        """NOTE [nested replay]: an outside tensor of this call that the parent made (an input, a closure):
-        saved through the parent, not held here."""
-        parent = self.parent
-        assert parent is not None
-        if parent.trace.slot_of(t) is not None:
-            self.routed[s] = parent.pack(t)
