@@ -325,3 +325,20 @@ def test_saved_tensor_written_after_its_save_raises_like_autograd() -> None:
         f(torch.randn(2, 4, dtype=f64)).backward()
     with pytest.raises(RematError, match="in place after an op saved it"):
         remat.remat(f)(torch.randn(2, 4, dtype=f64)).backward()
+
+
+def test_the_hidden_writes_rule_covers_what_torchs_schemas_declare() -> None:
+    """NOTE [outside writes]: the argument names an op may write without declaring it are derived from torch's
+    schemas: every name some ATen op declares written, other than the generic ones of in-place and out= ops, is one
+    the runtime rule (``hidden_write``) takes for written; and batch norm's running statistics are among them."""
+    from remat._engine.trace import declared_written_names, hidden_write, op_info
+
+    declared = declared_written_names()
+    assert {"running_mean", "running_var"} <= declared
+    generic = {n for n in declared if not hidden_write(n)}
+    # what the in-place and out= conventions leave: names of ops that write their own buffers by design (optimizer
+    # steps, collectives, random number state), never hidden in a functional op's schema
+    for name in generic:
+        assert not name.startswith("running"), name
+    info = op_info(torch.ops.aten.native_batch_norm.default)
+    assert info.mutable and info.hidden and info.written == (3, 4)

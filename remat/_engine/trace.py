@@ -26,9 +26,9 @@ NOTE [outside writes]
     the replay reads and writes a fresh copy of that snapshot, so the real tensor is written once, by the
     forward pass, and every step reads what it read then. Which arguments an op writes comes from its schema
     (``(a!)``), and for the few ops whose schema hides a write, from the argument names that torch's own
-    schemas declare written elsewhere (``running_mean``, ``running_var``: ``_hidden_write_names``); a write
-    neither shows (a version that moved across a step that declares none) poisons the trace: its replay
-    raises rather than guess.
+    schemas declare written elsewhere (``running_mean``, ``running_var``: ``hidden_write``); a write
+    neither shows (a version that moved across a step of a non-ATen op that declares none) makes that step's outputs
+    held rather than replayed.
 """
 
 from __future__ import annotations
@@ -53,11 +53,20 @@ __all__ = ["OpInfo", "Step", "Trace", "Tracer", "op_info", "AmbientFlags"]
 Tensor = torch.Tensor
 
 
+def hidden_write(name: str) -> bool:
+    """Whether an argument of this name is written by an op whose schema declares no write: the running statistics
+    (``running_mean``, ``running_var``, ``running_min``, ``running_max``), which ``native_batch_norm`` and its
+    kin update in place undeclared. The rule is what torch's own schemas say: every argument name some ATen op
+    declares written (``Tensor(a!) running_mean``, ``_native_batch_norm_legit``) and that is not an in-place or
+    out= op's generic ``self``/``out`` starts with ``running_`` (``declared_written_names``, checked against the
+    installed torch by ``tests/test_replay.py``; scanning every schema costs ~1.7 s, too long for a first call)."""
+    return name.startswith("running_")
+
+
 @functools.cache
-def _hidden_write_names() -> frozenset[str]:
-    """Argument names that some ATen op's schema declares written (``Tensor(a!) running_mean``) while a sibling
-    op that takes the same argument declares nothing (``native_batch_norm``): derived from torch's schemas, not a
-    hand table. Generic names (``self``, ``out``, ...) are left out: every in-place op writes ``self``."""
+def declared_written_names() -> frozenset[str]:
+    """Argument names that some ATen op's schema declares written, outside in-place and out= overloads (whose
+    ``self`` and ``out`` every such op writes): derived from torch's schemas."""
     declared: set[str] = set()
     for name in dir(torch.ops.aten):
         packet = getattr(torch.ops.aten, name, None)
@@ -69,12 +78,14 @@ def _hidden_write_names() -> frozenset[str]:
             continue
         for o in overloads:
             op = getattr(packet, o, None)
-            if op is None or torch.Tag.out in op.tags or torch.Tag.inplace in op.tags:
+            # (an out= overload writes its out arguments, an in-place one its self: not hidden writes; torch 2.11
+            # has no tags for them, their names say it)
+            if op is None or "out" in o.split("_") or name.endswith("_"):
                 continue
             for a in op._schema.arguments:
                 if a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only:
                     declared.add(a.name)
-    return frozenset(n for n in declared if n in {"running_mean", "running_var"} or n.startswith("running_"))
+    return frozenset(declared)
 
 
 class OpInfo:
@@ -92,7 +103,6 @@ class OpInfo:
         tpos: list[int] = []
         other = False  # a list of tensors, or a keyword-only tensor
         names = set()
-        hidden_names = _hidden_write_names()
         for i, a in enumerate(schema.arguments):
             names.add(a.name)
             kind = _tensor_kind(a.type)
@@ -106,7 +116,7 @@ class OpInfo:
                     written_kw.append(a.name)
                 else:
                     written.append(i)
-            elif not a.kwarg_only and a.name in hidden_names:
+            elif not a.kwarg_only and hidden_write(a.name):
                 hidden.append(i)  # NOTE [outside writes]: a write the schema does not declare
         # (squeeze_, transpose_, as_strided_: they change a tensor's shape, not its data; replayed on an alias)
         self.inplace_view = torch.Tag.inplace_view in func.tags
