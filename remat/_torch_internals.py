@@ -430,6 +430,14 @@ def below_autograd() -> contextlib.AbstractContextManager[Any]:
     return torch._C._AutoDispatchBelowADInplaceOrView()  # type: ignore[no-any-return]
 
 
+def python_dispatch_off() -> contextlib.AbstractContextManager[Any]:
+    """Ops inside skip every Python dispatch mode (and subclass), at the cost of a guard: the offload engine's copy of
+    a plain tensor taken in a pack hook while remat's own tracers are on the stack, which would each see it (a Python
+    round trip of several us per copy). Popping the modes (``no_dispatch_modes``) costs more; no public API skips
+    them."""
+    return torch._C._DisableTorchDispatch()  # type: ignore[no-any-return]
+
+
 def detach_below_modes(t: torch.Tensor) -> torch.Tensor:
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
         if no_modes_pushed():

@@ -307,3 +307,19 @@ def test_below_autograd_runs_in_place_ops_without_a_graph_or_a_version_bump() ->
     assert z.grad_fn is None and not z.requires_grad
     assert y._version == v
     assert torch.equal(z, torch.full((3,), 8.0))
+
+
+def test_python_dispatch_off_hides_ops_from_every_mode() -> None:
+    seen: list[Any] = []
+
+    class Seen(ti.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(2)
+    with Seen():
+        with ti.python_dispatch_off():
+            y = x.clone()
+        z = x.clone()
+    assert torch.equal(y, z) and seen == [torch.ops.aten.clone.default]

@@ -348,7 +348,7 @@ class _Saving(Half):
                 else:
                     dk[k] = [p]
             return p
-        if isinstance(decision, Offloadable) and replayable and self.engine.applies(t, decision):
+        if isinstance(decision, Offloadable) and replayable:  # (offload_saved asks whether it moves t)
             if self._group is None:
                 self._group = self.engine.group(self)  # (looked up once a call: the engine's common case)
             with internal():

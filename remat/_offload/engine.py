@@ -249,8 +249,13 @@ class OffloadEngine(_Schedule):
             o.given = _NOTHING_GIVEN
             o.pending = o.round = 0
             self._next_cid += 1
-            src = t if not _is_grad_enabled() else t.detach()
-            o.host = src.clone() if to is device or device == to else src.to(to, copy=True)
+            if own_modes:  # (a plain CPU tensor: no mode of remat's needs to see its copy)
+                with _ti.python_dispatch_off():
+                    src = t if not _is_grad_enabled() else t.detach()
+                    o.host = src.clone() if to is device or device == to else src.to(to, copy=True)
+            else:
+                src = t if not _is_grad_enabled() else t.detach()
+                o.host = src.clone() if to is device or device == to else src.to(to, copy=True)
             self._solos += 1
             self._solo_bytes += total
             if self.trace is not None:
