@@ -342,3 +342,24 @@ def test_the_hidden_writes_rule_covers_what_torchs_schemas_declare() -> None:
         assert not name.startswith("running"), name
     info = op_info(torch.ops.aten.native_batch_norm.default)
     assert info.mutable and info.hidden and info.written == (3, 4)
+
+
+def test_an_inner_remat_made_on_every_call_that_enters_torch_func_grad() -> None:
+    """An outer traced call whose function makes ``remat(inner)`` anew on every call, and ``inner`` enters
+    ``torch.func.grad``: the first attempt learns that ``inner`` is a reentrant region (kept with the function's
+    plans, which every remat of it shares), the outermost call runs again once, and the gradient is plain
+    autograd's on every call (before, each attempt made a new wrapper that had not learnt it: endless retries)."""
+
+    def inner(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        g = torch.func.grad(lambda y: (y @ W.detach()).tanh().sum())(x)
+        return (g * x).sin().sum()
+
+    def outer(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return remat.remat(inner)(W, torch.tanh(x @ W)) * 2
+
+    W = torch.randn(4, 4, dtype=f64, requires_grad=True)
+    x = torch.randn(3, 4, dtype=f64)
+    want = torch.autograd.grad(inner(W, torch.tanh(x @ W)) * 2, W)[0]
+    for _ in range(3):
+        got = torch.autograd.grad(remat.remat(outer)(W, x), W)[0]
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

@@ -55,15 +55,21 @@ _STATIC = _Static()
 _ENGINES: tuple[type[CallFrame], ...] = (Frame, FastFrame)  # (mypy checks that both engines' frames are CallFrames)
 
 
+REGION = "(region)"  # the key of a function's plans that marks it a reentrant region
+
+
 def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics: tuple[int, ...],
-         preserve_rng: bool, args: tuple[Any, ...], kwargs: dict[str, Any], owner: Any = None) -> Any:
+         preserve_rng: bool, args: tuple[Any, ...], kwargs: dict[str, Any], owner: Any = None,
+         attempt: int = 0) -> Any:
     """Run one call of ``fn`` under ``policy`` on the engine the route table picks (``owner``: its ``Rematted``,
     which holds the plans and whether the function is a region)."""
     flat, run, static_vals = _flatten(fn, name, statics, args, kwargs)
     # 1. nothing will be saved: no frame needed
     if not torch.is_grad_enabled() and not ti.interpreter_stack():
         return run(flat)
-    region = owner is not None and owner._region
+    # (the flag also lives in the plans shared by every remat of the function: a remat(f) made anew on every call
+    # inside another remat'd function learns it from the first attempt)
+    region = owner is not None and (owner._region or REGION in owner._plans)
     ctx = active_context()
     # 2. an outer recompute re-runs this call
     if ctx is not None and not isinstance(ctx, (Frame, TraceFrame)) and not region:
@@ -131,7 +137,7 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
         out = frame.forward()
         if key is not None and key not in owner._plans:
             if len(owner._plans) >= MAX_PLANS:
-                owner._plans.pop(next(iter(owner._plans)))
+                owner._plans.pop(next(k for k in owner._plans if k != REGION))
             owner._plans[key] = frame.plan  # None: not clean, the full engine every time
         return out
     except NeedsRegion as e:
@@ -141,13 +147,20 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
                 raise RematError(f"remat: {name} enters a torch.func reverse transform; this is a bug in remat, "
                                  "please report it") from e.cause
             owner._region = True
+            owner._plans[REGION] = None
         if not outermost:
             raise  # the enclosing calls recorded the attempt: the outermost remat call runs again
         if frame is not None:
             frame.rewind()
         elif e.rewind is not None:
             e.rewind()
-    return call(fn, name, policy, statics, preserve_rng, args, kwargs, owner)
+    if attempt >= 3:
+        raise RematError(
+            f"remat: {name} (or a remat'd function it calls) enters torch.func.grad, vjp, jacrev or hessian, and "
+            "running it again as one region (NOTE [reentrant region]) did not settle after 3 attempts; this is a "
+            "bug in remat, please report it. Meanwhile, remat the parts on either side of the inner transform."
+        )
+    return call(fn, name, policy, statics, preserve_rng, args, kwargs, owner, attempt + 1)
 
 
 def _flatten(fn: Callable[..., Any], name: str, statics: tuple[int, ...], args: tuple[Any, ...],
