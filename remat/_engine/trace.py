@@ -581,11 +581,6 @@ class Tracer(TorchDispatchMode):
         return out
 
 
-def _detached(t: Tensor) -> Tensor:
-    with internal():
-        return t.detach()
-
-
 def _arg_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
     out = []
     for a in (*args, *kwargs.values()):

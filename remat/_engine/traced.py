@@ -17,7 +17,7 @@ NOTE [nested replay]
     too, so it can replay what it dropped; the inner call's replay fetches what it needs from the parent, which
     replays in turn. Two-level checkpointing, with no Python run twice at any level.
 
-NOTE [unused outputs]
+NOTE [unused outputs in a replay]
     When the backward pass differentiates only some outputs of a call (``a, b = f(x, y)``, then
     ``a.sum().backward()``), the replay makes only the dropped tensors the used outputs were computed from, as
     JAX's dead-code elimination does (``test_remat_eqn_dce``). An output is unused when the engine will not run
@@ -84,7 +84,7 @@ class _Pack:
 
 
 class _Ran:
-    """A prehook on an output's node noting that the backward pass ran it (NOTE [unused outputs]); it holds the
+    """A prehook on an output's node noting that the backward pass ran it (NOTE [unused outputs in a replay]); it holds the
     frame weakly (the node would hold the frame: a cycle through the graph)."""
 
     __slots__ = ("frame", "ran", "__weakref__")
@@ -181,7 +181,7 @@ class _Serving(Half):
         if entry is None or s not in entry[0]:
             entry = self.caches[graph] = self._replay(graph, full=s in self.skipped)
             if s not in entry[0]:
-                # NOTE [unused outputs]: one the analysis skipped is read after all: everything, this time
+                # NOTE [unused outputs in a replay]: one the analysis skipped is read after all: everything, this time
                 entry = self.caches[graph] = self._replay(graph, full=True)
             if not ti.queue_backward_callback(self._release_later()):
                 # read outside a backward pass (``grad_fn._saved_self``): nothing ends it, so nothing is kept
@@ -443,10 +443,12 @@ class TraceFrame(_Saving, _Serving):
         self.kept: dict[int, list[_Pack]] = {}  # kept op-made slot -> its packs (a name may drop it later)
         self.offloaded: dict[int, Any] = {}  # slot -> what the offload engine holds for it
         self.routed: dict[int, Any] = {}  # outside slot -> the parent's pack of it (NOTE [nested replay])
-        self._outs: list[tuple[Any, int, int, Any]] = []  # NOTE [unused outputs]: (tensor, slot, version, prehook)
+        # NOTE [unused outputs in a replay]: (tensor, slot, version, prehook) per output; the slots the last replay
+        # skipped
+        self._outs: list[tuple[Any, int, int, Any]] = []
         self.skipped: set[int] = set()
         self.view_roots: dict[int, int] = {}  # a dropped view -> the dropped value it is a view of
-        self.made_roots: dict[int, Tensor] = {}  # dropped values the last replay made views of (their writes)  # dropped slots the last replay skipped (NOTE [unused outputs])
+        self.made_roots: dict[int, Tensor] = {}  # dropped values the last replay made views of (their writes)
         self.caches: dict[bool, tuple[dict[int, Tensor], Counter[int], dict[int, int]]] = {}
         self._lock = threading.RLock()
         self._offloaded_any = False
@@ -501,7 +503,7 @@ class TraceFrame(_Saving, _Serving):
         return out
 
     def _watch_outputs(self, out: Any) -> None:
-        """NOTE [unused outputs]: with several outputs, note which of them the backward pass runs."""
+        """NOTE [unused outputs in a replay]: with several outputs, note which of them the backward pass runs."""
         outs = [t for t in optree.tree_leaves(out, none_is_leaf=True)
                 if isinstance(t, Tensor) and t.grad_fn is not None]
         if len(outs) < 2 or not self.counts:
