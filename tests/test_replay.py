@@ -335,11 +335,19 @@ def test_the_hidden_writes_rule_covers_what_torchs_schemas_declare() -> None:
 
     declared = declared_written_names()
     assert {"running_mean", "running_var"} <= declared
-    generic = {n for n in declared if not hidden_write(n)}
-    # what the in-place and out= conventions leave: names of ops that write their own buffers by design (optimizer
-    # steps, collectives, random number state), never hidden in a functional op's schema
-    for name in generic:
-        assert not name.startswith("running"), name
+    # every tensor argument that an op declaring no write takes, under a name some other op declares written: the
+    # rule covers it, or it is the in-place/out= conventions' own name, or one of the few such ops only read (the
+    # backward of rrelu_with_noise reads its noise; quantization ops read scale and zero_point). A name torch adds
+    # to this list is a write the rule may miss: this fails until the rule is looked at again
+    shared = set()
+    for name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, name, None)
+        for o in getattr(packet, "overloads", list)():
+            op = getattr(packet, o)
+            if not op._schema.is_mutable:
+                shared |= {a.name for a in op._schema.arguments if a.name in declared and "Tensor" in str(a.type)}
+    assert {n for n in shared if not hidden_write(n)} <= {"self", "out", "noise", "scale", "zero_point"}
+    assert {"running_mean", "running_var"} <= {n for n in shared if hidden_write(n)}
     info = op_info(torch.ops.aten.native_batch_norm.default)
     assert info.mutable and info.hidden and info.written == (3, 4)
 
