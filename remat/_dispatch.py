@@ -165,6 +165,7 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
         self.describe_tensor: Callable[[torch.Tensor], str | None] = lambda t: None
         # NOTE [generators of your own] (_ambient.py): the call's AmbientState.generators, set by its engine
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+        self.program: Any = None  # NOTE [program replay] (_engine/program.py): told of each random op's generator
         # NOTE [same reads] in _wiring.py: set by a frame without torch.func levels that is not nested (its tensors are
         # the call's own objects): the key of each op's arguments, which the Replayer compares
         self.wiring: Wiring | None = None
@@ -238,6 +239,9 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
         mutable, random = traits(func)
         mutable = ox.mutates(func, args, mutable)
         subst = self._before_mutation(func, args, kwargs, ins) if mutable else None
+        if random and self.program is not None:
+            with internal():
+                self.program.drew(args, kwargs)
         gen = kwargs.get("generator") if random else None
         if gen is not None and id(gen) not in self.generators:
             with internal():

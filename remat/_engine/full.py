@@ -135,6 +135,7 @@ from .._torch_internals import saved_tensors_hooks
 from .._wiring import Wiring, known_tokens
 from .capture import holdable
 from .plans import Plan, plan_of_call
+from .program import Program, ProgramRecorder
 from .recompute import fingerprints, run_recompute
 from .region import NeedsRegion, forward_pass, rewind_attempt
 
@@ -508,6 +509,7 @@ class Frame(_Saving, _Serving):
         # the forward pass ends, and the recompute checks them
         self.watch_values = False
         self.fingerprints: list[Any] | None = None
+        self.program: Program | None = None  # NOTE [program replay]: set by the route table under torch.func
 
     # ---- forward -------------------------------------------------------------
     def forward(self) -> Any:
@@ -535,12 +537,19 @@ class Frame(_Saving, _Serving):
                 es.enter_context(self.recorder)
                 es.enter_context(activated(self))
                 es.enter_context(forward_pass())
+                if self.program is not None:
+                    self.program.start(self, flat, self.state.tensors)
+                    self.recorder.program = self.program
+                    es.enter_context(ProgramRecorder(self.program))
                 try:
                     out = self.run(flat)
                 except RuntimeError as e:
                     if "support saved tensor hooks" not in str(e):
                         raise
                     raise NeedsRegion(self, e) from e  # NOTE [reentrant region] in region.py
+            if self.program is not None:
+                self.program.finish()
+                self.recorder.program = None
             if not self.routed and (not self.levels or (len(self.levels) == 1 and self.levels[0].kind == "grad")):
                 # NOTE [unused outputs]: weakly, an output's node would make a cycle through the graph
                 self._outs = []
@@ -596,6 +605,10 @@ class Frame(_Saving, _Serving):
                     self.nested.stash = self.recorder.route_stash(lambda t: ParentHandle(parent, parent.pack(t)))
         finally:
             self.forwarding = False
+            self.recorder.program = None
+            if self.program is not None and self.program.frame is not None:
+                self.program.spoil("its forward pass raised")
+                self.program.finish()
             self.plan_packs = None
             self.needed_vids = set()
             self._kept = {}

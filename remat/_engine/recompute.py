@@ -112,7 +112,11 @@ def _attempt(frame: Any, s: int, skip_unused: bool, forwarding: list[Any], detac
         es.enter_context(replayer)
         es.enter_context(activated(capture))
         try:
-            frame.run(vals)
+            program = frame.program
+            if program is not None and program.spoiled is None:
+                program.replay(vals, state_vals)  # NOTE [program replay]: the forward's calls, not its Python
+            else:
+                frame.run(vals)
             replayer.finish()
         except StopRecompute:
             pass

@@ -38,6 +38,7 @@ from .frame import CallFrame
 from .full import Frame
 from .planned import FastFrame
 from .plans import MAX_PLANS, fast_path_applies, signature
+from .program import Program
 from .recompute import call_nested_replay
 from .region import NeedsRegion, enclosed, run_region
 from .traced import TraceFrame, traceable
@@ -131,6 +132,8 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
         # 7. the full engine, recording a plan for the signature
         frame = Frame(run, flat, name, call_policy, preserve_rng, default_engine(), state)
         frame.watch_values = owner is not None and owner.debug  # NOTE [values between the passes]
+        if frame.levels and owner is not None and not owner.debug and ctx is None:
+            frame.program = Program(name)  # NOTE [program replay]: the recompute replays the forward's calls
         if key is not None and key not in owner._plans:
             plans = owner._plans
             frame.record_plan(lambda: plans.__setitem__(key, None))

@@ -1,0 +1,257 @@
+"""A call's *program* under ``torch.func``: the torch functions its forward pass called at its own level, replayed
+by the recompute in place of the user's Python.
+
+NOTE [program replay]
+    Under ``torch.func`` the ATen trace (NOTE [the trace]) cannot serve: a dispatch mode sees the ops below every
+    functorch layer (a vmap level batches them, a jvp level adds its tangents' ops), while the recompute must
+    make the saved tensors again at the level that saved them, on the rebuilt stack (NOTE [per-level replay] in
+    ``_functorch.py``). So the full engine runs the call again on that stack; what it runs is not the user's
+    Python but the call's program. A ``TorchFunctionMode`` (:class:`ProgramRecorder`) sees, above every layer,
+    each torch function the forward pass called (``torch.matmul``, ``Tensor.__getitem__``, ``F.layer_norm``,
+    ``torch.ops.aten.alias``) and stores it as a :class:`Call`: the function, its non-tensor arguments as they
+    were, and each tensor argument as a slot (an input of the call, a tensor of the module state, an output of an
+    earlier call, or an outside tensor, held). The replay calls them in order on the rebuilt stack's values, so
+    every Python decision of the forward pass stands: which tensor a call reads, a temperature, a random branch,
+    ``torch.tensor(python_value)``, a list of experts reordered. A random call gets its generator's state back
+    from before its first draw (the dispatch ``Recorder`` sees the draw and tells the program: a seed set inside
+    the function, a Megatron-style tracker, a user's generator); grad mode (a ``torch.no_grad()`` block), the
+    default dtype and a pending ``checkpoint_name`` are set as they were. The recompute's dispatch ``Replayer``
+    and ``Capture`` check what the program runs exactly as they checked a re-run.
+
+    A program that cannot stand for the Python is *spoiled*, and the recompute runs the Python again as before
+    (with the re-run's checks: exact or ``RematError``): a call at another functorch level than the call's own (a
+    vmap inside the function), a random draw outside any call, a call made while another remat call is active (a
+    nested remat call), an iterator returned (its tensors come from no call the mode sees), a tensor with history
+    that no call made (the output of a custom ``autograd.Function``), autocast switched inside the function.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import weakref
+from typing import Any
+
+import optree
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .. import _torch_internals as ti
+from .._context import INTERNAL, PENDING_NAME, active_context
+from .trace import generator_for
+
+__all__ = ["Program", "ProgramRecorder"]
+
+Tensor = torch.Tensor
+
+
+class Call:
+    """One torch function the forward pass called: ``func(*args, **kwargs)``, the tensors at ``refs`` from slots."""
+
+    __slots__ = ("func", "spec", "leaves", "refs", "outs", "grad", "dtype", "name", "rng")
+
+    def __init__(self, func: Any, spec: Any, leaves: list[Any], refs: list[tuple[int, int]], grad: bool,
+                 dtype: torch.dtype, name: str | None) -> None:
+        self.func = func
+        self.spec = spec  # the structure of (args, kwargs)
+        self.leaves = leaves  # their leaves, tensors replaced by None
+        self.refs = refs  # (leaf index, slot)
+        self.outs: list[int] = []  # the slots of its tensor outputs, in order (-1: a leaf that is not a tensor)
+        self.grad = grad
+        self.dtype = dtype
+        self.name = name  # a checkpoint_name pending around it
+        self.rng: list[tuple[torch.Generator, torch.Tensor]] = []  # generator states before its first draws
+
+
+class Program:
+    """One call's program (NOTE [program replay])."""
+
+    def __init__(self, fn_name: str) -> None:
+        self.fn_name = fn_name
+        self.calls: list[Call] = []
+        self.n = 0
+        self._slot_of: dict[int, tuple[weakref.ref[Tensor], int]] = {}
+        self.inputs: dict[int, int] = {}  # slot -> index among the call's leaves
+        self.state: dict[int, int] = {}  # slot -> index among the module state's tensors
+        self.outside: dict[int, Tensor] = {}  # slot -> an outside tensor, held
+        self.spoiled: str | None = None  # why the Python must run again instead
+        self.current: Call | None = None  # the call running now (its draws are its own)
+        self.frame: Any = None
+        self.level = -1
+        self.grad0 = True
+        self.dtype0 = torch.float32
+        self.autocast0: tuple[bool, bool] = (False, False)
+        self.last_use: list[list[int]] | None = None
+
+    # ---- recording -------------------------------------------------------------------
+    def start(self, frame: Any, flat: list[Any], state_tensors: list[Tensor]) -> None:
+        self.frame = frame
+        top = ti.peek_interpreter()
+        self.level = top.level() if top is not None else -1
+        self.grad0 = torch.is_grad_enabled()
+        self.dtype0 = torch.get_default_dtype()
+        self.autocast0 = _autocast()
+        for i, a in enumerate(flat):
+            if isinstance(a, Tensor):
+                self.inputs[self._new(a)] = i
+        for i, t in enumerate(state_tensors):
+            if self._known(t) is None:
+                self.state[self._new(t)] = i
+
+    def spoil(self, why: str) -> None:
+        if self.spoiled is None:
+            self.spoiled = why
+            self.calls = []
+            self.outside = {}
+
+    def finish(self) -> None:
+        """The forward pass ended: no more slots to look up; note when each value is read last."""
+        self._slot_of = {}
+        self.frame = None
+        if self.spoiled is not None:
+            return
+        last: dict[int, int] = {}
+        for k, c in enumerate(self.calls):
+            for _, s in c.refs:
+                last[s] = k
+        frees: list[list[int]] = [[] for _ in self.calls]
+        held = set(self.inputs) | set(self.state) | set(self.outside)
+        for s, k in last.items():
+            if s not in held:
+                frees[k].append(s)
+        self.last_use = frees
+
+    def drew(self, args: Any, kwargs: dict[str, Any]) -> None:
+        """The dispatch recorder saw a random op: note its generator's state for the call that drew."""
+        call = self.current
+        if self.spoiled is not None:
+            return
+        gen = generator_for(args, kwargs)
+        if call is None or gen is None:
+            self.spoil("a random op drew where no torch function the program records was running")
+            return
+        if all(g is not gen for g, _ in call.rng):
+            call.rng.append((gen, gen.get_state()))
+
+    def _new(self, t: Tensor) -> int:
+        s = self.n
+        self.n = s + 1
+        self._slot_of[id(t)] = (weakref.ref(t), s)
+        return s
+
+    def _known(self, t: Tensor) -> int | None:
+        e = self._slot_of.get(id(t))
+        return e[1] if e is not None and e[0]() is t else None
+
+    def read(self, t: Tensor) -> int:
+        s = self._known(t)
+        if s is not None:
+            return s
+        if t.grad_fn is not None:
+            # a value with history that no recorded call made (a custom autograd.Function's output, a closure
+            # over a value of the enclosing function): what made it would not run again
+            self.spoil("it reads a tensor with history that no torch function of the call made")
+        s = self._new(t)
+        self.outside[s] = t
+        return s
+
+    # ---- replay ----------------------------------------------------------------------
+    def replay(self, vals: list[Any], state_vals: list[Any]) -> None:
+        """Run the program on the rebuilt stack's inputs and state (``_engine/recompute.py``)."""
+        v: dict[int, Any] = {}
+        for s, i in self.inputs.items():
+            v[s] = vals[i]
+        for s, i in self.state.items():
+            v[s] = state_vals[i]
+        v.update(self.outside)
+        frees = self.last_use
+        assert frees is not None
+        dtype0 = torch.get_default_dtype()
+        grad0 = torch.is_grad_enabled()
+        try:
+            for k, c in enumerate(self.calls):
+                leaves = list(c.leaves)
+                for i, s in c.refs:
+                    leaves[i] = v[s]
+                args, kwargs = optree.tree_unflatten(c.spec, leaves)
+                for gen, state in c.rng:
+                    gen.set_state(state)
+                if c.dtype != torch.get_default_dtype():
+                    torch.set_default_dtype(c.dtype)
+                grad = grad0 if c.grad == self.grad0 else c.grad  # (a no_grad block of the function)
+                tok = PENDING_NAME.set(c.name) if c.name is not None else None
+                try:
+                    with torch.set_grad_enabled(grad):
+                        out = c.func(*args, **kwargs)
+                finally:
+                    if tok is not None:
+                        PENDING_NAME.reset(tok)
+                if c.outs:
+                    if len(c.outs) == 1 and isinstance(out, Tensor):
+                        v[c.outs[0]] = out
+                    else:
+                        for s, t in zip(c.outs, optree.tree_leaves(out, none_is_leaf=True)):
+                            if s >= 0:
+                                v[s] = t
+                for s in frees[k]:
+                    v.pop(s, None)
+        finally:
+            if torch.get_default_dtype() != dtype0:
+                torch.set_default_dtype(dtype0)
+
+
+def _autocast() -> tuple[bool, bool]:
+    return torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda")
+
+
+class ProgramRecorder(TorchFunctionMode):
+    """The forward pass's torch-function mode: record each call of the function's own level (NOTE [program
+    replay])."""
+
+    def __init__(self, program: Program) -> None:
+        super().__init__()
+        self.program = program
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        p = self.program
+        if p.spoiled is not None or INTERNAL.get() or p.current is not None:
+            return func(*args, **kwargs)
+        if active_context() is not p.frame:
+            p.spoil("another remat call ran inside it")
+            return func(*args, **kwargs)
+        top = ti.peek_interpreter()
+        if (top.level() if top is not None else -1) != p.level:
+            p.spoil("it calls torch functions under a torch.func level of its own (a vmap inside the function)")
+            return func(*args, **kwargs)
+        if _autocast() != p.autocast0:
+            p.spoil("it switches autocast inside")
+            return func(*args, **kwargs)
+        leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+        refs = []
+        for i, a in enumerate(leaves):
+            if isinstance(a, Tensor):
+                refs.append((i, p.read(a)))
+                leaves[i] = None
+        call = Call(func, spec, leaves, refs, torch.is_grad_enabled(), torch.get_default_dtype(), PENDING_NAME.get())
+        p.current = call
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            p.current = None
+        if p.spoiled is not None:
+            return out
+        if isinstance(out, Tensor):
+            call.outs.append(p._new(out))
+        elif isinstance(out, collections.abc.Iterator):
+            p.spoil("a torch function returned an iterator, whose tensors no recorded call makes")
+            return out
+        elif out is not None:
+            try:
+                outs = optree.tree_leaves(out, none_is_leaf=True)
+            except Exception:  # noqa: BLE001 (an output optree cannot take apart: a leaf)
+                outs = [out]
+            call.outs = [p._new(t) if isinstance(t, Tensor) else -1 for t in outs]
+            if all(s < 0 for s in call.outs):
+                call.outs = []
+        p.calls.append(call)
+        return out
