@@ -41,8 +41,13 @@ GLOBAL = {"scale": 1.0}  # read through a module-level global (rebound, not muta
 _GLOBAL_SCALE = 1.0
 
 STEPS = ["attr", "global", "cell", "default", "expert", "moddict", "order", "random", "nprandom", "cfg", "buffer",
-         "roll", "tanh", "sin", "lin"]
-MUTATIONS = ["attr", "global", "cell", "default", "expert", "moddict", "order", "cfg", "buffer", "roll"]
+         "roll", "tanh", "sin", "lin", "seed", "factory", "gtensor", "pydata"]
+MUTATIONS = ["attr", "global", "cell", "default", "expert", "moddict", "order", "cfg", "buffer", "roll", "gtensor",
+             "pydata"]
+# between the passes only (undone before plain autograd runs): global settings, which a replay must not follow
+BETWEEN_ONLY = ["settings"]
+G_TENSOR = torch.full((8,), 0.25, dtype=D)
+GAINS = [torch.rand(8, dtype=D, generator=torch.Generator().manual_seed(i)) + 0.5 for i in range(8)]  # a global tensor an op reads (add: saved by no node), written in place
 
 POLICIES: dict[str, Any] = {
     "save-nothing": policies.nothing_saveable,
@@ -52,7 +57,8 @@ POLICIES: dict[str, Any] = {
     "budget": policies.memory_budget(0.5),
     "custom": lambda op, *a, **k: str(op).startswith("aten.mm"),
 }
-WRAPS = ["function", "method", "module", "debug", "vjp"]
+WRAPS = ["function", "method", "module", "debug", "vjp", "grad", "jacrev", "vmap(grad)", "nested"]
+FUNC_WRAPS = ("vjp", "grad", "jacrev", "vmap(grad)")  # torch.func transforms over functional_call
 # what runs around a call besides it (issue 39): a user's dispatch mode, or module hooks, around its forward pass
 # only, its backward pass only, or both (CommDebugMode's module hooks detach parameters in the forward pass only;
 # global full backward hooks wrap module inputs and outputs in views under grad mode): NOTE [hooks' aliases]
@@ -119,13 +125,15 @@ def _set_global(v: float) -> None:
 class Program(nn.Module):
     """A seeded program: a list of steps over one (4, 8) activation, each reading one kind of state."""
 
-    def __init__(self, seed: int, n_steps: int = 6) -> None:
+    def __init__(self, seed: int, n_steps: int = 6, seeded: bool = True) -> None:
         super().__init__()
         rng = random.Random(seed)
         torch.manual_seed(seed)
-        # (a draw from Python's or NumPy's random numbers in the forward pass differs in the recompute, which raises
-        # on every call, the first included, so that no call runs on a plan: one program in five has them)
+        # (a draw from Python's or NumPy's random numbers in the forward pass: one program in five has them; a seed
+        # set inside, ``seeded``: not under vmap, which refuses it with or without remat)
         menu = STEPS if seed % 5 == 0 else [s for s in STEPS if s not in ("random", "nprandom")]
+        if not seeded:
+            menu = [s for s in menu if s != "seed"]
         self.steps = [rng.choice(menu) for _ in range(n_steps)]
         self.lin = nn.Linear(8, 8).to(D)
         self.experts = nn.ModuleList([nn.Linear(8, 8).to(D) for _ in range(3)])
@@ -136,6 +144,8 @@ class Program(nn.Module):
         self.key = "a"
         self.order = [0, 1, 2]
         self.shift = 1  # (an op's list argument: roll's shifts)
+        self.seed = 1000 + seed  # (torch's RNG seeded inside the forward pass, from this counter, which it bumps)
+        self.value = 0.5  # (torch.tensor(self.value): a tensor from Python data)
         cell = [1.0]  # (a closure cell's value, rebound through the setter)
         cfg = {"shift": 0.0}
         scale = 1.0
@@ -181,6 +191,16 @@ class Program(nn.Module):
                 h = torch.tanh(h * self.gain)
             elif s == "roll":
                 h = torch.sin(torch.roll(h, shifts=self.shift, dims=1) * h)
+            elif s == "seed":
+                torch.manual_seed(self.seed)
+                self.seed += 1
+                h = torch.nn.functional.dropout(torch.tanh(h), 0.25, training=True)
+            elif s == "factory":
+                h = torch.sin(h + torch.ones(8).to(D) / 3)  # (follows the default dtype)
+            elif s == "gtensor":
+                h = torch.tanh(h + G_TENSOR)
+            elif s == "pydata":
+                h = torch.sin(h * torch.tensor(self.value, dtype=D))
             elif s == "tanh":
                 h = torch.tanh(h)
             elif s == "sin":
@@ -210,9 +230,17 @@ def mutate(m: Program, what: str, rng: random.Random) -> None:
         m.cfg["shift"] = rng.choice([0.0, 0.5, -0.5])
     elif what == "roll":
         m.shift = rng.choice([1, 2, -1])
+    elif what == "gtensor":
+        G_TENSOR.add_(rng.choice([0.0, 0.5, -0.25]))  # in place
+    elif what == "pydata":
+        m.value = rng.choice([0.5, 1.5, -1.0])
+    elif what == "settings":
+        torch.set_default_dtype(torch.float16)
+        torch.set_float32_matmul_precision("medium")
     elif what == "buffer":
         if rng.random() < 0.5:
-            m.gain = torch.rand(8, dtype=D) + 0.5  # replaced by a same-shaped tensor
+            m.gain = GAINS[rng.randrange(len(GAINS))]  # replaced by a same-shaped tensor (drawn beforehand: a
+            # mutation may run inside a transform)
         else:
             m.gain = m.gain  # (unchanged)
 
@@ -222,86 +250,154 @@ def _grads(m: nn.Module) -> list[torch.Tensor]:
 
 
 def _wrapped(m: Program, policy: Any, wrap: str) -> Any:
-    """The program's forward remat'd as a function, a bound method, or in place through remat_module."""
+    """The program's forward remat'd as a function, a bound method, in place through remat_module (also what the
+    torch.func wrappings call through functional_call), or twice inside an outer remat'd function (nested)."""
     if wrap == "function":
         return remat.remat(lambda x: Program.forward(m, x), policy=policy)
     if wrap == "method":
         return remat.remat(m.forward, policy=policy)
     if wrap == "debug":  # the full engine on every call
         return remat.remat(m.forward, policy=policy, debug=True)
+    if wrap == "nested":
+        inner = remat.remat(m.forward, policy=policy)
+        return remat.remat(lambda x: inner(torch.tanh(inner(x))), policy=policy)
     remat.remat_module(m, policy=policy)
     return m
 
 
+def _plain(wrap: str, m: Program, x: torch.Tensor) -> torch.Tensor:
+    return Program.forward(m, torch.tanh(Program.forward(m, x))) if wrap == "nested" else Program.forward(m, x)
+
+
+def _func_grads(module: nn.Module, wrap: str, x: torch.Tensor, between: Any) -> list[torch.Tensor]:
+    """Gradients of every parameter and of ``x`` under a torch.func transform over ``functional_call(module)``;
+    ``between()`` runs after the forward pass, before the backward pass."""
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    x = x.detach()
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        y = torch.func.functional_call(module, p, (x,)).sum()
+        between()
+        return y
+
+    if wrap == "vjp":  # the mutation between vjp and its function
+        y, pull = torch.func.vjp(lambda p, x: torch.func.functional_call(module, p, (x,)), params, x)
+        between()
+        gp, gx = pull(torch.ones_like(y))
+    elif wrap == "grad":
+        gp, gx = torch.func.grad(loss, argnums=(0, 1))(params, x)
+    elif wrap == "jacrev":
+        gp, gx = torch.func.jacrev(loss, argnums=(0, 1))(params, x)
+    else:  # per-example gradients
+        gp, gx = torch.func.vmap(torch.func.grad(lambda p, xi: loss(p, xi[None]), argnums=(0, 1)), in_dims=(None, 0),
+                                 randomness="same")(params, x)
+    return [gp[k] for k, _ in module.named_parameters()] + [gx]
+
+
+def _restore_settings(dtype: torch.dtype, precision: str) -> None:
+    torch.set_default_dtype(dtype)
+    torch.set_float32_matmul_precision(precision)
+
+
 def run_program(seed: int, policy_name: str, wrap: str, calls: int = 6) -> Counter[str]:
-    """One program, its first call clean and ``calls`` mutated ones: a count of the outcomes."""
+    """One program, its first call clean and ``calls`` mutated ones: a count of the outcomes. A mutated call may run
+    two forward passes (a mutation between them) before one backward pass over both (forward-all-then-backward-
+    all)."""
     rng = random.Random(seed * 7919 + 1)
-    m = Program(seed)
-    ref = Program(seed)
+    m = Program(seed, seeded=wrap != "vmap(grad)")
+    ref = Program(seed, seeded=wrap != "vmap(grad)")
     ref.load_state_dict(m.state_dict())
     f = _wrapped(m, POLICIES[policy_name], wrap)
     out: Counter[str] = Counter()
-    saved_global = _GLOBAL_SCALE
+    saved_global, saved_g = _GLOBAL_SCALE, G_TENSOR.clone()
+    dtype, precision = torch.get_default_dtype(), torch.get_float32_matmul_precision()
+    func = wrap in FUNC_WRAPS
     try:
         for call in range(calls + 1):
             x = torch.randn(4, 8, dtype=D, generator=torch.Generator().manual_seed(seed + call)).requires_grad_()
+            x2 = torch.randn(4, 8, dtype=D, generator=torch.Generator().manual_seed(seed + call + 500))
+            x2.requires_grad_()
             before = [] if call == 0 else rng.sample(MUTATIONS, rng.randrange(0, 3))
-            between = [] if call == 0 else rng.sample(MUTATIONS, rng.randrange(0, 3))
+            # (inside grad, jacrev and vmap, torch.func refuses an in-place write to a captured tensor, with or
+            # without remat: the global tensor is written between the passes under vjp and in eager mode)
+            menu = [w for w in MUTATIONS + BETWEEN_ONLY if w != "gtensor" or wrap not in FUNC_WRAPS[1:]]
+            between = [] if call == 0 else rng.sample(menu, rng.randrange(0, 3))
+            twice = call > 0 and not func and rng.random() < 0.3
+            mid = rng.sample(MUTATIONS, rng.randrange(1, 3)) if twice else []
             for w in before:
                 mutate(m, w, rng)
             state = _state_of(m)
-            ambient = "none" if wrap == "vjp" else rng.choice(AMBIENTS)
+            state2 = None
+            ambient = "none" if func else rng.choice(AMBIENTS)
             draw = rng.randrange(1 << 30)
             random.seed(draw)
             np.random.seed(draw % (1 << 31))
             m.zero_grad(set_to_none=True)
+
+            def during(between: list[str] = between) -> None:
+                for w in between:
+                    mutate(m, w, rng)
+
             try:
-                if wrap == "vjp":  # torch.func.vjp over functional_call: the mutation between vjp and its function
-                    params = {k: v.detach() for k, v in m.named_parameters()}
-                    y, pull = torch.func.vjp(lambda p, x: torch.func.functional_call(m, p, (x,)), params, x)
-                    for w in between:
-                        mutate(m, w, rng)
-                    gp, gx = pull(torch.ones_like(y))
-                    got = [gp[k] for k, _ in m.named_parameters()] + [gx]
-                else:
-                    with contextlib.ExitStack() as around:
-                        if ambient.endswith("both"):
-                            around.enter_context(_ambient(ambient))
-                        with _ambient(ambient) if ambient.endswith("forward") else contextlib.nullcontext():
-                            y = f(x)
-                        for w in between:
-                            mutate(m, w, rng)
-                        with _ambient(ambient) if ambient.endswith("backward") else contextlib.nullcontext():
-                            y.sum().backward()
-                    got = [*_grads(m), x.grad]
-                    x.grad = None
+                try:
+                    if func:
+                        got = _func_grads(m, wrap, x, during)
+                    else:
+                        with contextlib.ExitStack() as around:
+                            if ambient.endswith("both"):
+                                around.enter_context(_ambient(ambient))
+                            with _ambient(ambient) if ambient.endswith("forward") else contextlib.nullcontext():
+                                y = f(x).sum()
+                                if twice:
+                                    for w in mid:
+                                        mutate(m, w, rng)
+                                    state2 = _state_of(m)
+                                    y = y + f(x2).sum()
+                            during()
+                            with _ambient(ambient) if ambient.endswith("backward") else contextlib.nullcontext():
+                                y.backward()
+                        got = [*_grads(m), x.grad] + ([x2.grad] if twice else [])
+                finally:
+                    _restore_settings(dtype, precision)
             except RematError:
                 out["raised"] += 1
                 continue
-            # plain autograd, with the state the forward pass read and the same random draws
+            finally:
+                x.grad = x2.grad = None
+            # plain autograd, with the state each forward pass read and the same random draws
             after = _state_of(m)
             _set_state(ref, m, state)
             random.seed(draw)
             np.random.seed(draw % (1 << 31))
             ref.zero_grad(set_to_none=True)
-            Program.forward(ref, x).sum().backward()
+            if func:
+                want = _func_grads(ref, wrap, x, lambda: None)
+            else:
+                y = _plain(wrap, ref, x).sum()
+                if twice:
+                    assert state2 is not None
+                    _set_state(ref, m, state2)
+                    y = y + _plain(wrap, ref, x2).sum()
+                y.backward()
+                want = [*_grads(ref), x.grad] + ([x2.grad] if twice else [])
+                x.grad = x2.grad = None
             _set_state(ref, m, after)
-            want = [*_grads(ref), x.grad]
             ok = all(torch.allclose(a, b, rtol=TOL, atol=TOL) for a, b in zip(got, want))
             out["equal" if ok else "silent"] += 1
     finally:
         _set_global(saved_global)
+        G_TENSOR.copy_(saved_g)
     return out
 
 
 def _state_of(m: Program) -> tuple[Any, ...]:
     return (m.temperature, _GLOBAL_SCALE, m.read_cell(), m.read_default.__defaults__, m.active, m.key, list(m.order),
-            dict(m.cfg), m.gain, m.shift)
+            dict(m.cfg), m.gain, m.shift, m.seed, m.value, G_TENSOR.clone())
 
 
 def _set_state(ref: Program, m: Program, state: tuple[Any, ...]) -> None:
-    """``ref`` takes the Python state ``state``; module-level and shared pieces (the global) are set once."""
-    ref.temperature, g, c, d, ref.active, ref.key, order, cfg, gain, ref.shift = state
+    """``ref`` takes the Python state ``state``; module-level and shared pieces (the globals) are set once."""
+    ref.temperature, g, c, d, ref.active, ref.key, order, cfg, gain, ref.shift, ref.seed, ref.value, gt = state
     _set_global(g)
     ref.set_cell(c)
     ref.read_default.__defaults__ = d
@@ -309,6 +405,7 @@ def _set_state(ref: Program, m: Program, state: tuple[Any, ...]) -> None:
     ref.cfg.clear()
     ref.cfg.update(cfg)
     ref.gain = gain
+    G_TENSOR.copy_(gt)
 
 
 def main(argv: list[str] | None = None) -> int:

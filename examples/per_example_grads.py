@@ -10,7 +10,9 @@ forward and the backward pass and is recomputed, under the same ``vmap`` and
 ``grad`` levels, when the backward pass needs it.
 
 The script checks that the per-example gradients are bitwise equal to those
-without remat, counts the block's Python calls (the recompute ran), and measures
+without remat, counts the block's Python calls (once per block: the recompute
+replays the calls the forward pass made, it does not run the Python again) and
+its softmax ops (one more per block with remat: the recompute ran), and measures
 the peak memory of the whole per-example-gradient call in a fresh process per
 variant (peak RSS, ``VmHWM`` after a reset through ``/proc/self/clear_refs``,
 with glibc told to return freed memory; see docs/policies.md).
@@ -40,6 +42,7 @@ from typing import Any
 import optree
 import torch
 from torch.func import grad, vjp, vmap
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import remat
 from remat.bench.models import make_transformer, transformer_block
@@ -48,8 +51,21 @@ from remat.bench.models import make_transformer, transformer_block
 CFG = {"blocks": 2, "batch": 8, "seq": 256, "d": 64, "heads": 4, "ff": 256}
 
 
-def per_example_grads(use_remat: bool, method: str = "grad") -> tuple[Any, int]:
-    """Gradients of each example's loss with respect to all parameters, and the block's call count."""
+class SoftmaxCount(TorchDispatchMode):
+    """Count the softmax ops that run (under vmap, one batched op per block and pass)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.n += func is torch.ops.aten._softmax.default
+        return func(*args, **(kwargs or {}))
+
+
+def per_example_grads(use_remat: bool, method: str = "grad") -> tuple[Any, int, int]:
+    """Gradients of each example's loss with respect to all parameters, the block's Python calls and the softmax
+    ops that ran."""
     params, xs, _, _ = make_transformer(**CFG)
     calls = [0]
 
@@ -65,16 +81,17 @@ def per_example_grads(use_remat: bool, method: str = "grad") -> tuple[Any, int]:
             h = blk(p, h)
         return (h * h).mean()
 
-    if method == "grad":
-        grads = vmap(grad(loss_one), in_dims=(None, 0))(params, xs)
-    else:  # the same gradients without building a graph of the backward pass
+    with SoftmaxCount() as softmaxes:
+        if method == "grad":
+            grads = vmap(grad(loss_one), in_dims=(None, 0))(params, xs)
+        else:  # the same gradients without building a graph of the backward pass
 
-        def grad_one(params: Any, x: torch.Tensor) -> Any:
-            loss, pullback = vjp(lambda p: loss_one(p, x), params)
-            return pullback(torch.ones_like(loss), retain_graph=False, create_graph=False)[0]
+            def grad_one(params: Any, x: torch.Tensor) -> Any:
+                loss, pullback = vjp(lambda p: loss_one(p, x), params)
+                return pullback(torch.ones_like(loss), retain_graph=False, create_graph=False)[0]
 
-        grads = vmap(grad_one, in_dims=(None, 0))(params, xs)
-    return grads, calls[0]
+            grads = vmap(grad_one, in_dims=(None, 0))(params, xs)
+    return grads, calls[0], softmaxes.n
 
 
 def _peaks_mib(variant: str) -> dict[str, float]:
@@ -93,7 +110,7 @@ def _peaks_mib(variant: str) -> dict[str, float]:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
         before = status("VmRSS:")
-        grads, _ = per_example_grads(use, method)
+        grads, _, _ = per_example_grads(use, method)
         peaks[method] = (status("VmHWM:") - before) / 1024
         del grads
     return peaks
@@ -101,9 +118,9 @@ def _peaks_mib(variant: str) -> dict[str, float]:
 
 def main() -> None:
     torch.set_num_threads(1)
-    plain, plain_calls = per_example_grads(False)
-    rem, rem_calls = per_example_grads(True)
-    via_vjp, _ = per_example_grads(True, "vjp")
+    plain, plain_calls, plain_softmaxes = per_example_grads(False)
+    rem, rem_calls, rem_softmaxes = per_example_grads(True)
+    via_vjp, _, _ = per_example_grads(True, "vjp")
     leaves_p, leaves_r = optree.tree_leaves(plain), optree.tree_leaves(rem)
     leaves_v = optree.tree_leaves(via_vjp)
     equal = len(leaves_p) == len(leaves_r) == len(leaves_v) and all(
@@ -111,8 +128,9 @@ def main() -> None:
     n = CFG["batch"]
     print(f"per-example gradients of {n} examples, {CFG['blocks']} transformer blocks "
           f"(seq {CFG['seq']}, d {CFG['d']}): shape of the first one {tuple(leaves_r[0].shape)}")
-    print(f"block calls: without remat {plain_calls}, with remat {rem_calls} "
-          f"({CFG['blocks']} forward + {rem_calls - CFG['blocks']} recomputed in the backward pass)")
+    print(f"block calls: without remat {plain_calls}, with remat {rem_calls} (the Python runs once per block)")
+    print(f"softmax ops: without remat {plain_softmaxes}, with remat {rem_softmaxes} "
+          f"({rem_softmaxes - plain_softmaxes} replayed in the backward pass)")
     print(f"per-example gradients bitwise equal with and without remat (vmap of grad, and of vjp): {equal}")
 
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")

@@ -120,6 +120,7 @@ from ._ops import (
     OpRecord,
     are_constants,
     arg_tensors,
+    generator_for,
     identity_alias,
     ignored,
     op_meta,
@@ -239,9 +240,13 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
         mutable, random = traits(func)
         mutable = ox.mutates(func, args, mutable)
         subst = self._before_mutation(func, args, kwargs, ins) if mutable else None
-        if random and self.program is not None:
+        rng = None
+        if random:
             with internal():
-                self.program.drew(args, kwargs)
+                if self.program is not None:
+                    self.program.drew(args, kwargs)
+                g = generator_for(args, kwargs)  # NOTE [random ops] in _engine/replay.py
+                rng = None if g is None else (g, g.get_state())
         gen = kwargs.get("generator") if random else None
         if gen is not None and id(gen) not in self.generators:
             with internal():
@@ -297,6 +302,7 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
             rec.outside, rec.subst, rec.scalars, rec.lifted = outside, subst, scalars, lifted
             leaf = autocast_cast(func, args, kwargs)
             rec.cast_leaf = None if leaf is None else weakref.ref(leaf)
+            rec.rng = rng
             for j, t, _ in outside or ():  # reads a later write in this call would invalidate
                 self._pending.setdefault(storage_key(t), []).append((rec, j, t))
             idx = len(self.ops)

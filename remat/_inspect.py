@@ -153,7 +153,7 @@ class _Allocations(TorchDispatchMode):
             if skip is None:
                 path = os.path.abspath(fn)
                 skip = self.skip[fn] = (
-                    fn.startswith("<frozen") or path.startswith(_SKIP_PREFIXES) or os.path.dirname(path) == _ENGINE_DIR
+                    fn.startswith("<frozen") or path.startswith(_SKIP_PREFIXES) or path.startswith(_ENGINE_DIR + os.sep)
                 )
             if not skip:
                 return f"{fn}:{f.f_lineno}"

@@ -81,6 +81,27 @@ RANGE_OPS = frozenset({_RANGE_ENTER, _RANGE_EXIT})
 _HOOK_RANGES = ("FSDP::",)  # the profiler ranges FSDP2 runs its hooks in (pre/post forward, all-gather, reshard)
 
 
+def generator_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Generator | None:
+    """The generator a random op draws from (None: one the trace does not know)."""
+    gen = kwargs.get("generator")
+    if gen is not None:
+        return gen  # type: ignore[no-any-return]
+    dev: Any = None
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            dev = a.device
+            break
+    if dev is None:
+        dev = kwargs.get("device")
+    dev = torch.device(dev) if dev is not None else torch.get_default_device()
+    if dev.type == "cpu":
+        return torch.default_generator
+    if dev.type == "cuda":
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[idx]
+    return None
+
+
 def profiler_op(func: Any, args: Any, kwargs: Any) -> Any:
     """Run a profiler marker (``RANGE_OPS``). NOTE [FSDP's hooks]: one that opens a range of FSDP2's hooks makes every
     op until it closes remat's own (``INTERNAL``: every mode lets it through unrecorded); its close ends that."""
@@ -215,6 +236,9 @@ class OpRecord:
     cast_leaf: weakref.ref[torch.Tensor] | None = None
     wkey: list[Any] | None = None  # NOTE [same reads] in _wiring.py: the key of the op's arguments (no levels)
     alias: bool = False  # an identity alias (NOTE [hooks' aliases]): a recompute may lack it, or have more
+    # a random op: its generator and the generator's state before it drew (the recompute draws the same numbers even
+    # where the function seeds inside: NOTE [random ops] in _engine/replay.py)
+    rng: tuple[torch.Generator, torch.Tensor] | None = None
 
     def rebuild(self, tensors: list[Any]) -> Any:
         """The op's output, its tensors replaced by ``tensors`` (its numbers as the forward pass returned them)."""

@@ -53,8 +53,10 @@ def remat(fn: Any = None, *, policy: Any = None, static_argnums: int | Sequence[
             runs once: the recompute replays the ATen ops its forward pass ran
             (docs/how-it-works.md, "Replay, don't re-run"), so Python state it
             reads may change before the backward pass. Under ``torch.func``
-            transforms the recompute runs it again, checked op by op: it must
-            then do the same work on the same inputs, or remat raises.
+            transforms it runs once too: the recompute replays the torch calls
+            the forward pass made, on the transform's rebuilt levels. With
+            ``debug=True`` (or tensor subclasses) the recompute runs it again,
+            checked op by op: it must then do the same work, or remat raises.
         policy: a policy from :mod:`remat.policies`, any callable
             ``policy(op, *args, **kwargs)``, or one of the strings
             ``"save-nothing"`` (the default), ``"save-everything"``,
@@ -62,11 +64,10 @@ def remat(fn: Any = None, *, policy: Any = None, static_argnums: int | Sequence[
         static_argnums: positions of arguments passed through untouched (not
             treated as pytrees of tensors), such as flags or modules.
         preserve_rng_state: the recompute sees exactly the random numbers the
-            forward pass saw (CPU and every CUDA device in use). Under plain
-            autograd the replay always puts back each draw's generator state
-            (it costs nothing when nothing is drawn), so this only matters
-            under ``torch.func``: turn it off there only for functions that
-            draw no random numbers, to save the state copy.
+            forward pass saw (CPU and every CUDA device in use). The replay puts
+            back each draw's generator state whatever this says (it costs
+            nothing when nothing is drawn); off, a re-run (``debug=True``) skips
+            the copy of the generators' states at the start of each call.
         debug: run every call on the re-run engine, which runs the function
             again in the recompute and checks that every op and its Python
             numbers are the same as in the forward pass (a function whose

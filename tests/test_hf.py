@@ -178,9 +178,9 @@ class CallCount:
             h.remove()
 
 
-def counted_step(model: nn.Module, name: str, blocks: list[str], step: Callable[[], Any], runs: int = 2) -> Any:
-    """Run a forward+backward ``step`` of a remat'd model; check each block's Python ran ``runs`` times: under
-    torch.func twice (forward and recompute), under plain autograd once (``runs=1``: the replay engine)."""
+def counted_step(model: nn.Module, name: str, blocks: list[str], step: Callable[[], Any], runs: int = 1) -> Any:
+    """Run a forward+backward ``step`` of a remat'd model; check each block's Python ran ``runs`` times: once, under
+    plain autograd and under torch.func alike (the recompute replays: NOTE [program replay])."""
     count = CallCount(model, name, blocks)
     try:
         out = step()
@@ -199,6 +199,18 @@ def replayed_step(model: nn.Module, name: str, blocks: list[str], step: Callable
     out = counted_step(model, name, blocks, lambda: step(ops), runs=1)
     assert_recomputed(ops, plain_ops)
     return out
+
+
+def func_step(model: nn.Module, plain: nn.Module, name: str, blocks: list[str],
+              step: Callable[[nn.Module], Any]) -> tuple[Any, Any]:
+    """Run a torch.func ``step`` on the remat'd ``model`` and on ``plain``; check each block's Python ran once and
+    the remat'd step ran every op the plain one did, and more (its recompute replayed the blocks' calls)."""
+    with OpLog() as plain_log:
+        want = step(plain)
+    with OpLog() as log:
+        got = counted_step(model, name, blocks, lambda: step(model))
+    assert_recomputed(log.ops, plain_log.ops)
+    return got, want
 
 
 def assert_recomputed(ops: list[Any], plain_ops: list[Any]) -> None:
@@ -243,9 +255,8 @@ def test_func_grad_with_parameters_other_than_the_modules(name: str, attn: str, 
     """functional_call swaps the parameters in for the forward pass only: the recompute must use them too."""
     model, ids = make(name, attn), token_ids()
     params = shifted_params(model)
-    want = func_grads(model, params, ids)
     r, blocks = rematted(model, name, POLICIES[policy])
-    got = counted_step(r, name, blocks, lambda: func_grads(r, params, ids))
+    got, want = func_step(r, model, name, blocks, lambda m: func_grads(m, params, ids))
     assert_tree_close(got, want, **F64)
 
 
@@ -263,10 +274,9 @@ def test_shifted_parameters_change_the_gradient(name: str) -> None:
 def test_vmap_grad_per_example(name: str, attn: str, policy: str) -> None:
     model, ids = make(name, attn), token_ids()
     params = shifted_params(model)
-    want = per_example_grads(model, params, ids)
-    assert next(iter(want.values())).shape[0] == BATCH
     r, blocks = rematted(model, name, POLICIES[policy])
-    got = counted_step(r, name, blocks, lambda: per_example_grads(r, params, ids))
+    got, want = func_step(r, model, name, blocks, lambda m: per_example_grads(m, params, ids))
+    assert next(iter(want.values())).shape[0] == BATCH
     assert_tree_close(got, want, **F64)
 
 
@@ -458,7 +468,9 @@ def test_enable_input_require_grads_breaks_torch_func_disable_fixes_it() -> None
     assert_tree_close(got, want_eager, **F64)
     for m in (model, r):
         m.disable_input_require_grads()
-    assert_tree_close(counted_step(r, "gpt2", blocks, lambda: func_grads(r, params, ids)), want, **F64)
+    got, want2 = func_step(r, model, "gpt2", blocks, lambda m: func_grads(m, params, ids))
+    assert_tree_close(got, want, **F64)
+    assert_tree_close(want2, want, **F64)
 
 
 def test_frozen_embeddings_need_no_input_require_grads() -> None:
@@ -477,7 +489,8 @@ def test_frozen_embeddings_need_no_input_require_grads() -> None:
     frozen = {k: v for k, v in params.items() if "embed_tokens" in k}
     trainable = {k: v for k, v in params.items() if k not in frozen}
     f = lambda m: grad(lambda p: loss_of_params(m, {**frozen, **p}, ids))(trainable)  # noqa: E731
-    assert_tree_close(counted_step(r, "llama", blocks, lambda: f(r)), f(model), **F64)
+    got, want = func_step(r, model, "llama", blocks, f)
+    assert_tree_close(got, want, **F64)
 
 
 # ---- memory retained between forward and backward, measured from outside ---------------------------------------

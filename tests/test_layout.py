@@ -24,7 +24,7 @@ FLOORS = [
     {"_policies", "offload", "bench.models", "bench.measure"},
     {"_ops"},
     {"_budget", "_liveness", "_outside_writes", "_engine.trace"},
-    {"_budget_offload", "_engine.replaying"},
+    {"_budget_offload", "_engine.replaying", "_engine.program"},
     {"_budget_policy"},
     {"_dispatch", "policies", "_engine.compiled"},
     {"_state"},

@@ -36,7 +36,7 @@ from remat import checkpoint_name, policies, remat
 from remat._engine.full import Frame
 from remat._engine.traced import TraceFrame
 
-from .helpers import Counted, OpLog, StorageCensus
+from .helpers import Counted, OpCounter, OpLog, StorageCensus
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -138,13 +138,15 @@ def held_under_func(policy, transform):
         held.append(census.alive(exclude=inputs))
         return out.sum()
 
-    if transform == "grad":
-        grads = torch.func.grad(loss, argnums=(0, 1))(W1, W2, xs[0])
-    else:
-        grads = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)), in_dims=(None, None, 0))(W1, W2, xs)
+    with OpCounter({torch.ops.aten.sin.default}) as sins:
+        if transform == "grad":
+            grads = torch.func.grad(loss, argnums=(0, 1))(W1, W2, xs[0])
+        else:
+            grads = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)), in_dims=(None, None, 0))(W1, W2, xs)
     assert all(gr.abs().sum() > 0 for gr in grads)
     assert len(held) == 1  # loss ran once (vmap runs it once for the whole batch)
-    recomputed = f.calls - 1
+    assert f.calls == 1  # the block's Python too: its recompute replays its calls (NOTE [program replay])
+    recomputed = sins.count - 1  # (the block's one sin, batched under vmap, replayed once per recompute)
     return held[0], recomputed
 
 

@@ -134,7 +134,8 @@ def test_a_mode_or_hooks_around_the_call_leave_it_exact(policy, mode, where, dty
         replayed: list[int] = []
         got = step(model, x, MODES[mode], where, replayed)
         want = step(plain, x, MODES[mode], where, replayed)
-        assert model.count.calls - before == (2 if budget and call == 0 else 1), f"call {call}"
+        # (a budget's measuring first call replays its program too: NOTE [program replay])
+        assert model.count.calls - before == 1, f"call {call}"
         assert plain.count.calls == call + 1
         assert (replayed[0] > replayed[1]) == RECOMPUTES[policy], f"call {call}: forward ops in backward {replayed}"
         assert_tree_close(got, want, rtol=0, atol=0)

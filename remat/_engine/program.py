@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _torch_internals as ti
 from .._context import INTERNAL, PENDING_NAME, active_context
-from .trace import generator_for
+from .._ops import generator_for
 
 __all__ = ["Program", "ProgramRecorder"]
 
@@ -72,7 +72,7 @@ class Program:
         self._slot_of: dict[int, tuple[weakref.ref[Tensor], int]] = {}
         self.inputs: dict[int, int] = {}  # slot -> index among the call's leaves
         self.state: dict[int, int] = {}  # slot -> index among the module state's tensors
-        self.outside: dict[int, Tensor] = {}  # slot -> an outside tensor, held
+        self.outside: dict[int, Any] = {}  # slot -> an outside tensor, held (or weakly: ``read``)
         self.spoiled: str | None = None  # why the Python must run again instead
         self.current: Call | None = None  # the call running now (its draws are its own)
         self.frame: Any = None
@@ -151,18 +151,27 @@ class Program:
             # over a value of the enclosing function): what made it would not run again
             self.spoil("it reads a tensor with history that no torch function of the call made")
         s = self._new(t)
-        self.outside[s] = t
+        # weakly, as the trace holds what it does not need (NOTE [the trace]): a tensor made where no mode sees
+        # (a functorch unwrap, an extension) may be an intermediate, which must not outlive the forward pass; a
+        # global replaced since dies, and the replay gives way to the re-run (``replay`` returns False)
+        self.outside[s] = t if t.requires_grad else weakref.ref(t)
         return s
 
     # ---- replay ----------------------------------------------------------------------
-    def replay(self, vals: list[Any], state_vals: list[Any]) -> None:
-        """Run the program on the rebuilt stack's inputs and state (``_engine/recompute.py``)."""
+    def replay(self, vals: list[Any], state_vals: list[Any]) -> bool:
+        """Run the program on the rebuilt stack's inputs and state (``_engine/recompute.py``); False, before
+        running anything, if an outside tensor it holds weakly died (the Python runs again instead)."""
         v: dict[int, Any] = {}
+        for s, t in self.outside.items():
+            if type(t) is weakref.ref:
+                t = t()
+                if t is None:
+                    return False
+            v[s] = t
         for s, i in self.inputs.items():
             v[s] = vals[i]
         for s, i in self.state.items():
             v[s] = state_vals[i]
-        v.update(self.outside)
         frees = self.last_use
         assert frees is not None
         dtype0 = torch.get_default_dtype()
@@ -197,6 +206,7 @@ class Program:
         finally:
             if torch.get_default_dtype() != dtype0:
                 torch.set_default_dtype(dtype0)
+        return True
 
 
 def _autocast() -> tuple[bool, bool]:
@@ -226,7 +236,8 @@ class ProgramRecorder(TorchFunctionMode):
         if _autocast() != p.autocast0:
             p.spoil("it switches autocast inside")
             return func(*args, **kwargs)
-        leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+        leaves: list[Any]
+        leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)  # type: ignore[arg-type]
         refs = []
         for i, a in enumerate(leaves):
             if isinstance(a, Tensor):

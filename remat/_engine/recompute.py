@@ -113,9 +113,8 @@ def _attempt(frame: Any, s: int, skip_unused: bool, forwarding: list[Any], detac
         es.enter_context(activated(capture))
         try:
             program = frame.program
-            if program is not None and program.spoiled is None:
-                program.replay(vals, state_vals)  # NOTE [program replay]: the forward's calls, not its Python
-            else:
+            # NOTE [program replay]: the forward's calls, not its Python
+            if program is None or program.spoiled is not None or not program.replay(vals, state_vals):
                 frame.run(vals)
             replayer.finish()
         except StopRecompute:

@@ -1,6 +1,14 @@
 """The planned recompute's dispatch modes: a planned call's recompute runs its function again under one of them,
 which hands back what the plan holds, skips what it may, and checks every op it runs against what the forward
-pass read (NOTE [same reads] in ``_wiring.py``; NOTE [value recompute] in ``planned.py``)."""
+pass read (NOTE [same reads] in ``_wiring.py``; NOTE [value recompute] in ``planned.py``).
+
+NOTE [random ops]
+    The recorder notes, before each random op of the forward pass, its generator and that generator's state; the
+    recompute sets that state before running the op, so it draws the numbers the forward pass drew even where the
+    function sets the state itself (``torch.manual_seed(self.seed); self.seed += 1``, a Megatron-style tracker's
+    fork, a user's generator re-seeded): restoring the state once at the start of the recompute would replay the
+    function's own seeding with the values it has now. The generators it set are put back when it ends.
+"""
 
 from __future__ import annotations
 
@@ -408,6 +416,14 @@ class Replayer(TorchDispatchMode):
         # NOTE [autocast's cache] in _wiring.py: id -> (leaf, weakref) of the casts the recompute ran past the ops
         self.casts: dict[int, tuple[torch.Tensor, weakref.ref[torch.Tensor]]] = {}
         self.wiring = None if recorder.wiring is None else Wiring(recorder.wiring.known, loose=True)
+        self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # set by the recompute: their states
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        with internal():
+            for gen, state in self.generators.values():
+                gen.set_state(state)
+        self.generators.clear()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -517,6 +533,14 @@ class Replayer(TorchDispatchMode):
             args, kwargs = outside_args(self, i, rec, args, kwargs)
         if rec.random and self.unused_keys:
             args, kwargs = self._no_placeholders(args, kwargs)
+        if rec.rng is not None:
+            # NOTE [random ops]: the state the forward pass drew from, whatever the function set since (a seed
+            # set inside it, a tracker's fork); every generator is put back when the recompute ends
+            gen, state = rec.rng
+            with internal():
+                if id(gen) not in self.generators:
+                    self.generators[id(gen)] = (gen, gen.get_state())
+                gen.set_state(state)
         if rec.lifted is not None:
             with internal():
                 now = ox.fingerprint(arg_tensors(args, kwargs)[0])

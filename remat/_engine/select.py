@@ -13,8 +13,10 @@
  7    otherwise                                                   ``full.Frame``, recording a plan if it may
 ====  ==========================================================  ============================================
 
-Routes 6 and 7 re-run the function's Python in the recompute; docs/how-it-works.md lists why each case that takes
-them cannot replay. A call inside a traced call (route 5) that cannot be traced itself runs plainly: the enclosing
+On route 4, and on route 7 under ``torch.func`` (unless ``debug``), the recompute replays the call's program, the
+torch calls its forward pass made (NOTE [program replay] in program.py), where it can; otherwise routes 4, 6 and 7
+re-run the function's Python in the recompute; docs/how-it-works.md lists why each case that takes them cannot
+replay. A call inside a traced call (route 5) that cannot be traced itself runs plainly: the enclosing
 trace records its ops. A call of route 4 to 7 that finds, mid-way, that the function enters a reverse transform
 (``NeedsRegion``) marks its function as a region and runs again from the top (route 3), from the outermost remat
 call.
@@ -110,6 +112,8 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
         # 4. a memory budget measuring this signature
         if measuring is not None:
             frame = Frame(run, flat, name, call_policy, preserve_rng, default_engine(), state)
+            if owner is not None and not owner.debug and ctx is None:
+                frame.program = Program(name)  # NOTE [program replay]: its recompute replays too
             measuring.frame = frame
             tok = INSPECTOR.set(measuring)
             try:

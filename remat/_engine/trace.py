@@ -44,7 +44,7 @@ import torch
 from .. import _torch_internals as ti
 from .._context import INTERNAL, PENDING_NAME, internal
 from .._naming import checkpoint_name
-from .._ops import ALIAS, RANGE_OPS, ignored, profiler_op
+from .._ops import ALIAS, RANGE_OPS, generator_for, ignored, profiler_op
 from .._policies import Decision, Offloadable, Recompute, Saveable, decide, decide_answer, decide_explicit
 from .._torch_internals import TorchDispatchMode
 
@@ -227,27 +227,6 @@ class AmbientFlags:
                 put(v)
                 undo.append((put, now))
         return undo
-
-
-def generator_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Generator | None:
-    """The generator a random op draws from (None: one the trace does not know)."""
-    gen = kwargs.get("generator")
-    if gen is not None:
-        return gen  # type: ignore[no-any-return]
-    dev: Any = None
-    for a in args:
-        if isinstance(a, Tensor):
-            dev = a.device
-            break
-    if dev is None:
-        dev = kwargs.get("device")
-    dev = torch.device(dev) if dev is not None else torch.get_default_device()
-    if dev.type == "cpu":
-        return torch.default_generator
-    if dev.type == "cuda":
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
-        return torch.cuda.default_generators[idx]
-    return None
 
 
 class Trace:

@@ -1,0 +1,344 @@
+"""Under torch.func the recompute replays the call's program (NOTE [program replay] in remat/_engine/program.py):
+the torch functions the forward pass called, with their arguments as they were, on the rebuilt transform stack. So
+Python state that changes between the passes cannot change what it computes, under every transform.
+
+Every case compares ``remat(f, policy=p)`` with plain ``f`` under the same transform, float64, 1e-10, on the first call
+and on later ones, with the state changed between the forward and the backward pass (inside the transformed
+function, after the block ran: the backward pass of grad, vjp, jacrev and hessian runs after it returns). Each case
+raised ``RematError`` on the re-run (tests/test_replay.py has the same cases under plain autograd).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import grad, hessian, jacfwd, jacrev, vjp, vmap
+
+import remat
+from remat import RematError, checkpoint_name, policies
+
+from .helpers import OpCounter
+
+f64 = torch.float64
+TOL = {"rtol": 1e-10, "atol": 1e-10}
+POLICIES = {
+    "save-nothing": policies.nothing_saveable,
+    "save-matmuls": policies.dots_saveable,
+    "names": policies.save_only_these_names("h"),
+}
+
+
+def _transform(name: str, loss: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Any:
+    """``name`` applied to the scalar function ``loss`` at ``x`` (vmap: over a batch of two shifted copies)."""
+    if name == "grad":
+        return grad(loss)(x)
+    if name == "vjp":
+        out, pull = vjp(loss, x)
+        return pull(torch.ones_like(out))[0]
+    if name == "vmap(grad)":
+        return vmap(grad(loss), randomness="different")(torch.stack([x, x + 0.5]))
+    if name == "jacrev":
+        return jacrev(loss)(x)
+    if name == "hessian":
+        return jacfwd(jacrev(loss), randomness="same")(x) if _RANDOM[0] else hessian(loss)(x)
+    raise AssertionError(name)
+
+
+_RANDOM = [False]  # the case draws random numbers: hessian's vmap must be told how
+TRANSFORMS = ["grad", "vjp", "vmap(grad)", "jacrev", "hessian"]
+
+
+def _compare(transform: str, make_loss: Callable[[bool], Callable[[torch.Tensor], torch.Tensor]],
+             x: torch.Tensor, reset: Callable[[], None]) -> None:
+    reset()
+    want = _transform(transform, make_loss(False), x)
+    reset()
+    got = _transform(transform, make_loss(True), x)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+class Flag(nn.Module):
+    """Which tensor an op reads depends on Python state (an input, an intermediate, a parameter, a global), and a
+    temperature divides the result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 6, dtype=f64))
+        self.vec = torch.randn(6, dtype=f64)
+        self.mode = 0
+        self.temperature = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint_name(torch.tanh(x @ self.w), "h")
+        src = [x, h, self.vec, self.w[0]][self.mode]
+        return (torch.sin(h * src) / self.temperature).sum()
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("how", ["function", "method", "remat_module"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_state_changed_between_the_passes_is_exact_under_every_transform(policy: str, how: str,
+                                                                         transform: str) -> None:
+    torch.manual_seed(0)
+    m, ours = Flag(), Flag()
+    ours.load_state_dict(m.state_dict())
+    ours.vec = m.vec
+    if how == "function":
+        block = remat.remat(lambda x: ours(x), policy=POLICIES[policy])
+    elif how == "method":
+        block = remat.remat(ours.forward, policy=POLICIES[policy])
+    else:
+        block = remat.remat_module(ours, policy=POLICIES[policy])
+    rng = random.Random(0)
+    for _ in range(3):  # the first call and later ones, the state drawn anew each time
+        mode, after = rng.randrange(4), rng.randrange(4)
+        temperature, vec, vec_after = rng.choice([0.5, 2.0, 3.0]), torch.randn(6, dtype=f64), torch.randn(6, dtype=f64)
+
+        def reset(mode: int = mode, temperature: float = temperature, vec: torch.Tensor = vec) -> None:
+            for mod in (m, ours):
+                mod.mode, mod.temperature, mod.vec = mode, temperature, vec
+
+        def make_loss(use: bool, after: int = after,
+                      vec_after: torch.Tensor = vec_after) -> Callable[[torch.Tensor], torch.Tensor]:
+            mod = ours if use else m
+
+            def loss(x: torch.Tensor) -> torch.Tensor:
+                y = block(x) if use else m(x)
+                mod.mode, mod.temperature, mod.vec = after, 5.0, vec_after  # before the backward pass
+                return y
+
+            return loss
+
+        _compare(transform, make_loss, torch.randn(3, 6, dtype=f64), reset)
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_python_numpy_random_and_torch_tensor_of_python_data(transform: str) -> None:
+    torch.manual_seed(0)
+    W = torch.randn(5, 5, dtype=f64)
+    scale = [1.5]
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        k = random.randrange(3)
+        c = torch.tensor(scale[0] + np.random.rand(), dtype=f64)
+        return torch.tanh((x @ W) * c + k).pow(2).sum()
+
+    rf = remat.remat(f)
+    for seed in range(3):
+        def reset(seed: int = seed) -> None:
+            random.seed(seed)
+            np.random.seed(seed)
+            scale[0] = 1.5
+
+        def make_loss(use: bool, seed: int = seed) -> Callable[[torch.Tensor], torch.Tensor]:
+            def loss(x: torch.Tensor) -> torch.Tensor:
+                y = rf(x) if use else f(x)
+                scale[0] += 1.0  # the recompute would read other numbers
+                random.seed(seed + 100)
+                np.random.seed(seed + 100)
+                return y
+
+            return loss
+
+        _compare(transform, make_loss, torch.randn(2, 5, dtype=f64), reset)
+
+
+class Tracker:
+    """A Megatron-style RNG tracker: dropout draws from its own state, forked inside the function."""
+
+    def __init__(self) -> None:
+        self.state = torch.random.get_rng_state()
+
+    def fork(self) -> Any:
+        tracker = self
+
+        class _Fork:
+            def __enter__(self) -> None:
+                self.outer = torch.random.get_rng_state()
+                torch.random.set_rng_state(tracker.state)
+
+            def __exit__(self, *exc: object) -> None:
+                tracker.state = torch.random.get_rng_state()
+                torch.random.set_rng_state(self.outer)
+
+        return _Fork()
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "hessian"])
+@pytest.mark.parametrize("kind", ["tracker", "seed-inside", "own-generator"])
+def test_random_state_set_inside_the_function(kind: str, transform: str) -> None:
+    """(vmap is left out: torch.func refuses a generator's state set inside vmap, with or without remat.)"""
+    torch.manual_seed(0)
+    W = torch.randn(8, 8, dtype=f64)
+    tracker = Tracker()
+    seeds = [10]
+    gen = torch.Generator().manual_seed(3)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = x @ W
+        if kind == "tracker":
+            with tracker.fork():
+                h = F.dropout(h, 0.5, training=True)
+        elif kind == "seed-inside":
+            torch.manual_seed(seeds[0])
+            seeds[0] += 1
+            h = F.dropout(h, 0.5, training=True)
+        else:
+            gen.manual_seed(seeds[0])
+            seeds[0] += 1
+            h = h * (torch.rand(h.shape, generator=gen, dtype=f64) > 0.5)
+        return torch.tanh(h).sum()
+
+    rf = remat.remat(f, policy=policies.dots_saveable)
+    _RANDOM[0] = True
+    try:
+        for _ in range(2):
+            start = (torch.random.get_rng_state(), tracker.state, seeds[0], gen.get_state())
+
+            def reset(start: tuple[Any, ...] = start) -> None:
+                torch.random.set_rng_state(start[0])
+                tracker.state, seeds[0] = start[1], start[2]
+                gen.set_state(start[3])
+
+            def make_loss(use: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+                def loss(x: torch.Tensor) -> torch.Tensor:
+                    y = rf(x) if use else f(x)
+                    torch.manual_seed(123)  # before the backward pass
+                    seeds[0] += 7
+                    return y
+
+                return loss
+
+            _compare(transform, make_loss, torch.randn(4, 8, dtype=f64), reset)
+    finally:
+        _RANDOM[0] = False
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_global_settings_changed_between_the_passes(transform: str) -> None:
+    W = torch.randn(4, 4, dtype=f64)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        ones = torch.ones(4)  # follows the default dtype
+        return torch.sin(x @ W + ones.to(f64) / 3).sum()
+
+    rf = remat.remat(f)
+    old, prec = torch.get_default_dtype(), torch.get_float32_matmul_precision()
+
+    def make_loss(use: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+        def loss(x: torch.Tensor) -> torch.Tensor:
+            y = rf(x) if use else f(x)
+            torch.set_default_dtype(torch.float16)  # a replayed `ones` must keep float32
+            torch.set_float32_matmul_precision("medium")
+            return y
+
+        return loss
+
+    def reset() -> None:
+        torch.set_default_dtype(old)
+        torch.set_float32_matmul_precision(prec)
+
+    try:
+        _compare(transform, make_loss, torch.randn(2, 4, dtype=f64), reset)
+    finally:
+        reset()
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_python_runs_once_and_the_recompute_ran(transform: str) -> None:
+    """A side effect of the function's Python (a counter, a list it appends to) happens once per call, as without
+    remat; the recompute ran all the same: its tanh ops, counted from outside, ran once more."""
+    W = torch.randn(6, 6, dtype=f64)
+    log: list[int] = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        log.append(1)
+        return torch.tanh(torch.tanh(x @ W) @ W).sum()
+
+    rf = remat.remat(f)
+    x = torch.randn(3, 6, dtype=f64)
+    tanh = {torch.ops.aten.tanh.default}
+    with OpCounter(tanh) as plain:
+        want = _transform(transform, f, x)
+    n = len(log)
+    with OpCounter(tanh) as ours:
+        got = _transform(transform, rf, x)
+    torch.testing.assert_close(got, want, **TOL)
+    assert len(log) == 2 * n  # once per call, as plain f
+    assert ours.count - plain.count == 2  # the two tanh ops, replayed once
+
+
+# ---- where the program gives way to a re-run (NOTE [program replay]): exact, or RematError; never wrong -------
+
+
+def _exact_or_raises(transform: str, f: Callable[[torch.Tensor], torch.Tensor], rf: Callable[..., Any],
+                     x: torch.Tensor) -> str:
+    want = _transform(transform, f, x)
+    try:
+        got = _transform(transform, rf, x)
+    except RematError:
+        return "raised"
+    torch.testing.assert_close(got, want, **TOL)
+    return "exact"
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_a_vmap_inside_the_function_runs_the_python_again(transform: str) -> None:
+    W = torch.randn(5, 5, dtype=f64)
+    log: list[int] = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        log.append(1)
+        return vmap(lambda r: torch.tanh(r @ W))(x).sin().sum()
+
+    rf = remat.remat(f)
+    assert _exact_or_raises(transform, f, rf, torch.randn(3, 5, dtype=f64)) == "exact"
+
+
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g * 2
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Any, x: torch.Tensor) -> Any:
+        return x * 2, in_dims[0]
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "vmap(grad)", "jacrev"])
+def test_a_custom_function_inside_is_exact(transform: str) -> None:
+    W = torch.randn(5, 5, dtype=f64)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(_Double.apply(torch.tanh(x @ W))).pow(2).sum()
+
+    assert _exact_or_raises(transform, f, remat.remat(f), torch.randn(3, 5, dtype=f64)) == "exact"
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "vmap(grad)", "jacrev"])
+def test_nested_remat_under_torch_func_is_exact(transform: str) -> None:
+    W = torch.randn(5, 5, dtype=f64)
+    inner = remat.remat(lambda h: torch.tanh(h @ W))
+
+    def f_plain(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(torch.tanh(torch.tanh(x @ W) @ W)).pow(2).sum()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(inner(inner(x))).pow(2).sum()
+
+    assert _exact_or_raises(transform, f_plain, remat.remat(f), torch.randn(3, 5, dtype=f64)) == "exact"
