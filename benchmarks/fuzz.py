@@ -3,15 +3,21 @@
 Each program is a seeded little model whose forward pass reads Python state besides its inputs: a number on the
 module, a module-level global, a closure cell, a default argument, which expert of a ModuleList or ModuleDict runs,
 the order of a list of experts, Python's and NumPy's random numbers, a dict in a closure, a buffer replaced by a
-same-shaped one, an op's list argument (``roll``'s shifts). Its first call is clean; every later call mutates some of that state before its forward pass and
-some between its forward and its backward pass. Any call may run with a user's dispatch mode (``CommDebugMode``, a
+same-shaped one, an op's list argument (``roll``'s shifts), torch's RNG seeded inside the forward pass from a counter
+it bumps (then dropout), a factory that follows the default dtype, a global tensor (written in place between the
+passes), ``torch.tensor`` of a number on the module (issue 46). Its first call is clean; every later call mutates
+some of that state before its forward pass and some between its forward and its backward pass (there also the
+default dtype and matmul precision), and some calls run two forward passes, with mutations between them, before one
+backward pass over both. The wrappings: a function, a bound method, ``remat_module``, ``debug=True`` (the re-run
+engine), ``torch.func.vjp``, ``grad``, ``jacrev`` and ``vmap(grad)`` over ``functional_call`` (the mutations between
+the passes inside the transformed function), and two nested calls inside an outer remat'd one. Any call may run with a user's dispatch mode (``CommDebugMode``, a
 counting mode, a module tracker reading ``param.data`` under it as ``CommDebugMode``'s does) or global module hooks
 around its forward pass, its backward pass or both (issue 39; ``CommDebugMode`` itself fails on these programs without
 remat: its tracker needs the outermost module called as a module and breaks on later uses). The outcome of each call is plain autograd's gradient (float64,
 1e-10; plain autograd differentiates what its forward pass computed) or a ``RematError``; anything else is a
 *silent mismatch*, the one outcome remat never allows (NOTE [same reads] in ``remat/_wiring.py``).
 
-Run: ``python benchmarks/fuzz.py --programs 2000 --calls 8`` prints, per policy and wrapping, the number of calls,
+Run: ``python benchmarks/fuzz.py --programs 500 --calls 7`` (216,000 calls) prints, per policy and wrapping, the number of calls,
 how many matched, raised, and mismatched silently. ``tests/test_python_state.py::test_state_fuzzer_slice`` runs a
 slice.
 """

@@ -3,8 +3,9 @@
 Workload: ``GPT2LMHeadModel`` with random weights (4 layers, n_embd 256, 4 heads, seq 128, batch 4,
 vocabulary 1024, float32, eager attention, ``use_cache=False``, dropout 0), loss = the LM loss.
 Configurations: no remat; ``remat.remat_modules(model, where=GPT2Block, policy=...)`` with save-nothing
-and save-matmuls (``dots_saveable``); and, for reference, HF's own ``activation_checkpointing_enable()``
-(formerly ``gradient_checkpointing_enable``: ``torch.utils.checkpoint``, non-reentrant) on the same blocks.
+and save-matmuls (``dots_saveable``); HF's own ``activation_checkpointing_enable()`` (formerly
+``gradient_checkpointing_enable``: ``torch.utils.checkpoint``, non-reentrant) on the same blocks; and HF's method
+called inside ``remat.route_torch_checkpoint(policy=...)``, which makes the layers checkpoint with remat.
 
 * Retained: ``remat.bench.measure.live_bytes_after`` around the forward pass: the bytes of the storages
   that ops allocated in the forward pass and that are still alive when it ends (what is held for the
@@ -53,6 +54,12 @@ def build(args: argparse.Namespace) -> tuple[dict[str, torch.nn.Module], torch.T
     hf = copy.deepcopy(base)
     hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     models["HF activation_checkpointing_enable (torch.utils.checkpoint)"] = hf
+    for label, policy in [("HF's method routed to remat, save-nothing", policies.nothing_saveable),
+                          ("HF's method routed to remat, save-matmuls", policies.dots_saveable)]:
+        routed = copy.deepcopy(base)
+        with remat.route_torch_checkpoint(policy=policy):  # the layers keep remat's checkpoint after the block
+            routed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        models[label] = routed
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     return models, ids
 

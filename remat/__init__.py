@@ -10,6 +10,9 @@ Example:
 
 from . import offload as offload
 from . import policies as policies
+from ._checkpoint import checkpoint as checkpoint
+from ._checkpoint import checkpoint_sequential as checkpoint_sequential
+from ._checkpoint import route_torch_checkpoint as route_torch_checkpoint
 from ._device_model import DeviceModel as DeviceModel
 from ._errors import RematError as RematError
 from ._inspect import MemoryReport as MemoryReport
@@ -24,10 +27,9 @@ from ._module import unremat_module as unremat_module
 from ._module import unremat_modules as unremat_modules
 from ._naming import checkpoint_name as checkpoint_name
 from ._sequential import sequential as sequential
-from ._transform import checkpoint as checkpoint
 from ._transform import remat as remat
 
-__all__ = ["remat", "checkpoint", "checkpoint_name", "remat_module", "remat_modules", "unremat_module",
+__all__ = ["remat", "checkpoint", "checkpoint_sequential", "route_torch_checkpoint", "checkpoint_name", "remat_module", "remat_modules", "unremat_module",
            "unremat_modules", "sequential", "policies", "offload", "RematError", "saved_residuals",
            "print_saved_residuals", "format_saved_residuals", "SavedResidual", "memory_report", "MemoryReport",
            "DeviceModel"]

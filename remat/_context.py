@@ -101,14 +101,19 @@ class Caches:
       step and still records once per signature.
     * ``slots``: root module -> the slots of its tree (``_state.py``), validated on every use.
     * ``devices``: device name -> its measured :class:`~remat.DeviceModel` (``DeviceModel.probe``).
+    * ``wrappers``: object (a module, a bound method's instance) -> remat's wrappers that ``remat.checkpoint``'s
+      call form made for it, per settings (``_checkpoint.py``).
+    * ``torch_policies``: a ``context_fn`` -> the remat policy it was translated to (``_checkpoint.py``).
     """
 
-    __slots__ = ("plans", "slots", "devices")
+    __slots__ = ("plans", "slots", "devices", "wrappers", "torch_policies")
 
     def __init__(self) -> None:
         self.plans: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
         self.slots: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self.devices: dict[str, Any] = {}
+        self.wrappers: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+        self.torch_policies: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 # The caches in use: one set for the process (a plan made on one thread serves another, as a trace would), unless a

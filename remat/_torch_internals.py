@@ -625,3 +625,11 @@ def activation_offloading_on() -> bool:
 
     return bool(getattr(fc, "enable_activation_offloading", False)) and \
         getattr(getattr(fc, "joint_custom_pass", None), _OFFLOAD_MARK, False)
+
+
+# The classes of ATen ops (``torch.ops.aten.mm.default`` is an OpOverload, ``torch.ops.aten.mm`` its packet): torch
+# names them only in the private ``torch._ops``; ``remat.checkpoint`` checks a selective-checkpointing list against
+# them as torch's ``create_selective_checkpoint_contexts`` does.
+from torch._ops import HigherOrderOperator as HigherOrderOperator  # noqa: E402
+from torch._ops import OpOverload as OpOverload  # noqa: E402
+from torch._ops import OpOverloadPacket as OpOverloadPacket  # noqa: E402

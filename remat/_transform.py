@@ -17,7 +17,7 @@ from ._engine.select import call
 from ._policies import resolve_policy
 from ._state import brief_name
 
-__all__ = ["remat", "checkpoint", "Rematted"]
+__all__ = ["remat", "Rematted"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -214,9 +214,6 @@ class Rematted:
         return (Rematted, (self.__remat_target__, self.policy, self.static_argnums, self.preserve_rng_state,
                            self.debug))
 
-
-checkpoint = remat
-remat.checkpoint = remat  # type: ignore[attr-defined]
 
 
 def _normalize_argnums(static_argnums: Any) -> tuple[int, ...]:

@@ -37,6 +37,7 @@ FLOORS = [
     {"_engine.full"},
     {"_engine.select"},
     {"_transform"},
+    {"_checkpoint"},
     {"_module", "_inspect", "_sequential", "bench.configs"},
     {"__init__", "bench.__main__", "_engine"},
 ]

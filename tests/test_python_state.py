@@ -258,11 +258,12 @@ def test_a_default_argument_reaches_the_module() -> None:
 
 
 
-@pytest.mark.parametrize("wrap", ["function", "method", "module", "debug", "vjp"])
+@pytest.mark.parametrize("wrap", ["function", "method", "module", "debug", "vjp", "grad", "jacrev", "vmap(grad)", "nested"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_state_fuzzer_slice(policy: str, wrap: str) -> None:
-    """A slice of benchmarks/fuzz.py: no silent mismatch. Under plain autograd (the replay engine) and under vjp
-    (the program replay) every call is exact; with ``debug`` (a re-run) most are, and the rest raise."""
+    """A slice of benchmarks/fuzz.py: no silent mismatch. Under plain autograd (the replay engine), nested, and under
+    vjp, grad, jacrev and vmap(grad) (the program replay) every call is exact; with ``debug`` (a re-run) most are,
+    and the rest raise."""
     fuzz = FUZZ
     total: dict[str, int] = {}
     for seed in range(8):
@@ -271,6 +272,10 @@ def test_state_fuzzer_slice(policy: str, wrap: str) -> None:
     assert total.get("silent", 0) == 0, total
     if wrap == "debug":
         assert total.get("equal", 0) > total.get("raised", 0) > 0, total
+    elif wrap == "nested" and policy == "budget":
+        # a budget's measuring call whose function calls other remat'd functions re-runs its Python (its program
+        # gives way to the inner calls: NOTE [program replay]): at most that first call of a program raises
+        assert total.get("raised", 0) <= 8 and total["equal"] + total.get("raised", 0) == 8 * 5, total
     else:
         assert total == {"equal": 8 * 5}, total
 

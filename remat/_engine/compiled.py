@@ -53,6 +53,7 @@ from typing import Any
 import optree
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .. import _torch_internals as ti
 from .._budget_policy import MemoryBudget
@@ -302,7 +303,8 @@ def compiled_call(fn: Callable[..., Any], ctx_fn: Callable[[], Any], preserve_rn
         kwargs = {}
     COMPILED_REGIONS[0] += 1
     try:
-        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=ctx_fn,
+        # (torch's own, bound at import: remat.route_torch_checkpoint skips remat's modules)
+        return torch_checkpoint(fn, *args, use_reentrant=False, context_fn=ctx_fn,
                                                  preserve_rng_state=preserve_rng, **kwargs)
     finally:
         COMPILED_REGIONS[0] -= 1

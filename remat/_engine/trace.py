@@ -92,9 +92,10 @@ class OpInfo:
     """What an op's schema says that the trace needs, computed once per overload."""
 
     __slots__ = ("written", "written_kw", "random", "pins", "hidden", "mutable", "tpos", "simple", "view", "trusted",
-                 "call", "inplace_view", "ignored")
+                 "call", "inplace_view", "ignored", "func")
 
     def __init__(self, func: Any) -> None:
+        self.func = func
         self.ignored = ignored(func)  # not an op of the call (a profiler marker, a size query)
         schema = func._schema
         written: list[int] = []
@@ -382,10 +383,15 @@ class Tracer(TorchDispatchMode):
         super().__init__()
         self.trace = trace
         self.policy = policy
+        # id(overload) -> its OpInfo, for this call (op_info's cache hashes the overload with a Python method: a frame
+        # per op on the hot path; an overload lives as long as torch.ops holds it, and its OpInfo holds it)
+        self.infos: dict[int, OpInfo] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        info = op_info(func)
+        info = self.infos.get(id(func))
+        if info is None:
+            info = self.infos[id(func)] = op_info(func)
         if info.ignored or INTERNAL.get():
             return profiler_op(func, args, kwargs) if func in RANGE_OPS else func(*args, **kwargs)
         if self.trace.pending:

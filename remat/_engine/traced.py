@@ -338,7 +338,9 @@ class _Saving(Half):
             counts = self.counts
             counts[s] = counts.get(s, 0) + 1
             p = _Pack(self, DROP, s, None, t._version, at, t.shape)
-            p.ref, p.dtype = weakref.ref(t), t.dtype  # (self._watch, inline: the hot path)
+            # (self._watch, inline: the hot path; the trace's weak reference to t, when it is the slot's own)
+            ref = trace.refs.get(s)
+            p.ref, p.dtype = ref if ref is not None and ref() is t else weakref.ref(t), t.dtype
             self.drops.append(p)
             k = trace.key_of.get(s)
             if k is not None:
@@ -411,11 +413,14 @@ class _Saving(Half):
         return True
 
     def _route_outside(self, s: int, t: Tensor) -> None:
-        """NOTE [nested replay]: an outside tensor of this call that the parent made (an input, a closure):
-        saved through the parent, not held here."""
+        """NOTE [nested replay]: an outside tensor of this call that the parent made (an input, a closure over one of
+        its values): saved through the parent, not held here."""
         parent = self.parent
         assert parent is not None
-        if parent.trace.slot_of(t) is not None:
+        ps = parent.trace.slot_of(t)
+        if ps is not None and ps not in parent.trace.outside:
+            # (one the parent read from outside too, a parameter or a global, this call holds as the parent does, or
+            # copies when the forward pass ends if it is small and needs no gradient: NOTE [outside tensors])
             self.routed[s] = parent.pack(t)
 
 

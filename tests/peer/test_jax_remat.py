@@ -296,7 +296,7 @@ save_cos = save_op("cos")
 save_sin = save_op("sin")
 
 # JAX's parameterizations: ('', jax.remat), ('_policy', remat with a policy that saves nothing), ('_new',
-# jax.checkpoint with it). remat.checkpoint is remat: the ids keep the upstream variants apart.
+# jax.checkpoint with it). remat.checkpoint(f, policy=...) is remat: the ids keep the upstream variants apart.
 REMAT_2 = [pytest.param(remat, id="remat"), pytest.param(functools.partial(remat, policy=_never), id="policy")]
 REMAT_3 = [*REMAT_2, pytest.param(functools.partial(checkpoint, policy=_never), id="checkpoint")]
 REMAT_NEW = [pytest.param(remat, id="remat"), pytest.param(checkpoint, id="checkpoint")]

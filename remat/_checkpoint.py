@@ -1,0 +1,354 @@
+"""torch's call forms, for users of ``torch.utils.checkpoint``: ``checkpoint(fn, *args, use_reentrant=False, ...)``
+runs the call, ``checkpoint_sequential(functions, segments, input)`` runs a sequence, and a selective-checkpointing
+``context_fn`` (``functools.partial(create_selective_checkpoint_contexts, policy_fn_or_list)``) becomes a remat
+policy. ``checkpoint(fn)`` with the function alone, or with remat's own keywords, stays JAX's decorator.
+
+NOTE [torch's policies]
+    torch's selective checkpointing asks ``policy_fn(ctx, op, *args, **kwargs)`` per ATen op and gets a
+    ``CheckpointPolicy``: ``MUST_SAVE``/``PREFER_SAVE`` keep the op's outputs, ``MUST_RECOMPUTE``/
+    ``PREFER_RECOMPUTE`` recompute them, ``MUST_CPU_OFFLOAD``/``PREFER_CPU_OFFLOAD`` (where torch has them) move
+    them to host memory. remat asks its policy the same question with ``(op, *args, **kwargs)``; the translation
+    passes a ``SelectiveCheckpointContext(is_recompute=False)`` (remat asks in the forward pass only, as torch
+    does; ``ctx.op_output`` is ``None``: remat asks before it knows which outputs autograd saves) and maps the
+    answer. A list of ops keeps those ops' outputs, as torch's does. A ``context_fn`` that is not torch's
+    selective-checkpointing factory cannot be translated: it raises, saying what to pass instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as tc
+
+from . import _torch_internals as ti
+from ._context import CACHES
+from ._errors import RematError
+from ._policies import Decision, Offloadable, Recompute, Saveable
+from ._transform import remat
+
+__all__ = ["checkpoint", "checkpoint_sequential", "from_torch_policy", "route_torch_checkpoint"]
+
+_TORCH_ONLY = ("use_reentrant", "context_fn", "determinism_check", "early_stop")
+_REMAT_OWN = ("policy", "static_argnums")
+_UNSET: Any = object()
+
+
+def _decisions() -> dict[Any, Decision]:
+    out: dict[Any, Decision] = {}
+    for name, decision in (("MUST_SAVE", Saveable), ("PREFER_SAVE", Saveable), ("MUST_RECOMPUTE", Recompute),
+                           ("PREFER_RECOMPUTE", Recompute), ("MUST_CPU_OFFLOAD", Offloadable(None, "cpu")),
+                           ("PREFER_CPU_OFFLOAD", Offloadable(None, "cpu"))):
+        member = getattr(tc.CheckpointPolicy, name, None)  # (the offload members are recent)
+        if member is not None:
+            out[member] = decision
+    return out
+
+
+class TorchPolicy:
+    """A torch selective-checkpointing policy (a ``policy_fn`` or a list of ops) as a remat policy (NOTE [torch's
+    policies]).
+
+    Example:
+        >>> import torch
+        >>> from remat import remat
+        >>> from remat._checkpoint import TorchPolicy
+        >>> keep_mm = TorchPolicy([torch.ops.aten.mm.default])
+        >>> keep_mm(torch.ops.aten.mm.default)
+        Saveable
+    """
+
+    def __init__(self, policy_fn_or_list: Any) -> None:
+        if isinstance(policy_fn_or_list, (list, tuple, set, frozenset)):
+            ops = list(policy_fn_or_list)
+            for op in ops:
+                if isinstance(op, ti.OpOverloadPacket):
+                    raise ValueError(
+                        f"remat.checkpoint: the list of ops to save holds {op}, an op packet; name one overload, as "
+                        f"torch's selective checkpointing requires: {op}.default"
+                    )
+                if not isinstance(op, (ti.OpOverload, ti.HigherOrderOperator)):
+                    raise ValueError(f"remat.checkpoint: the list of ops to save holds {op!r}, which is not an ATen "
+                                     "op overload such as torch.ops.aten.mm.default")
+            self.ops: frozenset[Any] | None = frozenset(ops)
+            self.fn: Callable[..., Any] | None = None
+        elif callable(policy_fn_or_list):
+            self.ops, self.fn = None, policy_fn_or_list
+        else:
+            raise TypeError(f"remat.checkpoint: a selective-checkpointing policy is a function "
+                            f"policy_fn(ctx, op, *args, **kwargs) or a list of ops, got {policy_fn_or_list!r}")
+        self._map = _decisions()
+        self.__name__ = f"torch_policy({getattr(policy_fn_or_list, '__name__', 'ops')})"
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        if self.ops is not None:
+            return Saveable if op in self.ops else Recompute
+        assert self.fn is not None
+        answer = self.fn(tc.SelectiveCheckpointContext(is_recompute=False), op, *args, **kwargs)
+        decision = self._map.get(answer)
+        if decision is None:
+            if isinstance(answer, bool):  # (torch's earliest policies returned a bool: True saves)
+                return Saveable if answer else Recompute
+            raise RematError(
+                f"remat.checkpoint: the selective-checkpointing policy {getattr(self.fn, '__name__', self.fn)!r} "
+                f"returned {answer!r} for {op}; it must return a torch.utils.checkpoint.CheckpointPolicy "
+                "(MUST_SAVE, PREFER_SAVE, MUST_RECOMPUTE, PREFER_RECOMPUTE)."
+            )
+        return decision
+
+
+def from_torch_policy(context_fn: Any) -> Callable[..., Any] | None:
+    """The remat policy a torch ``context_fn`` stands for (None: plain checkpointing, torch's ``noop_context_fn``);
+    raises if it is not torch's selective-checkpointing factory (NOTE [torch's policies])."""
+    if context_fn is None or context_fn is tc.noop_context_fn:
+        return None
+    if isinstance(context_fn, functools.partial) and context_fn.func is tc.create_selective_checkpoint_contexts:
+        given = context_fn.args[0] if context_fn.args else context_fn.keywords.get("policy_fn_or_list")
+        return TorchPolicy(given)
+    raise RematError(
+        f"remat.checkpoint: context_fn={context_fn!r} is not torch's selective-checkpointing factory, and remat "
+        "cannot run arbitrary contexts around its forward pass and recompute (it replays the recorded ops instead of "
+        "running the function again). Pass context_fn=functools.partial(create_selective_checkpoint_contexts, "
+        "policy_fn_or_list), or remat's own policy: remat.checkpoint(fn, *args, policy=...)."
+    )
+
+
+def _call(fn: Callable[..., Any], policy: Any, static_argnums: Any, preserve_rng_state: bool, debug: bool,
+          args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``remat(fn, ...)(*args, **kwargs)``; for a module, a bound method (bound anew at each access), or a class's
+    function called with its module first (Hugging Face's layers pass ``partial(forward, self, **kwargs)``),
+    remat's wrapper of the function is made once per object and settings, held by the object weakly and holding no
+    reference to it (a training loop calls checkpoint every step). Other functions get a wrapper per call: a lambda made anew each step could not be
+    cached without keeping every one of them alive, and the wrappers of one function share their plans."""
+    if isinstance(fn, torch.nn.Module):
+        fn = fn.__call__
+    if isinstance(fn, types.MethodType) and not static_argnums:
+        func, obj = fn.__func__, fn.__self__
+    elif isinstance(fn, types.FunctionType) and args and isinstance(args[0], torch.nn.Module) and not static_argnums:
+        # (a class's function with its module first: Hugging Face's layers pass partial(forward, self, **kwargs))
+        func, obj, args = fn, args[0], args[1:]
+    else:
+        return remat(fn, policy=policy, static_argnums=static_argnums, preserve_rng_state=preserve_rng_state,
+                     debug=debug)(*args, **kwargs)
+    key = (id(policy), preserve_rng_state, debug, func)
+    try:
+        per_obj = CACHES.get().wrappers.setdefault(obj, {})
+    except TypeError:  # (an object that cannot be referred to weakly)
+        per_obj = {}
+    hit = per_obj.get(key)
+    if hit is None or hit[0] is not policy:  # (the policy is held with it: its id stays its own)
+        hit = per_obj[key] = (policy, remat(func, policy=policy, preserve_rng_state=preserve_rng_state, debug=debug))
+    return hit[1](obj, *args, **kwargs)
+
+
+def _hashable(x: Any) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
+
+
+def checkpoint(fn: Any = None, *args: Any, use_reentrant: bool | None = _UNSET, context_fn: Any = _UNSET,
+               determinism_check: str = _UNSET, debug: bool = False, early_stop: bool = _UNSET,
+               preserve_rng_state: bool = True, policy: Any = None, static_argnums: Any = (), **kwargs: Any) -> Any:
+    """``jax.checkpoint``'s decorator and ``torch.utils.checkpoint.checkpoint``'s call, in one name.
+
+    With the function alone (and remat's keywords), it is :func:`remat.remat`: ``@remat.checkpoint`` or
+    ``remat.checkpoint(f, policy=...)``. With arguments for the function, or any of torch's keywords, it runs the
+    call as torch's ``checkpoint(fn, *args, **kwargs)`` does, on remat: exact under plain autograd and every
+    ``torch.func`` transform, Python state changed before the backward pass included.
+
+    Args:
+        fn: the function (a module, a function, a bound method).
+        *args, **kwargs: the call's arguments; keywords other than those below go to ``fn``.
+        use_reentrant: ``False`` or unset. ``True`` raises: torch's reentrant variant exists for code that
+            saved-tensor hooks could not handle, and remat handles that code without it.
+        context_fn: torch's selective checkpointing, ``functools.partial(create_selective_checkpoint_contexts,
+            policy_fn_or_list)``: translated to a remat policy (NOTE [torch's policies]).
+        determinism_check: ``"default"`` or ``"none"``: accepted; remat checks more than torch's default (a
+            replay cannot diverge; a re-run checks every op).
+        debug: remat's ``debug=True`` (the re-run engine, every op checked).
+        early_stop: accepted (remat's recompute stops once it has what the backward pass reads).
+        preserve_rng_state: as torch's; remat's replay draws the forward pass's random numbers either way.
+        policy, static_argnums: remat's own (``policy`` and ``context_fn`` together raise).
+
+    Example:
+        >>> import torch
+        >>> import remat
+        >>> block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+        >>> x = torch.randn(2, 4, requires_grad=True)
+        >>> remat.checkpoint(block, x, use_reentrant=False).sum().backward()
+        >>> x.grad.shape
+        torch.Size([2, 4])
+    """
+    torch_kw = {k: v for k, v in (("use_reentrant", use_reentrant), ("context_fn", context_fn),
+                                  ("determinism_check", determinism_check), ("early_stop", early_stop))
+                if v is not _UNSET}
+    if fn is None:
+        if args or kwargs or torch_kw:
+            raise TypeError("remat.checkpoint: the function comes first: remat.checkpoint(fn, *args, ...)")
+        return remat(policy=policy, static_argnums=static_argnums, preserve_rng_state=preserve_rng_state,
+                     debug=debug)
+    if not args and not kwargs and not torch_kw:
+        return remat(fn, policy=policy, static_argnums=static_argnums, preserve_rng_state=preserve_rng_state,
+                     debug=debug)
+    if not callable(fn):
+        raise TypeError(f"remat.checkpoint: the first argument must be the function to run, got {fn!r}")
+    if torch_kw.get("use_reentrant") is True:
+        raise RematError(
+            "remat.checkpoint: use_reentrant=True is torch's older variant, for code that saved-tensor hooks could "
+            "not handle (torch.autograd.grad inside, inputs that need no gradient, torch.func); remat handles all "
+            "of it with its hooks and replay. Pass use_reentrant=False (or leave it out)."
+        )
+    check = torch_kw.get("determinism_check", "default")
+    if check not in ("default", "none"):
+        raise ValueError(f"remat.checkpoint: determinism_check={check!r}; torch accepts 'default' or 'none'")
+    translated = from_torch_policy(torch_kw.get("context_fn"))
+    if translated is not None and policy is not None:
+        raise ValueError("remat.checkpoint: pass a policy either as torch's context_fn or as remat's policy=, "
+                         "not both")
+    chosen = translated if translated is not None else policy
+    if isinstance(translated, TorchPolicy):
+        # (a policy object made anew per call from the same partial: cached by the partial's policy)
+        chosen = _policy_cache(context_fn, translated)
+    while isinstance(fn, functools.partial) and not static_argnums:
+        # (``partial(layer.__call__, **kwargs)``, made anew per call by Hugging Face's layers: its function is what
+        # the wrapper is made once for; its arguments are the call's)
+        args, kwargs = (*fn.args, *args), {**fn.keywords, **kwargs}
+        fn = fn.func
+    return _call(fn, chosen, static_argnums, preserve_rng_state, debug, args, kwargs)
+
+
+def _policy_cache(context_fn: functools.partial[Any], translated: TorchPolicy) -> TorchPolicy:
+    """One TorchPolicy per context_fn object (a training loop passes the same partial every step)."""
+    try:
+        return CACHES.get().torch_policies.setdefault(context_fn, translated)  # type: ignore[no-any-return]
+    except TypeError:
+        return translated
+
+
+def checkpoint_sequential(functions: torch.nn.Sequential | Iterable[Callable[..., Any]], segments: int, input: Any,
+                          use_reentrant: bool | None = _UNSET, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint.checkpoint_sequential`` on remat: the functions (a ``Sequential``'s children, or a
+    list) run in ``segments`` chunks, each but the last through :func:`checkpoint`; the last runs plainly, as in
+    torch. Keywords: ``preserve_rng_state``, and remat's ``policy``.
+
+    Example:
+        >>> import torch
+        >>> import remat
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+        >>> x = torch.randn(2, 4, requires_grad=True)
+        >>> remat.checkpoint_sequential(model, 2, x, use_reentrant=False).sum().backward()
+    """
+    policy = kwargs.pop("policy", None)
+    preserve = kwargs.pop("preserve_rng_state", True)
+    if kwargs:
+        raise ValueError("remat.checkpoint_sequential: unexpected keyword arguments: " + ", ".join(kwargs))
+    if use_reentrant is True:
+        checkpoint(lambda: None, use_reentrant=True)  # (its error)
+    fns: list[Callable[..., Any]] = (list(functions.children()) if isinstance(functions, torch.nn.Sequential)
+                                     else list(functions))
+    if not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"remat.checkpoint_sequential: segments must be a positive int, got {segments!r}")
+    size = len(fns) // segments
+    end = -1
+    for start in range(0, size * (segments - 1), size):
+        end = start + size - 1
+        input = checkpoint(_Run(fns, start, end), input, use_reentrant=False, preserve_rng_state=preserve,
+                           policy=policy)
+    return _Run(fns, end + 1, len(fns) - 1)(input)
+
+
+class _Run:
+    """Functions ``start`` to ``end`` of a sequence, chained (an object: remat's wrapper of it is made per call)."""
+
+    def __init__(self, fns: list[Callable[..., Any]], start: int, end: int) -> None:
+        self.fns = fns[start:end + 1]
+        self.__name__ = f"segment[{start}:{end + 1}]"
+
+    def __call__(self, x: Any) -> Any:
+        for f in self.fns:
+            x = f(x)
+        return x
+
+
+class route_torch_checkpoint:
+    """Within the ``with`` block, ``torch.utils.checkpoint.checkpoint`` and ``checkpoint_sequential`` are remat's:
+    code that calls torch's checkpoint (a training loop, a library that calls it inside, Hugging Face's
+    ``gradient_checkpointing_enable``) runs on remat, with ``policy``. Undone on exit.
+
+    NOTE [routing torch's checkpoint]
+        The one place remat replaces something of torch's, because the user asks for it by name, for the scope
+        of a ``with`` block. It sets the two functions on ``torch.utils.checkpoint`` and every global that a loaded
+        module bound to them by name (``from torch.utils.checkpoint import checkpoint`` in a module imported
+        earlier, as ``transformers.modeling_utils`` does; remat's own modules excepted: under ``torch.compile`` remat
+        lowers to torch's checkpoint), and puts each back on exit, exceptions included. What a
+        call made inside the block keeps is remat's for good: ``model.gradient_checkpointing_enable()`` inside it
+        stores a partial of the routed function in the model's layers, so the model keeps checkpointing with remat
+        after the block. A call with its own ``context_fn`` (torch's selective checkpointing) keeps that policy;
+        ``use_reentrant=True``, which existing code passes, runs on remat's hooks like ``False``.
+
+    Args:
+        policy: the remat policy of the routed calls (default: save nothing, as torch's checkpoint).
+
+    Example:
+        >>> import torch
+        >>> import remat
+        >>> block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+        >>> x = torch.randn(2, 4, requires_grad=True)
+        >>> with remat.route_torch_checkpoint(policy="save-matmuls"):
+        ...     y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        >>> y.sum().backward()
+        >>> torch.utils.checkpoint.checkpoint is not remat.checkpoint
+        True
+    """
+
+    def __init__(self, policy: Any = None) -> None:
+        self.policy = policy
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def _routed_checkpoint(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("use_reentrant") is True:
+            kwargs["use_reentrant"] = False
+        cf = kwargs.get("context_fn")
+        own = cf is not None and cf is not tc.noop_context_fn
+        return checkpoint(function, *args, **kwargs) if own else checkpoint(function, *args, policy=self.policy,
+                                                                             **kwargs)
+
+    def _routed_sequential(self, functions: Any, segments: int, input: Any, use_reentrant: Any = None,
+                           **kwargs: Any) -> Any:
+        kwargs.setdefault("policy", self.policy)
+        return checkpoint_sequential(functions, segments, input, use_reentrant=False, **kwargs)
+
+    def __enter__(self) -> route_torch_checkpoint:
+        import sys
+
+        if self._undo:
+            raise RuntimeError("remat.route_torch_checkpoint: this routing is active already; nest a new one")
+        swaps = {id(tc.checkpoint): (tc.checkpoint, self._routed_checkpoint),
+                 id(tc.checkpoint_sequential): (tc.checkpoint_sequential, self._routed_sequential)}
+        try:
+            for mod_name, mod in list(sys.modules.items()):
+                if mod_name == "remat" or mod_name.startswith("remat."):
+                    continue  # (remat's own use of torch's checkpoint: the torch.compile route)
+                d = getattr(mod, "__dict__", None)
+                if not isinstance(d, dict):
+                    continue
+                for name, value in list(d.items()):
+                    hit = swaps.get(id(value))
+                    if hit is not None and value is hit[0]:
+                        self._undo.append((mod, name, value))
+                        setattr(mod, name, hit[1])
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for mod, name, value in reversed(self._undo):
+            setattr(mod, name, value)
+        self._undo = []
