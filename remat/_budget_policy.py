@@ -268,6 +268,13 @@ class MemoryBudget:
     def __repr__(self) -> str:
         return self.__name__
 
+    def __getstate__(self) -> dict[str, Any]:
+        # (a pickled or saved model carries the budget, not the plans solved in this process: they are keyed by the
+        # functions' code objects, which do not pickle, and the copy solves again on its first call per signature)
+        state = dict(self.__dict__)
+        state["plans"] = {}
+        return state
+
     def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Any:
         raise RematError(
             f"remat: {self!r} decides per call of a remat'd function, by the position of each op in the call; "
@@ -448,7 +455,8 @@ def memory_budget(budget: int | float, offload: DeviceModel | bool | None = None
     if isinstance(budget, float) and not 0.0 <= budget <= 1.0:
         raise ValueError(
             f"memory_budget: a float budget is a fraction of what autograd would keep and must lie in [0, 1], "
-            f"got {budget!r}; pass bytes as an int (memory_budget({int(budget) if math.isfinite(budget) else 0}))"
+            f"got {budget!r}: memory_budget(1.0) keeps everything autograd would, memory_budget(0.25) a quarter; "
+            "or pass bytes as an int (memory_budget(512 * 2**20) for 512 MiB)"
         )
     if isinstance(budget, int) and budget < 0:
         raise ValueError(f"memory_budget: a byte budget must be >= 0, got {budget}")

@@ -100,7 +100,7 @@ class DeviceModel:
 
         Raises:
             ValueError: for a device that is not a CUDA device (offloading from host memory frees nothing; give a
-                ``DeviceModel(...)`` to plan as if on a device).
+                ``DeviceModel(...)`` to plan as if on a device), or where no CUDA device is available.
         """
         dev = torch.device(device if device is not None else "cuda")
         if dev.type != "cuda":
@@ -108,6 +108,12 @@ class DeviceModel:
                 f"DeviceModel.probe: {dev} is not a CUDA device; offloading from it to host memory frees nothing. "
                 "To plan as if on a GPU (tests, a machine without one), give the model: "
                 "DeviceModel(flops=..., d2h=..., h2d=...) or DeviceModel.h200()."
+            )
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "DeviceModel.probe: no CUDA device here (this torch has no CUDA, or no GPU is visible), so there is "
+                "nothing to measure. To plan as if on a GPU, give the model: DeviceModel(flops=..., d2h=..., "
+                "h2d=...) or DeviceModel.h200()."
             )
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -81,6 +82,9 @@ def unremat_module(module: nn.Module) -> nn.Module:
         >>> "forward" in vars(unremat_module(m))
         False
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"unremat_module: expected the torch.nn.Module that remat_module changed, got {module!r} "
+                        f"({type(module).__name__}); for every remat'd module of a model: remat.unremat_modules(model)")
     fwd = module.__dict__.get("forward")
     if not isinstance(fwd, Rematted):
         return module
@@ -167,6 +171,13 @@ def remat_modules(root: nn.Module, where: Any, *, policy: Any = None,
     else:
         select = _selector(where)
         chosen = [(name, m) for name, m in root.named_modules() if select(name, m)]
+    if not chosen:
+        # (a selector that matches nothing does nothing: said once, at the call, not discovered as memory that
+        # never went down)
+        warnings.warn(
+            f"remat_modules: {where!r} selects no submodule of {type(root).__name__}, so nothing is remat'd. Pass "
+            "the class of the model's blocks (one of its submodules' classes), a predicate (name, module) -> bool, "
+            "or \"auto\" for a Hugging Face model.", UserWarning, stacklevel=2)
     for _, m in chosen:
         remat_module(m, policy=policy, preserve_rng_state=preserve_rng_state, debug=debug)
     return [name for name, _ in chosen]

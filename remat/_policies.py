@@ -13,6 +13,7 @@ another device and back). The names and meanings follow ``jax.checkpoint_policie
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -142,10 +143,27 @@ def decide_explicit(policy: Policy, op: Any, args: tuple[Any, ...], kwargs: dict
     it. ``False`` only says the name is no reason to save: ``dots_saveable``
     answers ``False`` for names and still keeps a named matmul output.
     """
-    out = policy(op, *args, **kwargs)
+    try:
+        out = policy(op, *args, **kwargs)
+    except Exception as e:  # noqa: BLE001 (re-raised as the policy's error, never as the user's op)
+        raise policy_failed(policy, op, kwargs, e) from e
     if out is Recompute:
         return Recompute, True
     return _normalize(policy, op, kwargs, out), False
+
+
+def policy_failed(policy: Policy, op: Any, kwargs: dict[str, Any], e: BaseException) -> RematError:
+    """The error for a policy that raised when asked about ``op``: the policy's, naming it and the op, not an error
+    of the user's line that ran the op."""
+    if isinstance(e, RematError):
+        return e
+    name = getattr(op, "__name__", None) if callable(op) and not hasattr(op, "_schema") else None
+    where = f"checkpoint_name({kwargs.get('name')!r})" if name == "checkpoint_name" else str(op)
+    return RematError(
+        f"remat: policy {_describe(policy)} raised {type(e).__name__}: {e} when asked about {where}. A policy is "
+        "called as policy(op, *args, **kwargs) for every ATen op of the function (args: the op's arguments, "
+        "tensors included); fix the policy (the traceback above shows where it failed)."
+    )
 
 
 def decide_answer(policy: Policy, op: Any, kwargs: dict[str, Any], out: Any) -> Decision:
@@ -588,4 +606,38 @@ def resolve_policy(policy: Any) -> Policy:
             f"remat: policy must be a callable policy(op, *args, **kwargs) or a string, got "
             f"{policy!r} ({type(policy).__name__}); for example policy=remat.policies.dots_saveable."
         )
+    if isinstance(policy, type):
+        name = f"remat.policies.{policy.__name__}" if policy.__module__.startswith("remat") else policy.__name__
+        raise TypeError(
+            f"remat: policy={name} is a policy factory, not a policy: call it, policy={name}(...) (for example "
+            "policy=remat.policies.offload_to_cpu(), policy=remat.policies.save_only_these_names(\"h\"))."
+        )
+    _check_signature(policy)
     return policy
+
+
+def _check_signature(policy: Policy) -> None:
+    """A policy is called as ``policy(op, *args, **kwargs)`` with each op's arguments: refuse one that cannot take
+    that call when it is given, not at the user's first op."""
+    try:
+        sig = inspect.signature(policy)
+    except (TypeError, ValueError):
+        return  # (a builtin or an object without a signature: called as it is)
+    params = list(sig.parameters)
+    torch_style = len(params) >= 2 and params[0] in ("ctx", "context") and params[1] == "op"
+    if not torch_style:
+        try:
+            sig.bind(object(), object(), object(), some_keyword=object())
+            return
+        except TypeError:
+            pass
+    hint = ""
+    if torch_style:
+        hint = (" It looks like a torch selective-checkpointing policy, policy_fn(ctx, op, *args, **kwargs): pass it "
+                "as torch does, remat.checkpoint(fn, *args, context_fn=functools.partial("
+                "create_selective_checkpoint_contexts, policy_fn)), or drop the ctx argument.")
+    raise TypeError(
+        f"remat: policy {_describe(policy)}{sig} cannot be called as policy(op, *args, **kwargs), which remat does "
+        f"for every ATen op (args: the op's arguments, kwargs: its keyword arguments). Define it as "
+        f"def policy(op, *args, **kwargs).{hint}"
+    )

@@ -49,6 +49,7 @@ cached per signature and used from the second call on.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -352,6 +353,11 @@ def sequential(blocks: Sequence[Callable[[Any], Any]], *, segments: int | None =
         raise ValueError(f"remat.sequential: nested levels need at least 2 segments a level, got {segments}")
     if segments is not None and (not isinstance(segments, int) or isinstance(segments, bool) or segments < 1):
         raise ValueError(f"remat.sequential: segments must be a positive int, got {segments!r}")
+    if segments is not None and levels == 1 and segments > len(blocks):
+        warnings.warn(
+            f"remat.sequential: segments={segments} over {len(blocks)} blocks: a segment holds at least one block, "
+            f"so this runs as segments={len(blocks)} (every block its own segment, the last without remat). Pass "
+            f"segments <= {len(blocks)}.", UserWarning, stacklevel=2)
     if budget is not None:
         if isinstance(budget, bool) or not isinstance(budget, (int, float)):
             raise TypeError(f"remat.sequential: budget must be bytes (int) or a fraction (float), got {budget!r}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import remat as api
 from remat import RematError, checkpoint_name, policies, remat
 
 from .conftest import CLEAN, ambient_state
@@ -141,11 +142,55 @@ def test_policy_returns_no_decision_for_a_name():
 
 
 def test_policy_that_raises():
+    """A bug in a policy is the policy's error, naming it and the op it was asked about, never an error of the user's
+    op; the policy's own exception is its cause (with its traceback)."""
     def policy(op, *args, **kwargs):
         raise KeyError("policy bug")
 
-    with pytest.raises(KeyError, match="policy bug"):
+    with pytest.raises(RematError, match=r"policy policy raised KeyError: 'policy bug' when asked about "
+                                         r"aten\.sin\.default") as e:
         remat(two_sins, policy=policy)(leaf(3))
+    assert isinstance(e.value.__cause__, KeyError)
+    with pytest.raises(RematError, match="policy policy raised KeyError") as e:  # the re-run engine's call too
+        remat(two_sins, policy=policy, debug=True)(leaf(3))
+    with pytest.raises(RematError, match="policy policy raised KeyError"):  # and under torch.func
+        torch.func.grad(lambda x: remat(two_sins, policy=policy)(x).sum())(leaf(3).detach())
+    plain_autograd_still_works()
+
+
+def test_an_uncalled_policy_factory_is_named_when_given():
+    for factory in (policies.offload_to_cpu, policies.save_only_these_names):
+        with pytest.raises(TypeError, match=rf"policy=remat\.policies\.{factory.__name__} is a policy factory, "
+                                            rf"not a policy: call it, policy=remat\.policies\.{factory.__name__}\(\.\.\.\)"):
+            remat(two_sins, policy=factory)
+    plain_autograd_still_works()
+
+
+def test_a_policy_of_the_wrong_signature_is_refused_when_given():
+    with pytest.raises(TypeError, match=r"cannot be called as policy\(op, \*args, \*\*kwargs\).*def policy\(op, "):
+        remat(two_sins, policy=lambda op: True)
+
+    def sac_style(ctx, op, *args, **kwargs):
+        return True
+
+    with pytest.raises(TypeError, match=r"torch selective-checkpointing policy.*context_fn"):
+        remat(two_sins, policy=sac_style)
+    # what the signature check lets through: *args/**kwargs, defaults, policy objects
+    remat(two_sins, policy=lambda op, *a, **k: False)(leaf(3)).sum().backward()
+    remat(two_sins, policy=lambda op, *a, scale=1, **k: False)(leaf(3)).sum().backward()
+    remat(two_sins, policy=policies.save_only_these_names("h"))(leaf(3)).sum().backward()
+
+
+def test_an_iterator_argument_is_refused_at_the_call():
+    def f(xs):
+        return sum(x.sin() for x in xs)
+
+    gen = (leaf(3) for _ in range(2))
+    with pytest.raises(TypeError, match=r"called with a generator \(an iterator\).*Pass a list or a tuple"):
+        remat(f)(gen)
+    with pytest.raises(TypeError, match=r"list_iterator \(an iterator\)"):
+        remat(f)(iter([leaf(3)]))
+    remat(f)([leaf(3), leaf(3)]).sum().backward()  # a list is fine
     plain_autograd_still_works()
 
 
@@ -318,3 +363,74 @@ def test_input_modified_in_place_inside_the_function():
 def test_checkpoint_name_needs_a_string():
     with pytest.raises(TypeError, match=r"checkpoint_name: name must be a string, got 3 \(int\)"):
         checkpoint_name(torch.ones(1), 3)  # type: ignore[arg-type]
+
+
+# ---- misuse that raised from inside remat or from torch, or did nothing without a word --------------------------
+
+
+def test_unremat_module_of_something_else_names_the_mistake():
+    with pytest.raises(TypeError, match=r"unremat_module: expected the torch.nn.Module.*got 'hello' \(str\)"):
+        api.unremat_module("hello")
+
+
+def test_device_model_probe_without_cuda_says_what_to_do():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: probe measures it")
+    with pytest.raises(ValueError, match=r"no CUDA device here.*DeviceModel\(flops=\.\.\., d2h=\.\.\., h2d=\.\.\.\)"):
+        api.DeviceModel.probe()
+
+
+def test_memory_budget_above_one_suggests_what_is_accepted():
+    with pytest.raises(ValueError, match=r"must lie in \[0, 1\], got 1.5: memory_budget\(1.0\) keeps everything"):
+        policies.memory_budget(1.5)
+    policies.memory_budget(1.0)  # what it suggests is accepted
+    policies.memory_budget(512 * 2**20)
+
+
+def test_a_selector_that_matches_nothing_says_so():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    with pytest.warns(UserWarning, match=r"Conv2d'> selects no submodule of Sequential, so nothing is remat'd"):
+        assert api.remat_modules(model, torch.nn.Conv2d) == []
+    with pytest.warns(UserWarning, match="selects no submodule"):
+        api.remat_modules(model, lambda name, m: False)
+
+
+def test_an_offload_to_the_device_the_tensors_are_on_says_so_once():
+    from remat.offload import OffloadEngine, use_engine
+
+    f = remat(lambda x: x.sin().exp().sum(), policy=policies.offload_to_cpu(min_bytes=0))
+    x = leaf(64)
+    with use_engine(OffloadEngine()), pytest.warns(UserWarning, match=r"moves tensors from cpu to cpu.*frees no "
+                                                                       r"memory.*save-nothing"):
+        f(x).backward()
+    import warnings
+
+    with use_engine(OffloadEngine()), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        eng_calls = [f(x).backward() for _ in range(3)]
+    assert len(eng_calls) == 3
+    assert sum("frees no memory" in str(w.message) for w in seen) == 1  # once per engine
+
+
+def test_more_segments_than_blocks_says_so():
+    blocks = [torch.nn.Linear(4, 4) for _ in range(4)]
+    with pytest.warns(UserWarning, match=r"segments=10 over 4 blocks.*runs as segments=4"):
+        api.sequential(blocks, segments=10)
+
+
+def test_pickle_and_torch_save_after_a_memory_budget_ran():
+    import io
+    import pickle
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    api.remat_module(model, policy=policies.memory_budget(0.3))
+    model(torch.randn(2, 4)).sum().backward()  # the budget solved a plan (keyed by code objects)
+    copy = pickle.loads(pickle.dumps(model))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    x = torch.randn(2, 4)
+    for m in (copy, loaded):
+        torch.testing.assert_close(m(x), model(x))
+        m(x).sum().backward()

@@ -151,3 +151,21 @@ def test_routed_calls_keep_their_own_selective_checkpointing() -> None:
     with OpCounter({torch.ops.aten.mm.default}) as dropped:
         z.sum().backward()
     assert dropped.count == kept.count + 1  # the first product, replayed where nothing was kept
+
+
+def test_routed_method_under_torch_func() -> None:
+    """Under torch.func.grad over functional_call (parameters other than the module's own): torch's checkpoint
+    raises there; the layers routed to remat give the model's gradient without checkpointing."""
+    from .test_hf import func_grads, shifted_params
+
+    model, ids = make("gpt2"), token_ids()
+    model.train()
+    params = shifted_params(model)
+    want = func_grads(model, params, ids)
+    ours = make("gpt2")
+    ours.train()
+    with remat.route_torch_checkpoint(policy="save-matmuls"):
+        _enable(ours, {"use_reentrant": False})
+    ours.disable_input_require_grads()  # (HF's method turns it on; its hook calls requires_grad_, which torch.func
+    # forbids with or without remat: docs/models.md)
+    assert_tree_close(func_grads(ours, params, ids), want, **F64)

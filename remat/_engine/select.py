@@ -24,6 +24,7 @@ call.
 
 from __future__ import annotations
 
+import collections.abc
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +68,13 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
     """Run one call of ``fn`` under ``policy`` on the engine the route table picks (``owner``: its ``Rematted``,
     which holds the plans and whether the function is a region)."""
     flat, run, static_vals = _flatten(fn, name, statics, args, kwargs)
+    for i, a in enumerate(flat):
+        if isinstance(a, collections.abc.Iterator) and not isinstance(a, torch.Tensor):
+            raise TypeError(
+                f"remat: {name} was called with a {type(a).__name__} (an iterator) among its arguments (leaf #{i}); "
+                "an iterator is used up by the forward pass, and a recompute that runs the function again would "
+                "find it empty. Pass a list or a tuple instead (list(...) of it)."
+            )
     # 1. nothing will be saved: no frame needed
     if not torch.is_grad_enabled() and not ti.interpreter_stack():
         return run(flat)

@@ -45,7 +45,16 @@ from .. import _torch_internals as ti
 from .._context import INTERNAL, PENDING_NAME, internal
 from .._naming import checkpoint_name
 from .._ops import ALIAS, RANGE_OPS, generator_for, ignored, profiler_op
-from .._policies import Decision, Offloadable, Recompute, Saveable, decide, decide_answer, decide_explicit
+from .._policies import (
+    Decision,
+    Offloadable,
+    Recompute,
+    Saveable,
+    decide,
+    decide_answer,
+    decide_explicit,
+    policy_failed,
+)
 from .._torch_internals import TorchDispatchMode
 
 __all__ = ["OpInfo", "Step", "Trace", "Tracer", "op_info", "AmbientFlags"]
@@ -421,7 +430,10 @@ class Tracer(TorchDispatchMode):
         step.grad = grad = torch.is_grad_enabled()
         out = info.call(*args, **kwargs)
         # (decide's work, inline: the answers most policies give)
-        answer = self.policy(func, *args, **kwargs)
+        try:
+            answer = self.policy(func, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001 (the policy's error, never the user's op's)
+            raise policy_failed(self.policy, func, kwargs, e) from e
         decision = (Recompute if answer is False or answer is Recompute else Saveable if answer is True
                     else decide_answer(self.policy, func, kwargs, answer))
         step.decision = decision

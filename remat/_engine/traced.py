@@ -417,11 +417,17 @@ class _Saving(Half):
         its values): saved through the parent, not held here."""
         parent = self.parent
         assert parent is not None
-        ps = parent.trace.slot_of(t)
-        if ps is not None and ps not in parent.trace.outside:
-            # (one the parent read from outside too, a parameter or a global, this call holds as the parent does, or
-            # copies when the forward pass ends if it is small and needs no gradient: NOTE [outside tensors])
-            self.routed[s] = parent.pack(t)
+        if parent.trace.slot_of(t) is None:
+            return
+        # (one that every enclosing call read from outside too, a parameter or a global, this call holds as they do,
+        # or copies when the forward pass ends if it is small and needs no gradient: NOTE [outside tensors])
+        p: TraceFrame | None = parent
+        while p is not None:
+            ps = p.trace.slot_of(t)
+            if ps is not None and ps not in p.trace.outside:
+                self.routed[s] = parent.pack(t)  # made by an enclosing call: its policy decides
+                return
+            p = p.parent
 
 
 class TraceFrame(_Saving, _Serving):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -138,12 +139,8 @@ class OffloadEngine(_Schedule):
 
     def __init__(self, pin_memory: bool = True, max_inflight_bytes: int = 8 << 30, max_pinned_bytes: int | None = None,
                  prefetch: bool = True, trace: bool = False, keep_last: int = 1) -> None:
-        if not isinstance(max_inflight_bytes, int) or max_inflight_bytes <= 0:
-            raise ValueError(f"OffloadEngine: max_inflight_bytes must be a positive int, got {max_inflight_bytes!r}")
-        if max_pinned_bytes is not None and (not isinstance(max_pinned_bytes, int) or max_pinned_bytes < 0):
-            raise ValueError(f"OffloadEngine: max_pinned_bytes must be None or an int >= 0, got {max_pinned_bytes!r}")
-        if not isinstance(keep_last, int) or keep_last < 0:
-            raise ValueError(f"OffloadEngine: keep_last must be an int >= 0, got {keep_last!r}")
+        self._warned_same_device = False  # an offload to the device the tensor is on was said (once)
+        _check_settings(max_inflight_bytes, max_pinned_bytes, keep_last)
         super().__init__(pin_memory, max_inflight_bytes, max_pinned_bytes, prefetch, trace, keep_last)
         # the solo handles made since stats was last read, and their bytes (NOTE [solo handles]: two attributes
         # counted, ~0.4 us less per saved tensor than three counters of the dict, which stats adds them to)
@@ -220,6 +217,7 @@ class OffloadEngine(_Schedule):
         if nbytes < decision.min_bytes:
             return None
         dst = decision.dst
+        self._warned_same_device = self._warned_same_device or _same_device(t, dst)
         with self._lock:
             try:
                 storage = t.untyped_storage()
@@ -294,6 +292,7 @@ class OffloadEngine(_Schedule):
                 "pinned-buffer pool are host-side work a graph cannot replay. Capture with a save or "
                 "recompute policy, or offload outside the captured region."
             )
+        self._warned_same_device = self._warned_same_device or _same_device(t, dst)
         # (t's facts are its detached alias's: t is detached only where a copy needs it, _copy_out)
         storage = t.untyped_storage()
         grp = group if type(group) is _Group else self._group(group)
@@ -350,3 +349,25 @@ class OffloadEngine(_Schedule):
             grp.register(key, copy, version, t)
         self._stats["offloaded"] += 1
         return Offloaded(self, copy, t, offset, version)
+
+
+def _same_device(t: torch.Tensor, dst: str) -> bool:
+    """An offload to the device type ``t`` is on frees no memory: said once per engine (a policy written for a GPU,
+    run on a CPU-only machine, would otherwise offload nothing useful without a word); whether it said so."""
+    if t.device.type != torch.device(dst).type:
+        return False
+    warnings.warn(
+        f"remat: an offload policy moves tensors from {t.device.type} to {dst}, the device they are on: the copy "
+        "frees no memory (the policy exists for tensors on a GPU). On a CPU-only run, save memory with "
+        "policy=\"save-nothing\" or \"save-matmuls\" instead; this is said once per offload engine.",
+        UserWarning, stacklevel=4)
+    return True
+
+
+def _check_settings(max_inflight_bytes: Any, max_pinned_bytes: Any, keep_last: Any) -> None:
+    if not isinstance(max_inflight_bytes, int) or max_inflight_bytes <= 0:
+        raise ValueError(f"OffloadEngine: max_inflight_bytes must be a positive int, got {max_inflight_bytes!r}")
+    if max_pinned_bytes is not None and (not isinstance(max_pinned_bytes, int) or max_pinned_bytes < 0):
+        raise ValueError(f"OffloadEngine: max_pinned_bytes must be None or an int >= 0, got {max_pinned_bytes!r}")
+    if not isinstance(keep_last, int) or keep_last < 0:
+        raise ValueError(f"OffloadEngine: keep_last must be an int >= 0, got {keep_last!r}")
