@@ -42,7 +42,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ._torch_internals import TorchDispatchMode, inner_tensors, storage_of
 
-__all__ = ["FlopCount", "Config", "Result", "LiveCensus", "live_bytes_after", "saved_bytes", "measure", "ratio", "format_table", "pareto_front", "plot", "MiB"]
+__all__ = ["FlopCount", "Config", "Result", "LiveCensus", "live_bytes_after", "saved_bytes", "measure", "ratio", "format_table", "pareto_front", "ties", "plot", "MiB"]
 
 MiB = float(1 << 20)
 Progress = Callable[[str], None]
@@ -72,6 +72,8 @@ class Result:
     recomputed_flops: int
     times_s: list[float]
     cpu_times_s: list[float] = dataclasses.field(default_factory=list)  # process CPU time per step
+    # half the interquartile range of the per-round ratios to the baseline: the noise of time_ratio
+    ratio_spread: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -368,11 +370,12 @@ def measure(configs: Sequence[Config], args: Sequence[Any], *, steps: int = 5, w
     out = []
     for c in configs:
         ratios = [t / b for t, b in zip(times[c.label], times[base], strict=True)]
+        q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
         out.append(Result(
             label=c.label, retained_bytes=mem[c.label][0], peak_bytes=mem[c.label][1],
             time_s=statistics.median(times[c.label]), time_ratio=statistics.median(ratios),
             backward_flops=flops[c.label], recomputed_flops=flops[c.label] - flops[base], times_s=times[c.label],
-            cpu_times_s=cpu[c.label],
+            cpu_times_s=cpu[c.label], ratio_spread=(q[2] - q[0]) / 2,
         ))
     return out
 
@@ -383,7 +386,8 @@ def format_table(rows: Sequence[Result], baseline: str | None = None) -> str:
     head = ["configuration", "retained MiB", "peak MiB", "ms/step", f"time vs {base}", "recomputed GFLOP"]
     body = [[r.label, f"{r.retained_bytes / MiB:.1f}", f"{r.peak_bytes / MiB:.1f}" if r.peak_bytes >= 0 else "-",
              f"{r.time_s * 1e3:.1f}",
-             f"{r.time_ratio:.2f}x", f"{r.recomputed_flops / 1e9:.3f}"] for r in rows]
+             f"{r.time_ratio:.2f}x" + (f" ±{r.ratio_spread:.2f}" if r.ratio_spread else ""),
+             f"{r.recomputed_flops / 1e9:.3f}"] for r in rows]
     widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
 
     def line(cells: list[str]) -> str:
@@ -405,11 +409,34 @@ def pareto_front(rows: Sequence[Result]) -> list[Result]:
     Time is what the table's "time vs" column shows (``time_ratio``: per round, the step time over the
     baseline's in the same round; the median over the rounds), so that the front and the table agree: a slow
     stretch of the machine slows every configuration of its rounds alike, where medians taken apart can order two
-    close configurations either way. So ``rows`` must come from one :func:`measure` call (one baseline)."""
-    front = [r for r in rows if not any(
-        (o.retained_bytes <= r.retained_bytes and o.time_ratio <= r.time_ratio)
-        and (o.retained_bytes < r.retained_bytes or o.time_ratio < r.time_ratio) for o in rows)]
+    close configurations either way. So ``rows`` must come from one :func:`measure` call (one baseline).
+
+    A result beats another only by more than the noise: memory by more than 2% (or 64 KiB), time by more than
+    both results' spreads together (``ratio_spread``, and at least 0.02); two results within those of each other
+    are *tied* (:func:`ties`), and neither beats the other. So the front does not change with the noise of a run."""
+    front = [r for r in rows if not any(_beats(o, r) for o in rows if o is not r)]
     return sorted(front, key=lambda r: r.retained_bytes)
+
+
+def _mem_better(a: Result, b: Result) -> bool:
+    return b.retained_bytes - a.retained_bytes > max(0.02 * b.retained_bytes, 64 * 1024)
+
+
+def _time_better(a: Result, b: Result) -> bool:
+    return b.time_ratio - a.time_ratio > max(a.ratio_spread + b.ratio_spread, 0.02)
+
+
+def _beats(a: Result, b: Result) -> bool:
+    """``a`` is no worse than ``b`` on memory and time (within the noise) and better on one, beyond it."""
+    mem_ok = not _mem_better(b, a)
+    time_ok = not _time_better(b, a)
+    return mem_ok and time_ok and (_mem_better(a, b) or _time_better(a, b))
+
+
+def ties(rows: Sequence[Result]) -> list[tuple[Result, Result]]:
+    """Pairs of results within the noise of each other on both memory and time (see :func:`pareto_front`)."""
+    return [(a, b) for i, a in enumerate(rows) for b in rows[i + 1:]
+            if not (_mem_better(a, b) or _mem_better(b, a) or _time_better(a, b) or _time_better(b, a))]
 
 
 def plot(rows: Sequence[Result], path: str, title: str = "") -> None:

@@ -619,6 +619,8 @@ def resolve_policy(policy: Any) -> Policy:
 def _check_signature(policy: Policy) -> None:
     """A policy is called as ``policy(op, *args, **kwargs)`` with each op's arguments: refuse one that cannot take
     that call when it is given, not at the user's first op."""
+    if torch.compiler.is_compiling():
+        return  # (remat(f, policy=p) inside a function Dynamo traces: checked when the same line runs eagerly)
     try:
         sig = inspect.signature(policy)
     except (TypeError, ValueError):

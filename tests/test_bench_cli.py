@@ -354,3 +354,43 @@ def test_distributed_benchmark_runs() -> None:
             assert cells[:3] == plain[:3], (setting, variant, r.stdout)  # collectives
         column = 3 if plain[3] != "–" else 4  # retained MiB, or a pipeline's peak
         assert float(variants["remat save-nothing"][column]) < float(plain[column]), (setting, r.stdout)
+
+
+def test_configurations_within_the_noise_are_tied_not_ranked():
+    """The front beats a configuration only by more than the noise (memory by 2%, time by both spreads): two runs
+    of the same machine that order two close configurations differently print the same front, with the pair tied."""
+    from remat.bench.measure import Result, pareto_front, ties
+
+    def row(label: str, mib: float, ratio: float, spread: float) -> Result:
+        return Result(label, int(mib * 2**20), int(mib * 2**20), ratio, ratio, 0, 0, [ratio], ratio_spread=spread)
+
+    base = row("no-remat", 36, 1.0, 0.0)
+    for a_ratio, b_ratio in ((1.30, 1.34), (1.34, 1.30)):  # the noise orders them either way
+        a, b = row("save-nothing", 2.0, a_ratio, 0.04), row("torch-checkpoint", 2.0, b_ratio, 0.04)
+        slow = row("names", 14.0, 1.9, 0.05)
+        rows = [base, a, b, slow]
+        assert [r.label for r in pareto_front(rows)] == ["save-nothing", "torch-checkpoint", "no-remat"]
+        assert [(x.label, y.label) for x, y in ties(rows)] == [("save-nothing", "torch-checkpoint")]
+    # beyond the noise, the faster one wins
+    a, b = row("save-nothing", 2.0, 1.20, 0.02), row("torch-checkpoint", 2.0, 1.40, 0.02)
+    assert [r.label for r in pareto_front([base, a, b])] == ["save-nothing", "no-remat"]
+
+
+def test_the_recommendation_names_a_configuration_on_the_front_and_its_code():
+    from remat.bench.__main__ import recommend
+    from remat.bench.measure import Result, pareto_front
+
+    def row(label: str, mib: float, ratio: float, spread: float = 0.03) -> Result:
+        return Result(label, int(mib * 2**20), int(mib * 2**20), ratio, ratio, 0, 0, [ratio], ratio_spread=spread)
+
+    rows = [row("no-remat", 36, 1.0, 0.0), row("save-nothing", 2.0, 1.25), row("save-matmuls", 24.0, 1.10),
+            row("names(attn,ff)", 14.0, 1.6), row("torch-checkpoint", 2.0, 1.5)]
+    front = {r.label for r in pareto_front(rows)}
+    assert front == {"no-remat", "save-nothing", "save-matmuls"}
+    text = recommend(rows, front)
+    assert text.startswith('Recommendation: save-matmuls keeps 24.0 MiB (67% of no-remat\'s 36.0) at 1.10x the '
+                           'step: policy="save-matmuls". Least memory: save-nothing keeps 2.0 MiB'), text
+    assert "memory_budget" in text and "docs/policies.md" in text
+    # no remat configuration on the front: it says so, and claims no winner
+    rows = [row("no-remat", 36, 1.0, 0.0), row("save-nothing", 2.0, 1.6), row("torch-checkpoint", 2.0, 1.2)]
+    assert "no remat configuration is on the front" in recommend(rows, {r.label for r in pareto_front(rows)})

@@ -8,7 +8,7 @@ backward pass (see ``remat/bench/measure.py`` for how each is measured).
 
 Example::
 
-    python -m remat.bench                                   # small transformer, CPU, under a minute
+    python -m remat.bench                                   # the demo transformer, CPU, under a minute
     python -m remat.bench --model mlp --size medium --steps 10 --json out.json --plot out.png
     python -m remat.bench --device cuda --dtype bfloat16 --size large
     python -m remat.bench --compile                         # adds the same model under torch.compile
@@ -36,10 +36,10 @@ from .. import policies
 from .._sequential import sequential
 from .._transform import remat
 from .configs import COMPILED, CONFIGS, NAMES, applies, default_configs, label, make_wrap
-from .measure import Config, format_table, measure, pareto_front, plot
+from .measure import Config, MiB, format_table, measure, pareto_front, plot, ties
 from .models import SIZES, make_model
 
-MIN_TIME = 4.0  # seconds of timed steps the default run measures at least (a small model's steps are short)
+MIN_TIME = 12.0  # seconds of timed steps the default run measures at least: enough rounds for a stable ranking
 MAX_STEPS = 60
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -72,12 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
         "peak memory, time per forward+backward step, recomputed FLOPs.",
         epilog="configurations: " + "; ".join(f"{k}: {v}" for k, v in CONFIGS.items()),
     )
-    p.add_argument("--model", choices=sorted(SIZES["small"]), default="transformer", help="reference model")
-    p.add_argument("--size", choices=list(SIZES), default="small", help="model size (default: small)")
+    p.add_argument("--model", choices=sorted(SIZES["demo"]), default="transformer", help="reference model")
+    p.add_argument("--size", choices=list(SIZES), default="demo",
+                   help="model size (default: demo, tens of MiB of activations, under a minute on 2 CPU cores)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--steps", type=_positive, default=None,
-                   help="timed rounds, every configuration once per round (default: at least 5, and more until "
+                   help="timed rounds, every configuration once per round (default: at least 7, and more until "
                    f"the timed steps took {MIN_TIME:g} s in all, at most {MAX_STEPS} rounds)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration first (default 1)")
     p.add_argument("--policies", default=None,
@@ -125,6 +126,54 @@ def _configs(p: argparse.ArgumentParser, spec: str | None, model: str, device: t
         p.error(f"--policies: names: {applies('names', model, device)}; "
                 f"use it with --model {' or '.join(sorted(NAMES))}")
     return ["no-remat"] + [k for k in dict.fromkeys(keys) if k != "no-remat"]
+
+
+LEGEND = """Columns: retained MiB = bytes the forward pass allocated that are still alive when it ends (what is held for
+  the backward pass; counted from outside remat); peak MiB = the most of those bytes alive at once in the step;
+  ms/step = the median forward + backward step; time vs no-remat = per round, the step over no-remat's step in the
+  same round, the median over the rounds, +- half their interquartile range (the run's noise); recomputed GFLOP =
+  backward-pass FLOPs above no-remat's. Two configurations closer than the noise on both counts are tied."""
+
+_CODE = {"save-nothing": 'policy="save-nothing"', "save-matmuls": 'policy="save-matmuls"',
+         "offload-to-cpu": 'policy="offload-to-cpu"'}
+
+
+def _code(label: str) -> str:
+    if label in _CODE:
+        return _CODE[label]
+    if label.startswith("names("):
+        names = ", ".join(f'"{n}"' for n in label[6:-1].split(","))
+        return f"policy=policies.save_only_these_names({names})"
+    if label.startswith("memory_budget "):
+        return f"policy=policies.memory_budget({float(label.split()[1].rstrip('%')) / 100:g})"
+    if label.startswith("budget "):
+        return f"remat.sequential(blocks, budget={float(label.split()[1].rstrip('%')) / 100:g})"
+    return label
+
+
+def recommend(rows: Sequence[Any], front: set[str]) -> str:
+    """What to use, from the Pareto front: the remat configuration on it that costs least time (among those tied
+    on time, the one that keeps least), and the one that keeps least memory; never a winner the noise cannot tell."""
+    base = rows[0]
+    ours = [r for r in rows if r.label in front and r is not base and not r.label.startswith(("torch", "compiled"))]
+    if not ours:
+        return ("Recommendation: no remat configuration is on the front here (this model keeps little between the "
+                "passes, or torch's peer is as good within the noise); see docs/policies.md for a larger model.")
+    fastest = min(r.time_ratio for r in ours)
+    cheap = min((r for r in ours if r.time_ratio - fastest <= max(r.ratio_spread + 0.02, 0.02)),
+                key=lambda r: r.retained_bytes)
+    least = min(ours, key=lambda r: (r.retained_bytes, r.time_ratio))
+    full = base.retained_bytes or 1
+
+    def said(r: Any) -> str:
+        return (f"{r.label} keeps {r.retained_bytes / MiB:.1f} MiB ({r.retained_bytes / full:.0%} of "
+                f"{base.label}'s {base.retained_bytes / MiB:.1f}) at {r.time_ratio:.2f}x the step: {_code(r.label)}")
+
+    out = f"Recommendation: {said(cheap)}."
+    if least is not cheap:
+        out += f" Least memory: {said(least)}."
+    return out + (" To fit a memory limit in between, policy=policies.memory_budget(fraction) keeps at most that "
+                  "fraction of what autograd would and recomputes the rest at the least cost. See docs/policies.md.")
 
 
 def _with_budget(fn: Any, fraction: float, *args: Any) -> Any:
@@ -198,15 +247,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   compiled=True))
     t0 = time.perf_counter()
     auto = a.steps is None
-    rows = measure(configs, [params, x], steps=5 if auto else a.steps, warmup=a.warmup, progress=say,
+    rows = measure(configs, [params, x], steps=7 if auto else a.steps, warmup=a.warmup, progress=say,
                    min_time=MIN_TIME if auto else 0.0, max_steps=MAX_STEPS if auto else a.steps)
     steps = len(rows[0].times_s)
     say(f"done in {time.perf_counter() - t0:.1f} s")
     title = f"{a.model} ({a.size}), {device}, {a.dtype}, median of {steps} step(s), torch {torch.__version__}"
     print(title)
     print(format_table(rows, baseline="no-remat"))
+    print(LEGEND)
     front = {r.label for r in pareto_front(rows)}
-    print(f"Pareto front (retained memory vs time): {', '.join(r.label for r in rows if r.label in front)}")
+    tied = [(a.label, b.label) for a, b in ties(rows) if a.label in front and b.label in front]
+    print(f"Pareto front (retained memory vs time): {', '.join(r.label for r in rows if r.label in front)}"
+          + (f"; tied within the noise: {', '.join(f'{a} and {b}' for a, b in tied)}" if tied else ""))
+    print(recommend(rows, front))
     if a.json:
         doc: dict[str, Any] = {
             "model": a.model, "size": a.size, "config": SIZES[a.size][a.model], "device": str(device),

@@ -19,7 +19,8 @@ from .._measure import (
                         plot,
                         ratio,
                         saved_bytes,
+                        ties,
 )
 
 __all__ = ["Config", "FlopCount", "LiveCensus", "MiB", "Progress", "Result", "format_table", "live_bytes_after",
-           "measure", "pareto_front", "plot", "ratio", "saved_bytes"]
+           "measure", "pareto_front", "plot", "ratio", "saved_bytes", "ties"]

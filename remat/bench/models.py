@@ -24,6 +24,13 @@ Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 # size -> model -> config
 SIZES: dict[str, dict[str, dict[str, int]]] = {
+    # the main job's default (python -m remat.bench): activations that matter (tens of MiB held without remat), a
+    # step short enough to time every configuration well in under a minute on 2 CPU cores
+    "demo": {
+        "mlp": {"layers": 8, "batch": 512, "width": 512},
+        "transformer": {"blocks": 4, "batch": 4, "seq": 128, "d": 256, "heads": 4, "ff": 1024},
+        "cnn": {"blocks": 4, "batch": 16, "channels": 32, "hw": 32},
+    },
     "small": {
         "mlp": {"layers": 4, "batch": 128, "width": 256},
         "transformer": {"blocks": 2, "batch": 2, "seq": 64, "d": 128, "heads": 4, "ff": 512},
