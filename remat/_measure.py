@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import random
 import statistics
 import time
@@ -42,7 +43,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ._torch_internals import TorchDispatchMode, inner_tensors, storage_of
 
-__all__ = ["FlopCount", "Config", "Result", "LiveCensus", "live_bytes_after", "saved_bytes", "measure", "ratio", "format_table", "pareto_front", "ties", "plot", "MiB"]
+__all__ = ["FlopCount", "Config", "Result", "LiveCensus", "live_bytes_after", "saved_bytes", "measure", "ratio", "format_table", "pareto_front", "ties", "time_better", "plot", "MiB"]
 
 MiB = float(1 << 20)
 Progress = Callable[[str], None]
@@ -411,9 +412,10 @@ def pareto_front(rows: Sequence[Result]) -> list[Result]:
     stretch of the machine slows every configuration of its rounds alike, where medians taken apart can order two
     close configurations either way. So ``rows`` must come from one :func:`measure` call (one baseline).
 
-    A result beats another only by more than the noise: memory by more than 2% (or 64 KiB), time by more than
-    both results' spreads together (``ratio_spread``, and at least 0.02); two results within those of each other
-    are *tied* (:func:`ties`), and neither beats the other. So the front does not change with the noise of a run."""
+    A result beats another only by more than the noise: memory by more than 2% (or 64 KiB), time by more than the
+    uncertainty of the median of their per-round ratio and by more than 3% (:func:`time_better`); two results within those
+    of each other are *tied* (:func:`ties`), and neither beats the other. So the front does not change with the noise
+    of a run."""
     front = [r for r in rows if not any(_beats(o, r) for o in rows if o is not r)]
     return sorted(front, key=lambda r: r.retained_bytes)
 
@@ -422,21 +424,34 @@ def _mem_better(a: Result, b: Result) -> bool:
     return b.retained_bytes - a.retained_bytes > max(0.02 * b.retained_bytes, 64 * 1024)
 
 
-def _time_better(a: Result, b: Result) -> bool:
+def time_better(a: Result, b: Result) -> bool:
+    """``a``'s step is shorter than ``b``'s beyond the noise: paired by round (the same round's two steps, so that a
+    slow stretch of the machine cancels out), the median of ``a``'s over ``b``'s is below 1 by more than its
+    uncertainty (the 95% interval of a median: 1.57 interquartile ranges over the square root of the rounds) and by
+    more than 3%. (Without paired rounds: the medians' ratios, by both spreads.)"""
+    n = len(a.times_s)
+    if n >= 3 and n == len(b.times_s):
+        r = [x / y for x, y in zip(a.times_s, b.times_s, strict=True)]
+        q = statistics.quantiles(r, n=4)
+        # (the median's uncertainty: about 1.57 IQR / sqrt(n) for a 95% interval, McGill et al.'s notches)
+        return statistics.median(r) < 1 - max(1.57 * (q[2] - q[0]) / math.sqrt(n), TIE)
     return b.time_ratio - a.time_ratio > max(a.ratio_spread + b.ratio_spread, 0.02)
+
+
+TIE = 0.03  # steps closer than 3% are tied whatever the noise (a difference a user would not act on)
 
 
 def _beats(a: Result, b: Result) -> bool:
     """``a`` is no worse than ``b`` on memory and time (within the noise) and better on one, beyond it."""
     mem_ok = not _mem_better(b, a)
-    time_ok = not _time_better(b, a)
-    return mem_ok and time_ok and (_mem_better(a, b) or _time_better(a, b))
+    time_ok = not time_better(b, a)
+    return mem_ok and time_ok and (_mem_better(a, b) or time_better(a, b))
 
 
 def ties(rows: Sequence[Result]) -> list[tuple[Result, Result]]:
     """Pairs of results within the noise of each other on both memory and time (see :func:`pareto_front`)."""
     return [(a, b) for i, a in enumerate(rows) for b in rows[i + 1:]
-            if not (_mem_better(a, b) or _mem_better(b, a) or _time_better(a, b) or _time_better(b, a))]
+            if not (_mem_better(a, b) or _mem_better(b, a) or time_better(a, b) or time_better(b, a))]
 
 
 def plot(rows: Sequence[Result], path: str, title: str = "") -> None:

@@ -36,7 +36,7 @@ from .. import policies
 from .._sequential import sequential
 from .._transform import remat
 from .configs import COMPILED, CONFIGS, NAMES, applies, default_configs, label, make_wrap
-from .measure import Config, MiB, format_table, measure, pareto_front, plot, ties
+from .measure import Config, MiB, format_table, measure, pareto_front, plot, ties, time_better
 from .models import SIZES, make_model
 
 MIN_TIME = 12.0  # seconds of timed steps the default run measures at least: enough rounds for a stable ranking
@@ -159,9 +159,9 @@ def recommend(rows: Sequence[Any], front: set[str]) -> str:
     if not ours:
         return ("Recommendation: no remat configuration is on the front here (this model keeps little between the "
                 "passes, or torch's peer is as good within the noise); see docs/policies.md for a larger model.")
-    fastest = min(r.time_ratio for r in ours)
-    cheap = min((r for r in ours if r.time_ratio - fastest <= max(r.ratio_spread + 0.02, 0.02)),
-                key=lambda r: r.retained_bytes)
+    # (the remat configurations no other one is faster than beyond the noise; the one of them that keeps least)
+    cheap = min((r for r in ours if not any(time_better(o, r) for o in ours if o is not r)),
+                key=lambda r: (r.retained_bytes, r.time_ratio))
     least = min(ours, key=lambda r: (r.retained_bytes, r.time_ratio))
     full = base.retained_bytes or 1
 

@@ -20,7 +20,8 @@ from .._measure import (
                         ratio,
                         saved_bytes,
                         ties,
+                        time_better,
 )
 
 __all__ = ["Config", "FlopCount", "LiveCensus", "MiB", "Progress", "Result", "format_table", "live_bytes_after",
-           "measure", "pareto_front", "plot", "ratio", "saved_bytes", "ties"]
+           "measure", "pareto_front", "plot", "ratio", "saved_bytes", "ties", "time_better"]
