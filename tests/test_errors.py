@@ -418,6 +418,34 @@ def test_more_segments_than_blocks_says_so():
         api.sequential(blocks, segments=10)
 
 
+@pytest.mark.parametrize("policy", [
+    "save-nothing", "save-everything", "save-matmuls", policies.save_only_these_names("h"),
+    policies.save_from_both_policies(policies.dots_saveable, policies.save_only_these_names("h")),
+    policies.offload_to_cpu(min_bytes=0), policies.offload_dot_with_no_batch_dims("cpu", "cpu"),
+    policies.memory_budget(0.3), policies.memory_budget(0.3, offload=api.DeviceModel.h200()),
+], ids=lambda p: getattr(p, "__name__", str(p)))
+def test_every_policy_pickles_after_it_ran(policy):
+    import io
+    import pickle
+    import warnings
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    api.remat_module(model, policy=policy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (an offload to the CPU says once that it frees nothing there)
+        for _ in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+        copy = pickle.loads(pickle.dumps(model))
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        x = torch.randn(2, 4)
+        for m in (copy, loaded):
+            torch.testing.assert_close(m(x), model(x))
+            m(x).sum().backward()
+
+
 def test_pickle_and_torch_save_after_a_memory_budget_ran():
     import io
     import pickle
