@@ -157,12 +157,10 @@ def policy_failed(policy: Policy, op: Any, kwargs: dict[str, Any], e: BaseExcept
     of the user's line that ran the op."""
     if isinstance(e, RematError):
         return e
-    name = getattr(op, "__name__", None) if callable(op) and not hasattr(op, "_schema") else None
-    where = f"checkpoint_name({kwargs.get('name')!r})" if name == "checkpoint_name" else str(op)
     return RematError(
-        f"remat: policy {_describe(policy)} raised {type(e).__name__}: {e} when asked about {where}. A policy is "
-        "called as policy(op, *args, **kwargs) for every ATen op of the function (args: the op's arguments, "
-        "tensors included); fix the policy (the traceback above shows where it failed)."
+        f"remat: policy {_describe(policy)} raised {type(e).__name__}: {e} when asked about {_op_name(op, kwargs)}. "
+        "A policy is called as policy(op, *args, **kwargs) for every ATen op of the function (args: the op's "
+        "arguments, tensors included); fix the policy (the traceback above shows where it failed)."
     )
 
 
@@ -178,12 +176,16 @@ def _normalize(policy: Policy, op: Any, kwargs: dict[str, Any], out: Any) -> Dec
         return Recompute
     if isinstance(out, Decision):
         return out
-    name = getattr(op, "__name__", None) if callable(op) and not hasattr(op, "_schema") else None
-    where = f"checkpoint_name({kwargs.get('name')!r})" if name == "checkpoint_name" else str(op)
     raise RematError(
-        f"remat: policy {_describe(policy)} returned {out!r} for {where}; return True, False, "
+        f"remat: policy {_describe(policy)} returned {out!r} for {_op_name(op, kwargs)}; return True, False, "
         "remat.policies.Saveable, remat.policies.Recompute or remat.policies.Offloadable(src, dst)."
     )
+
+
+def _op_name(op: Any, kwargs: dict[str, Any]) -> str:
+    """What a policy was asked about, for its errors: the ATen op, or ``checkpoint_name('h')``."""
+    name = getattr(op, "__name__", None) if callable(op) and not hasattr(op, "_schema") else None
+    return f"checkpoint_name({kwargs.get('name')!r})" if name == "checkpoint_name" else str(op)
 
 
 def _describe(policy: Policy) -> str:

@@ -25,6 +25,7 @@ import remat
 from remat import RematError, checkpoint_name, policies
 
 from .helpers import OpCounter
+from .test_replay import Tracker
 
 f64 = torch.float64
 TOL = {"rtol": 1e-10, "atol": 1e-10}
@@ -148,27 +149,6 @@ def test_python_numpy_random_and_torch_tensor_of_python_data(transform: str) -> 
             return loss
 
         _compare(transform, make_loss, torch.randn(2, 5, dtype=f64), reset)
-
-
-class Tracker:
-    """A Megatron-style RNG tracker: dropout draws from its own state, forked inside the function."""
-
-    def __init__(self) -> None:
-        self.state = torch.random.get_rng_state()
-
-    def fork(self) -> Any:
-        tracker = self
-
-        class _Fork:
-            def __enter__(self) -> None:
-                self.outer = torch.random.get_rng_state()
-                torch.random.set_rng_state(tracker.state)
-
-            def __exit__(self, *exc: object) -> None:
-                tracker.state = torch.random.get_rng_state()
-                torch.random.set_rng_state(self.outer)
-
-        return _Fork()
 
 
 @pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "hessian"])
