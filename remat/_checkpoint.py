@@ -144,14 +144,6 @@ def _call(fn: Callable[..., Any], policy: Any, static_argnums: Any, preserve_rng
     return hit[1](obj, *args, **kwargs)
 
 
-def _hashable(x: Any) -> bool:
-    try:
-        hash(x)
-    except TypeError:
-        return False
-    return True
-
-
 def checkpoint(fn: Any = None, *args: Any, use_reentrant: bool | None = _UNSET, context_fn: Any = _UNSET,
                determinism_check: str = _UNSET, debug: bool = False, early_stop: bool = _UNSET,
                preserve_rng_state: bool = True, policy: Any = None, static_argnums: Any = (), **kwargs: Any) -> Any:
