@@ -166,7 +166,6 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
         self.describe_tensor: Callable[[torch.Tensor], str | None] = lambda t: None
         # NOTE [generators of your own] (_ambient.py): the call's AmbientState.generators, set by its engine
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
-        self.program: Any = None  # NOTE [program replay] (_engine/program.py): told of each random op's generator
         # NOTE [same reads] in _wiring.py: set by a frame without torch.func levels that is not nested (its tensors are
         # the call's own objects): the key of each op's arguments, which the Replayer compares
         self.wiring: Wiring | None = None
@@ -243,8 +242,6 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
         rng = None
         if random:
             with internal():
-                if self.program is not None:
-                    self.program.drew(args, kwargs)
                 g = generator_for(args, kwargs)  # NOTE [random ops] in _engine/replay.py
                 rng = None if g is None else (g, g.get_state())
         gen = kwargs.get("generator") if random else None

@@ -539,7 +539,6 @@ class Frame(_Saving, _Serving):
                 es.enter_context(forward_pass())
                 if self.program is not None:
                     self.program.start(self, flat, self.state.tensors)
-                    self.recorder.program = self.program
                     es.enter_context(ProgramRecorder(self.program))
                 try:
                     out = self.run(flat)
@@ -549,7 +548,6 @@ class Frame(_Saving, _Serving):
                     raise NeedsRegion(self, e) from e  # NOTE [reentrant region] in region.py
             if self.program is not None:
                 self.program.finish()
-                self.recorder.program = None
             if not self.routed and (not self.levels or (len(self.levels) == 1 and self.levels[0].kind == "grad")):
                 # NOTE [unused outputs]: weakly, an output's node would make a cycle through the graph
                 self._outs = []
@@ -605,7 +603,6 @@ class Frame(_Saving, _Serving):
                     self.nested.stash = self.recorder.route_stash(lambda t: ParentHandle(parent, parent.pack(t)))
         finally:
             self.forwarding = False
-            self.recorder.program = None
             if self.program is not None and self.program.frame is not None:
                 self.program.spoil("its forward pass raised")
                 self.program.finish()

@@ -12,16 +12,15 @@ NOTE [program replay]
     were, and each tensor argument as a slot (an input of the call, a tensor of the module state, an output of an
     earlier call, or an outside tensor, held). The replay calls them in order on the rebuilt stack's values, so
     every Python decision of the forward pass stands: which tensor a call reads, a temperature, a random branch,
-    ``torch.tensor(python_value)``, a list of experts reordered. A random call gets its generator's state back
-    from before its first draw (the dispatch ``Recorder`` sees the draw and tells the program: a seed set inside
-    the function, a Megatron-style tracker, a user's generator); grad mode (a ``torch.no_grad()`` block), the
+    ``torch.tensor(python_value)``, a list of experts reordered. Grad mode (a ``torch.no_grad()`` block), the
     default dtype and a pending ``checkpoint_name`` are set as they were. The recompute's dispatch ``Replayer``
-    and ``Capture`` check what the program runs exactly as they checked a re-run.
+    and ``Capture`` check what the program runs exactly as they checked a re-run, and the ``Replayer`` gives each
+    random op the generator state it drew from in the forward pass (NOTE [random ops] in ``replay.py``: a seed set
+    inside the function, a Megatron-style tracker, a user's generator).
 
     A program that cannot stand for the Python is *spoiled*, and the recompute runs the Python again as before
     (with the re-run's checks: exact or ``RematError``): a call at another functorch level than the call's own (a
-    vmap inside the function), a random draw outside any call, a call made while another remat call is active (a
-    nested remat call), an iterator returned (its tensors come from no call the mode sees), a tensor with history
+    vmap inside the function), a call made while another remat call is active (a nested remat call), an iterator returned (its tensors come from no call the mode sees), a tensor with history
     that no call made (the output of a custom ``autograd.Function``), autocast switched inside the function.
 """
 
@@ -37,7 +36,6 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _torch_internals as ti
 from .._context import INTERNAL, PENDING_NAME, active_context
-from .._ops import generator_for
 
 __all__ = ["Program", "ProgramRecorder"]
 
@@ -47,7 +45,7 @@ Tensor = torch.Tensor
 class Call:
     """One torch function the forward pass called: ``func(*args, **kwargs)``, the tensors at ``refs`` from slots."""
 
-    __slots__ = ("func", "spec", "leaves", "refs", "outs", "grad", "dtype", "name", "rng")
+    __slots__ = ("func", "spec", "leaves", "refs", "outs", "grad", "dtype", "name")
 
     def __init__(self, func: Any, spec: Any, leaves: list[Any], refs: list[tuple[int, int]], grad: bool,
                  dtype: torch.dtype, name: str | None) -> None:
@@ -59,7 +57,6 @@ class Call:
         self.grad = grad
         self.dtype = dtype
         self.name = name  # a checkpoint_name pending around it
-        self.rng: list[tuple[torch.Generator, torch.Tensor]] = []  # generator states before its first draws
 
 
 class Program:
@@ -74,7 +71,7 @@ class Program:
         self.state: dict[int, int] = {}  # slot -> index among the module state's tensors
         self.outside: dict[int, Any] = {}  # slot -> an outside tensor, held (or weakly: ``read``)
         self.spoiled: str | None = None  # why the Python must run again instead
-        self.current: Call | None = None  # the call running now (its draws are its own)
+        self.running = False  # a recorded call is running (the torch calls it makes are its own)
         self.frame: Any = None
         self.level = -1
         self.grad0 = True
@@ -119,18 +116,6 @@ class Program:
             if s not in held:
                 frees[k].append(s)
         self.last_use = frees
-
-    def drew(self, args: Any, kwargs: dict[str, Any]) -> None:
-        """The dispatch recorder saw a random op: note its generator's state for the call that drew."""
-        call = self.current
-        if self.spoiled is not None:
-            return
-        gen = generator_for(args, kwargs)
-        if call is None or gen is None:
-            self.spoil("a random op drew where no torch function the program records was running")
-            return
-        if all(g is not gen for g, _ in call.rng):
-            call.rng.append((gen, gen.get_state()))
 
     def _new(self, t: Tensor) -> int:
         s = self.n
@@ -182,8 +167,6 @@ class Program:
                 for i, s in c.refs:
                     leaves[i] = v[s]
                 args, kwargs = optree.tree_unflatten(c.spec, leaves)
-                for gen, state in c.rng:
-                    gen.set_state(state)
                 if c.dtype != torch.get_default_dtype():
                     torch.set_default_dtype(c.dtype)
                 grad = grad0 if c.grad == self.grad0 else c.grad  # (a no_grad block of the function)
@@ -224,7 +207,7 @@ class ProgramRecorder(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         p = self.program
-        if p.spoiled is not None or INTERNAL.get() or p.current is not None:
+        if p.spoiled is not None or INTERNAL.get() or p.running:
             return func(*args, **kwargs)
         if active_context() is not p.frame:
             p.spoil("another remat call ran inside it")
@@ -244,11 +227,11 @@ class ProgramRecorder(TorchFunctionMode):
                 refs.append((i, p.read(a)))
                 leaves[i] = None
         call = Call(func, spec, leaves, refs, torch.is_grad_enabled(), torch.get_default_dtype(), PENDING_NAME.get())
-        p.current = call
+        p.running = True
         try:
             out = func(*args, **kwargs)
         finally:
-            p.current = None
+            p.running = False
         if p.spoiled is not None:
             return out
         if isinstance(out, Tensor):
