@@ -67,16 +67,15 @@ Tensor = torch.Tensor
 class _Pack:
     """What autograd holds for one saved tensor of a traced call."""
 
-    __slots__ = ("frame", "kind", "slot", "payload", "version", "at", "shape", "ref", "dtype", "aliases",
+    __slots__ = ("frame", "kind", "slot", "payload", "version", "shape", "ref", "dtype", "aliases",
                  "__weakref__")
 
-    def __init__(self, frame: Any, kind: str, slot: int, payload: Any, version: int, at: int, shape: Any) -> None:
+    def __init__(self, frame: Any, kind: str, slot: int, payload: Any, version: int, shape: Any) -> None:
         self.frame = frame
         self.kind = kind
         self.slot = slot
         self.payload = payload
         self.version = version
-        self.at = at  # steps recorded when it was saved
         self.shape = shape
         self.ref: Any = None  # a dropped tensor, weakly: written in place since it was saved, it raises
         self.dtype: Any = None
@@ -324,20 +323,19 @@ class _Saving(Half):
         trace = self.trace
         e = trace._slot_of.get(id(t))
         s = e[1] if e is not None and e[0]() is t else None
-        at = len(trace.steps)
         if s is None or s in trace.outside:
-            return self._keep(t, -1 if s is None else s, INPUT, at)
+            return self._keep(t, -1 if s is None else s, INPUT)
         # a view is decided for by the op that made its storage (keeping a view keeps that storage)
         r = trace.root.get(s, s)
         if r in trace.outside:
-            return self._keep(t, s, INPUT, at)  # (a view of an input or a parameter: nothing of the call's)
+            return self._keep(t, s, INPUT)  # (a view of an input or a parameter: nothing of the call's)
         step = trace.producer[r]
         decision = step.decision
         replayable = step.replayable and (r == s or trace.producer[s].replayable)
         if decision is Recompute and replayable:
             counts = self.counts
             counts[s] = counts.get(s, 0) + 1
-            p = _Pack(self, DROP, s, None, t._version, at, t.shape)
+            p = _Pack(self, DROP, s, None, t._version, t.shape)
             # (self._watch, inline: the hot path; the trace's weak reference to t, when it is the slot's own)
             ref = trace.refs.get(s)
             p.ref, p.dtype = ref if ref is not None and ref() is t else weakref.ref(t), t.dtype
@@ -357,7 +355,7 @@ class _Saving(Half):
                 o = self.engine.offload_saved(t, decision, group=self._group, own_modes=self.depth)
             if o is not None:
                 self._offloaded_any = True
-                p = _Pack(self, OFFLOAD, s, o, t._version, at, t.shape)
+                p = _Pack(self, OFFLOAD, s, o, t._version, t.shape)
                 self._watch(p, t)
                 k = trace.key_of.get(s)
                 if k is not None:
@@ -365,7 +363,7 @@ class _Saving(Half):
                 # weakly: once autograd let go of the save, the engine may free its copy (NOTE [keep last])
                 self.offloaded[s] = weakref.ref(p)
                 return p
-        p = self._keep(t, s, KEEP, at)
+        p = self._keep(t, s, KEEP)
         if p.kind == KEEP:
             self.kept.setdefault(r, []).append(p)
         return p
@@ -376,10 +374,10 @@ class _Saving(Half):
         p.ref, p.dtype = weakref.ref(t), t.dtype
         self.drops.append(p)
 
-    def _keep(self, t: Tensor, s: int, kind: str, at: int) -> _Pack:
+    def _keep(self, t: Tensor, s: int, kind: str) -> _Pack:
         if self.parent is not None:
-            return _Pack(self, ROUTED, s, self.parent.pack(t), t._version, at, t.shape)
-        return _Pack(self, kind, s, holdable(t), t._version, at, t.shape)
+            return _Pack(self, ROUTED, s, self.parent.pack(t), t._version, t.shape)
+        return _Pack(self, kind, s, holdable(t), t._version, t.shape)
 
     def _demote(self, s: int) -> None:
         """A ``checkpoint_name`` the policy drops names a value saved as kept already (or a view of it): drop it."""
