@@ -161,14 +161,17 @@ def per_example_grads(model: nn.Module, params: dict[str, torch.Tensor], ids: to
 
 
 class CallCount:
-    """Counts the forward calls of one submodule of every remat'd block (a recompute runs them again)."""
+    """Counts the forward calls of one submodule of every remat'd block (a recompute runs them again); ``pre``: as
+    they start (torch's recompute stops early, before the submodule's forward hook would fire)."""
 
-    def __init__(self, model: nn.Module, name: str, block_names: list[str]) -> None:
+    def __init__(self, model: nn.Module, name: str, block_names: list[str], pre: bool = False) -> None:
         self.calls = 0
         self.blocks = len(block_names)
         assert self.blocks > 0
         probe = SPECS[name].probe
-        self.handles = [model.get_submodule(f"{b}.{probe}").register_forward_hook(self._hook) for b in block_names]
+        self.handles = [getattr(model.get_submodule(f"{b}.{probe}"),
+                                "register_forward_pre_hook" if pre else "register_forward_hook")(self._hook)
+                        for b in block_names]
 
     def _hook(self, *args: Any) -> None:
         self.calls += 1

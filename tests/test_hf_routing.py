@@ -18,7 +18,7 @@ import remat
 from remat import policies
 
 from .helpers import assert_tree_close
-from .test_hf import F64, SPECS, autograd_grads, make, token_ids
+from .test_hf import F64, SPECS, CallCount, autograd_grads, make, token_ids
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,23 +34,6 @@ def _enable(model: Any, kwargs: dict[str, Any] | None = None) -> None:
 def _blocks(model: Any, name: str) -> list[str]:
     cls = SPECS[name].block_cls()
     return [n for n, m in model.named_modules() if isinstance(m, cls)]
-
-
-class CallCount:
-    """Calls of a submodule of every block, counted as they start (HF checkpoints a block's forward, inside its hooks;
-    torch's recompute stops early, before the submodule's forward hook would fire)."""
-
-    def __init__(self, model: Any, name: str, blocks: list[str]) -> None:
-        self.calls = 0
-        probe = SPECS[name].probe
-        self.handles = [model.get_submodule(f"{b}.{probe}").register_forward_pre_hook(self._hook) for b in blocks]
-
-    def _hook(self, *args: Any) -> None:
-        self.calls += 1
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -73,7 +56,7 @@ def test_hf_enable_routed_to_remat_is_exact_and_runs_each_layer_once(name: str, 
 
     assert all(ours.get_submodule(b) not in _CACHE for b in blocks)
     for m, runs in ((torch_ckpt, 2), (ours, 1)):  # torch's runs each layer's Python again; remat replays
-        count = CallCount(m, name, blocks)
+        count = CallCount(m, name, blocks, pre=True)
         try:
             got = autograd_grads(m, ids)
         finally:
@@ -96,7 +79,7 @@ def test_the_successor_method_and_reentrant_kwargs() -> None:
             ours.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
         else:
             _enable(ours, {"use_reentrant": True})
-    count = CallCount(ours, "llama", _blocks(ours, "llama"))
+    count = CallCount(ours, "llama", _blocks(ours, "llama"), pre=True)
     try:
         assert_tree_close(autograd_grads(ours, ids), want, **F64)
     finally:

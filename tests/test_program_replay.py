@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import grad, hessian, jacfwd, jacrev, vjp, vmap
 
@@ -25,7 +24,7 @@ import remat
 from remat import RematError, checkpoint_name, policies
 
 from .helpers import OpCounter
-from .test_replay import Tracker
+from .test_replay import Tracker, seeded_inside
 
 f64 = torch.float64
 TOL = {"rtol": 1e-10, "atol": 1e-10}
@@ -160,22 +159,7 @@ def test_random_state_set_inside_the_function(kind: str, transform: str) -> None
     tracker = Tracker()
     seeds = [10]
     gen = torch.Generator().manual_seed(3)
-
-    def f(x: torch.Tensor) -> torch.Tensor:
-        h = x @ W
-        if kind == "tracker":
-            with tracker.fork():
-                h = F.dropout(h, 0.5, training=True)
-        elif kind == "seed-inside":
-            torch.manual_seed(seeds[0])
-            seeds[0] += 1
-            h = F.dropout(h, 0.5, training=True)
-        else:
-            gen.manual_seed(seeds[0])
-            seeds[0] += 1
-            h = h * (torch.rand(h.shape, generator=gen, dtype=f64) > 0.5)
-        return torch.tanh(h).sum()
-
+    f = seeded_inside(kind, W, tracker, seeds, gen)
     rf = remat.remat(f, policy=policies.dots_saveable)
     _RANDOM[0] = True
     try:

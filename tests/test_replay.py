@@ -9,6 +9,7 @@ bound method and through ``remat_module``. Each case failed (off, or a false ``R
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -125,13 +126,10 @@ class Tracker:
         return _Fork()
 
 
-@pytest.mark.parametrize("kind", ["tracker", "seed-inside", "own-generator"])
-def test_random_state_set_inside_the_function(kind: str) -> None:
-    torch.manual_seed(0)
-    W = torch.randn(8, 8, dtype=f64, requires_grad=True)
-    tracker = Tracker()
-    seeds = [10]
-    gen = torch.Generator().manual_seed(3)
+def seeded_inside(kind: str, W: torch.Tensor, tracker: Tracker, seeds: list[int],
+                  gen: torch.Generator) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function that sets torch's random state itself before it draws: through a Megatron-style tracker, by
+    ``torch.manual_seed`` from a counter it bumps, or by re-seeding a generator of its own."""
 
     def f(x: torch.Tensor) -> torch.Tensor:
         h = x @ W
@@ -148,6 +146,17 @@ def test_random_state_set_inside_the_function(kind: str) -> None:
             h = h * (torch.rand(h.shape, generator=gen, dtype=f64) > 0.5)
         return torch.tanh(h).sum()
 
+    return f
+
+
+@pytest.mark.parametrize("kind", ["tracker", "seed-inside", "own-generator"])
+def test_random_state_set_inside_the_function(kind: str) -> None:
+    torch.manual_seed(0)
+    W = torch.randn(8, 8, dtype=f64, requires_grad=True)
+    tracker = Tracker()
+    seeds = [10]
+    gen = torch.Generator().manual_seed(3)
+    f = seeded_inside(kind, W, tracker, seeds, gen)
     rf = remat.remat(f, policy=policies.dots_saveable)
     for _ in range(3):
         x = torch.randn(4, 8, dtype=f64)
