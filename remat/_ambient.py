@@ -116,9 +116,7 @@ def no_accumulation(fn_name: str, tensors: Iterable[Any]) -> Iterator[None]:
     CPU) runs its hooks on its own thread, and is not this call's (issue 38: 2 to 9 of 40 calls of two threads
     raised, when this compared ``.grad`` before and after). A backward pass the body runs is run by the thread
     that runs the body (the engine runs a backward pass called from inside a backward pass on the caller's
-    thread). Only the full engine's recompute asks: a planned call's recompute checks every op it runs against
-    its forward pass (NOTE [same reads]), so a backward pass its function runs that its forward pass did not run
-    is an op that differs."""
+    thread). Only the full engine's recompute asks."""
     me = threading.get_ident()
     hit: list[torch.Tensor] = []
 

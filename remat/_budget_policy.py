@@ -3,19 +3,16 @@
 NOTE [budget plans] (the model and the solvers: NOTE [memory budget] in ``_budget.py``,
 NOTE [three-way budget] in ``_budget_offload.py``):
 The graph is measured by the engine, not traced apart: the first call of a
-remat'd function with given input shapes (its signature, as the fast path's)
+remat'd function with given input shapes (its signature, ``_engine/signature.py``)
 runs with nothing saved, which fits any budget, while the recorder records every
 op (its inputs, outputs, shapes) and the engine's observer interface
 (``_context.INSPECTOR``) reports what autograd saved. The solved plan, the
 decision for each op by its position in the call, is used from the second call
-on; the second call records the fast path's plan, so later calls cost what a
-fixed policy costs. A call whose ops differ from the plan's (a data-dependent
+on, so later calls cost what a fixed policy costs. A call whose ops differ from the plan's (a data-dependent
 branch), or whose kept ops read other shapes (a size set by a Python value the
 signature does not see), saves nothing from the first difference on: it stays
-within the budget. When an op's output size depends on values (``nonzero``, a
-boolean mask; torch's ``dynamic_output_shape`` tag) the fast path, which holds
-what the recorded call held whatever its size, is not used: every call runs the
-full engine, where ``_Planned`` checks the shapes.
+within the budget (``_Planned`` checks the shapes of what it keeps: an op's
+output size may depend on values, ``nonzero``, a boolean mask).
 """
 
 from __future__ import annotations
@@ -55,7 +52,7 @@ class _Measure:
 
     def __init__(self) -> None:
         self.calls: list[tuple[Any, Any]] = []
-        self.shapes: list[tuple[Any, ...]] = []  # of each op's tensor arguments: a planned call checks them
+        self.shapes: list[tuple[Any, ...]] = []  # of each op's tensor arguments: a call following the plan checks them
 
     def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
         if op is checkpoint_name:
@@ -202,7 +199,7 @@ class BudgetPlan:
     recompute_cost: float
     kept: tuple[str, ...]
     solve_seconds: float = 0.0
-    dynamic: bool = False  # an op's output size depends on values (nonzero, a boolean mask): no fast path
+    dynamic: bool = False  # an op's output size depends on values (nonzero, a boolean mask)
     offloaded: tuple[str, ...] = ()  # the ops whose needed outputs go to host memory (a three-way budget)
     offloaded_bytes: int = 0  # what they hold in host memory between the passes
     model: DeviceModel | None = None  # the device model a three-way budget priced its choices with
@@ -211,7 +208,7 @@ class BudgetPlan:
 
 
 class _Planned:
-    """The policy of a planned call: the plan's decision for each op by its position, saving nothing from the
+    """The policy of a call following its signature's budget plan: the plan's decision for each op by its position, saving nothing from the
     first op that is not the plan's or reads other shapes (a data-dependent branch or size, a Python setting the
     signature does not see): less is kept, never more."""
 
@@ -283,16 +280,14 @@ class MemoryBudget:
             "its activation_memory_budget (in the functorch config, docs/budgets.md)."
         )
 
-    def bind(self, key: Any) -> tuple[Callable[..., Any], _Saved | None, bool]:
-        """The policy for one call of signature ``key``, the observer to install when the call measures, and
-        whether the call may follow the fast path's plan (not when sizes depend on values: the fast path holds
-        what the recorded call held, whatever its size; ``_Planned`` checks the shapes)."""
+    def bind(self, key: Any) -> tuple[Callable[..., Any], _Saved | None]:
+        """The policy for one call of signature ``key``, and the observer to install when the call measures."""
         plan = self.plans.get(key, _UNSEEN)
         if plan is _UNSEEN:
-            return _Measure(), _Saved(INSPECTOR.get()), False
+            return _Measure(), _Saved(INSPECTOR.get())
         if plan is None:
-            return _nothing, None, True
-        return _Planned(plan.decisions), None, not plan.dynamic  # type: ignore[union-attr]
+            return _nothing, None
+        return _Planned(plan.decisions), None  # type: ignore[union-attr]
 
     def learn(self, key: Any, policy: Any, saved: _Saved, ops: Sequence[Any]) -> None:
         """Solve for signature ``key`` from the measuring call's records."""

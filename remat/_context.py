@@ -8,18 +8,15 @@ other's.
 
 * :func:`active_context`: the innermost remat context of this thread, a frame in
   its forward pass (``_engine/full.py``'s ``Frame``) or a recompute's capture; nested calls and
-  ``checkpoint_name`` look here. The save-nothing fast path (``_engine/planned.py``)
-  does not set it.
+  ``checkpoint_name`` look here.
 * :data:`INTERNAL` / :func:`internal`: ops run inside are remat's own (a
   detach, a copy), which the dispatch modes let through unrecorded.
 * :data:`PENDING_NAME`: set by ``checkpoint_name`` around the ``aten.alias`` that
   carries a name.
-* :data:`NAMING`: ``checkpoint_name`` tags even though no context is active (the
-  planned fast path, whose op sequence must match the recorded call's).
 * :data:`INSPECTOR`: the observer of a running ``saved_residuals`` (``_inspect.py``);
   the engine calls its ``on_save(tensor, decision, frame)`` and knows nothing else of it.
 * :data:`CACHES` / :func:`own_caches`: the caches of what a function or a module already
-  determines (the fast path's plans per function, the slots of a module tree), weakly keyed so
+  determines (what is learnt per function, the slots of a module tree), weakly keyed so
   that an entry dies with its key; one set for the process unless a body asks for its own.
 """
 
@@ -31,7 +28,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["INTERNAL", "HOOK_RANGE", "PENDING_NAME", "NAMING", "INSPECTOR", "COMPILED_REGIONS", "ACTIVE", "internal", "naming",
+__all__ = ["INTERNAL", "HOOK_RANGE", "PENDING_NAME", "INSPECTOR", "COMPILED_REGIONS", "ACTIVE", "internal",
            "active_context", "activated", "CACHES", "Caches", "own_caches"]
 
 INTERNAL: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_internal", default=False)
@@ -39,8 +36,6 @@ INTERNAL: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_internal"
 # set INTERNAL for it), or None
 HOOK_RANGE: contextvars.ContextVar[tuple[Any, Any] | None] = contextvars.ContextVar("remat_hook_range", default=None)
 PENDING_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("remat_name", default=None)
-# (True, or a planned call's dispatch mode, which may let a tag go without its op: NOTE [skipped tags] in _engine/planned.py)
-NAMING: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_naming", default=False)
 INSPECTOR: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_inspector", default=None)
 # How many remat calls Dynamo is tracing into torch's checkpoint region right now (NOTE [compiled remat] in
 # _engine/compiled.py): checkpoint_name tags only inside one. A list, not a ContextVar: Dynamo traces a list's
@@ -71,12 +66,6 @@ def internal() -> _Flag:
     return _Flag(INTERNAL)
 
 
-def naming(mode: Any = True) -> _Flag:
-    """Context manager: ``checkpoint_name`` tags even though no remat context is active (a planned call, whose
-    dispatch mode ``mode`` is asked first whether a tag may go without its op: ``mode.skip_name()``)."""
-    return _Flag(NAMING, mode)
-
-
 def active_context() -> Any:
     """The innermost remat context of this thread (None outside remat)."""
     return ACTIVE.get()
@@ -95,10 +84,10 @@ def activated(ctx: Any) -> Iterator[None]:
 class Caches:
     """What a function or a module tree already determines, computed once and reused, weakly keyed by it.
 
-    * ``plans``: function (or, for a bound method, its instance) -> its plans per policy and static arguments
-      (NOTE [fast path] in ``_engine/plans.py``), shared by every ``remat`` of it, as JAX caches a trace by the
-      function's identity: ``remat(block, policy=p)(x)`` written inside a forward pass makes a new wrapper each
-      step and still records once per signature.
+    * ``learnt``: function (or, for a bound method, its instance) -> what remat learnt about it per policy and
+      static arguments (``_engine/signature.py``: whether it enters a ``torch.func`` reverse transform), shared by
+      every ``remat`` of it, as JAX caches a trace by the function's identity: ``remat(block, policy=p)(x)``
+      written inside a forward pass makes a new wrapper each step and still learns once.
     * ``slots``: root module -> the slots of its tree (``_state.py``), validated on every use.
     * ``devices``: device name -> its measured :class:`~remat.DeviceModel` (``DeviceModel.probe``).
     * ``wrappers``: object (a module, a bound method's instance) -> remat's wrappers that ``remat.checkpoint``'s
@@ -106,18 +95,18 @@ class Caches:
     * ``torch_policies``: a ``context_fn`` -> the remat policy it was translated to (``_checkpoint.py``).
     """
 
-    __slots__ = ("plans", "slots", "devices", "wrappers", "torch_policies")
+    __slots__ = ("learnt", "slots", "devices", "wrappers", "torch_policies")
 
     def __init__(self) -> None:
-        self.plans: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+        self.learnt: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
         self.slots: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self.devices: dict[str, Any] = {}
         self.wrappers: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
         self.torch_policies: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
-# The caches in use: one set for the process (a plan made on one thread serves another, as a trace would), unless a
-# body runs under own_caches() (a test that must not see plans made before it, a server isolating tenants).
+# The caches in use: one set for the process (what one thread learnt serves another, as a trace would), unless a
+# body runs under own_caches() (a test that must not see what was learnt before it, a server isolating tenants).
 # (A mutable default on purpose: every context that sets none shares the process's set.)
 CACHES: contextvars.ContextVar[Caches] = contextvars.ContextVar("remat_caches", default=Caches())  # noqa: B039
 

@@ -9,7 +9,7 @@ import optree
 import torch
 
 from . import _torch_internals as ti
-from ._context import ACTIVE, COMPILED_REGIONS, INSPECTOR, NAMING, PENDING_NAME, active_context
+from ._context import COMPILED_REGIONS, INSPECTOR, PENDING_NAME, active_context
 
 __all__ = ["checkpoint_name"]
 
@@ -47,13 +47,6 @@ def checkpoint_name(x: T, name: str) -> T:
         >>> torch.allclose(x.grad, 2 * torch.tanh(x) * (1 - torch.tanh(x) ** 2))
         True
     """
-    planned = NAMING.get() if not torch.compiler.is_dynamo_compiling() else False  # (Dynamo cannot trace .get)
-    if (type(planned) is not bool and planned is not None and type(x) is torch.Tensor and type(name) is str
-            and ACTIVE.get() is None and INSPECTOR.get() is None and planned.skip_name()):
-        # a planned call's mode lets this tag go (NOTE [skipped tags] in _engine/planned.py), asked first and in few
-        # frames: the hot path of a tagged function's planned calls, where each frame costs 0.3-0.7 us (its code is
-        # cold between the ops around it). A planned call runs in eager mode only.
-        return x
     if not isinstance(name, str):
         raise TypeError(f"checkpoint_name: name must be a string, got {name!r} ({type(name).__name__})")
     if ti.is_compiling():
@@ -62,24 +55,16 @@ def checkpoint_name(x: T, name: str) -> T:
         return optree.tree_map(functools.partial(_annotated_alias, name), x,  # type: ignore[arg-type,return-value]
                                none_is_leaf=True)
     if active_context() is None and INSPECTOR.get() is None:
-        if not planned:
-            return x  # outside remat, and not listed by saved_residuals: nothing to tag
-        if planned is True:
-            planned = None  # (else a planned call's mode, which may let the tag go: NOTE [skipped tags] in _engine/planned.py)
-    else:
-        planned = None
+        return x  # outside remat, and not listed by saved_residuals: nothing to tag
     if isinstance(x, torch.Tensor):
-        return _tag(name, planned, x)  # type: ignore[return-value]  # (one tensor, the common case: no tree to map)
-    return optree.tree_map(functools.partial(_tag, name, planned), x,  # type: ignore[arg-type,return-value]
+        return _tag(name, x)  # type: ignore[return-value]  # (one tensor, the common case: no tree to map)
+    return optree.tree_map(functools.partial(_tag, name), x,  # type: ignore[arg-type,return-value]
                            none_is_leaf=True)
 
 
-def _tag(name: str, planned: Any, leaf: Any) -> Any:
-    """The name's ``aten.alias`` of a tensor leaf, seen by remat's dispatch mode with the name pending; or the leaf
-    itself where a planned call's mode lets the tag go."""
+def _tag(name: str, leaf: Any) -> Any:
+    """The name's ``aten.alias`` of a tensor leaf, seen by remat's dispatch mode with the name pending."""
     if not isinstance(leaf, torch.Tensor):
-        return leaf
-    if planned is not None and planned.skip_name():
         return leaf
     tok = PENDING_NAME.set(name)
     try:

@@ -220,7 +220,6 @@ class OpRecord:
     refs: list[Any] = dataclasses.field(default_factory=list)  # weakrefs to the outputs
     stash: list[Any] | None = None  # per output: weakref, tensor, offloaded handle or None
     cow: bool = False  # a stashed output was later mutated in place: replay a copy
-    cow_at: int | None = None  # the index of the op whose write made the copy (a planned call copies there too)
     versions: list[int | None] | None = None  # of the stashed outputs when the forward pass ended
     live: bool = True  # set by Recorder.prune: False when nothing the recompute needs reads its outputs
     skippable: bool = False  # a pure op allocating fresh outputs: may be skipped when dead

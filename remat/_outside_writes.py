@@ -7,15 +7,15 @@ NOTE [outside tensors]); FSDP2 gathers them into the same tensors
     ``autograd.Function`` that returns them, inside the range, so the module's
     first op reads an alias no op of the call made: an argument whose storage an
     op of the call made is that op's value (``Recorder.vid(read=True)``), for the
-    liveness walk; the planned calls' keys take it for that tensor
+    liveness walk; the recompute's keys take it for that tensor
     (``Wiring._unknown``). A step all-gathers and reduce-scatters as often as
     without remat, as ``torch.utils.checkpoint`` (``tests/test_distributed.py``).
 
     Should the liveness walk still miss a value made where no mode sees, the
     recompute does not hand a placeholder on: an op it needs that reads one, or a
     saved tensor that shares one's storage, raises ``DeadRead``, and the
-    recompute runs again without skipping any op, and the signature is never
-    planned (``_engine/recompute.py``, NOTE [one set of checks]).
+    recompute runs again without skipping any op (``_engine/recompute.py``,
+    NOTE [one set of checks]).
 """
 
 from __future__ import annotations
@@ -110,8 +110,6 @@ class OutsideReads(Half):
                         if storage_key(cur) in keys:
                             rec.stash[pos] = cur.detach().clone()
                             rec.cow = True
-                            if rec.cow_at is None:
-                                rec.cow_at = len(self.ops)  # (the writing op's record comes next)
                             self.offloaded_written |= partial and isinstance(rec.decision, Offloadable)
                     elif cur is not None and cur.engine.shares_storage(cur, keys):
                         self.offloaded_written |= partial

@@ -90,16 +90,14 @@ class Made(dict):  # type: ignore[type-arg]
         would hand the backward pass is the written one, a wrong gradient without an error. So the version is
         noted when the tensor is made and compared when the backward pass reads it, which is when autograd
         compares (a tensor saved for a node the backward pass never runs may be written freely, as in plain
-        autograd). A planned recompute stops at the last tensor it must make: a write after that is not
-        replayed, the value handed back is the one the op saved, and the gradient is exact.
+        autograd).
     """
 
-    __slots__ = ("versions", "plain")
+    __slots__ = ("versions",)
 
-    def __init__(self, captured: dict[int, torch.Tensor], versions: dict[int, int], plain: bool = False) -> None:
+    def __init__(self, captured: dict[int, torch.Tensor], versions: dict[int, int]) -> None:
         super().__init__(captured)
         self.versions = versions
-        self.plain = plain  # made under no torch.func level: no wrapper to look through
 
     def take(self, fn_name: str, pos: int) -> torch.Tensor:
         """Hand saved tensor ``pos`` to the backward pass, once, checked unwritten since it was made."""
@@ -115,7 +113,7 @@ class Made(dict):  # type: ignore[type-arg]
             return None
         v0 = self.versions.get(pos)
         if v0 is not None:
-            now = t._version if self.plain else ti.unwrap_all(t)._version
+            now = ti.unwrap_all(t)._version
             if now != v0:
                 raise saved_written_after_save(fn_name, pos, t, v0, now)
         return t

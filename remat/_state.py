@@ -271,7 +271,7 @@ def _walk_defaults(fn: types.FunctionType, kind: str, defaults: Any, snap: Snaps
 
 def _walkable(x: Any) -> bool:
     """What the walk follows inside a container: modules, functions, methods, partials (not any callable object:
-    its tensors would be state the call may never read, whose in-place updates the fast path refuses)."""
+    its tensors would be state the call may never read, whose in-place updates a re-run recompute refuses)."""
     return isinstance(x, (nn.Module, types.FunctionType, types.MethodType, functools.partial))
 
 

@@ -33,14 +33,6 @@ def peek_interpreter() -> Any:
     return _F.peek_interpreter_stack()
 
 
-import torch.autograd.forward_ad as _fwad  # noqa: E402
-
-
-def no_levels_open() -> bool:
-    """Whether neither a functorch transform nor a forward-AD level is open here. Under one, an op on a wrapper or a
-    dual tensor dispatches other ops besides it (the tangent's). No public API names the open forward-AD level:
-    ``torch.autograd.forward_ad`` keeps it in a module global (-1: none)."""
-    return _F.peek_interpreter_stack() is None and _fwad._current_level < 0
 
 
 def stack_depth() -> int:
@@ -381,7 +373,7 @@ def no_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
     """Run remat's own copies below every dispatch mode: the user's modes and tracers (make_fx
     inside torch.func.linearize) must not see them. No public API pops the mode stack.
 
-    With no mode on either stack (the common case: an offload from a call on the fast path), nothing
+    With no mode on either stack (the common case: an offload from a pack hook of a traced call), nothing
     to pop: popping and pushing back an empty stack costs about 15 us a tensor. torch includes the
     PreDispatch key in the thread's dispatch set while its pre-dispatch stack holds a mode (torch/_ops.py,
     _set_mode_pre_dispatch), which is cheaper to ask than the stack's length (a Python count); with the
@@ -413,7 +405,7 @@ def is_compiling() -> bool:
 
 # A saved tensor held by remat must be detached (an output held with its graph would make a reference cycle
 # through its own node), and a pack hook runs while remat's own dispatch mode is on the stack: a public
-# detach takes a trip through that Python mode (~3x its cost; per saved tensor, on the fast path's hot loop).
+# detach takes a trip through that Python mode (~3x its cost; per saved tensor, on the pack hook's hot loop).
 # torch.utils._python_dispatch._disable_current_modes pops the stack in Python and costs more than the trip.
 # The C guard skips Python dispatch for the one call; only for plain tensors, whose detach no subclass defines.
 # With no mode pushed (in a mode's handler, where its own is popped, or under none) there is nothing to skip, and

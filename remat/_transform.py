@@ -12,8 +12,8 @@ from torch import nn
 
 from . import _torch_internals as ti
 from ._engine.compiled import compiled_call, context_fn
-from ._engine.plans import Plan, plans_for
 from ._engine.select import call
+from ._engine.signature import learnt_for
 from ._policies import resolve_policy
 from ._state import brief_name
 
@@ -157,8 +157,8 @@ class Rematted:
         self.debug = debug
         self._name = brief_name(fn)
         self._region = False  # runs as a reentrant region (NOTE [reentrant region] in _engine/region.py)
-        # signature -> plan (NOTE [fast path] in _engine/plans.py), shared with every remat of fn with this policy
-        self._plans: dict[Any, Plan | None] = plans_for(fn, (policy, statics))
+        # what is learnt about fn (whether it is a region), shared with every remat of fn with this policy
+        self._learnt: dict[str, Any] = learnt_for(fn, (policy, statics))
         self._context_fn = context_fn(policy)  # under torch.compile (NOTE [compiled remat] in _engine/compiled.py)
         functools.update_wrapper(self, fn, updated=())
 
@@ -184,7 +184,7 @@ class Rematted:
         own = module.__dict__.get("forward", _MISSING)
         inner = self.__dict__.get("_inner")
         if inner is None or inner.__remat_target__ != module.forward:
-            # kept across calls: it holds the fast-path plans (NOTE [fast path] in _engine/plans.py)
+            # kept across calls: it holds what is learnt about the forward method
             inner = self._inner = Rematted(module.forward, self.policy, self.static_argnums, self.preserve_rng_state,
                                            self.debug)
             inner._name = f"{self._name}.forward"

@@ -1,7 +1,8 @@
 """What each op of a call read: its Python values, and which tensor each argument was.
 
 NOTE [same reads]
-    A recompute runs the function's Python again. Whatever that Python reads
+    A re-run recompute (the routes of docs/how-it-works.md "Where neither
+    replay serves") runs the function's Python again. Whatever that Python reads
     besides the call's inputs and module state (a module's ``temperature``, a
     global float, the index of the expert to run, ``random.choice``) may have
     changed since the forward pass, and the recompute would then compute other
@@ -22,7 +23,7 @@ NOTE [same reads]
 
     Everything else (numbers, sizes, dtypes, ``reduction`` strings, lists of
     them) is compared by value, NaN equal to NaN. If the inputs and state are
-    unwritten (checked by version, NOTE [fast path]), the random state is put
+    unwritten (checked by version), the random state is put
     back, and every op reads the same as in the forward pass, the recompute
     computes what the forward pass computed, op by op: whatever Python state
     changed, it changed nothing the recompute reads. If a key differs, the
@@ -37,7 +38,7 @@ NOTE [same reads]
     weight (a shared or looped block) reads the cache in its forward pass, and
     its recompute, after the region, casts again. remat keeps no graph of a
     recompute: so an extra cast in a recompute, or a missing one in a forward
-    pass (against the plan), is run or skipped without counting as an op, and
+    pass, is run or skipped without counting as an op, and
     the token of autocast's cast of a leaf is the same whichever op made it,
     cached or not (``(cast, leaf's token, dtype)``; a cached cast is known by
     its node, a ``ToCopyBackward0`` into the leaf's accumulator). Casts are
@@ -51,11 +52,7 @@ NOTE [same reads]
     What it costs: building a key is a loop over the op's arguments with a
     dictionary lookup per tensor, and noting its outputs a weak reference
     each, per op, in both passes (1.5-2.5 us an op of tiny blocks on the CPU
-    of docs/benchmarks.md), plus, under ``nothing_saveable``, the planned
-    call's dispatch mode itself (~8 us an op there), which a call that saves
-    nothing did without before: it could not see what an op read, and was
-    silently wrong when that changed (NOTE [fast path] in ``_engine/plans.py``).
-    The full engine compares the same keys (without ``torch.func`` levels and
+    of docs/benchmarks.md). The full engine compares the same keys (without ``torch.func`` levels and
     outside nested calls, whose tensors are not the call's own objects: there
     the values only, :func:`values_key`), with a tensor no op of the call made
     as one marker: it checks those by storage (NOTE [outside tensors] in
@@ -136,7 +133,7 @@ class Wiring:
 
     def key(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> list[Any]:
         """The key of an op's arguments: a list (compared with ``==``, in C), tensors replaced by their tokens.
-        (On every op of a planned call, both passes: the common cases inline, no frame per argument.)"""
+        (On every op of a re-run call, both passes: the common cases inline, no frame per argument.)"""
         known = self.known
         made = self.made
         key: list[Any] = []

@@ -184,24 +184,18 @@ def grads(fn: Callable[..., torch.Tensor], args: tuple[Any, ...], wrt: Any, crea
     return torch.autograd.grad(out.sum(), wrt, create_graph=create_graph)
 
 
-# ---- planned calls: which engine ran, the policies and functions they are tried on ---------------------------------
-
-
-PLANNED_MODES = ("Tap", "Replay", "ValueReplay")  # a planned call's forward and recompute modes (remat/_engine/)
+# ---- which engine ran, the policies and functions they are tried on ------------------------------------------------
 
 
 class Probe:
-    """Inside the function: was a dispatch mode active (the full engine), how often did it run."""
+    """Inside the function: was a dispatch mode active (a recording engine), how often did it run."""
 
     def __init__(self) -> None:
         self.modes: list[bool] = []
 
     def __call__(self) -> None:
         mode = _get_current_dispatch_mode()
-        self.modes.append(mode is not None and type(mode).__name__ not in PLANNED_MODES)
-
-    def fast_calls(self) -> list[bool]:
-        return [not m for m in self.modes]
+        self.modes.append(mode is not None)
 
 
 def chain(probe: Probe) -> Callable[..., torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Who owns remat's caches (remat/_context.py, ``Caches``): the plans per function and the slots per module tree
+"""Who owns remat's caches (remat/_context.py, ``Caches``): what is learnt per function and the slots per module tree
 live in one object per context, weakly keyed, so that they die with their function or module and a body can ask
 for caches of its own; nothing else in the library keeps state at module level."""
 
@@ -22,39 +22,39 @@ def _block(x: torch.Tensor) -> torch.Tensor:
     return torch.sin(x).sum()
 
 
-def test_a_plan_is_shared_by_every_remat_of_a_function_and_dies_with_it() -> None:
-    """(The replay engine, which runs plain autograd's calls, records no plan: the cache is the old routes'. What
-    stays: every wrapper of a function shares its entry, and neither keeps the function alive.)"""
+def test_what_is_learnt_is_shared_by_every_remat_of_a_function_and_dies_with_it() -> None:
+    """Every wrapper of a function shares its entry (whether it is a reentrant region), and neither keeps the
+    function alive."""
 
     def block(x: torch.Tensor) -> torch.Tensor:
         return torch.sin(x).sum()
 
     x = torch.randn(3, dtype=torch.float64, requires_grad=True)
     remat(block)(x).backward()
-    plans = CACHES.get().plans[block]
-    assert len(plans) == 1  # one policy and static arguments
-    g = remat(block)  # a new wrapper, as written inside a forward pass: the same plans
-    assert g._plans is next(iter(plans.values()))
+    learnt = CACHES.get().learnt[block]
+    assert len(learnt) == 1  # one policy and static arguments
+    g = remat(block)  # a new wrapper, as written inside a forward pass: the same entry
+    assert g._learnt is next(iter(learnt.values()))
     gone = weakref.ref(block)
-    del block, g, plans
+    del block, g, learnt
     gc.collect()
     # by identity (a function named "block" made by another test, a docs page's, may be alive and cached): the
     # cache did not keep the function alive, so its weakly keyed entry went with it
     assert gone() is None
-    assert all(k is not None for k in CACHES.get().plans.keys())
+    assert all(k is not None for k in CACHES.get().learnt.keys())
 
 
 def test_own_caches_start_empty_and_leave_the_outer_ones_untouched() -> None:
     x = torch.randn(3, dtype=torch.float64, requires_grad=True)
     remat(_block)(x).backward()
     outer = CACHES.get()
-    assert _block in outer.plans
+    assert _block in outer.learnt
     with own_caches() as mine:
-        assert CACHES.get() is mine and _block not in mine.plans
+        assert CACHES.get() is mine and _block not in mine.learnt
         f = remat(_block)
-        assert not f._plans  # recorded anew: a plan made outside is not reused
+        assert not f._learnt  # learnt anew: what was learnt outside is not reused
         f(x).backward()
-        assert _block in mine.plans
+        assert _block in mine.learnt
         lin = nn.Linear(2, 2)
         remat(lin)(torch.randn(1, 2)).sum().backward()
         assert len(mine.slots) == 1

@@ -1,10 +1,8 @@
-"""A recompute's saved-tensor hooks, for both engines: take what the forward pass dropped, at the positions it
-dropped them, check each with one set of checks (``check_saved``), hold nothing else longer than needed, and stop
-once everything is made."""
+"""The re-run recompute's saved-tensor hooks: take what the forward pass dropped, at the positions it dropped them,
+check each (``check_saved``), hold nothing else longer than needed, and stop once everything is made."""
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -13,19 +11,16 @@ from .. import _torch_internals as ti
 from .._context import internal
 from .._errors import RematError, saved_shape_differs
 from .._ops import DeadRead, is_tainted
-from .._packed import Made, Nested
-from .plans import is_placeholder
+from .._packed import Nested
 
-__all__ = ["Capture", "PlannedCapture", "StopRecompute", "check_saved", "holdable", "identity", "NOT_HELD", "PassThrough"]
+__all__ = ["Capture", "StopRecompute", "check_saved", "holdable", "identity", "NOT_HELD", "PassThrough"]
 
 # NOTE [one set of checks]
-#     Both engines' recomputes take what the forward pass dropped through one rule, ``check_saved``: the tensor is
-#     not a placeholder of a skipped op (else ``DeadRead``: the recompute runs again without skipping any op, NOTE
-#     [dead ops]), it has the shape and dtype the forward pass saved there, and, where the forward pass noted which
-#     node made it (a plan does), it was made by the same kind of node. The full engine's recompute also checks
-#     every op it runs against the op the forward pass recorded (``Replayer``), and a planned one every op against
-#     the plan's (``replay.Replay``), with the same comparison of what each op read (NOTE [same reads] in
-#     ``_wiring.py``): a planned call skips recording, never a check.
+#     A re-run recompute takes what the forward pass dropped through one rule, ``check_saved``: the tensor is not a
+#     placeholder of a skipped op (else ``DeadRead``: the recompute runs again without skipping any op, NOTE [dead
+#     ops]), it has the shape and dtype the forward pass saved there, and, where the forward pass noted which node
+#     made it, it was made by the same kind of node. The recompute also checks every op it runs against the op the
+#     forward pass recorded (``Replayer``), comparing what each op read (NOTE [same reads] in ``_wiring.py``).
 
 
 def check_saved(fn_name: str, t: torch.Tensor, meta: tuple[Any, ...], pos: int, dead: bool) -> None:
@@ -136,7 +131,7 @@ def holdable(t: torch.Tensor, mode: bool = True) -> torch.Tensor:
         return t
     if not t.requires_grad or t.is_leaf:
         return t  # (a leaf, such as a parameter: no node of its own; is_leaf asks without making the node's Python
-        # object, which t.grad_fn does: ~0.4 us a kept tensor, inside a planned call)
+        # object, which t.grad_fn does: ~0.4 us a kept tensor)
     if not mode:
         return t.detach()  # (save-nothing's forward pass: no mode of remat's is on the stack)
     if type(t) is torch.Tensor:
@@ -180,46 +175,6 @@ class PassThrough:
 
 def identity(x: Any) -> Any:
     return x
-
-
-class PlannedCapture:
-    __slots__ = ("wanted", "stop_after", "fn_name", "detach", "n", "captured", "placeholders", "mode", "versions",
-                 "hold_stop")
-
-    def __init__(self, wanted: dict[int, tuple[Any, ...]], stop_after: int, fn_name: str,
-                 detach: bool, placeholders: dict[int, weakref.ref[torch.Tensor]], mode: bool) -> None:
-        self.placeholders = placeholders
-        self.mode = mode  # a planned recompute: remat's replay mode is on the stack
-        self.wanted = wanted
-        self.stop_after = stop_after
-        self.fn_name = fn_name
-        self.detach = detach
-        self.n = 0
-        self.captured: dict[int, torch.Tensor] = {}
-        self.versions: dict[int, int] = {}  # position -> version when made (NOTE [written after saved])
-        self.hold_stop = False  # NOTE [written after dropped]: the replay stops the recompute, after the last write
-
-    def pack(self, t: torch.Tensor) -> Any:
-        pos = self.n
-        self.n = pos + 1
-        meta = self.wanted.get(pos)
-        if meta is not None:
-            check_saved(self.fn_name, t, meta, pos, bool(self.placeholders) and is_placeholder(self.placeholders, t))
-            held = holdable(t, self.mode)
-            # without create_graph the backward pass needs the value only, not the recompute's graph
-            self.captured[pos] = held if self.detach else t
-            self.versions[pos] = t._version
-        elif t.is_leaf:
-            held = t  # an input, a parameter, a replayed output: no node of its own to make a cycle with
-        else:
-            held = holdable(t, self.mode)
-        if self.n >= self.stop_after and not self.hold_stop:
-            raise StopRecompute
-        return held  # (the recompute's own graph: the function may run a backward pass of its own through it)
-
-    def finish(self) -> Made:
-        captured, self.captured = self.captured, {}
-        return Made(captured, self.versions, plain=True)
 
 
 def _node_name(cls: Any) -> str:

@@ -1,10 +1,10 @@
 """What a call's frame is, on either engine: the one interface the route table (``select.py``), autograd's
 saved-tensor hooks, the reentrant region and the recompute talk to.
 
-Two engines implement it: ``full.Frame`` records every op of the call (a signature's first call, ``debug=True``,
-a call under ``torch.func``) and ``planned.FastFrame`` follows the plan a recorded call left (NOTE [fast path] in
-``plans.py``). Both recompute through ``recompute.py``, whose saved-tensor hooks (``capture.py``) apply one set of
-checks (NOTE [one set of checks]).
+Two engines implement it: ``traced.TraceFrame`` records the call's ATen ops and its recompute replays them (plain
+autograd), and ``full.Frame`` records every op of the call with its per-op checks (``debug=True``, a call under
+``torch.func``, a tensor subclass, a memory budget measuring), whose recompute replays the call's program
+(``program.py``) or re-runs the function through ``recompute.py``.
 """
 
 from __future__ import annotations

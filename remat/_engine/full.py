@@ -134,7 +134,6 @@ from .._state import Snapshot
 from .._torch_internals import saved_tensors_hooks
 from .._wiring import Wiring, known_tokens
 from .capture import holdable
-from .plans import Plan, plan_of_call
 from .program import Program, ProgramRecorder
 from .recompute import fingerprints, run_recompute
 from .region import NeedsRegion, forward_pass, rewind_attempt
@@ -183,8 +182,6 @@ class _Saving(Half):
                 else:
                     # t itself (the engine detaches): the engine keeps a weakref to catch in-place writes
                     p = Packed(self, OFFLOAD, s, pos, self._offload(t, decision), phys._version, meta, rec)
-                    storage = phys.untyped_storage()
-                    self.offloaded_saves[storage.data_ptr()] = weakref.ref(storage)
             elif self.routed:
                 # kept by this call's policy: the parent's policy decides whether it survives the
                 # forward pass (NOTE [nested remat]); the parent's recompute re-saves this position
@@ -200,18 +197,12 @@ class _Saving(Half):
                 p = Packed(self, KEEP, s, pos, holdable(t), phys._version, meta, rec)
                 if rec is not None:
                     self._kept.setdefault(storage_key(phys), []).append((p, self.recorder.vid(phys)))
-                    src = self._plan_source(phys) if self.plan_packs is not None else None
-                    if src is not None and len(self.recorder.ops[src[0]].out_vids) == 1:
-                        self.plan_kept[pos] = src[0]
                 if rec is not None and rec.stash is not None and any(lv.kind == "grad" for lv in self.levels[:s]):
                     self._mixed.append((p, self.recorder.vid(phys)))  # NOTE [kept under higher-order grad]
             if p.kind == DROP and any(lv.kind == "jvp" for lv in self.levels[: max(s, 0)]):
                 # its tangents are read after the forward pass (no op may run inside a pack hook)
                 self._tangents_todo.append((t, s))
             insp = INSPECTOR.get()
-            if self.plan_packs is not None:
-                self.plan_packs.append(p)
-                self.plan_inputs.append(any(t is a for a in self._forward_inputs))
             if insp is not None:  # remat.saved_residuals is listing what is saved (_inspect.py)
                 final = p
                 while final.kind == ROUTED:  # what the enclosing calls decided for it
@@ -260,11 +251,7 @@ class _Saving(Half):
         return o
 
     def _storage_written(self, keys: set[int]) -> None:
-        if self.engine.storage_written(self, keys):
-            self.wrote_offloaded = True
-            saves = self.offloaded_saves
-            if any(k in saves and saves[k]() is not None for k in keys):
-                self.wrote_saved_offloaded = True
+        self.engine.storage_written(self, keys)  # NOTE [one copy per storage] in _offload/copies.py
 
     def _demote(self, key: int) -> None:
         """A checkpoint_name the policy drops names a value already saved as kept: drop it now."""
@@ -273,22 +260,9 @@ class _Saving(Half):
             self.drops.setdefault(p.height, {})[p.pos] = p.meta
             self.needed_vids.add(vid)
 
-    def _plan_source(self, phys: torch.Tensor) -> tuple[int, int] | None:
-        """Which op returned ``phys`` itself, and which of its tensors it is (None: not a tensor an op of this call
-        returned, but a view or copy of one, or an input)."""
-        v = self.recorder.known_vid(phys)
-        made = -1 if v is None else self.recorder.made_by.get(v, -1)
-        if v is None or made < 0:
-            return None
-        return made, self.recorder.ops[made].out_vids.index(v)
-
     def _drop(self, s: int, pos: int, phys: torch.Tensor, meta: tuple[Any, ...], rec: Any) -> Packed:
         self.drops.setdefault(s, {})[pos] = meta
         v = self.recorder.known_vid(phys)
-        if v is not None and self.plan_packs is not None:
-            src = self._plan_source(phys)
-            if src is not None:  # (NOTE [value recompute]: the tensor an op returned, not a copy or a view made here)
-                self.plan_sources[pos] = (*src, len(self.recorder.ops))
         if v is None and rec is not None:
             # not a tensor an op of this call returned but a copy of one (a nested call's stash, routed here
             # detached): the recompute must make the output it copies, found by storage
@@ -414,25 +388,14 @@ class _Serving(Half):
         return out
 
     def _recompute(self, s: int, skip_unused: bool = True) -> Made:
-        try:
-            if self.forwarding:
-                # a backward pass inside the forward pass: an input the function wrote so far would be written
-                # again by the recompute (into the caller's tensor), and read written: the error the end of the
-                # forward pass would raise, raised first
-                with internal():
-                    self._check_forward_mutation(self._forward_inputs)
-            with no_accumulation(self.fn_name, [*self.flat, *self.state.tensors]):
-                made = run_recompute(self, s, skip_unused, _forwarding_frames())
-            if getattr(self, "liveness_missed", False):
-                refuse = getattr(self, "_refuse_plan", None)
-                if refuse is not None:
-                    refuse()  # NOTE [dead ops]: this call's liveness walk missed a value; no plan takes it over
-            return made
-        except RematError:
-            refuse = getattr(self, "_refuse_plan", None)
-            if refuse is not None:
-                refuse()  # the signature's later calls stay on the full engine, which sees this (NOTE [fast path])
-            raise
+        if self.forwarding:
+            # a backward pass inside the forward pass: an input the function wrote so far would be written again by
+            # the recompute (into the caller's tensor), and read written: the error the end of the forward pass
+            # would raise, raised first
+            with internal():
+                self._check_forward_mutation(self._forward_inputs)
+        with no_accumulation(self.fn_name, [*self.flat, *self.state.tensors]):
+            return run_recompute(self, s, skip_unused, _forwarding_frames())
 
 
 class Frame(_Saving, _Serving):
@@ -460,14 +423,6 @@ class Frame(_Saving, _Serving):
         self.recorder.on_demote = lambda key: wself()._demote(key)  # type: ignore[union-attr]
         # NOTE [one copy per storage] in _offload/copies.py: a write ends the sharing of a storage's copy
         self.recorder.on_write = lambda keys: wself()._storage_written(keys)  # type: ignore[union-attr]
-        # a write into a storage with a copy in this call (the fast path, which sees no write, would share the copy
-        # with a tensor saved after it: NOTE [fast path] in plans.py)
-        self.wrote_offloaded = False
-        # ...into a storage copied for a saved tensor, not only for an output the recorder held: NOTE [offloaded and
-        # written] in planned.py. Per storage key, the storage copied for a save (weakly: one that died frees its
-        # address for another)
-        self.offloaded_saves: dict[int, weakref.ref[Any]] = {}
-        self.wrote_saved_offloaded = False
         self.recorder.describe_tensor = state.label_of
         self._kept: dict[int, list[tuple[Packed, int]]] = {}  # storage key -> kept packs made here, vid
         with internal():
@@ -501,9 +456,6 @@ class Frame(_Saving, _Serving):
         self._outs: list[tuple[Any, int, Any, int]] = []
         self._ran: set[int] = set()  # outputs whose node ran in this backward pass (_Ran)
         self._skipped: dict[int, set[int]] = {}  # height -> storages of placeholders for unused ops
-        # NOTE [fast path] in plans.py: the packs of a call that may become its signature's plan
-        self.plan_packs: list[Packed] | None = None
-        self.plan: Plan | None = None  # set when the forward pass ends, if plan_packs was asked for
         self.inner_backward = False  # a backward pass inside the forward pass read a saved tensor
         # NOTE [values between the passes] in recompute.py: debug=True fingerprints the inputs and module state when
         # the forward pass ends, and the recompute checks them
@@ -585,8 +537,6 @@ class Frame(_Saving, _Serving):
                         self.recorder.release_stash()  # (a routed call's stash goes to the enclosing recompute)
                     else:
                         self.recorder.prune(self.needed_vids)
-                    if self.plan_packs is not None:
-                        self.plan = plan_of_call(self, out)
                     self.recorder.seal()  # its copies must be plain tensors
                     if not self.levels:
                         self.recorder.watch_results(tensor_leaves(out))
@@ -606,7 +556,6 @@ class Frame(_Saving, _Serving):
             if self.program is not None and self.program.frame is not None:
                 self.program.spoil("its forward pass raised")
                 self.program.finish()
-            self.plan_packs = None
             self.needed_vids = set()
             self._kept = {}
             self._mixed = []
@@ -614,18 +563,6 @@ class Frame(_Saving, _Serving):
             self.input_ids = {}
             del self._forward_inputs
         return out
-
-    def record_plan(self, refuse: Callable[[], None]) -> None:
-        """Note what the fast path needs from this call (NOTE [fast path]); ``self.plan`` says after forward().
-        ``refuse`` marks the signature as never planned: called if this call's recompute raises (a Python number
-        that changed, an op that differs), which only the full engine can see."""
-        self._refuse_plan: Callable[[], None] | None = refuse
-        self.plan_packs = []
-        self.plan_inputs: list[bool] = []  # per pack: the saved tensor was an input of the call
-        # NOTE [value recompute]: dropped position -> (index of the op that returned it, which of its tensors,
-        # ops run when it was saved)
-        self.plan_sources: dict[int, tuple[int, int, int]] = {}
-        self.plan_kept: dict[int, int] = {}  # save position -> index of the op that returned the tensor kept there
 
     def rewind(self) -> None:
         """Undo what a forward pass cut short did, so that the call can run again (NOTE [reentrant region])."""

@@ -20,18 +20,17 @@ import torch
 
 from .. import _outside as ox
 from .. import _torch_internals as ti
-from .._context import activated, internal, naming
+from .._context import activated, internal
 from .._dispatch import OpTap
 from .._errors import RematError, input_written_before_backward
 from .._functorch import check_lower_levels, replay
 from .._ops import DeadRead, storage_key
 from .._packed import Made, ParentHandle, made_anew
 from .._torch_internals import saved_tensors_hooks
-from .capture import Capture, PassThrough, PlannedCapture, StopRecompute, identity
-from .plans import NeedsGraph, Values
-from .replay import Replay, Replayer, ValueReplay
+from .capture import Capture, PassThrough, StopRecompute
+from .replay import Replayer
 
-__all__ = ["fingerprints", "check_fingerprints", "run_recompute", "planned_recompute", "unused_ops", "call_nested_replay"]
+__all__ = ["fingerprints", "check_fingerprints", "run_recompute", "unused_ops", "call_nested_replay"]
 
 
 def run_recompute(frame: Any, s: int, skip_unused: bool, forwarding: list[Any]) -> Made:
@@ -58,9 +57,7 @@ def run_recompute(frame: Any, s: int, skip_unused: bool, forwarding: list[Any]) 
             return _attempt(frame, s, skip_unused, forwarding, detach, skip_dead=True)
         except DeadRead:
             # NOTE [dead ops]: an op the recompute needs read a placeholder, so the liveness walk missed a value
-            # made where no dispatch mode sees it: run the recompute again without skipping any op (exact), and
-            # leave no plan for the signature (its liveness came from this call's walk: NOTE [fast path])
-            frame.liveness_missed = True
+            # made where no dispatch mode sees it: run the recompute again without skipping any op (exact)
             return _attempt(frame, s, skip_unused, forwarding, detach, skip_dead=False)
     finally:
         for h in routed:
@@ -187,107 +184,6 @@ def call_nested_replay(ctx: Any, run: Callable[[list[Any]], Any], flat: list[Any
     return out
 
 
-def planned_recompute(self: Any) -> Made:
-    """A planned call's recompute (``FastFrame._recompute``): the dropped tensors, made again by following the plan
-    (NOTE [planned calls]), or by value (NOTE [value recompute]); the checks are the full engine's (NOTE [one set
-    of checks] in ``recompute.py``)."""
-    self.recomputes += 1
-    if self.wrote_dropped:
-        raise RematError(
-            f"remat: {self.fn_name} wrote in place into a tensor it had saved for the backward pass, through an "
-            "alias with a version counter of its own (.data, or detach()), after an op its signature's first "
-            "call did not run (a data-dependent branch): the recompute, which follows that call, cannot replay "
-            "the write. The signature runs on the full engine from the next call on (it replays every op); "
-            "or write into a clone (NOTE [written after dropped] in planned.py)."
-        )
-    # (a backward pass inside the forward pass: an input written so far would be written again by the
-    # recompute, into the caller's tensor, and read written: the end of the forward pass's error, raised first)
-    self._check_versions(after_forward=self.forwarding)
-    # (no accumulation check, as the full engine's: an inner backward pass is ops the forward pass did not run,
-    # which the replay refuses: NOTE [same reads])
-    try:
-        return _run_recompute(self, skip_dead=bool(self.plan.dead))
-    except DeadRead:
-        self.refuse()  # the recorded call's liveness does not hold for this one
-        return _run_recompute(self, skip_dead=False)
-
-
-def _run_recompute(self: Any, skip_dead: bool) -> Made:
-    values = self.plan.values
-    if (values is not None and not torch.is_grad_enabled() and not self.forwarding and not self.diverged
-            and self.values_ok and self.drops.keys() <= values.stop.keys()):
-        try:
-            return _value_recompute(self, values, skip_dead)
-        except NeedsGraph:
-            self.plan.values = None  # (the signature's later calls recompute as below from the start)
-    self.placeholders = {}
-    # (stops once the last dropped tensor is saved again; inside the forward pass that is before where the
-    # forward pass has got, and before any op past the plan, whose random draws the call kept no state for)
-    capture = PlannedCapture(self.drops, self.last_drop + 1, self.fn_name,
-                       detach=not torch.is_grad_enabled(), placeholders=self.placeholders,
-                       mode=self.plan.ops is not None)
-    run_to = _last_write(self)  # NOTE [written after dropped]: the replay stops after it, not the capture
-    capture.hold_stop = run_to >= 0
-    with ti.saved_tensors_hooks_enabled(), torch.enable_grad(), self.state.restored(self.state.tensors), \
-            self.ambient.restored(), saved_tensors_hooks(capture.pack, identity):
-        try:
-            if self.plan.ops is None:
-                self.run(self.flat)
-            else:
-                replay = Replay(self, skip_dead)
-                replay.run_to, replay.capture = run_to, capture
-                with naming(replay), replay:
-                    self.run(self.flat)
-        except StopRecompute:
-            pass
-    self.placeholders = {}
-    if capture.n < capture.stop_after:
-        raise RematError(
-            f"remat: the recompute of {self.fn_name} saved {capture.n} tensors for the backward pass where "
-            f"its forward pass saved {capture.stop_after} or more; the function must do the same work every "
-            "time it is called (no data-dependent branches or changing global state)."
-        )
-    return capture.finish()
-
-
-def _last_write(self: Any) -> int:
-    """NOTE [written after dropped]: the index of the last op of the plan this call followed that writes in
-    place (-1: none), which the recompute runs; inside the forward pass, none: it stops where the forward pass
-    has got (an op it has not run has no key to check)."""
-    if self.forwarding or not self.plan.writes:
-        return -1
-    return max((i for i in self.plan.writes if i < self.limit), default=-1)
-
-
-def _value_recompute(self: Any, values: Values, skip_dead: bool) -> Made:
-    """NOTE [value recompute]: the recompute under ``torch.no_grad()``, the dropped tensors taken as the ops
-    return them. It stops once the op that saved the last of them has run."""
-    self.placeholders = {}
-    # (NOTE [written after dropped]: through the plan's last write, which may write a dropped tensor's storage)
-    mode = ValueReplay(self, skip_dead, values, max(values.stop[self.last_drop], _last_write(self) + 1))
-    try:
-        with torch.no_grad(), self.state.restored(self.state.tensors), self.ambient.restored(), naming(mode), mode:
-            out = None
-            try:
-                out = self.run(self.flat)
-            except StopRecompute:
-                pass
-            mode.settle(mode.i)  # (the function returned after the op that saved the last: out holds it)
-            del out
-    except (NeedsGraph, DeadRead, RematError):
-        raise
-    except Exception as e:
-        # what the function does only with grad mode on (h.register_hook, retain_grad on an intermediate):
-        # the recompute that builds the graph runs it, and raises if the error is the function's own
-        raise NeedsGraph from e
-    finally:
-        self.placeholders = {}
-    made = mode.made
-    if mode.i < mode.stop or len(made) != len(self.drops) or len(mode.versions) != len(made):
-        raise NeedsGraph  # ran out of ops first, or a tensor died before its save: the recompute that saves
-    return Made(made, mode.versions, plain=True)
-
-
 # NOTE [values between the passes]
 #     A write into an input or a module's parameter between the forward and the backward pass moves its version
 #     counter, and the recompute refuses it (``input_written_before_backward``; the outside-tensor check for module
@@ -295,7 +191,7 @@ def _value_recompute(self: Any, values: Values, skip_dead: bool) -> Made:
 #     nothing tells remat, and by default the recompute computes from the written values, as
 #     ``torch.utils.checkpoint`` does (docs/how-it-works.md says what plain autograd then does). Seeing it takes
 #     the values themselves, which costs a pass over every input and parameter on every call; so only
-#     ``debug=True`` (the full engine on every call) pays it: when the forward pass ends, a call that dropped
+#     ``debug=True`` pays it: when the forward pass ends, a call that dropped
 #     anything keeps a hash of each plain input and module-state tensor (``_outside.fingerprint``, holding nothing),
 #     and its recompute compares before it runs, raising ``RematError`` that names the tensor.
 

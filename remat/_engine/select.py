@@ -9,15 +9,14 @@
  4    a memory budget is still measuring this signature           ``full.Frame``, measuring (NOTE [memory budget])
  5    plain autograd: no ``torch.func`` level, plain tensors,     ``traced.TraceFrame``: the forward pass is
       not ``debug``, no ``saved_residuals`` listening             recorded, the recompute replays it
- 6    a plan was recorded for this signature                      ``planned.FastFrame`` (NOTE [fast path])
- 7    otherwise                                                   ``full.Frame``, recording a plan if it may
+ 6    otherwise                                                   ``full.Frame``
 ====  ==========================================================  ============================================
 
-On route 4, and on route 7 under ``torch.func`` (unless ``debug``), the recompute replays the call's program, the
-torch calls its forward pass made (NOTE [program replay] in program.py), where it can; otherwise routes 4, 6 and 7
-re-run the function's Python in the recompute; docs/how-it-works.md lists why each case that takes them cannot
-replay. A call inside a traced call (route 5) that cannot be traced itself runs plainly: the enclosing
-trace records its ops. A call of route 4 to 7 that finds, mid-way, that the function enters a reverse transform
+On route 4, and on route 6 under ``torch.func`` (unless ``debug``), the recompute replays the call's program, the
+torch calls its forward pass made (NOTE [program replay] in program.py), where it can; otherwise routes 4 and 6
+re-run the function's Python in the recompute, checking each op against the forward pass's;
+docs/how-it-works.md lists why each case that takes them cannot replay. A call inside a traced call (route 5) that cannot be traced itself runs plainly: the enclosing
+trace records its ops. A call of route 4 to 6 that finds, mid-way, that the function enters a reverse transform
 (``NeedsRegion``) marks its function as a region and runs again from the top (route 3), from the outermost remat
 call.
 """
@@ -39,11 +38,10 @@ from .._offload import default_engine
 from .._state import snapshot
 from .frame import CallFrame
 from .full import Frame
-from .planned import FastFrame
-from .plans import MAX_PLANS, fast_path_applies, signature
 from .program import Program
 from .recompute import call_nested_replay
 from .region import NeedsRegion, enclosed, run_region
+from .signature import signature
 from .traced import TraceFrame, traceable
 
 __all__ = ["call"]
@@ -56,10 +54,6 @@ class _Static:
 
 
 _STATIC = _Static()
-_ENGINES: tuple[type[CallFrame], ...] = (Frame, FastFrame)  # (mypy checks that both engines' frames are CallFrames)
-
-
-REGION = "(region)"  # the key of a function's plans that marks it a reentrant region
 
 
 def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics: tuple[int, ...],
@@ -78,9 +72,9 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
     # 1. nothing will be saved: no frame needed
     if not torch.is_grad_enabled() and not ti.interpreter_stack():
         return run(flat)
-    # (the flag also lives in the plans shared by every remat of the function: a remat(f) made anew on every call
-    # inside another remat'd function learns it from the first attempt)
-    region = owner is not None and (owner._region or REGION in owner._plans)
+    # (the flag also lives in what is learnt about the function, shared by every remat of it: a remat(f) made anew on
+    # every call inside another remat'd function learns it from the first attempt)
+    region = owner is not None and (owner._region or owner._learnt.get("region", False))
     ctx = active_context()
     # 2. an outer recompute re-runs this call
     if ctx is not None and not isinstance(ctx, (Frame, TraceFrame)) and not region:
@@ -96,9 +90,6 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
     if in_trace and not traced:
         return run(flat)  # inside a traced call that this call cannot join: the enclosing trace records it
     frame: CallFrame | None = None
-    key = None
-    if not traced and owner is not None and not owner.debug and not region and ctx is None and fast_path_applies():
-        key = signature(flat, static_vals, state)  # NOTE [fast path] in plans.py
     budget, measuring, call_policy = None, None, policy
     if isinstance(policy, MemoryBudget):  # NOTE [budget plans] in _budget_policy.py: decided per signature
         budget = policy
@@ -106,13 +97,11 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
         code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None), "__code__", None)
         bkey = (code or type(fn), signature(flat, static_vals, state),
                 tuple(str(i.key()) for i in ti.interpreter_stack()))
-        call_policy, measuring, fast = budget.bind(bkey)
+        call_policy, measuring = budget.bind(bkey)
         if region:
             # a function that enters a torch.func reverse transform runs as a reentrant region every time: it saves
             # nothing (the measuring policy), and never gets a plan (docs/budgets.md)
             measuring = None
-        if measuring is not None or not fast:
-            key = None  # measuring (it saves nothing): no fast-path plan from it; value-dependent sizes: none
     try:
         # 3. the function enters a torch.func reverse transform
         if region:
@@ -135,26 +124,12 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
         if traced:
             frame = TraceFrame(run, flat, name, call_policy, default_engine(), state.label_of)
             return frame.forward()
-        # 6. a plan for this signature
-        plan = owner._plans.get(key) if key is not None else None
-        if plan is not None:
-            frame = FastFrame(run, flat, name, preserve_rng, state, plan, lambda: owner._plans.__setitem__(key, None),
-                              default_engine())
-            return frame.forward()
-        # 7. the full engine, recording a plan for the signature
+        # 6. the full engine
         frame = Frame(run, flat, name, call_policy, preserve_rng, default_engine(), state)
         frame.watch_values = owner is not None and owner.debug  # NOTE [values between the passes]
         if frame.levels and owner is not None and not owner.debug and ctx is None:
             frame.program = Program(name)  # NOTE [program replay]: the recompute replays the forward's calls
-        if key is not None and key not in owner._plans:
-            plans = owner._plans
-            frame.record_plan(lambda: plans.__setitem__(key, None))
-        out = frame.forward()
-        if key is not None and key not in owner._plans:
-            if len(owner._plans) >= MAX_PLANS:
-                owner._plans.pop(next(k for k in owner._plans if k != REGION))
-            owner._plans[key] = frame.plan  # None: not clean, the full engine every time
-        return out
+        return frame.forward()
     except NeedsRegion as e:
         # NOTE [reentrant region]: fn (or a remat'd function it calls) enters a torch.func reverse transform
         if frame is not None and e.origin is frame:
@@ -162,7 +137,7 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
                 raise RematError(f"remat: {name} enters a torch.func reverse transform; this is a bug in remat, "
                                  "please report it") from e.cause
             owner._region = True
-            owner._plans[REGION] = None
+            owner._learnt["region"] = True
         if not outermost:
             raise  # the enclosing calls recorded the attempt: the outermost remat call runs again
         if frame is not None:

@@ -36,12 +36,12 @@ NOTE [one copy per storage]
     piece) has a counter of its own or shares ``y``'s unseen. (Comparing the saved
     tensor's version with the copy's compared two counters: after ``d = y.data;
     y.add_(1)``, ``d[1:]``, at ``d``'s unmoved version, shared the bytes from before
-    the write, a wrong gradient without an error on a planned call. Sharing only
+    the write, a wrong gradient without an error. Sharing only
     with tensors of the same ``_base`` then gave a node that saved ``a`` and
     ``a.detach()[1:]`` and writes ``a`` in its backward two copies, and the slice
     the saved bytes: wrong too.) A write through yet another counter (``d.add_(1)``
     before ``d[1:]`` is saved) is seen only by an op-level observer: the call's
-    recorder, or a plan's tap (NOTE [offloaded and written]). A copy kept on the
+    recorder. A copy kept on the
     device (NOTE [keep last]) or still being made watches one counter for writes
     (NOTE [written while copied]): it is shared, or a span moved to it, by a tensor
     of another ``_base`` only at that counter's version and spanning half the

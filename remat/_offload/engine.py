@@ -180,7 +180,7 @@ class OffloadEngine(_Schedule):
 
         ``group``: the call's key, or the group :meth:`group` gave for it (a call that offloads many tensors
         looks its group up once)."""
-        if _ti.no_modes_pushed():  # (the common case, from a pack hook on the fast path: nothing to pop)
+        if _ti.no_modes_pushed():  # (the common case, from a traced call's pack hook: nothing to pop)
             with self._lock:
                 return self._offload(t, dst, group)
         with _ti.no_dispatch_modes(), self._lock:

@@ -1,7 +1,7 @@
 """What a remat'd function keeps from one call to the next: nothing of a call outlives its backward pass, whatever
 its signature; a new ``remat`` of a function on every step, or of each instance's bound method, is exact on every
 call and recomputes what its policy drops; a first call without a graph changes nothing for the training calls after
-it; the table of plans per function and policy the old engine's routes use stays bounded; no argument of a call is
+it; what is learnt per function and policy stays bounded; no argument of a call is
 held alive.
 
 Whether a recompute ran is counted from outside (``OpCounter`` around the backward pass, against plain autograd's);
@@ -40,17 +40,17 @@ def test_calls_of_many_signatures_leave_nothing_alive():
     assert all(r() is None for r in refs)
 
 
-def test_plans_stay_bounded_with_a_policy_made_on_every_call():
+def test_what_is_learnt_stays_bounded_with_a_policy_made_on_every_call():
     from remat._context import CACHES
-    from remat._engine.plans import MAX_PLANS
+    from remat._engine.signature import MAX_KEYS
 
     def block(x):
         return torch.sin(x).sum()
 
     x = leaf(3)
-    for _ in range(MAX_PLANS + 10):
+    for _ in range(MAX_KEYS + 10):
         remat(block, policy=lambda op, *a, **k: False)(x).backward()
-    assert len(CACHES.get().plans[block]) == MAX_PLANS
+    assert len(CACHES.get().learnt[block]) == MAX_KEYS
 
 
 MM, TANH = torch.ops.aten.mm.default, torch.ops.aten.tanh.default
