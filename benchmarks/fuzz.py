@@ -15,7 +15,7 @@ counting mode, a module tracker reading ``param.data`` under it as ``CommDebugMo
 around its forward pass, its backward pass or both (issue 39; ``CommDebugMode`` itself fails on these programs without
 remat: its tracker needs the outermost module called as a module and breaks on later uses). The outcome of each call is plain autograd's gradient (float64,
 1e-10; plain autograd differentiates what its forward pass computed) or a ``RematError``; anything else is a
-*silent mismatch*, the one outcome remat never allows (NOTE [same reads] in ``remat/_wiring.py``).
+*silent mismatch*, the one outcome remat never allows (NOTE [same reads] in ``remat/_engine/wiring.py``).
 
 Run: ``python benchmarks/fuzz.py --programs 500 --calls 7`` (216,000 calls) prints, per policy and wrapping, the number of calls,
 how many matched, raised, and mismatched silently. ``tests/test_python_state.py::test_state_fuzzer_slice`` runs a

@@ -26,7 +26,7 @@ blocks (batch 2, seq 64, d 128, as ``benchmarks/chain_budget.py``). The table is
 device model (default ``DeviceModel.h200()``: 989 TFLOP/s, PCIe Gen5 x16 at 64 GB/s each way; ``--flops``,
 ``--d2h``, ``--h2d`` change it): the retained MiB on the device (the census outside remat; what is offloaded runs
 through the offload engine, host to host on this CPU), the host MiB and the modelled step time of each plan
-(NOTE [three-way budget] in ``remat/_budget_offload.py``) against no remat.
+(NOTE [three-way budget] in ``remat/_budgets/budget_offload.py``) against no remat.
 """
 
 from __future__ import annotations

@@ -10,24 +10,24 @@ Example:
 
 from . import offload as offload
 from . import policies as policies
-from ._checkpoint import checkpoint as checkpoint
-from ._checkpoint import checkpoint_sequential as checkpoint_sequential
-from ._checkpoint import route_torch_checkpoint as route_torch_checkpoint
-from ._device_model import DeviceModel as DeviceModel
+from ._api.checkpoint import checkpoint as checkpoint
+from ._api.checkpoint import checkpoint_sequential as checkpoint_sequential
+from ._api.checkpoint import route_torch_checkpoint as route_torch_checkpoint
+from ._api.module import remat_module as remat_module
+from ._api.module import remat_modules as remat_modules
+from ._api.module import unremat_module as unremat_module
+from ._api.module import unremat_modules as unremat_modules
+from ._api.transform import remat as remat
+from ._budgets.device_model import DeviceModel as DeviceModel
+from ._budgets.sequential import sequential as sequential
 from ._errors import RematError as RematError
-from ._inspect import MemoryReport as MemoryReport
-from ._inspect import SavedResidual as SavedResidual
-from ._inspect import format_saved_residuals as format_saved_residuals
-from ._inspect import memory_report as memory_report
-from ._inspect import print_saved_residuals as print_saved_residuals
-from ._inspect import saved_residuals as saved_residuals
-from ._module import remat_module as remat_module
-from ._module import remat_modules as remat_modules
-from ._module import unremat_module as unremat_module
-from ._module import unremat_modules as unremat_modules
-from ._naming import checkpoint_name as checkpoint_name
-from ._sequential import sequential as sequential
-from ._transform import remat as remat
+from ._inspection.inspect import MemoryReport as MemoryReport
+from ._inspection.inspect import SavedResidual as SavedResidual
+from ._inspection.inspect import format_saved_residuals as format_saved_residuals
+from ._inspection.inspect import memory_report as memory_report
+from ._inspection.inspect import print_saved_residuals as print_saved_residuals
+from ._inspection.inspect import saved_residuals as saved_residuals
+from ._policies.naming import checkpoint_name as checkpoint_name
 
 __all__ = ["remat", "checkpoint", "checkpoint_sequential", "route_torch_checkpoint", "checkpoint_name", "remat_module", "remat_modules", "unremat_module",
            "unremat_modules", "sequential", "policies", "offload", "RematError", "saved_residuals",

@@ -13,7 +13,7 @@ other's.
   detach, a copy), which the dispatch modes let through unrecorded.
 * :data:`PENDING_NAME`: set by ``checkpoint_name`` around the ``aten.alias`` that
   carries a name.
-* :data:`INSPECTOR`: the observer of a running ``saved_residuals`` (``_inspect.py``);
+* :data:`INSPECTOR`: the observer of a running ``saved_residuals`` (``_inspection/inspect.py``);
   the engine calls its ``on_save(tensor, decision, frame)`` and knows nothing else of it.
 * :data:`CACHES` / :func:`own_caches`: the caches of what a function or a module already
   determines (what is learnt per function, the slots of a module tree), weakly keyed so
@@ -32,7 +32,7 @@ __all__ = ["INTERNAL", "HOOK_RANGE", "PENDING_NAME", "INSPECTOR", "COMPILED_REGI
            "active_context", "activated", "CACHES", "Caches", "own_caches"]
 
 INTERNAL: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_internal", default=False)
-# NOTE [FSDP's hooks] in _dispatch.py: the profiler range of FSDP2's hook that runs now (its handle, and the token that
+# NOTE [FSDP's hooks] in _engine/dispatch.py: the profiler range of FSDP2's hook that runs now (its handle, and the token that
 # set INTERNAL for it), or None
 HOOK_RANGE: contextvars.ContextVar[tuple[Any, Any] | None] = contextvars.ContextVar("remat_hook_range", default=None)
 PENDING_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("remat_name", default=None)
@@ -88,11 +88,11 @@ class Caches:
       static arguments (``_engine/signature.py``: whether it enters a ``torch.func`` reverse transform), shared by
       every ``remat`` of it, as JAX caches a trace by the function's identity: ``remat(block, policy=p)(x)``
       written inside a forward pass makes a new wrapper each step and still learns once.
-    * ``slots``: root module -> the slots of its tree (``_state.py``), validated on every use.
+    * ``slots``: root module -> the slots of its tree (``_engine/state.py``), validated on every use.
     * ``devices``: device name -> its measured :class:`~remat.DeviceModel` (``DeviceModel.probe``).
     * ``wrappers``: object (a module, a bound method's instance) -> remat's wrappers that ``remat.checkpoint``'s
-      call form made for it, per settings (``_checkpoint.py``).
-    * ``torch_policies``: a ``context_fn`` -> the remat policy it was translated to (``_checkpoint.py``).
+      call form made for it, per settings (``_api/checkpoint.py``).
+    * ``torch_policies``: a ``context_fn`` -> the remat policy it was translated to (``_api/checkpoint.py``).
     """
 
     __slots__ = ("learnt", "slots", "devices", "wrappers", "torch_policies")

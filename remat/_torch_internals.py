@@ -17,7 +17,7 @@ from torch.autograd.graph import saved_tensors_hooks as _saved_tensors_hooks
 
 # torch.func's interpreter stack has no public API: remat must know which
 # functorch level saved a tensor and rebuild that level for the recompute
-# (see NOTE [per-level replay] in _functorch.py).
+# (see NOTE [per-level replay] in _engine/functorch.py).
 _F: Any = torch._C._functorch
 TransformType: Any = _F.TransformType
 RandomnessType: Any = _F.RandomnessType
@@ -88,7 +88,7 @@ is_zero_tensor: Callable[[torch.Tensor], bool] = torch.Tensor._is_zerotensor
 # A tensor subclass that wraps other tensors (DTensor, the AsyncCollectiveTensor a collective returns) names them
 # through ``__tensor_flatten__``, the protocol by which torch.compile traces subclasses; torch has no public function
 # that lists a wrapper's inner tensors. remat needs them because such wrappers are made and taken apart in Python
-# (``DTensor.from_local``, ``to_local``), where no dispatch mode sees it: NOTE [wrapper subclasses] in _dispatch.py.
+# (``DTensor.from_local``, ``to_local``), where no dispatch mode sees it: NOTE [wrapper subclasses] in _engine/dispatch.py.
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -491,7 +491,7 @@ def is_compiled_callable(fn: Any) -> bool:
 
 
 # FSDP2 swaps a module's parameters between sharded DTensors and gathered tensors in its hooks, which run inside a
-# remat'd call that calls the sharded module (NOTE [FSDP's hooks] in _dispatch.py). Which parameters it manages has no
+# remat'd call that calls the sharded module (NOTE [FSDP's hooks] in _engine/dispatch.py). Which parameters it manages has no
 # public API: its parameter groups' FSDPParams hold them (one group on torch 2.11, a list of groups since).
 def fsdp_sharded_params(module: Any) -> list[torch.Tensor]:
     """The sharded parameters FSDP2 registers on the modules of ``module`` (a ``fully_shard``'ed module) between its

@@ -5,8 +5,8 @@ Names and meanings follow ``jax.checkpoint_policies``. A policy is any callable
 :data:`Recompute` or :class:`Offloadable`.
 """
 
-from ._budget_policy import BudgetPlan, MemoryBudget, memory_budget
-from ._policies import (
+from ._budgets.budget_policy import BudgetPlan, MemoryBudget, memory_budget
+from ._policies.core import (
     DEFAULT_MIN_OFFLOAD_BYTES,
     Decision,
     Offloadable,

@@ -185,7 +185,7 @@ def test_measure_rounds_until_min_time():
 
 
 def test_measure_many_steps_and_bad_min_time():
-    from remat._measure import Config, _max_steps, measure
+    from remat._inspection.measure import Config, _max_steps, measure
 
     assert _max_steps(101, 0.0, None) == 101 and _max_steps(5, 4.0, None) == 100  # (never below steps)
     w = torch.randn(4, 4, requires_grad=True)

@@ -12,7 +12,7 @@ import torch
 
 import remat
 from remat import RematError, policies
-from remat._budget import Graph, _min_cut, evaluate, solve
+from remat._budgets.budget import Graph, _min_cut, evaluate, solve
 from remat.bench.measure import FlopCount, live_bytes_after
 from remat.bench.models import make_cnn, make_transformer
 

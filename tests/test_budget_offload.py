@@ -15,9 +15,9 @@ import torch
 
 import remat
 from remat import DeviceModel, RematError, policies
-from remat._budget import Graph
-from remat._budget import solve as solve_two_way
-from remat._budget_offload import EXHAUSTIVE, evaluate, solve
+from remat._budgets.budget import Graph
+from remat._budgets.budget import solve as solve_two_way
+from remat._budgets.budget_offload import EXHAUSTIVE, evaluate, solve
 from remat.bench.measure import live_bytes_after
 from remat.offload import OffloadEngine, use_engine
 
@@ -29,7 +29,7 @@ from .test_budget import F64, grads, loss_of, random_graph, transformer
 
 def brute_seconds(g: Graph, choice: dict[int, str], m: DeviceModel) -> tuple[float, int, int]:
     """(seconds, device bytes, host bytes) of a per-op choice ("keep", "offload", else recompute), by an event
-    simulation that shares no code with ``remat._budget_offload``."""
+    simulation that shares no code with ``remat._budgets.budget_offload``."""
     needed: set[int] = set()
     ran: set[int] = set()
     todo = list(g.saved)

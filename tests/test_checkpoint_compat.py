@@ -1,4 +1,4 @@
-"""torch's call forms on remat (NOTE [torch's policies] in remat/_checkpoint.py): ``remat.checkpoint(fn, *args,
+"""torch's call forms on remat (NOTE [torch's policies] in remat/_api/checkpoint.py): ``remat.checkpoint(fn, *args,
 use_reentrant=False, context_fn=...)``, ``remat.checkpoint_sequential``, and torch's selective-checkpointing policies
 translated. Every gradient is compared with plain autograd's (float64, 1e-10); what a policy keeps is checked from
 outside (matmuls run in the backward pass, bytes held between the passes). The section "ported from torch" restates
@@ -87,9 +87,9 @@ def test_the_call_form_drops_what_torch_checkpoint_drops() -> None:
 
 def test_the_decorator_form_is_unchanged() -> None:
     f = remat.checkpoint(lambda x: torch.sin(x).exp().sum())
-    assert isinstance(f, remat._transform.Rematted)
+    assert isinstance(f, remat._api.transform.Rematted)
     g = remat.checkpoint(policy="save-matmuls")(lambda x: torch.sin(x).sum())
-    assert isinstance(g, remat._transform.Rematted)
+    assert isinstance(g, remat._api.transform.Rematted)
     x = torch.randn(5, dtype=f64, requires_grad=True)
     f(x).backward()
     torch.testing.assert_close(x.grad, x.cos() * x.sin().exp(), **TOL)

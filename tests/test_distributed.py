@@ -31,7 +31,7 @@ style, as Hugging Face's gradient-checkpointing hook calls it); and the peer,
 ``torch.utils.checkpoint.checkpoint(block, x)``. These also count, from outside
 (``CommDebugMode``), the all-gathers and reduce-scatters of each step: remat
 gathers parameters no more often than the run without remat or
-``torch.utils.checkpoint`` (NOTE [FSDP's hooks] in ``remat/_dispatch.py``), and
+``torch.utils.checkpoint`` (NOTE [FSDP's hooks] in ``remat/_engine/dispatch.py``), and
 the parameters are sharded again after the backward pass.
 
 The second step runs with the parameters the first step's update wrote (into
@@ -112,7 +112,7 @@ CASES = [
     *(Case("fsdp", p, reshard_after_forward=r) for r in (True, False) for p in POLICIES),
     Case("fsdp", "save-nothing", remat_first=True),
     Case("fsdp", "none", shard_linears=True),
-    # FSDP2's hooks inside the remat'd region (NOTE [FSDP's hooks] in remat/_dispatch.py)
+    # FSDP2's hooks inside the remat'd region (NOTE [FSDP's hooks] in remat/_engine/dispatch.py)
     *(Case("fsdp", p, shard_linears=True) for p in ("save-nothing", "dots_saveable")),
     *(Case("fsdp", p, inside=w) for w in ("closure", "call") for p in ("save-nothing", "dots_saveable")),
     Case("fsdp", "none", inside="torch"),

@@ -1,6 +1,6 @@
 """Hugging Face's own checkpointing on remat: ``model.gradient_checkpointing_enable()`` (and its successor
 ``activation_checkpointing_enable``) inside ``remat.route_torch_checkpoint(policy=...)`` stores remat's checkpoint
-in the model's layers (NOTE [routing torch's checkpoint] in remat/_checkpoint.py). Gradients against the model
+in the model's layers (NOTE [routing torch's checkpoint] in remat/_api/checkpoint.py). Gradients against the model
 without checkpointing (float64, 1e-10), each layer's Python once per step (HF's torch checkpointing runs it twice),
 use_cache handled by HF's layers, and the routing undone on exit.
 """

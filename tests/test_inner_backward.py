@@ -172,7 +172,7 @@ def test_region_replays_random_numbers() -> None:
 
 
 def test_region_replays_a_generator_of_your_own() -> None:
-    """NOTE [generators of your own] in _ambient.py, in a region: the first call runs the function again as a
+    """NOTE [generators of your own] in _engine/ambient.py, in a region: the first call runs the function again as a
     region (G must be set back for that rerun), and the region's backward pass runs it once more after the caller
     drew from G. Both drew other masks before the generators moved into AmbientState: a wrong gradient, no error."""
     G = torch.Generator().manual_seed(0)

@@ -141,10 +141,10 @@ def test_nested_remat_and_totals(capsys):
     for d in ("kept", "input", "offloaded", "recomputed"):
         sel = [r for r in rs if r.decision == d]
         if sel:
-            size = remat._inspect._size(sum(r.nbytes for r in sel))
+            size = remat._inspection.inspect._size(sum(r.nbytes for r in sel))
             assert f"{d} {size} ({len(sel)})" in totals, totals
     held = sum(r.nbytes for r in rs if r.argument is None and r.decision in ("kept", "input"))
-    assert totals.endswith(f"held besides the arguments: {remat._inspect._size(held)}")
+    assert totals.endswith(f"held besides the arguments: {remat._inspection.inspect._size(held)}")
     assert len(out.splitlines()) == len(rs) + 3  # title, header, rows, totals
 
 

@@ -256,12 +256,12 @@ def test_compiled_parts_give_the_original_and_its_compile_context() -> None:
 
 
 def test_wrapper_subclass_helpers_work_on_this_torch() -> None:
-    """NOTE [wrapper subclasses] in _dispatch.py: a wrapper's inner tensors, its storage, and one of its class and
+    """NOTE [wrapper subclasses] in _engine/dispatch.py: a wrapper's inner tensors, its storage, and one of its class and
     layout rebuilt around other inner tensors (torch's own two-tensor test subclass)."""
     from torch.testing._internal.two_tensor import TwoTensor
 
-    from remat._ops import dead_value, storage_key
-    from remat._ops import op_meta as meta
+    from remat._engine.ops import dead_value, storage_key
+    from remat._engine.ops import op_meta as meta
 
     a, b = torch.randn(3, 2), torch.randn(3, 2)
     t = TwoTensor(a, b)
@@ -279,17 +279,17 @@ def test_made_hands_each_recomputed_tensor_back_once_and_refuses_one_it_did_not_
     import pytest
 
     from remat import RematError
-    from remat._packed import Made
+    from remat._engine.packed import Made
 
     t = torch.zeros(2)
-    made = Made({0: t}, {0: t._version}, plain=True)
+    made = Made({0: t}, {0: t._version})
     assert made.take_if_made("f", 1) is None  # never made
     assert made.take("f", 0) is t
     assert made.take_if_made("f", 0) is None  # taken already
     with pytest.raises(RematError, match="did not make saved tensor #0"):
         made.take("f", 0)
     written = torch.zeros(2)
-    made = Made({3: written}, {3: written._version}, plain=True)
+    made = Made({3: written}, {3: written._version})
     written.add_(1)
     with pytest.raises(RematError, match="modified|written"):
         made.take_if_made("f", 3)

@@ -90,7 +90,7 @@ def test_save_anything_except_these_names():
     p = policies.save_anything_except_these_names("a")
     op, kw = named("a")
     # the explicit Recompute (not False): the name drops the value even though the op that
-    # computed it is saved (NOTE [names decide for the value] in _policies.py)
+    # computed it is saved (NOTE [names decide for the value] in _policies/core.py)
     assert p(op, torch.ones(1), **kw) is Recompute
     op, kw = named("b")
     assert p(op, torch.ones(1), **kw) is True

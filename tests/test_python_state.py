@@ -1,4 +1,4 @@
-"""Python state changed between a call's forward and backward pass (issue 38, NOTE [same reads] in remat/_wiring.py).
+"""Python state changed between a call's forward and backward pass (issue 38, NOTE [same reads] in remat/_engine/wiring.py).
 
 Every case gives plain autograd's gradient (plain autograd differentiates what its forward pass computed) or a
 ``RematError``, on the signature's first call and on every later one; a silent mismatch fails. Under plain autograd
@@ -387,7 +387,7 @@ def test_autocast_cached_casts_give_plain_autograds_gradient(policy: str, patter
     """Autocast caches its cast of a leaf inside a region: ``f(W, f(W, x))`` (the second call's forward pass reads
     the cast the first made), or the region's own code casting ``W`` before the call. The recompute, after the
     region, casts again (issue 38: every call raised "the recompute diverged ... aten._to_copy"). NOTE [autocast's
-    cache] in remat/_wiring.py: bitwise plain autograd's gradient, first and later calls, on both engines."""
+    cache] in remat/_engine/wiring.py: bitwise plain autograd's gradient, first and later calls, on both engines."""
     W = torch.randn(16, 16, generator=torch.Generator().manual_seed(0), requires_grad=True)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
 

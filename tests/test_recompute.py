@@ -351,7 +351,7 @@ def test_rng_state_drawn_between_forward_and_backward_does_not_leak_into_the_rec
 @pytest.mark.parametrize("debug", [False, True], ids=["first-calls", "full-engine"])
 @pytest.mark.parametrize("policy", ["save-nothing", policies.dots_saveable])
 def test_a_generator_of_your_own_draws_the_same_numbers_in_the_recompute(policy, debug):
-    """NOTE [generators of your own] in _ambient.py: ``torch.rand(..., generator=G)`` inside the function. The
+    """NOTE [generators of your own] in _engine/ambient.py: ``torch.rand(..., generator=G)`` inside the function. The
     recompute drew from G's state at the backward pass (the caller drew from G in between): another mask, a wrong
     gradient without an error (as torch.utils.checkpoint gives). G is left as the caller left it."""
     G = torch.Generator().manual_seed(0)
@@ -501,7 +501,7 @@ def test_a_value_made_in_a_hook_is_recomputed_or_the_recompute_runs_again(policy
     FSDP2 before issue 39). An op the recompute needs, or a saved tensor, that shares a placeholder's storage stops
     the recompute, which runs again without skipping any op (the function runs three times). Exact on every engine,
     float64 bitwise."""
-    from remat._dispatch import Recorder
+    from remat._engine.dispatch import Recorder
 
     if engine == "full-engine-alias-lost":
         vid = Recorder.vid

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import remat
-from remat._sequential import Schedule, cost, equal_segments, nested_segments, solve
+from remat._budgets.sequential import Schedule, cost, equal_segments, nested_segments, solve
 from remat.bench.measure import FlopCount, LiveCensus, live_bytes_after
 
 from .helpers import assert_tree_close, run_benchmark_in_process
@@ -309,10 +309,10 @@ def test_nested_solver_matches_brute_force(seed: int) -> None:
     costs = [cost(x, act, inp, flops) for x in scheds]
     for budget in sorted({rng.randint(min(m for m, _ in costs), sum(act)) for _ in range(5)}):
         best = min(r for m, r in costs if m <= budget)
-        got = remat._sequential.solve_nested(act, inp, flops, budget, units=budget)
+        got = remat._budgets.sequential.solve_nested(act, inp, flops, budget, units=budget)
         assert got is not None and got.memory <= budget and got.recompute == pytest.approx(best), (budget, got)
         assert cost(got, act, inp, flops) == (got.memory, got.recompute)
-    assert remat._sequential.solve_nested(act, inp, flops, min(m for m, _ in costs) - 1,
+    assert remat._budgets.sequential.solve_nested(act, inp, flops, min(m for m, _ in costs) - 1,
                                           units=max(1, min(m for m, _ in costs) - 1)) is None
 
 

@@ -1,5 +1,5 @@
 """``remat.sequential(blocks, budget=..., offload=DeviceModel(...))``: each block plain, offloaded or in a remat'd
-segment (NOTE [offloading in a chain] in remat/_chain_offload.py): the solver against brute force, the limits of
+segment (NOTE [offloading in a chain] in remat/_budgets/chain_offload.py): the solver against brute force, the limits of
 free and impossible copies, the budget measured from outside remat, gradients exact against the plain chain."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 
 import remat
 from remat import DeviceModel, RematError
-from remat._chain_offload import EXACT, memory, seconds, solve
-from remat._schedules import Schedule
-from remat._schedules import solve as solve_two_way
+from remat._budgets.chain_offload import EXACT, memory, seconds, solve
+from remat._budgets.schedules import Schedule
+from remat._budgets.schedules import solve as solve_two_way
 from remat.bench.measure import live_bytes_after
 from remat.offload import OffloadEngine, use_engine
 

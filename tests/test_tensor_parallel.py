@@ -16,7 +16,7 @@ error, under save-nothing and save-matmuls, and ``memory_budget`` raised from
 its save hook: ``DTensor.from_local``/``to_local`` wrap and unwrap in Python,
 which no dispatch mode sees, so the liveness walk found the GELU feeding
 ``down`` dead and handed its placeholder to the recompute (NOTE [wrapper
-subclasses] in ``remat/_dispatch.py``). And ``CommDebugMode`` around the call
+subclasses] in ``remat/_engine/dispatch.py``). And ``CommDebugMode`` around the call
 raised a divergence: its module hooks run ``param.data`` (a ``detach``) and
 ``BackwardHookFunction`` views in the forward pass only (NOTE [hooks' aliases]).
 

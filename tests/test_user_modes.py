@@ -9,7 +9,7 @@ recompute that runs outside the mode, or the other way round. Before (issue
 39), ``CommDebugMode`` around a remat'd call raised "the recompute diverged: op
 #0 was aten.detach.default ... but aten.view.default now" on every policy,
 where ``torch.utils.checkpoint`` runs. NOTE [hooks' aliases] in
-``remat/_dispatch.py``: such identity aliases are the same value under another
+``remat/_engine/dispatch.py``: such identity aliases are the same value under another
 name; a pass may lack them or have more.
 
 Every case compares ``remat(block, policy=p)`` with the plain block under the same

@@ -10,8 +10,8 @@ import torch
 from .. import _torch_internals as ti
 from .._context import internal
 from .._errors import RematError, saved_shape_differs
-from .._ops import DeadRead, is_tainted
-from .._packed import Nested
+from .ops import DeadRead, is_tainted
+from .packed import Nested
 
 __all__ = ["Capture", "StopRecompute", "check_saved", "holdable", "identity", "NOT_HELD", "PassThrough"]
 
@@ -20,7 +20,7 @@ __all__ = ["Capture", "StopRecompute", "check_saved", "holdable", "identity", "N
 #     placeholder of a skipped op (else ``DeadRead``: the recompute runs again without skipping any op, NOTE [dead
 #     ops]), it has the shape and dtype the forward pass saved there, and, where the forward pass noted which node
 #     made it, it was made by the same kind of node. The recompute also checks every op it runs against the op the
-#     forward pass recorded (``Replayer``), comparing what each op read (NOTE [same reads] in ``_wiring.py``).
+#     forward pass recorded (``Replayer``), comparing what each op read (NOTE [same reads] in ``_engine/wiring.py``).
 
 
 def check_saved(fn_name: str, t: torch.Tensor, meta: tuple[Any, ...], pos: int, dead: bool) -> None:
@@ -187,7 +187,7 @@ _VIEWS = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackwar
 
 
 # The node of a module hook's identity wrapper (global full backward hooks, made under grad mode in one pass only:
-# NOTE [hooks' aliases] in _dispatch.py): the same value as whatever made its input, so it matches any maker.
+# NOTE [hooks' aliases] in _engine/dispatch.py): the same value as whatever made its input, so it matches any maker.
 _HOOK_NODES = frozenset({"BackwardHookFunctionBackward"})
 
 

@@ -38,7 +38,7 @@ cannot, and torch raises when it tries.
 
 One difference from eager remat (as in JAX): a name whose policy answers the
 explicit ``Recompute`` does not override the decision for the op that computed
-the value (NOTE [names decide for the value] in ``_policies.py``); the compiled
+the value (NOTE [names decide for the value] in ``_policies/core.py``); the compiled
 policy decides per op, and the op came first.
 """
 
@@ -56,11 +56,11 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .. import _torch_internals as ti
-from .._budget_policy import MemoryBudget
+from .._budgets.budget_policy import MemoryBudget
 from .._context import COMPILED_REGIONS
 from .._errors import RematError
-from .._naming import checkpoint_name
-from .._policies import Offloadable, Saveable, decide_explicit
+from .._policies.core import Offloadable, Saveable, decide_explicit
+from .._policies.naming import checkpoint_name
 
 __all__ = ["CompiledPolicy", "compiled_call", "context_fn"]
 

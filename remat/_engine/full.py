@@ -6,9 +6,9 @@ parameter held by reference, or the output of an op the policy saves),
 *offloaded* (copied to host memory by the offload engine) or *dropped*. The
 first time the backward pass unpacks a dropped tensor of a given functorch
 level, the frame recomputes: it rebuilds the forward's transform stack
-(NOTE [per-level replay] in ``_functorch.py``), restores the random-number and
+(NOTE [per-level replay] in ``_engine/functorch.py``), restores the random-number and
 autocast state, re-runs the function under capture hooks and the
-:class:`~remat._dispatch.Replayer`, and keeps what that level saved until the
+:class:`~remat._engine.dispatch.Replayer`, and keeps what that level saved until the
 backward pass has read it all (or the backward pass ends).
 
 NOTE [nested remat]
@@ -115,11 +115,14 @@ from typing import Any
 import torch
 
 from .. import _torch_internals as ti
-from .._ambient import AmbientState, no_accumulation
 from .._context import INSPECTOR, activated, active_context, internal
-from .._dispatch import Recorder
 from .._errors import RematError, input_written_in_forward
-from .._functorch import (
+from .._policies.core import Offloadable, Recompute
+from .._torch_internals import saved_tensors_hooks
+from .ambient import AmbientState, no_accumulation
+from .capture import holdable
+from .dispatch import Recorder
+from .functorch import (
     Decomposed,
     Level,
     below_all_levels,
@@ -127,16 +130,13 @@ from .._functorch import (
     record_stack,
     saving_height,
 )
-from .._ops import Half, storage_key, tensor_leaves
-from .._packed import DROP, INPUT, KEEP, OFFLOAD, ROUTED, Made, Nested, Packed, ParentHandle
-from .._policies import Offloadable, Recompute
-from .._state import Snapshot
-from .._torch_internals import saved_tensors_hooks
-from .._wiring import Wiring, known_tokens
-from .capture import holdable
+from .ops import Half, storage_key, tensor_leaves
+from .packed import DROP, INPUT, KEEP, OFFLOAD, ROUTED, Made, Nested, Packed, ParentHandle
 from .program import Program, ProgramRecorder
 from .recompute import fingerprints, run_recompute
 from .region import NeedsRegion, forward_pass, rewind_attempt
+from .state import Snapshot
+from .wiring import Wiring, known_tokens
 
 __all__ = ["Frame"]
 
@@ -203,7 +203,7 @@ class _Saving(Half):
                 # its tangents are read after the forward pass (no op may run inside a pack hook)
                 self._tangents_todo.append((t, s))
             insp = INSPECTOR.get()
-            if insp is not None:  # remat.saved_residuals is listing what is saved (_inspect.py)
+            if insp is not None:  # remat.saved_residuals is listing what is saved (_inspection/inspect.py)
                 final = p
                 while final.kind == ROUTED:  # what the enclosing calls decided for it
                     final = final.payload
@@ -329,7 +329,7 @@ class _Serving(Half):
             # NOTE [unused outputs]: a node the analysis did not foresee reads it (a double backward reaches
             # the forward's nodes through the first backward's graph): recompute everything, and use that
             cached = self.cache[s] = self._recompute(s, skip_unused=False)
-        out = cached.take(self.fn_name, p.pos)  # (NOTE [written after saved] in _packed.py)
+        out = cached.take(self.fn_name, p.pos)  # (NOTE [written after saved] in _engine/packed.py)
         if not cached:
             del self.cache[s]
         return out
@@ -475,7 +475,7 @@ class Frame(_Saving, _Serving):
             # forward's input required grad: the parent hands inputs back detached
             self._routed_slots = {i: a.requires_grad for i, a in enumerate(flat) if isinstance(a, torch.Tensor)}
         self._forward_inputs = flat
-        if not self.levels and not self.routed:  # NOTE [same reads] in _wiring.py: the tensors are the call's own
+        if not self.levels and not self.routed:  # NOTE [same reads] in _engine/wiring.py: the tensors are the call's own
             # (module state is read as outside tensors here, checked by storage, and its recompute may read copies
             # of what the call wrote: NOTE [outside tensors]; so one marker like them, not tokens of their own)
             self.recorder.wiring = Wiring(known_tokens(flat, []), loose=True)

@@ -5,7 +5,7 @@ NOTE [program replay]
     Under ``torch.func`` the ATen trace (NOTE [the trace]) cannot serve: a dispatch mode sees the ops below every
     functorch layer (a vmap level batches them, a jvp level adds its tangents' ops), while the recompute must
     make the saved tensors again at the level that saved them, on the rebuilt stack (NOTE [per-level replay] in
-    ``_functorch.py``). So the full engine runs the call again on that stack; what it runs is not the user's
+    ``_engine/functorch.py``). So the full engine runs the call again on that stack; what it runs is not the user's
     Python but the call's program. A ``TorchFunctionMode`` (:class:`ProgramRecorder`) sees, above every layer,
     each torch function the forward pass called (``torch.matmul``, ``Tensor.__getitem__``, ``F.layer_norm``,
     ``torch.ops.aten.alias``) and stores it as a :class:`Call`: the function, its non-tensor arguments as they

@@ -1,9 +1,9 @@
 """The full engine's recompute: one call of a remat'd function run again, under capture hooks, for what its
 backward pass needs (``Frame._recompute`` in ``full.py`` calls :func:`run_recompute`).
 
-The recompute rebuilds the forward's transform stack (NOTE [per-level replay] in ``_functorch.py``), restores the
+The recompute rebuilds the forward's transform stack (NOTE [per-level replay] in ``_engine/functorch.py``), restores the
 module state, random-number and autocast state, and re-runs the function under the dispatch
-:class:`~remat._dispatch.Replayer` (which hands back what the policy kept and skips dead and unused ops) and a
+:class:`~remat._engine.dispatch.Replayer` (which hands back what the policy kept and skips dead and unused ops) and a
 :class:`Capture`, whose pack hook takes the saved tensors at the positions the forward pass dropped, checks them
 against what the forward pass saved there, and stops the run once it has them all. NOTE [unused outputs], NOTE
 [what a recompute holds] and NOTE [nested remat] are in ``full.py``: an inner remat call re-run by an outer
@@ -18,16 +18,16 @@ from typing import Any
 
 import torch
 
-from .. import _outside as ox
 from .. import _torch_internals as ti
 from .._context import activated, internal
-from .._dispatch import OpTap
 from .._errors import RematError, input_written_before_backward
-from .._functorch import check_lower_levels, replay
-from .._ops import DeadRead, storage_key
-from .._packed import Made, ParentHandle, made_anew
 from .._torch_internals import saved_tensors_hooks
+from . import outside as ox
 from .capture import Capture, PassThrough, StopRecompute
+from .dispatch import OpTap
+from .functorch import check_lower_levels, replay
+from .ops import DeadRead, storage_key
+from .packed import Made, ParentHandle, made_anew
 from .replay import Replayer
 
 __all__ = ["fingerprints", "check_fingerprints", "run_recompute", "unused_ops", "call_nested_replay"]

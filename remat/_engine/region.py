@@ -9,10 +9,10 @@ NOTE [reentrant region]
     autograd saves only the region's inputs. Its forward pass runs the function
     under ``torch.func.vjp`` (the ops a torch.func transform inside runs depend on
     the grad mode, so forward and recompute run it the same way; that graph dies
-    with the call) and under the :class:`~remat._dispatch.Recorder`, which asks the
+    with the call) and under the :class:`~remat._engine.dispatch.Recorder`, which asks the
     policy about every op and holds the outputs it saves at once (``region``: no
     saved tensor will say what the backward pass reads). Its backward pass runs the
-    function again under ``torch.func.vjp`` and the :class:`~remat._dispatch.Replayer`
+    function again under ``torch.func.vjp`` and the :class:`~remat._engine.dispatch.Replayer`
     (saved outputs handed back, random numbers and autocast as in the forward pass)
     and applies the vjp. So it works under plain autograd (double backward too) and
     under torch.func transforms. Module state the function reads (NOTE [state is an
@@ -45,13 +45,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import _torch_internals as ti
-from .._ambient import AmbientState
 from .._context import internal
-from .._dispatch import Recorder
 from .._errors import RematError
-from .._ops import storage_key
-from .._state import Snapshot
+from .ambient import AmbientState
+from .dispatch import Recorder
+from .ops import storage_key
 from .replay import Replayer
+from .state import Snapshot
 
 __all__ = ["NeedsRegion", "run_region", "enclosed", "forward_pass", "rewind_attempt"]
 

@@ -1,7 +1,7 @@
 """The re-run recompute's dispatch mode: where the recompute runs the function's Python again (the routes of
 docs/how-it-works.md "Where neither replay serves"), or replays its program (NOTE [program replay] in
 ``program.py``), the :class:`Replayer` checks every op against the forward pass's record (NOTE [same reads] in
-``_wiring.py``) and hands back what the policy kept.
+``_engine/wiring.py``) and hands back what the policy kept.
 
 NOTE [random ops]
     The recorder notes, before each random op of the forward pass, its generator and that generator's state; the
@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 
-from .. import _outside as ox
 from .. import _torch_internals as ti
 from .._context import INTERNAL, internal
-from .._dispatch import Recorder
 from .._errors import RematError
-from .._ops import (
+from .._torch_internals import TorchDispatchMode
+from . import outside as ox
+from .dispatch import Recorder
+from .ops import (
     DETACH,
     RANGE_OPS,
     TO_COPY,
@@ -42,9 +43,8 @@ from .._ops import (
     storage_key,
     tensor_leaves,
 )
-from .._outside_writes import outside_args
-from .._torch_internals import TorchDispatchMode
-from .._wiring import Wiring, autocast_cast, cast_source, describe_difference, same_key, values_key
+from .outside_writes import outside_args
+from .wiring import Wiring, autocast_cast, cast_source, describe_difference, same_key, values_key
 
 __all__ = ["Replayer"]
 
@@ -63,7 +63,7 @@ class Replayer(TorchDispatchMode):
         self.pos = 0
         self.unused = unused  # ops feeding only outputs this backward pass does not differentiate
         self.unused_keys: set[int] = set()  # storages of the placeholders handed back for them
-        # NOTE [autocast's cache] in _wiring.py: id -> (leaf, weakref) of the casts the recompute ran past the ops
+        # NOTE [autocast's cache] in _engine/wiring.py: id -> (leaf, weakref) of the casts the recompute ran past the ops
         self.casts: dict[int, tuple[torch.Tensor, weakref.ref[torch.Tensor]]] = {}
         self.wiring = None if recorder.wiring is None else Wiring(recorder.wiring.known, loose=True)
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # set by the recompute: their states
@@ -84,7 +84,7 @@ class Replayer(TorchDispatchMode):
         ops = self.rec.ops
         i = self.pos
         rec = ops[i] if i < len(ops) else None
-        # NOTE [autocast's cache] in _wiring.py: a cast of a leaf matches the forward pass's cast of that leaf only
+        # NOTE [autocast's cache] in _engine/wiring.py: a cast of a leaf matches the forward pass's cast of that leaf only
         leaf = autocast_cast(func, args, kwargs) if func is TO_COPY else None
         alias = (func is VIEW or func is DETACH) and identity_alias(func, args, kwargs)
         if alias and (rec is None or not rec.alias or func is not rec.func):
@@ -138,7 +138,7 @@ class Replayer(TorchDispatchMode):
             return out
         if wiring is None or rec.wkey is None:
             return self._run(i, rec, func, args, kwargs)
-        now = wiring.key(args, kwargs)  # NOTE [same reads] in _wiring.py: the values and which tensor each is
+        now = wiring.key(args, kwargs)  # NOTE [same reads] in _engine/wiring.py: the values and which tensor each is
         if now != rec.wkey and not same_key(now, rec.wkey, loose=True):
             raise self.diverged(
                 f"op #{i} {func} read other values than in the forward pass: "
@@ -171,7 +171,7 @@ class Replayer(TorchDispatchMode):
         tainted = bool(self.tainted) and any(is_tainted(self.tainted, t) for t in arg_tensors(args, kwargs))
         if tainted and rec.live:
             raise DeadRead
-        if rec.scalars and rec.wkey is None:  # NOTE [same reads] in _wiring.py: the values, where no key was noted
+        if rec.scalars and rec.wkey is None:  # NOTE [same reads] in _engine/wiring.py: the values, where no key was noted
             values = values_key(args, kwargs)
             if values != rec.scalars and not same_key(values, rec.scalars):
                 raise self.diverged(

@@ -31,17 +31,17 @@ import optree
 import torch
 
 from .. import _torch_internals as ti
-from .._budget_policy import MemoryBudget
+from .._budgets.budget_policy import MemoryBudget
 from .._context import INSPECTOR, active_context
 from .._errors import RematError
 from .._offload import default_engine
-from .._state import snapshot
 from .frame import CallFrame
 from .full import Frame
 from .program import Program
 from .recompute import call_nested_replay
 from .region import NeedsRegion, enclosed, run_region
 from .signature import signature
+from .state import snapshot
 from .traced import TraceFrame, traceable
 
 __all__ = ["call"]
@@ -91,7 +91,7 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
         return run(flat)  # inside a traced call that this call cannot join: the enclosing trace records it
     frame: CallFrame | None = None
     budget, measuring, call_policy = None, None, policy
-    if isinstance(policy, MemoryBudget):  # NOTE [budget plans] in _budget_policy.py: decided per signature
+    if isinstance(policy, MemoryBudget):  # NOTE [budget plans] in _budgets/budget_policy.py: decided per signature
         budget = policy
         # per function (its code: identical blocks share a plan) and signature, with the torch.func levels
         code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None), "__code__", None)

@@ -1,5 +1,5 @@
 """What one call of a remat'd function is, for what remat learns across calls: its *signature* (a memory budget's
-plans are per signature: NOTE [budget plans] in ``_budget_policy.py``), and what is learnt per function (whether it
+plans are per signature: NOTE [budget plans] in ``_budgets/budget_policy.py``), and what is learnt per function (whether it
 enters a ``torch.func`` reverse transform: NOTE [reentrant region] in ``region.py``), shared by every remat of it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .._context import CACHES
-from .._state import Snapshot
+from .state import Snapshot
 
 __all__ = ["signature", "learnt_for", "MAX_KEYS"]
 

@@ -43,9 +43,7 @@ import torch
 
 from .. import _torch_internals as ti
 from .._context import INTERNAL, PENDING_NAME, internal
-from .._naming import checkpoint_name
-from .._ops import ALIAS, RANGE_OPS, generator_for, ignored, profiler_op
-from .._policies import (
+from .._policies.core import (
     Decision,
     Offloadable,
     Recompute,
@@ -55,7 +53,9 @@ from .._policies import (
     decide_explicit,
     policy_failed,
 )
+from .._policies.naming import checkpoint_name
 from .._torch_internals import TorchDispatchMode
+from .ops import ALIAS, RANGE_OPS, generator_for, ignored, profiler_op
 
 __all__ = ["OpInfo", "Step", "Trace", "Tracer", "op_info", "AmbientFlags"]
 

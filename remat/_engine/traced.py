@@ -46,15 +46,15 @@ from typing import Any
 import optree
 import torch
 
-from .. import _outside as ox
 from .. import _torch_internals as ti
 from .._context import activated, active_context, internal
 from .._errors import RematError, input_written_before_backward, saved_written_after_save
-from .._ops import Half
-from .._packed import DROP, INPUT, KEEP, OFFLOAD, ROUTED
-from .._policies import Offloadable, Recompute
+from .._policies.core import Offloadable, Recompute
 from .._torch_internals import saved_tensors_hooks
+from . import outside as ox
 from .capture import holdable
+from .ops import Half
+from .packed import DROP, INPUT, KEEP, OFFLOAD, ROUTED
 from .region import NeedsRegion, forward_pass
 from .replaying import ancestors, plan, run
 from .trace import Trace, Tracer
@@ -109,7 +109,7 @@ def traceable(flat: list[Any], state_tensors: list[Tensor], modules: list[Any]) 
     subclass such as DTensor makes values in Python where no mode sees: the full engine handles those), and no
     FSDP2 module below the first one the call reaches: FSDP2 frees such a module's gathered parameters after its
     forward pass and gathers them again only when the backward pass reaches it, after the replay would read them
-    (NOTE [FSDP's hooks] in _dispatch.py; the full engine runs the hooks again)."""
+    (NOTE [FSDP's hooks] in _engine/dispatch.py; the full engine runs the hooks again)."""
     fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
     if fsdp is not None and any(isinstance(m, fsdp) for m in modules[1:]):
         return False
@@ -369,7 +369,7 @@ class _Saving(Half):
         return p
 
     def _watch(self, p: _Pack, t: Tensor) -> None:
-        """NOTE [written after saved] in _packed.py: what is not held is watched (weakly, with its aliases) for a
+        """NOTE [written after saved] in _engine/packed.py: what is not held is watched (weakly, with its aliases) for a
         write in place before its unpack, which plain autograd would refuse."""
         p.ref, p.dtype = weakref.ref(t), t.dtype
         self.drops.append(p)

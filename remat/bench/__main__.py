@@ -33,8 +33,8 @@ import torch
 
 from .. import _torch_internals as ti
 from .. import policies
-from .._sequential import sequential
-from .._transform import remat
+from .._api.transform import remat
+from .._budgets.sequential import sequential
 from .configs import COMPILED, CONFIGS, NAMES, applies, default_configs, label, make_wrap
 from .measure import Config, MiB, format_table, measure, pareto_front, plot, ties, time_better
 from .models import SIZES, make_model

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from .. import policies
-from .._transform import remat
+from .._api.transform import remat
 
 __all__ = ["CONFIGS", "COMPILED", "NAMES", "TORCH_MATMULS", "make_wrap", "applies", "default_configs", "label"]
 

@@ -1,11 +1,11 @@
 """The measuring harness the benchmark scripts use: memory, time and recomputed FLOPs, from outside the library.
 
-It lives in the library (``remat/_measure.py``), where :func:`remat.compare` and :func:`remat.sequential`'s cost
+It lives in the library (``remat/_inspection/measure.py``), where :func:`remat.compare` and :func:`remat.sequential`'s cost
 model use it too; the benchmark package imports it from there, never the other way round
 (``tests/test_layout.py``).
 """
 
-from .._measure import (
+from .._inspection.measure import (
                         Config,
                         FlopCount,
                         LiveCensus,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._naming import checkpoint_name
+from .._policies.naming import checkpoint_name
 
 __all__ = ["SIZES", "make_mlp", "make_transformer", "make_cnn", "make_model", "transformer_block",
            "mlp_block", "cnn_block"]

@@ -22,7 +22,7 @@ transient, its first inner segment's input being its own), and its recompute the
 segment's FLOPs (but for a last remat'd inner segment, whose output nothing in the
 recompute reads: remat does not run it) plus the inner schedule's. ``levels=L``
 nests ``L`` levels of equal segments (``nested_segments``). A budget also solves
-the best multi-level schedule (``solve_nested`` in ``_schedules.py``: a dynamic
+the best multi-level schedule (``solve_nested`` in ``_budgets/schedules.py``: a dynamic
 program over spans, the largest inner transient and persistent bytes, exact on a
 grid of ``budget / 48`` steps, checked against every nested schedule of short
 chains) and takes it when it recomputes less than the exact single-level one, or
@@ -56,17 +56,17 @@ from typing import Any
 import optree
 import torch
 
-from . import _torch_internals as ti
-from ._chain_offload import ChainPlan
-from ._chain_offload import solve as solve_three_way
-from ._context import INSPECTOR, internal
-from ._device_model import DeviceModel
-from ._errors import RematError
-from ._measure import FlopCount
-from ._ops import storage_key
-from ._policies import Offloadable
-from ._schedules import Schedule, cost, equal_segments, nested_segments, solve, solve_nested
-from ._transform import remat
+from .. import _torch_internals as ti
+from .._api.transform import remat
+from .._context import INSPECTOR, internal
+from .._engine.ops import storage_key
+from .._errors import RematError
+from .._inspection.measure import FlopCount
+from .._policies.core import Offloadable
+from .chain_offload import ChainPlan
+from .chain_offload import solve as solve_three_way
+from .device_model import DeviceModel
+from .schedules import Schedule, cost, equal_segments, nested_segments, solve, solve_nested
 
 __all__ = ["sequential", "Sequential", "Schedule", "solve", "solve_nested", "equal_segments", "nested_segments",
            "cost"]
@@ -293,7 +293,7 @@ def sequential(blocks: Sequence[Callable[[Any], Any]], *, segments: int | None =
     inside (``levels=ceil(log2(n))``, two segments a level: memory grows like
     ``log n``, a block recomputed up to ``L`` times). With ``budget``, the schedule
     with the least recomputed FLOPs whose predicted memory fits (NOTE [chain
-    schedules] in ``remat/_sequential.py``): the best single-level schedule, exactly,
+    schedules] in ``remat/_budgets/sequential.py``): the best single-level schedule, exactly,
     or a nested one where that fits with less recompute or where no single-level
     one fits; solved on the first call of each input signature and cached. Works
     under plain autograd and the ``torch.func`` transforms, like :func:`remat`.
@@ -313,7 +313,7 @@ def sequential(blocks: Sequence[Callable[[Any], Any]], *, segments: int | None =
         offload: with ``budget``, a :class:`~remat.DeviceModel` (or ``True``: measure the chain's CUDA device):
             a plain block may also be *offloaded*, its activations copied to host memory through the offload
             engine, and the schedule is the one of least modelled step time within the budget (NOTE [offloading
-            in a chain] in ``remat/_chain_offload.py``); ``.plans`` says what it chose and its modelled time.
+            in a chain] in ``remat/_budgets/chain_offload.py``); ``.plans`` says what it chose and its modelled time.
         host_budget: with ``offload``, the host bytes the offloaded blocks may take (``None``: no bound).
 
     Returns:

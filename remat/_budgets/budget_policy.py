@@ -1,7 +1,7 @@
 """``policies.memory_budget``, the policy: measure a call, solve its budget, follow the plan on later calls.
 
-NOTE [budget plans] (the model and the solvers: NOTE [memory budget] in ``_budget.py``,
-NOTE [three-way budget] in ``_budget_offload.py``):
+NOTE [budget plans] (the model and the solvers: NOTE [memory budget] in ``_budgets/budget.py``,
+NOTE [three-way budget] in ``_budgets/budget_offload.py``):
 The graph is measured by the engine, not traced apart: the first call of a
 remat'd function with given input shapes (its signature, ``_engine/signature.py``)
 runs with nothing saved, which fits any budget, while the recorder records every
@@ -28,15 +28,15 @@ import optree
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from . import _torch_internals as ti
-from ._budget import Graph, _closure, full_bytes, solve
-from ._budget_offload import evaluate as evaluate_three_way
-from ._budget_offload import solve as solve_three_way
-from ._context import INSPECTOR, internal
-from ._device_model import DeviceModel
-from ._errors import RematError
-from ._naming import checkpoint_name
-from ._policies import Offloadable, Saveable
+from .. import _torch_internals as ti
+from .._context import INSPECTOR, internal
+from .._errors import RematError
+from .._policies.core import Offloadable, Saveable
+from .._policies.naming import checkpoint_name
+from .budget import Graph, _closure, full_bytes, solve
+from .budget_offload import evaluate as evaluate_three_way
+from .budget_offload import solve as solve_three_way
+from .device_model import DeviceModel
 
 __all__ = ["MemoryBudget", "BudgetPlan", "memory_budget"]
 
@@ -381,7 +381,7 @@ def memory_budget(budget: int | float, offload: DeviceModel | bool | None = None
     ops without one), is least, knowing that what a recomputed op reads must be
     kept or recomputed too. The plan is cached per signature (``.plans``) and later
     calls cost what a fixed policy costs. The model and solver are explained in
-    docs/budgets.md and NOTE [memory budget] in ``remat/_budget.py``. Works under
+    docs/budgets.md and NOTE [memory budget] in ``remat/_budgets/budget.py``. Works under
     plain autograd and the ``torch.func`` transforms like every policy; under
     ``torch.compile`` use torch's own ``activation_memory_budget`` (docs/budgets.md).
 
@@ -391,7 +391,7 @@ def memory_budget(budget: int | float, offload: DeviceModel | bool | None = None
     ``offload_to_cpu``) or recomputed, so that the device bytes stay within
     ``budget``, the host bytes within ``host_budget`` and the modelled step time
     (compute, recompute, and the copy time the compute cannot hide) is least
-    (NOTE [three-way budget] in ``remat/_budget_offload.py``). Copies that overlap
+    (NOTE [three-way budget] in ``remat/_budgets/budget_offload.py``). Copies that overlap
     the compute cost nothing, so on a GPU a budget that would recompute matmuls
     often offloads them instead. ``plans`` also says what the plan offloads and
     its modelled time against the keep/recompute plan.

@@ -11,7 +11,7 @@ prices its choices in seconds on one device:
 * ``d2h`` and ``h2d``: the copy bandwidth from device to host and back, in bytes
   per second; a copy runs on its own stream, overlapping the compute, so only the
   part of it that the compute cannot hide costs time (NOTE [three-way budget] in
-  ``_budget_offload.py`` says how that is modelled);
+  ``_budgets/budget_offload.py`` says how that is modelled);
 * ``max_inflight_bytes``: the offload engine's bound on copies in flight
   (``OffloadEngine(max_inflight_bytes=...)``): past it the compute waits.
 
@@ -30,14 +30,14 @@ import time
 
 import torch
 
-from ._context import CACHES
+from .._context import CACHES
 
 __all__ = ["DeviceModel"]
 
 
 @dataclasses.dataclass(frozen=True)
 class DeviceModel:
-    """A device's FLOP rate and copy bandwidth each way (NOTE [device model] in ``remat/_device_model.py``).
+    """A device's FLOP rate and copy bandwidth each way (NOTE [device model] in ``remat/_budgets/device_model.py``).
 
     Args:
         flops: FLOPs per second of the device (> 0).

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ._errors import RematError
-from ._naming import checkpoint_name
+from .._errors import RematError
+from .naming import checkpoint_name
 
 __all__ = [
     "Decision",

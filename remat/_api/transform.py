@@ -10,12 +10,12 @@ from typing import Any, TypeVar, overload
 
 from torch import nn
 
-from . import _torch_internals as ti
-from ._engine.compiled import compiled_call, context_fn
-from ._engine.select import call
-from ._engine.signature import learnt_for
-from ._policies import resolve_policy
-from ._state import brief_name
+from .. import _torch_internals as ti
+from .._engine.compiled import compiled_call, context_fn
+from .._engine.select import call
+from .._engine.signature import learnt_for
+from .._engine.state import brief_name
+from .._policies.core import resolve_policy
 
 __all__ = ["remat", "Rematted"]
 

@@ -35,7 +35,7 @@ NOTE [hooks' aliases]
     *identity alias*: its one argument again, the same value, shape and strides
     (``identity_alias``). A pass may make more of them or fewer: one the other
     pass lacks is run and not counted, the other pass's are skipped, and its
-    output's token (NOTE [same reads] in ``_wiring.py``) is its argument's, so
+    output's token (NOTE [same reads] in ``_engine/wiring.py``) is its argument's, so
     the ops after it read the same values whichever pass made it. An alias is
     not checked itself (which parameter a tracker's ``.data`` reads at a given
     position may differ): the ops that read its output are. A saved tensor a
@@ -60,12 +60,12 @@ NOTE [FSDP's hooks]
     inside a profiler range named ``FSDP::...``, whose markers every mode sees
     (``profiler_op``): the ops inside one are not the call's (``INTERNAL``), in
     every pass and every mode. The sharded parameters FSDP2 registers between
-    calls are not the call's state (``_state.py``): the forward pass reads the
+    calls are not the call's state (``_engine/state.py``): the forward pass reads the
     gathered ones, which are outside tensors, held and checked by identity and
     version (NOTE [outside tensors]
     An op may read a tensor that is neither an input of the call nor made by an
     op of the call: a parameter, a buffer, a closed-over or global tensor, a
-    constant built from Python data. NOTE [state is an input] in ``_state.py``
+    constant built from Python data. NOTE [state is an input] in ``_engine/state.py``
     puts module state and closures back for the recompute; this is the safety
     net for everything it cannot reach, at the dispatch level:
 
@@ -102,12 +102,14 @@ from typing import Any
 import optree
 import torch
 
-from . import _outside as ox
-from . import _torch_internals as ti
-from ._context import INTERNAL, PENDING_NAME, internal
-from ._liveness import StashLiveness
-from ._naming import checkpoint_name
-from ._ops import (
+from .. import _torch_internals as ti
+from .._context import INTERNAL, PENDING_NAME, internal
+from .._policies.core import Decision, Offloadable, Recompute, decide, decide_explicit
+from .._policies.naming import checkpoint_name
+from .._torch_internals import TorchDispatchMode
+from . import outside as ox
+from .liveness import StashLiveness
+from .ops import (
     ALIAS,
     DETACH,
     LIFTS,
@@ -127,10 +129,8 @@ from ._ops import (
     tensor_leaves,
     traits,
 )
-from ._outside_writes import OutsideReads
-from ._policies import Decision, Offloadable, Recompute, decide, decide_explicit
-from ._torch_internals import TorchDispatchMode
-from ._wiring import Wiring, autocast_cast, values_key
+from .outside_writes import OutsideReads
+from .wiring import Wiring, autocast_cast, values_key
 
 __all__ = ["OpTap", "Recorder", "iter_stashed"]
 
@@ -162,9 +162,9 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
         self.written_outside: set[int] = set()  # storages of outside tensors the call wrote
         self._pending: dict[int, list[tuple[OpRecord, int, torch.Tensor]]] = {}  # outside reads since the last write
         self.describe_tensor: Callable[[torch.Tensor], str | None] = lambda t: None
-        # NOTE [generators of your own] (_ambient.py): the call's AmbientState.generators, set by its engine
+        # NOTE [generators of your own] (_engine/ambient.py): the call's AmbientState.generators, set by its engine
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
-        # NOTE [same reads] in _wiring.py: set by a frame without torch.func levels that is not nested (its tensors are
+        # NOTE [same reads] in _engine/wiring.py: set by a frame without torch.func levels that is not nested (its tensors are
         # the call's own objects): the key of each op's arguments, which the Replayer compares
         self.wiring: Wiring | None = None
         self._paused = False
@@ -276,7 +276,7 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
                 outside, lifted = None, ox.fingerprint(ins[0])
             else:
                 outside, lifted = self._outside_reads(ins, keys, in_vids), None
-            scalars = values_key(args, kwargs)  # NOTE [same reads] in _wiring.py
+            scalars = values_key(args, kwargs)  # NOTE [same reads] in _engine/wiring.py
             if outside and func is TO_COPY and isinstance(decision, Offloadable):
                 # a cast of a parameter (autocast's bf16 weights): moving a parameter-sized copy each step
                 # costs more than casting again in the recompute, and parameters are kept by reference anyway
@@ -303,7 +303,7 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
             idx = len(self.ops)
             self.ops.append(rec)
             rec.alias = identity_alias(func, args, kwargs)  # NOTE [hooks' aliases]
-            if self.wiring is not None:  # NOTE [same reads] in _wiring.py
+            if self.wiring is not None:  # NOTE [same reads] in _engine/wiring.py
                 rec.wkey = self.wiring.key(args, kwargs)
                 if leaf is not None:
                     self.wiring.note_cast(out, leaf)

@@ -14,7 +14,7 @@ NOTE [same reads]
     arguments with every tensor replaced by what it is in that pass:
 
     * an input of the call, or a tensor of the module state it reads (NOTE
-      [state is an input] in ``_state.py``): which one (by slot; both passes
+      [state is an input] in ``_engine/state.py``): which one (by slot; both passes
       read the same objects, the recompute with the state put back);
     * an output of an earlier op of the same pass: which op, which output (the
       wiring, ``h = [a, b][self.idx]``);
@@ -56,7 +56,7 @@ NOTE [same reads]
     outside nested calls, whose tensors are not the call's own objects: there
     the values only, :func:`values_key`), with a tensor no op of the call made
     as one marker: it checks those by storage (NOTE [outside tensors] in
-    ``_outside_writes.py``).
+    ``_engine/outside_writes.py``).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class Wiring:
         self.cached = cached
         self.made: dict[int, tuple[Any, weakref.ref[torch.Tensor]]] = {}
         # the full engine's: a tensor no op made is one marker (its outside-tensor check compares those by storage,
-        # and lets a constant made afresh with the same value pass: NOTE [outside tensors] in _outside_writes.py)
+        # and lets a constant made afresh with the same value pass: NOTE [outside tensors] in _engine/outside_writes.py)
         self.loose = loose
 
     def key(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> list[Any]:
@@ -168,7 +168,7 @@ class Wiring:
 
     def _unknown(self, a: torch.Tensor) -> Any:
         """A tensor no op of this pass made: autocast's cached cast of a leaf (NOTE [autocast's cache]), an alias of a
-        tensor an op made, made where no mode sees (NOTE [FSDP's hooks] in _dispatch.py: that tensor's token), or
+        tensor an op made, made where no mode sees (NOTE [FSDP's hooks] in _engine/dispatch.py: that tensor's token), or
         itself."""
         leaf = cast_source(a)
         if leaf is not None:
@@ -200,7 +200,7 @@ class Wiring:
             self.made[id(out)] = (self.cast_token(leaf, out.dtype), weakref.ref(out))
 
     def note_alias(self, out: Any, src: torch.Tensor) -> None:
-        """``out`` is ``src`` under another name (NOTE [hooks' aliases] in _dispatch.py): the same token."""
+        """``out`` is ``src`` under another name (NOTE [hooks' aliases] in _engine/dispatch.py): the same token."""
         if isinstance(out, _Tensor):
             self.made[id(out)] = (self._token(src), weakref.ref(out))
 
@@ -247,7 +247,7 @@ def cast_source(t: torch.Tensor) -> torch.Tensor | None:
 
 def values_key(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> list[Any]:
     """The values an op got, every tensor replaced by one marker: the full engine's part of NOTE [same reads]
-    (it checks which tensor each op reads its own way, by storage: NOTE [outside tensors] in ``_outside_writes.py``; its
+    (it checks which tensor each op reads its own way, by storage: NOTE [outside tensors] in ``_engine/outside_writes.py``; its
     tensors are those below the ``torch.func`` levels, which the recompute rebuilds)."""
     key = [_value(a) for a in args]
     if kwargs:
@@ -292,7 +292,7 @@ def known_tokens(inputs: list[Any], state: list[torch.Tensor]) -> dict[int, Any]
 def same_key(now: Any, then: Any, loose: bool = False) -> bool:
     """Whether two keys are equal, NaN equal to NaN (``==`` first: the common case, done in C). ``loose`` (the full
     engine's): a tensor no op of the call made, on either side, matches any tensor (its reads of tensors it did not
-    make, a backward pass's inside it included, are checked by storage: NOTE [outside tensors] in _outside_writes.py)."""
+    make, a backward pass's inside it included, are checked by storage: NOTE [outside tensors] in _engine/outside_writes.py)."""
     if now == then:
         return True
     if type(now) is float and type(then) is float:

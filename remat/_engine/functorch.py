@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from . import _torch_internals as ti
-from ._errors import RematError, internal_error
+from .. import _torch_internals as ti
+from .._errors import RematError, internal_error
 
 __all__ = ["Level", "record_stack", "saving_height", "Decomposed", "decompose", "replay", "below_all_levels"]
 

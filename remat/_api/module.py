@@ -9,8 +9,8 @@ from typing import Any
 
 from torch import nn
 
-from . import _torch_internals as ti
-from ._transform import Rematted, remat
+from .. import _torch_internals as ti
+from .transform import Rematted, remat
 
 __all__ = ["remat_module", "remat_modules", "unremat_module", "unremat_modules"]
 

@@ -1,6 +1,6 @@
 """Tensors a call reads that are not its inputs (module state, globals): the recorder's half that notes what the
 forward pass read of them and copies what it is about to overwrite, so that the recompute reads what the forward
-pass read (the other half of ``_dispatch.Recorder``; op arguments in ``_outside.py``).
+pass read (the other half of ``_dispatch.Recorder``; op arguments in ``_engine/outside.py``).
 
 NOTE [outside tensors]); FSDP2 gathers them into the same tensors
     for the backward pass. Its hooks also wrap a module's inputs in an
@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from . import _outside as ox
-from ._context import internal
-from ._errors import RematError
-from ._ops import OVERWRITES, Half, OpRecord, arg_tensors, storage_key, tensor_leaves
-from ._policies import Offloadable
+from .._context import internal
+from .._errors import RematError
+from .._policies.core import Offloadable
+from . import outside as ox
+from .ops import OVERWRITES, Half, OpRecord, arg_tensors, storage_key, tensor_leaves
 
 __all__ = ["OutsideReads", "outside_args"]
 

@@ -41,7 +41,7 @@ import optree
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from ._torch_internals import TorchDispatchMode, inner_tensors, storage_of
+from .._torch_internals import TorchDispatchMode, inner_tensors, storage_of
 
 __all__ = ["FlopCount", "Config", "Result", "LiveCensus", "live_bytes_after", "saved_bytes", "measure", "ratio", "format_table", "pareto_front", "ties", "time_better", "plot", "MiB"]
 

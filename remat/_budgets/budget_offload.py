@@ -1,7 +1,7 @@
 """Three-way budgets: keep, offload or recompute each value, priced in seconds by a :class:`~remat.DeviceModel`.
 
 NOTE [three-way budget]: ``policies.memory_budget(b, offload=model)`` extends the
-keep/recompute cut of NOTE [memory budget] (``_budget.py``) with a third choice
+keep/recompute cut of NOTE [memory budget] (``_budgets/budget.py``) with a third choice
 per op: its needed outputs go to host memory in the forward pass and come back
 in the backward pass (the offload engine, ``remat/_offload``). An assignment
 ``keep`` / ``offload`` (the held ops) / recompute (the rest) is priced on the
@@ -45,9 +45,9 @@ import dataclasses
 import itertools
 import math
 
-from ._budget import Graph, _closure
-from ._budget import solve as solve_two_way
-from ._device_model import DeviceModel
+from .budget import Graph, _closure
+from .budget import solve as solve_two_way
+from .device_model import DeviceModel
 
 __all__ = ["Solution3", "evaluate", "solve", "EXHAUSTIVE"]
 
@@ -92,8 +92,8 @@ def evaluate(g: Graph, keep: frozenset[int], offload: frozenset[int], model: Dev
 
     Example:
         >>> from remat import DeviceModel
-        >>> from remat._budget import Graph
-        >>> from remat._budget_offload import evaluate
+        >>> from remat._budgets.budget import Graph
+        >>> from remat._budgets.budget_offload import evaluate
         >>> # one matmul (1e9 FLOPs) whose 4 MB output autograd saves, on a 1 TFLOP/s device with 4 GB/s links
         >>> g = Graph(cost=[1e9], keepable=[True], reads=[[]], outs=[[0]], size=[4_000_000], producer=[0], saved=[0])
         >>> m = DeviceModel(flops=1e12, d2h=4e9, h2d=4e9)
@@ -166,8 +166,8 @@ def solve(g: Graph, budget: int, model: DeviceModel, host_budget: int | None = N
 
     Example:
         >>> from remat import DeviceModel
-        >>> from remat._budget import Graph
-        >>> from remat._budget_offload import solve
+        >>> from remat._budgets.budget import Graph
+        >>> from remat._budgets.budget_offload import solve
         >>> # x -> a (matmul, 1e9 FLOPs, 4 MB) -> b (tanh, 1e6, 4 MB); autograd saves a and b; no device bytes to spare
         >>> g = Graph(cost=[1e9, 1e6], keepable=[True, True], reads=[[], [0]], outs=[[0], [1]],
         ...           size=[4_000_000, 4_000_000], producer=[0, 1], saved=[0, 1])

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from . import _torch_internals as ti
-from ._errors import internal_error, saved_written_after_save
+from .. import _torch_internals as ti
+from .._errors import internal_error, saved_written_after_save
 
 __all__ = ["KEEP", "OFFLOAD", "DROP", "INPUT", "ROUTED", "Packed", "Nested", "ParentHandle", "made_anew",
            "Made"]

@@ -26,7 +26,7 @@ cheapest cut within the budget, then keeps more ops greedily while they fit.
 With few ops that matter (at most ``EXHAUSTIVE`` ops the recompute could run) it
 tries every subset instead, which is exact; ``tests/test_budget.py`` checks both
 against brute force.
-The policy that measures a call, solves it and follows the plan is in ``_budget_policy.py``.
+The policy that measures a call, solves it and follows the plan is in ``_budgets/budget_policy.py``.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def solve(g: Graph, budget: int, exhaustive: int = EXHAUSTIVE) -> Solution:
     """The least-recompute choice of ops to keep within ``budget`` bytes (NOTE [memory budget]).
 
     Example:
-        >>> from remat._budget import Graph, solve
+        >>> from remat._budgets.budget import Graph, solve
         >>> # x -> a (matmul, 100 FLOPs, 8 bytes) -> b (tanh, 2, 8 bytes); autograd saves a and b
         >>> g = Graph(cost=[100.0, 2.0], keepable=[True, True], reads=[[], [0]], outs=[[0], [1]],
         ...           size=[8, 8], producer=[0, 1], saved=[0, 1])

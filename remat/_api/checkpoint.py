@@ -24,11 +24,11 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as tc
 
-from . import _torch_internals as ti
-from ._context import CACHES
-from ._errors import RematError
-from ._policies import Decision, Offloadable, Recompute, Saveable
-from ._transform import remat
+from .. import _torch_internals as ti
+from .._context import CACHES
+from .._errors import RematError
+from .._policies.core import Decision, Offloadable, Recompute, Saveable
+from .transform import remat
 
 __all__ = ["checkpoint", "checkpoint_sequential", "from_torch_policy", "route_torch_checkpoint"]
 
@@ -55,7 +55,7 @@ class TorchPolicy:
     Example:
         >>> import torch
         >>> from remat import remat
-        >>> from remat._checkpoint import TorchPolicy
+        >>> from remat._api.checkpoint import TorchPolicy
         >>> keep_mm = TorchPolicy([torch.ops.aten.mm.default])
         >>> keep_mm(torch.ops.aten.mm.default)
         Saveable

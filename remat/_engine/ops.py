@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 import optree
 import torch
 
-from . import _torch_internals as ti
-from ._context import HOOK_RANGE, INTERNAL, internal
-from ._policies import Decision
+from .. import _torch_internals as ti
+from .._context import HOOK_RANGE, INTERNAL, internal
+from .._policies.core import Decision
 
 __all__ = ["Half", "LIFTS", "RANGE_OPS", "OpRecord", "DeadRead", "arg_tensors", "dead_value", "identity_alias", "ignored",
            "is_tainted", "profiler_op", "storage_key", "tensor_leaves", "traits"]
@@ -231,9 +231,9 @@ class OpRecord:
     in_keys: list[int] = dataclasses.field(default_factory=list)  # storages of the tensor arguments
     out_keys: list[int] = dataclasses.field(default_factory=list)  # storages of the tensor outputs
     consts: list[Any] | None = None  # an output with non-tensor leaves (numbers): all its leaves, to replay
-    # autocast's cast of a leaf, which autocast caches: the leaf, weakly (NOTE [autocast's cache] in _wiring.py)
+    # autocast's cast of a leaf, which autocast caches: the leaf, weakly (NOTE [autocast's cache] in _engine/wiring.py)
     cast_leaf: weakref.ref[torch.Tensor] | None = None
-    wkey: list[Any] | None = None  # NOTE [same reads] in _wiring.py: the key of the op's arguments (no levels)
+    wkey: list[Any] | None = None  # NOTE [same reads] in _engine/wiring.py: the key of the op's arguments (no levels)
     alias: bool = False  # an identity alias (NOTE [hooks' aliases]): a recompute may lack it, or have more
     # a random op: its generator and the generator's state before it drew (the recompute draws the same numbers even
     # where the function seeds inside: NOTE [random ops] in _engine/replay.py)
@@ -269,7 +269,7 @@ def is_tainted(tainted: dict[int, Any], t: torch.Tensor) -> bool:
 
 
 def cast_of(rec: OpRecord) -> torch.Tensor | None:
-    """The leaf ``rec`` cast (NOTE [autocast's cache] in _wiring.py), or None (not such a cast, or the leaf died)."""
+    """The leaf ``rec`` cast (NOTE [autocast's cache] in _engine/wiring.py), or None (not such a cast, or the leaf died)."""
     return None if rec.cast_leaf is None else rec.cast_leaf()
 
 

@@ -8,8 +8,8 @@ from typing import Any, TypeVar
 import optree
 import torch
 
-from . import _torch_internals as ti
-from ._context import COMPILED_REGIONS, INSPECTOR, PENDING_NAME, active_context
+from .. import _torch_internals as ti
+from .._context import COMPILED_REGIONS, INSPECTOR, PENDING_NAME, active_context
 
 __all__ = ["checkpoint_name"]
 

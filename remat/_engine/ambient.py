@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ._errors import RematError
+from .._errors import RematError
 
 __all__ = ["AmbientState", "no_accumulation"]
 

@@ -25,7 +25,7 @@ NOTE [state is an input]
     What the walk cannot reach (a tensor in a global, in a dict inside a
     closure that was mutated, an attribute of an arbitrary object) is caught
     by the recompute's check that every op reads the same outside tensors as
-    in the forward pass (NOTE [outside tensors] in ``_outside_writes.py``): a
+    in the forward pass (NOTE [outside tensors] in ``_engine/outside_writes.py``): a
     ``RematError`` naming the tensor, never a wrong gradient.
 """
 
@@ -43,10 +43,10 @@ import optree
 import torch
 from torch import nn
 
-from . import _torch_internals as ti
-from ._context import CACHES
-from ._ops import storage_key
-from ._torch_internals import unwrap_all
+from .. import _torch_internals as ti
+from .._context import CACHES
+from .._torch_internals import unwrap_all
+from .ops import storage_key
 
 __all__ = ["Snapshot", "snapshot", "brief_name"]
 
@@ -297,7 +297,7 @@ def _walk_attrs(obj: Any, snap: Snapshot, seen: set[int], label: str, depth: int
 def _walk_module(root: nn.Module, snap: Snapshot, seen: set[int]) -> None:
     slots, values, specs, tensors = snap.slots, snap.values, snap.specs, snap.tensors
     mods, sharded = _module_slots(root)
-    # NOTE [FSDP's hooks] in _dispatch.py: a parameter FSDP2 holds sharded between calls is not the call's state: its
+    # NOTE [FSDP's hooks] in _engine/dispatch.py: a parameter FSDP2 holds sharded between calls is not the call's state: its
     # hooks, inside the call, register the gathered one, which the forward pass reads and FSDP2 gathers again for the
     # recompute (each read checked by identity and version: NOTE [outside tensors])
     skip = {id(t) for ref in sharded if (m := ref()) is not None for t in ti.fsdp_sharded_params(m)} if sharded else ()

@@ -37,14 +37,14 @@ from typing import Any
 import optree
 import torch
 
-from . import _torch_internals as ti
-from ._context import INSPECTOR, INTERNAL, PENDING_NAME, internal
-from ._dispatch import iter_stashed
-from ._engine.capture import holdable
-from ._measure import Config, format_table, measure
-from ._ops import storage_key, tensor_leaves
-from ._torch_internals import TorchDispatchMode, saved_tensors_hooks
-from ._transform import remat
+from .. import _torch_internals as ti
+from .._api.transform import remat
+from .._context import INSPECTOR, INTERNAL, PENDING_NAME, internal
+from .._engine.capture import holdable
+from .._engine.dispatch import iter_stashed
+from .._engine.ops import storage_key, tensor_leaves
+from .._torch_internals import TorchDispatchMode, saved_tensors_hooks
+from .measure import Config, format_table, measure
 
 __all__ = ["INSPECTOR", "SavedResidual", "saved_residuals", "print_saved_residuals", "format_saved_residuals",
            "MemoryReport", "memory_report"]
@@ -52,7 +52,7 @@ __all__ = ["INSPECTOR", "SavedResidual", "saved_residuals", "print_saved_residua
 
 DECISIONS = ("kept", "input", "offloaded", "recomputed")  # also the priority when one storage has several
 ALIAS = torch.ops.aten.alias.default
-_ENGINE_DIR = os.path.dirname(os.path.abspath(__file__))
+_ENGINE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the remat package: its own frames
 _SKIP_PREFIXES = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, optree) if m.__file__
 ) + (sysconfig.get_paths()["stdlib"] + os.sep,)
@@ -205,7 +205,7 @@ class _Inspector:
         return row
 
     def collect_stashes(self) -> None:
-        """Outputs a remat call holds to replay them in its recompute (NOTE [stash liveness] in _liveness.py)."""
+        """Outputs a remat call holds to replay them in its recompute (NOTE [stash liveness] in _engine/liveness.py)."""
         with internal():
             for frame in self.frames.values():
                 for rec, held in iter_stashed(frame.recorder):

@@ -40,9 +40,9 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from ._device_model import DeviceModel
-from ._schedules import Schedule, cost
-from ._schedules import solve as solve_two_way
+from .device_model import DeviceModel
+from .schedules import Schedule, cost
+from .schedules import solve as solve_two_way
 
 __all__ = ["ChainPlan", "seconds", "memory", "solve", "EXACT"]
 
@@ -143,7 +143,7 @@ def solve(act: Sequence[int], inp: Sequence[int], flops: Sequence[float], budget
 
     Example:
         >>> from remat import DeviceModel
-        >>> from remat._chain_offload import solve
+        >>> from remat._budgets.chain_offload import solve
         >>> # four blocks of 1 GFLOP keeping 100 MB each; a slow device: copies hide behind the compute
         >>> plan = solve([10**8] * 4, [10**6] * 4, [1e9] * 4, budget=10**8, model=DeviceModel(1e12, 64e9, 64e9))
         >>> str(plan.schedule), plan.seconds < plan.two_way_seconds

@@ -1,4 +1,4 @@
-"""Op arguments as NOTE [outside tensors] in ``_outside_writes.py`` needs them: which an op writes, which are
+"""Op arguments as NOTE [outside tensors] in ``_engine/outside_writes.py`` needs them: which an op writes, which are
 Python numbers, how to swap tensors in. Pure functions over ATen ops and their arguments."""
 
 from __future__ import annotations

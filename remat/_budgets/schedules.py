@@ -1,4 +1,4 @@
-"""Chain schedules and their solvers, for ``remat.sequential`` (NOTE [chain schedules] in ``_sequential.py``).
+"""Chain schedules and their solvers, for ``remat.sequential`` (NOTE [chain schedules] in ``_budgets/sequential.py``).
 
 Pure functions over per-block numbers (bytes kept, input bytes, FLOPs): no tensors, no torch. A
 :class:`Schedule` cuts a chain into segments, plain or remat'd, a remat'd one possibly with a schedule of its
@@ -26,7 +26,7 @@ class Schedule:
     recompute: float = 0.0  # predicted FLOPs recomputed
     # per segment, the schedule its recompute follows (a multi-level schedule); None or absent: its blocks plain
     inner: tuple[Schedule | None, ...] = ()
-    # plain blocks whose activations go to host memory (NOTE [offloading in a chain] in _chain_offload.py)
+    # plain blocks whose activations go to host memory (NOTE [offloading in a chain] in _budgets/chain_offload.py)
     offloaded: frozenset[int] = frozenset()
 
     def sub(self, i: int) -> Schedule | None:
@@ -54,7 +54,7 @@ def equal_segments(n: int, k: int) -> Schedule:
     """``k`` contiguous segments of ``n`` blocks, as equal as possible; all remat'd but the last.
 
     Example:
-        >>> from remat._sequential import equal_segments
+        >>> from remat._budgets.sequential import equal_segments
         >>> str(equal_segments(5, 2))
         'remat[0:2] plain[2:5]'
     """
@@ -71,7 +71,7 @@ def nested_segments(n: int, k: int, levels: int) -> Schedule:
     ``levels = ceil(log2 n)`` memory grows like ``log n`` and a block is recomputed up to ``levels`` times.
 
     Example:
-        >>> from remat._sequential import nested_segments
+        >>> from remat._budgets.sequential import nested_segments
         >>> str(nested_segments(8, 2, 2))
         'remat[0:4]{remat[0:2] remat[2:4]} remat[4:8]{remat[4:6] remat[6:8]}'
     """
@@ -121,7 +121,7 @@ def solve(act: Sequence[int], inp: Sequence[int], flops: Sequence[float], budget
     None when no schedule fits (not even every block remat'd alone).
 
     Example:
-        >>> from remat._sequential import solve
+        >>> from remat._budgets.sequential import solve
         >>> str(solve(act=[10, 10, 10, 10], inp=[1, 1, 1, 1], flops=[1, 1, 1, 1], budget=22))
         'remat[0:1] remat[1:2] remat[2:3] plain[3:4]'
     """
@@ -181,7 +181,7 @@ def solve_nested(act: Sequence[int], inp: Sequence[int], flops: Sequence[float],
     ``tests/test_sequential.py`` compares it with every nested schedule of short chains.
 
     Example:
-        >>> from remat._schedules import solve_nested
+        >>> from remat._budgets.schedules import solve_nested
         >>> # 4 blocks of 10 bytes, inputs of 1: 12 bytes fits nested halves, no single-level schedule
         >>> str(solve_nested(act=[10] * 4, inp=[1] * 4, flops=[1.0] * 4, budget=12, units=12))
         'remat[0:2]{remat[0:1] remat[1:2]} remat[2:4]{remat[2:3] remat[3:4]}'

@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from . import _torch_internals as ti
-from ._context import internal
-from ._ops import AliasRef, Half, OpRecord, storage_key, traits
-from ._policies import Decision, Offloadable
+from .. import _torch_internals as ti
+from .._context import internal
+from .._policies.core import Decision, Offloadable
+from .ops import AliasRef, Half, OpRecord, storage_key, traits
 
 __all__ = ["StashLiveness"]
 
