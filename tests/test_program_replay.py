@@ -1,6 +1,7 @@
 """Under torch.func the recompute replays the call's program (NOTE [program replay] in remat/_engine/program.py):
 the torch functions the forward pass called, with their arguments as they were, on the rebuilt transform stack. So
-Python state that changes between the passes cannot change what it computes, under every transform.
+Python state that changes between the passes cannot change what it computes, under every transform; and without
+torch.func, for inputs of a wrapper subclass, which the ATen trace does not take (at the end of this file).
 
 Every case compares ``remat(f, policy=p)`` with plain ``f`` under the same transform, float64, 1e-10, on the first call
 and on later ones, with the state changed between the forward and the backward pass (inside the transformed
@@ -306,3 +307,59 @@ def test_nested_remat_under_torch_func_is_exact(transform: str) -> None:
         return torch.sin(inner(inner(x))).pow(2).sum()
 
     assert _exact_or_raises(transform, f_plain, remat.remat(f), torch.randn(3, 5, dtype=f64)) == "exact"
+
+
+# ---- without torch.func: tensor subclasses, which the ATen trace does not take, replay the program too ------------
+
+
+def _parts(t: torch.Tensor) -> list[torch.Tensor]:
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    return [t.a, t.b] if isinstance(t, TwoTensor) else [t]
+
+
+@pytest.mark.parametrize("how", ["function", "method", "remat_module"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_wrapper_subclass_with_state_changed_between_the_passes_is_exact(policy: str, how: str) -> None:
+    """Inputs of a wrapper subclass (``TwoTensor``) take the full engine, whose recompute replays the call's program:
+    which tensor an op reads and a temperature changed after the forward pass change nothing, on the first call and
+    later ones; the function's Python runs once per call and the recompute ran (tanh ops counted from outside)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    torch.manual_seed(0)
+    m, ours = Flag(), Flag()
+    ours.load_state_dict(m.state_dict())
+    ours.vec = m.vec
+    calls = [0]
+    if how == "function":
+        def run(x: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            return ours(x)
+
+        block = remat.remat(run, policy=POLICIES[policy])
+    elif how == "method":
+        block = remat.remat(ours.forward, policy=POLICIES[policy])
+    else:
+        block = remat.remat_module(ours, policy=POLICIES[policy])
+    rng = random.Random(0)
+    tanh = {torch.ops.aten.tanh.default}
+    for call in range(3):  # the first call and later ones
+        mode, after = rng.randrange(4), rng.randrange(4)
+        a = torch.randn(3, 6, dtype=f64)
+        results = []
+        for mod, fn in ((m, m), (ours, block)):
+            mod.mode, mod.temperature = mode, 2.0
+            x = TwoTensor(a.clone(), 2 * a).requires_grad_()
+            y = fn(x)
+            mod.mode, mod.temperature = after, 5.0  # before the backward pass
+            with OpCounter(tanh) as count:
+                gx, gw = torch.autograd.grad(y, (x, mod.w))
+            results.append((gx, gw, count.count))
+        (wx, ww, plain_tanh), (gx, gw, our_tanh) = results
+        assert type(gx) is TwoTensor
+        for w, g in zip([*_parts(wx), *_parts(ww)], [*_parts(gx), *_parts(gw)]):
+            torch.testing.assert_close(g, w, **TOL)
+        if policy == "save-nothing":
+            assert our_tanh > plain_tanh  # the recompute ran
+        if how == "function":
+            assert calls[0] == call + 1  # the Python once per call

@@ -1,5 +1,6 @@
-"""A call's *program* under ``torch.func``: the torch functions its forward pass called at its own level, replayed
-by the recompute in place of the user's Python.
+"""A call's *program* on the full engine (under ``torch.func``, tensor subclasses, a memory budget's measuring
+call): the torch functions its forward pass called at its own level, replayed by the recompute in place of the
+user's Python.
 
 NOTE [program replay]
     Under ``torch.func`` the ATen trace (NOTE [the trace]) cannot serve: a dispatch mode sees the ops below every
@@ -20,8 +21,14 @@ NOTE [program replay]
 
     A program that cannot stand for the Python is *spoiled*, and the recompute runs the Python again as before
     (with the re-run's checks: exact or ``RematError``): a call at another functorch level than the call's own (a
-    vmap inside the function), a call made while another remat call is active (a nested remat call), an iterator returned (its tensors come from no call the mode sees), a tensor with history
-    that no call made (the output of a custom ``autograd.Function``), autocast switched inside the function.
+    vmap inside the function), a call made while another remat call is active (a nested remat call), an iterator
+    returned (its tensors come from no call the mode sees), a tensor with history that no call made (the output of
+    a custom ``autograd.Function``; ``DTensor.from_local`` and ``to_local``, which are such Functions, and FSDP2's
+    hooks: tensor parallel and FSDP2 calls re-run), autocast switched inside the function.
+
+    Without ``torch.func`` the same program serves a call the ATen trace does not take (tensor subclasses: a
+    wrapper such as ``TwoTensor`` whose values the torch calls make is replayed exactly; NOTE [wrapper subclasses]
+    in ``_engine/dispatch.py``).
 """
 
 from __future__ import annotations

@@ -12,10 +12,10 @@
  6    otherwise                                                   ``full.Frame``
 ====  ==========================================================  ============================================
 
-On route 4, and on route 6 under ``torch.func`` (unless ``debug``), the recompute replays the call's program, the
-torch calls its forward pass made (NOTE [program replay] in program.py), where it can; otherwise routes 4 and 6
-re-run the function's Python in the recompute, checking each op against the forward pass's;
-docs/how-it-works.md lists why each case that takes them cannot replay. A call inside a traced call (route 5) that cannot be traced itself runs plainly: the enclosing
+On routes 4 and 6 (unless ``debug``), the recompute replays the call's program, the torch calls its forward pass
+made (NOTE [program replay] in program.py), where it can; otherwise (``debug``, a program that gives way) it re-runs
+the function's Python, checking each op against the forward pass's; docs/how-it-works.md lists why each case that
+takes them cannot replay. A call inside a traced call (route 5) that cannot be traced itself runs plainly: the enclosing
 trace records its ops. A call of route 4 to 6 that finds, mid-way, that the function enters a reverse transform
 (``NeedsRegion``) marks its function as a region and runs again from the top (route 3), from the outermost remat
 call.
@@ -127,7 +127,7 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
         # 6. the full engine
         frame = Frame(run, flat, name, call_policy, preserve_rng, default_engine(), state)
         frame.watch_values = owner is not None and owner.debug  # NOTE [values between the passes]
-        if frame.levels and owner is not None and not owner.debug and ctx is None:
+        if owner is not None and not owner.debug and ctx is None:
             frame.program = Program(name)  # NOTE [program replay]: the recompute replays the forward's calls
         return frame.forward()
     except NeedsRegion as e:
