@@ -148,6 +148,47 @@ def test_a_selective_checkpointing_context_fn_is_translated(how: str) -> None:
     assert sac_mm.count == plain_mm.count < none_mm.count  # kept: no product replayed; plain checkpoint: replayed
 
 
+@pytest.mark.parametrize("route", ["plain", "torch.func", "subclass"])
+def test_a_policy_reading_ctx_op_output_sees_what_the_op_returned(route: str) -> None:
+    """torch hands a selective-checkpointing policy the op's output (``ctx.op_output``); so does remat, on each engine
+    (the replay engine's short and general paths, the full engine under torch.func and for a subclass): a policy that
+    keeps what is at least 64 elements wide keeps the up projection's product and its gelu, and recomputes the rest;
+    plain autograd's gradient."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    block = _block()
+    seen: list[tuple[Any, tuple[int, ...]]] = []
+
+    def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        out = ctx.op_output
+        t = out[0] if isinstance(out, (tuple, list)) else out
+        assert isinstance(t, torch.Tensor), (op, out)
+        seen.append((op, tuple(t.shape)))
+        return CheckpointPolicy.MUST_SAVE if t.shape[-1] >= 64 else CheckpointPolicy.PREFER_RECOMPUTE
+
+    cf = functools.partial(create_selective_checkpoint_contexts, policy_fn)
+    x0 = X.detach()
+    if route == "subclass":
+        x0 = TwoTensor(x0, x0.clone())
+    x = x0.clone().requires_grad_()
+
+    def loss(use: bool) -> Any:
+        def f(x: torch.Tensor) -> torch.Tensor:
+            y = remat.checkpoint(block, x, use_reentrant=False, context_fn=cf) if use else block(x)
+            return y.sin().sum()
+        return f
+
+    if route == "torch.func":
+        got, want = torch.func.grad(loss(True))(X), torch.func.grad(loss(False))(X)
+    else:
+        (got,) = torch.autograd.grad(loss(True)(x), x)
+        (want,) = torch.autograd.grad(loss(False)(x), x)
+    for g, w in zip(*(([t.a, t.b] if isinstance(t, TwoTensor) else [t]) for t in (got, want))):
+        torch.testing.assert_close(g, w, **TOL)
+    assert (torch.ops.aten.addmm.default, (4, 64)) in seen  # the up projection's product, as it came out
+    assert (torch.ops.aten.addmm.default, (4, 16)) in seen
+
+
 def test_a_cpu_offload_answer_offloads() -> None:
     if not hasattr(CheckpointPolicy, "MUST_CPU_OFFLOAD"):
         pytest.skip("this torch has no offload answer")

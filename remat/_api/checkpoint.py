@@ -8,9 +8,9 @@ NOTE [torch's policies]
     ``CheckpointPolicy``: ``MUST_SAVE``/``PREFER_SAVE`` keep the op's outputs, ``MUST_RECOMPUTE``/
     ``PREFER_RECOMPUTE`` recompute them, ``MUST_CPU_OFFLOAD``/``PREFER_CPU_OFFLOAD`` (where torch has them) move
     them to host memory. remat asks its policy the same question with ``(op, *args, **kwargs)``; the translation
-    passes a ``SelectiveCheckpointContext(is_recompute=False)`` (remat asks in the forward pass only, as torch
-    does; ``ctx.op_output`` is ``None``: remat asks before it knows which outputs autograd saves) and maps the
-    answer. A list of ops keeps those ops' outputs, as torch's does. A ``context_fn`` that is not torch's
+    passes a ``SelectiveCheckpointContext`` with ``is_recompute=False`` (remat asks in the forward pass only, as
+    torch does) and ``op_output``, what the op returned (the engines hand it to a policy with a ``with_output``
+    method: ``_policies.core.ask``), and maps the answer. A list of ops keeps those ops' outputs, as torch's does. A ``context_fn`` that is not torch's
     selective-checkpointing factory cannot be translated: it raises, saying what to pass instead.
 """
 
@@ -84,10 +84,14 @@ class TorchPolicy:
         self.__name__ = f"torch_policy({getattr(policy_fn_or_list, '__name__', 'ops')})"
 
     def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        return self.with_output(None, op, *args, **kwargs)
+
+    def with_output(self, output: Any, op: Any, *args: Any, **kwargs: Any) -> Decision:
+        """The decision for ``op``, which returned ``output`` (torch's ``ctx.op_output``; the engines hand it over)."""
         if self.ops is not None:
             return Saveable if op in self.ops else Recompute
         assert self.fn is not None
-        answer = self.fn(tc.SelectiveCheckpointContext(is_recompute=False), op, *args, **kwargs)
+        answer = self.fn(_context(output), op, *args, **kwargs)
         decision = self._map.get(answer)
         if decision is None:
             if isinstance(answer, bool):  # (torch's earliest policies returned a bool: True saves)
@@ -98,6 +102,14 @@ class TorchPolicy:
                 "(MUST_SAVE, PREFER_SAVE, MUST_RECOMPUTE, PREFER_RECOMPUTE)."
             )
         return decision
+
+
+def _context(output: Any) -> Any:
+    """torch's context for one question: ``is_recompute`` False (remat asks in the forward pass only, as torch does)
+    and ``op_output`` what the op returned (torch 2.11's context has no such argument: set on it all the same)."""
+    ctx = tc.SelectiveCheckpointContext(is_recompute=False)
+    ctx.op_output = output
+    return ctx
 
 
 def from_torch_policy(context_fn: Any) -> Callable[..., Any] | None:

@@ -257,7 +257,7 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
         if name is not None:
             decision, explicit = decide_explicit(self.policy, checkpoint_name, args, {"name": name})
         else:
-            decision = decide(self.policy, func, args, kwargs)
+            decision = decide(self.policy, func, args, kwargs, out)
         with internal():
             keys = [storage_key(t) for t in ins]
             in_keys = set(keys)

@@ -392,6 +392,7 @@ class Tracer(TorchDispatchMode):
         super().__init__()
         self.trace = trace
         self.policy = policy
+        self.with_output = getattr(policy, "with_output", None)  # (policies._core.ask: one that reads the output)
         # id(overload) -> its OpInfo, for this call (op_info's cache hashes the overload with a Python method: a frame
         # per op on the hot path; an overload lives as long as torch.ops holds it, and its OpInfo holds it)
         self.infos: dict[int, OpInfo] = {}
@@ -431,7 +432,8 @@ class Tracer(TorchDispatchMode):
         out = info.call(*args, **kwargs)
         # (decide's work, inline: the answers most policies give)
         try:
-            answer = self.policy(func, *args, **kwargs)
+            answer = self.policy(func, *args, **kwargs) if self.with_output is None else \
+                self.with_output(out, func, *args, **kwargs)
         except Exception as e:  # noqa: BLE001 (the policy's error, never the user's op's)
             raise policy_failed(self.policy, func, kwargs, e) from e
         decision = (Recompute if answer is False or answer is Recompute else Saveable if answer is True
@@ -548,7 +550,7 @@ class Tracer(TorchDispatchMode):
         if name is not None:
             decision, explicit = decide_explicit(self.policy, checkpoint_name, args, {"name": name})
         else:
-            decision = decide(self.policy, func, args, kwargs)
+            decision = decide(self.policy, func, args, kwargs, out)
         step.decision = decision
         step.replayable = replayable
         keep = decision is not Recompute and not info.mutable and not info.random and not info.view

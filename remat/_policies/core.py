@@ -128,12 +128,23 @@ class Offloadable(Decision):
 Policy = Callable[..., Any]
 
 
-def decide(policy: Policy, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Decision:
-    """Call ``policy`` and normalise its answer to a Decision, or explain what is wrong."""
-    return decide_explicit(policy, op, args, kwargs)[0]
+def decide(policy: Policy, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any = None) -> Decision:
+    """Call ``policy`` and normalise its answer to a Decision, or explain what is wrong (``output``: what the op
+    returned, for a policy that reads it: ``ask``)."""
+    return decide_explicit(policy, op, args, kwargs, output)[0]
 
 
-def decide_explicit(policy: Policy, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Decision, bool]:
+def ask(policy: Policy, output: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """``policy``'s answer for ``op``; a policy with a ``with_output`` method (a torch selective-checkpointing
+    policy, whose ``ctx.op_output`` is the op's output) is handed what the op returned too."""
+    with_output = getattr(policy, "with_output", None)
+    if with_output is not None:
+        return with_output(output, op, *args, **kwargs)
+    return policy(op, *args, **kwargs)
+
+
+def decide_explicit(policy: Policy, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    output: Any = None) -> tuple[Decision, bool]:
     """Like :func:`decide`, and whether the answer was the explicit :data:`Recompute`.
 
     NOTE [names decide for the value]: a ``checkpoint_name`` tags the value an op
@@ -144,7 +155,7 @@ def decide_explicit(policy: Policy, op: Any, args: tuple[Any, ...], kwargs: dict
     answers ``False`` for names and still keeps a named matmul output.
     """
     try:
-        out = policy(op, *args, **kwargs)
+        out = ask(policy, output, op, *args, **kwargs)
     except Exception as e:  # noqa: BLE001 (re-raised as the policy's error, never as the user's op)
         raise policy_failed(policy, op, kwargs, e) from e
     if out is Recompute:
