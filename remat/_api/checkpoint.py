@@ -133,8 +133,9 @@ def _call(fn: Callable[..., Any], policy: Any, static_argnums: Any, preserve_rng
     """``remat(fn, ...)(*args, **kwargs)``; for a module, a bound method (bound anew at each access), or a class's
     function called with its module first (Hugging Face's layers pass ``partial(forward, self, **kwargs)``),
     remat's wrapper of the function is made once per object and settings, held by the object weakly and holding no
-    reference to it (a training loop calls checkpoint every step). Other functions get a wrapper per call: a lambda made anew each step could not be
-    cached without keeping every one of them alive, and the wrappers of one function share their plans."""
+    reference to it (a training loop calls checkpoint every step). Other functions get a wrapper per call: a lambda
+    made anew each step could not be cached without keeping every one of them alive, and the wrappers of one
+    function share what is learnt about it."""
     if isinstance(fn, torch.nn.Module):
         fn = fn.__call__
     if isinstance(fn, types.MethodType) and not static_argnums:

@@ -54,13 +54,14 @@ class _Static:
 
 
 _STATIC = _Static()
+_ENGINES: tuple[type[CallFrame], ...] = (Frame, TraceFrame)  # (mypy checks that both engines' frames are CallFrames)
 
 
 def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics: tuple[int, ...],
          preserve_rng: bool, args: tuple[Any, ...], kwargs: dict[str, Any], owner: Any = None,
          attempt: int = 0) -> Any:
     """Run one call of ``fn`` under ``policy`` on the engine the route table picks (``owner``: its ``Rematted``,
-    which holds the plans and whether the function is a region)."""
+    which holds what is learnt about the function: whether it is a region)."""
     flat, run, static_vals = _flatten(fn, name, statics, args, kwargs)
     for i, a in enumerate(flat):
         if isinstance(a, collections.abc.Iterator) and not isinstance(a, torch.Tensor):

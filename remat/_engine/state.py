@@ -110,7 +110,7 @@ class Snapshot:
     __slots__ = ("slots", "values", "specs", "tensors", "modules", "children")
 
     def __init__(self) -> None:
-        self.modules: list[nn.Module] = []  # every module walked (their training flags select a fast-path plan)
+        self.modules: list[nn.Module] = []  # every module walked (their training flags are part of the signature)
         # per module with submodules, its submodules at the forward pass (put back for the recompute)
         self.children: list[tuple[nn.Module, tuple[tuple[str, Any], ...]]] = []
         self.slots: list[_Slot] = []
