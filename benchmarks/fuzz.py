@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
@@ -63,7 +64,7 @@ POLICIES: dict[str, Any] = {
     "budget": policies.memory_budget(0.5),
     "custom": lambda op, *a, **k: str(op).startswith("aten.mm"),
 }
-WRAPS = ["function", "method", "module", "debug", "vjp", "grad", "jacrev", "vmap(grad)", "nested"]
+WRAPS = ["function", "method", "module", "debug", "subclass", "vjp", "grad", "jacrev", "vmap(grad)", "nested"]
 FUNC_WRAPS = ("vjp", "grad", "jacrev", "vmap(grad)")  # torch.func transforms over functional_call
 # what runs around a call besides it (issue 39): a user's dispatch mode, or module hooks, around its forward pass
 # only, its backward pass only, or both (CommDebugMode's module hooks detach parameters in the forward pass only;
@@ -255,6 +256,20 @@ def _grads(m: nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in m.parameters()]
 
 
+def _flat(g: torch.Tensor | None) -> torch.Tensor | None:
+    """A gradient as plain values (a ``TwoTensor``'s two halves side by side)."""
+    if isinstance(g, TwoTensor):
+        return torch.cat([g.a.reshape(-1), g.b.reshape(-1)])
+    return g
+
+
+def _input(t: torch.Tensor, wrap: str) -> torch.Tensor:
+    """The call's input: a leaf; of a wrapper subclass for the "subclass" wrapping."""
+    if wrap == "subclass":
+        return TwoTensor(t, t * 1.5).requires_grad_()
+    return t.requires_grad_()
+
+
 def _wrapped(m: Program, policy: Any, wrap: str) -> Any:
     """The program's forward remat'd as a function, a bound method, in place through remat_module (also what the
     torch.func wrappings call through functional_call), or twice inside an outer remat'd function (nested)."""
@@ -264,6 +279,8 @@ def _wrapped(m: Program, policy: Any, wrap: str) -> Any:
         return remat.remat(m.forward, policy=policy)
     if wrap == "debug":  # the full engine on every call
         return remat.remat(m.forward, policy=policy, debug=True)
+    if wrap == "subclass":  # inputs of a wrapper subclass: the full engine, its recompute replaying the program
+        return remat.remat(m.forward, policy=policy)
     if wrap == "nested":
         inner = remat.remat(m.forward, policy=policy)
         return remat.remat(lambda x: inner(torch.tanh(inner(x))), policy=policy)
@@ -320,9 +337,8 @@ def run_program(seed: int, policy_name: str, wrap: str, calls: int = 6) -> Count
     func = wrap in FUNC_WRAPS
     try:
         for call in range(calls + 1):
-            x = torch.randn(4, 8, dtype=D, generator=torch.Generator().manual_seed(seed + call)).requires_grad_()
-            x2 = torch.randn(4, 8, dtype=D, generator=torch.Generator().manual_seed(seed + call + 500))
-            x2.requires_grad_()
+            x = _input(torch.randn(4, 8, dtype=D, generator=torch.Generator().manual_seed(seed + call)), wrap)
+            x2 = _input(torch.randn(4, 8, dtype=D, generator=torch.Generator().manual_seed(seed + call + 500)), wrap)
             before = [] if call == 0 else rng.sample(MUTATIONS, rng.randrange(0, 3))
             # (inside grad, jacrev and vmap, torch.func refuses an in-place write to a captured tensor, with or
             # without remat: the global tensor is written between the passes under vjp and in eager mode)
@@ -388,7 +404,7 @@ def run_program(seed: int, policy_name: str, wrap: str, calls: int = 6) -> Count
                 want = [*_grads(ref), x.grad] + ([x2.grad] if twice else [])
                 x.grad = x2.grad = None
             _set_state(ref, m, after)
-            ok = all(torch.allclose(a, b, rtol=TOL, atol=TOL) for a, b in zip(got, want))
+            ok = all(torch.allclose(_flat(a), _flat(b), rtol=TOL, atol=TOL) for a, b in zip(got, want))
             out["equal" if ok else "silent"] += 1
     finally:
         _set_global(saved_global)

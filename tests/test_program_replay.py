@@ -363,3 +363,29 @@ def test_a_wrapper_subclass_with_state_changed_between_the_passes_is_exact(polic
             assert our_tanh > plain_tanh  # the recompute ran
         if how == "function":
             assert calls[0] == call + 1  # the Python once per call
+
+
+def test_a_wrapper_subclass_under_a_modules_full_backward_hook_is_exact() -> None:
+    """A global full backward hook wraps each submodule's tensors in an autograd.Function that returns the very
+    tensors the program recorded (``view_as`` inside it): the program cannot make that node again and gives way to
+    the re-run, which is exact (the replayed program saved fewer tensors and raised before)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).to(f64)
+    fired: list[str] = []
+    handle = nn.modules.module.register_module_full_backward_hook(lambda mod, gi, go: fired.append(type(mod).__name__))
+    try:
+        for _ in range(2):
+            a = torch.randn(4, 8, dtype=f64)
+            x = TwoTensor(a, a * 1.5).requires_grad_()
+            n0 = len(fired)
+            want = torch.autograd.grad(m.forward(x).sum(), (x, m[0].weight))
+            n1 = len(fired)
+            got = torch.autograd.grad(remat.remat(m.forward)(x).sum(), (x, m[0].weight))
+            assert len(fired) - n1 == n1 - n0 > 0  # the hooks fired as often as without remat
+            for w, g in zip(want, got):
+                for u, v in zip(_parts(w), _parts(g)):
+                    torch.testing.assert_close(v, u, **TOL)
+    finally:
+        handle.remove()

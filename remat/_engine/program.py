@@ -24,7 +24,8 @@ NOTE [program replay]
     vmap inside the function), a call made while another remat call is active (a nested remat call), an iterator
     returned (its tensors come from no call the mode sees), a tensor with history that no call made (the output of
     a custom ``autograd.Function``; ``DTensor.from_local`` and ``to_local``, which are such Functions, and FSDP2's
-    hooks: tensor parallel and FSDP2 calls re-run), autocast switched inside the function.
+    hooks: tensor parallel and FSDP2 calls re-run), a tensor of the call that an ``autograd.Function`` returned as
+    its own output (a module's full backward hook), autocast switched inside the function.
 
     Without ``torch.func`` the same program serves a call the ATen trace does not take (tensor subclasses: a
     wrapper such as ``TwoTensor`` whose values the torch calls make is replayed exactly; NOTE [wrapper subclasses]
@@ -73,7 +74,9 @@ class Program:
         self.fn_name = fn_name
         self.calls: list[Call] = []
         self.n = 0
-        self._slot_of: dict[int, tuple[weakref.ref[Tensor], int]] = {}
+        # id(tensor) -> (the tensor, weakly; its slot; the id of its autograd node then)
+        self._slot_of: dict[int, tuple[weakref.ref[Tensor], int, int]] = {}
+        self._nograd: set[int] = set()  # slots made by a call with grad mode off
         self.inputs: dict[int, int] = {}  # slot -> index among the call's leaves
         self.state: dict[int, int] = {}  # slot -> index among the module state's tensors
         self.outside: dict[int, Any] = {}  # slot -> an outside tensor, held (or weakly: ``read``)
@@ -127,12 +130,24 @@ class Program:
     def _new(self, t: Tensor) -> int:
         s = self.n
         self.n = s + 1
-        self._slot_of[id(t)] = (weakref.ref(t), s)
+        self._slot_of[id(t)] = (weakref.ref(t), s, id(t.grad_fn))
         return s
 
     def _known(self, t: Tensor) -> int | None:
         e = self._slot_of.get(id(t))
-        return e[1] if e is not None and e[0]() is t else None
+        if e is None or e[0]() is not t:
+            return None
+        if e[1] in self._nograd and type(t) is not Tensor and type(t) is not torch.nn.Parameter:
+            node = t.grad_fn
+            if id(node) != e[2] and isinstance(node, torch.autograd.function.BackwardCFunction):
+                # a call inside an autograd.Function's forward (grad off there) made it, and the Function returned
+                # it as its own output (a module's full backward hook does so for a wrapper subclass, through
+                # BackwardHookFunction's view_as): the replay would make it without the Function's node, and the
+                # ops after it would save less (for plain tensors the hook's Function returns its arguments, which
+                # the replay's ops read as the forward's did: tests/test_user_modes.py)
+                self.spoil("an autograd.Function returned a tensor that a call inside it made (a module's full "
+                           "backward hook)")
+        return e[1]
 
     def read(self, t: Tensor) -> int:
         s = self._known(t)
@@ -243,6 +258,8 @@ class ProgramRecorder(TorchFunctionMode):
             return out
         if isinstance(out, Tensor):
             call.outs.append(p._new(out))
+            if not call.grad:
+                p._nograd.add(call.outs[0])
         elif isinstance(out, collections.abc.Iterator):
             p.spoil("a torch function returned an iterator, whose tensors no recorded call makes")
             return out
@@ -252,6 +269,8 @@ class ProgramRecorder(TorchFunctionMode):
             except Exception:  # noqa: BLE001 (an output optree cannot take apart: a leaf)
                 outs = [out]
             call.outs = [p._new(t) if isinstance(t, Tensor) else -1 for t in outs]
+            if not call.grad:
+                p._nograd.update(s for s in call.outs if s >= 0)
             if all(s < 0 for s in call.outs):
                 call.outs = []
         p.calls.append(call)
