@@ -9,7 +9,7 @@ import torch
 
 from .. import _torch_internals as ti
 from .._context import internal
-from .._errors import RematError, saved_shape_differs
+from .._errors import saved_shape_differs
 from .ops import DeadRead, is_tainted
 from .packed import Nested
 
@@ -18,29 +18,20 @@ __all__ = ["Capture", "StopRecompute", "check_saved", "holdable", "identity", "N
 # NOTE [one set of checks]
 #     A re-run recompute takes what the forward pass dropped through one rule, ``check_saved``: the tensor is not a
 #     placeholder of a skipped op (else ``DeadRead``: the recompute runs again without skipping any op, NOTE [dead
-#     ops]), it has the shape and dtype the forward pass saved there, and, where the forward pass noted which node
-#     made it, it was made by the same kind of node. The recompute also checks every op it runs against the op the
-#     forward pass recorded (``Replayer``), comparing what each op read (NOTE [same reads] in ``_engine/wiring.py``).
+#     ops]) and it has the shape and dtype the forward pass saved there. The recompute also checks every op it runs
+#     against the op the forward pass recorded (``Replayer``), comparing what each op read (NOTE [same reads] in
+#     ``_engine/wiring.py``).
 
 
 def check_saved(fn_name: str, t: torch.Tensor, meta: tuple[Any, ...], pos: int, dead: bool) -> None:
     """The checks every recompute applies to a tensor it takes at save position ``pos`` (NOTE [one set of checks]).
 
-    ``meta``: what the forward pass saved there, ``(shape, dtype)`` or ``(shape, dtype, maker node class)``;
+    ``meta``: what the forward pass saved there, ``(shape, dtype)``;
     ``dead``: the tensor is, or shares the storage of, a placeholder the recompute made for a skipped op."""
     if dead:
         raise DeadRead  # NOTE [dead ops]: the backward pass would read a placeholder
     if t.shape != meta[0] or t.dtype != meta[1]:
         raise saved_shape_differs(fn_name, t, meta, pos)
-    if len(meta) > 2:
-        node = t.grad_fn
-        if not _same_maker(None if node is None else type(node), meta[2]):
-            raise RematError(
-                f"remat: the recompute of {fn_name} saved a tensor made by "
-                f"{_node_name(type(node) if node is not None else None)} where its forward pass saved one made by "
-                f"{_node_name(meta[2])} (saved tensor #{pos}); the function must do the same work every time it "
-                "is called (no branch on a flag or global state that changed since the forward pass)."
-            )
 
 
 class StopRecompute(Exception):
@@ -175,25 +166,3 @@ class PassThrough:
 
 def identity(x: Any) -> Any:
     return x
-
-
-def _node_name(cls: Any) -> str:
-    return "no op (an input)" if cls is None else cls.__name__
-
-
-# The nodes of one view, by how torch decomposed ``reshape``/``view``: a Python dispatch mode on the stack in the
-# forward pass but not in the recompute (a user's memory census) turns ``view`` into ``_reshape_alias``.
-_VIEWS = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"})
-
-
-# The node of a module hook's identity wrapper (global full backward hooks, made under grad mode in one pass only:
-# NOTE [hooks' aliases] in _engine/dispatch.py): the same value as whatever made its input, so it matches any maker.
-_HOOK_NODES = frozenset({"BackwardHookFunctionBackward"})
-
-
-def _same_maker(got: Any, want: Any) -> bool:
-    """Whether a recomputed saved tensor was made as the forward's was (node classes, a view as any view, a hook's
-    identity wrapper as anything)."""
-    return got is want or (got is not None and want is not None and got.__name__ in _VIEWS
-                           and want.__name__ in _VIEWS) or (
-        (got is not None and got.__name__ in _HOOK_NODES) or (want is not None and want.__name__ in _HOOK_NODES))

@@ -38,9 +38,7 @@ NOTE [hooks' aliases]
     output's token (NOTE [same reads] in ``_engine/wiring.py``) is its argument's, so
     the ops after it read the same values whichever pass made it. An alias is
     not checked itself (which parameter a tracker's ``.data`` reads at a given
-    position may differ): the ops that read its output are. A saved tensor a
-    hook's view made (``BackwardHookFunctionBackward``) matches any maker. The
-    state fuzzer
+    position may differ): the ops that read its output are. The state fuzzer
     (``benchmarks/fuzz.py``) runs its programs with such modes and hooks
     around random calls' forward passes, backward passes or both.
     ``torch.utils.checkpoint`` does not compare ops and so never minded them;
