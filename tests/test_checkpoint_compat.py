@@ -187,6 +187,14 @@ def test_a_policy_reading_ctx_op_output_sees_what_the_op_returned(route: str) ->
         torch.testing.assert_close(g, w, **TOL)
     assert (torch.ops.aten.addmm.default, (4, 64)) in seen  # the up projection's product, as it came out
     assert (torch.ops.aten.addmm.default, (4, 16)) in seen
+    if route == "plain":  # what the policy keeps is kept: fewer products replayed than saving nothing
+        out = loss(True)(x)
+        with OpCounter(MM) as kept:
+            torch.autograd.grad(out, x)
+        out = remat.checkpoint(block, x, use_reentrant=False).sin().sum()
+        with OpCounter(MM) as none:
+            torch.autograd.grad(out, x)
+        assert kept.count < none.count
 
 
 def test_a_cpu_offload_answer_offloads() -> None:

@@ -156,8 +156,8 @@ class Rematted:
         self.preserve_rng_state = preserve_rng_state
         self.debug = debug
         self._name = brief_name(fn)
-        self._region = False  # runs as a reentrant region (NOTE [reentrant region] in _engine/region.py)
-        # what is learnt about fn (whether it is a region), shared with every remat of fn with this policy
+        # what is learnt about fn (whether it runs as a reentrant region: NOTE [reentrant region] in
+        # _engine/region.py), shared with every remat of fn with this policy
         self._learnt: dict[str, Any] = learnt_for(fn, (policy, statics))
         self._context_fn = context_fn(policy)  # under torch.compile (NOTE [compiled remat] in _engine/compiled.py)
         functools.update_wrapper(self, fn, updated=())

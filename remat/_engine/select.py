@@ -73,9 +73,9 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
     # 1. nothing will be saved: no frame needed
     if not torch.is_grad_enabled() and not ti.interpreter_stack():
         return run(flat)
-    # (the flag also lives in what is learnt about the function, shared by every remat of it: a remat(f) made anew on
-    # every call inside another remat'd function learns it from the first attempt)
-    region = owner is not None and (owner._region or owner._learnt.get("region", False))
+    # (what is learnt about the function is shared by every remat of it: a remat(f) made anew on every call inside
+    # another remat'd function learns it from the first attempt)
+    region = owner is not None and owner._learnt.get("region", False)
     ctx = active_context()
     # 2. an outer recompute re-runs this call
     if ctx is not None and not isinstance(ctx, (Frame, TraceFrame)) and not region:
@@ -137,7 +137,6 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
             if owner is None:  # (every remat call has its Rematted; a module's forward too)
                 raise RematError(f"remat: {name} enters a torch.func reverse transform; this is a bug in remat, "
                                  "please report it") from e.cause
-            owner._region = True
             owner._learnt["region"] = True
         if not outermost:
             raise  # the enclosing calls recorded the attempt: the outermost remat call runs again
