@@ -18,7 +18,7 @@ NOTE [replay]
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 import optree
@@ -34,39 +34,36 @@ __all__ = ["plan", "run", "ancestors"]
 Tensor = torch.Tensor
 
 
-def plan(trace: Trace, wanted: set[int], available: Callable[[int], bool]) -> list[Step]:
+def plan(trace: Trace, wanted: set[int], available: Container[int]) -> list[Step]:
     """The steps to replay, in order, to make the ``wanted`` slots (NOTE [replay])."""
-    need = {s for s in wanted if not available(s)}
+    need = {s for s in wanted if s not in available}
     if not need:
         return []
     # from the last step back: a write into a wanted tensor's storage that autograd does not see (through .data, an
     # alias with a version counter of its own) is part of the value the backward pass reads, as in plain autograd,
-    # whenever it happened in the forward pass; a write it sees raises at the unpack (``Trace.after_write``)
-    last = len(trace.steps) - 1
-    need_keys = {trace.key_of.get(s, 0) for s in need}
+    # whenever it happened in the forward pass; a write it sees raises at the unpack (``Trace.after_write``). A call
+    # that wrote nothing in place (the common case) needs no storage keys.
+    key_of = trace.key_of
+    writes = bool(trace.written_keys)
+    need_keys = {key_of.get(s, 0) for s in need} if writes else set()
     need_keys.discard(0)
     out: list[Step] = []
     steps = trace.steps
-    for i in range(last, -1, -1):
+    for i in range(len(steps) - 1, -1, -1):
         step = steps[i]
-        hit = False
         for o in step.outs:
             if o in need:
-                hit = True
                 break
-        if not hit and step.writes:
-            for k in step.writes:
-                if k in need_keys:
-                    hit = True
-                    break
-        if not hit:
-            continue
+        else:
+            if not (writes and step.writes and any(k in need_keys for k in step.writes)):
+                continue
         out.append(step)
         for _, _, s in step.refs:
-            k = trace.key_of.get(s, 0)
-            if k:
-                need_keys.add(k)  # a write into what this step reads, before it, is replayed too
-            if s not in need and not available(s):
+            if writes:
+                k = key_of.get(s, 0)
+                if k:
+                    need_keys.add(k)  # a write into what this step reads, before it, is replayed too
+            if s not in need and s not in available:
                 need.add(s)
     out.reverse()
     return out
@@ -124,7 +121,22 @@ def run(trace: Trace, steps: list[Step], wanted: set[int], source: Callable[[int
                 es.enter_context(torch.autocast(dev, enabled=False))
         undo = trace.flags.set()
         try:
+            vals_get = vals.get
             for k, step in enumerate(steps):
+                if step.plain and not graph:
+                    # (the common step: one tensor out, its tensors positional, no draw, no reshape in place)
+                    args = step.args.copy()
+                    for key, _, s in step.refs:
+                        v = vals_get(s)
+                        if v is None:
+                            v = vals[s] = source(s)
+                        args[key] = v
+                    vals[step.outs[0]] = step.call(*args, **step.kwargs)
+                    f = frees[k]
+                    if f:
+                        for s in f:
+                            vals.pop(s, None)
+                    continue
                 args = list(step.args)
                 kwargs = step.kwargs
                 for key, j, s in step.refs:

@@ -51,6 +51,7 @@ from .._policies.core import (
     decide,
     decide_answer,
     decide_explicit,
+    nothing_saveable,
     policy_failed,
 )
 from .._policies.naming import checkpoint_name
@@ -175,7 +176,7 @@ class Step:
     """One recorded op: ``op(*args, **kwargs)`` with the tensors at ``refs`` taken from slots."""
 
     __slots__ = ("op", "call", "args", "kwargs", "refs", "outs", "inplace_view", "spec", "rng", "grad", "decision", "writes",
-                 "nograd_outs", "replayable", "index")
+                 "nograd_outs", "replayable", "index", "plain")
 
     def __init__(self, op: Any, call: Any, args: list[Any], kwargs: dict[str, Any],
                  refs: list[tuple[Any, int, int]]) -> None:
@@ -194,6 +195,7 @@ class Step:
         self.nograd_outs: list[weakref.ref[Tensor]] | None = None  # ran without grad: its outputs (custom Functions)
         self.replayable = True
         self.index = 0
+        self.plain = False  # one tensor out, tensors positional only, no draw, no reshape in place (the replay's short path)
 
     def reads(self) -> list[int]:
         return [s for _, _, s in self.refs]
@@ -381,7 +383,7 @@ class Trace:
     def settle(self) -> None:
         for p, t in self.pending:
             if t._version != p.version:
-                p.version = -1
+                p.version, p.meta = -1, (t.shape, t.dtype)
         self.pending.clear()
 
 
@@ -393,6 +395,7 @@ class Tracer(TorchDispatchMode):
         self.trace = trace
         self.policy = policy
         self.with_output = getattr(policy, "with_output", None)  # (policies._core.ask: one that reads the output)
+        self.nothing = policy is nothing_saveable  # (whose answer is known: not asked per op)
         # id(overload) -> its OpInfo, for this call (op_info's cache hashes the overload with a Python method: a frame
         # per op on the hot path; an overload lives as long as torch.ops holds it, and its OpInfo holds it)
         self.infos: dict[int, OpInfo] = {}
@@ -430,29 +433,32 @@ class Tracer(TorchDispatchMode):
         step.index = len(trace.steps)
         step.grad = grad = torch.is_grad_enabled()
         out = info.call(*args, **kwargs)
-        # (decide's work, inline: the answers most policies give)
-        try:
-            answer = self.policy(func, *args, **kwargs) if self.with_output is None else \
-                self.with_output(out, func, *args, **kwargs)
-        except Exception as e:  # noqa: BLE001 (the policy's error, never the user's op's)
-            raise policy_failed(self.policy, func, kwargs, e) from e
-        decision = (Recompute if answer is False or answer is Recompute else Saveable if answer is True
-                    else decide_answer(self.policy, func, kwargs, answer))
-        step.decision = decision
-        keep = decision is not Recompute and not info.view
+        if self.nothing:
+            decision = Recompute
+        else:
+            # (decide's work, inline: the answers most policies give)
+            try:
+                answer = self.policy(func, *args, **kwargs) if self.with_output is None else \
+                    self.with_output(out, func, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 (the policy's error, never the user's op's)
+                raise policy_failed(self.policy, func, kwargs, e) from e
+            decision = (Recompute if answer is False or answer is Recompute else Saveable if answer is True
+                        else decide_answer(self.policy, func, kwargs, answer))
+            step.decision = decision
         if type(out) is Tensor:
             s = trace.new_slot(out, step)
             step.outs.append(s)
+            step.plain = True
             if info.view:
                 r = refs[0][2]
                 trace.root[s] = trace.root.get(r, r)
-            if keep:
+            elif decision is not Recompute:
                 trace.keep(s, out)
             if not grad:
                 step.nograd_outs = [weakref.ref(out)]
         else:
-            self._outputs(step, out, keep, grad)
-        if decision is Recompute:
+            self._outputs(step, out, decision is not Recompute and not info.view, grad)
+        if decision is Recompute and trace.stash:
             stash = trace.stash
             for _, _, r in refs:
                 if r in stash:

@@ -39,7 +39,6 @@ import contextlib
 import sys
 import threading
 import weakref
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -67,19 +66,18 @@ Tensor = torch.Tensor
 class _Pack:
     """What autograd holds for one saved tensor of a traced call."""
 
-    __slots__ = ("frame", "kind", "slot", "payload", "version", "shape", "ref", "dtype", "aliases",
-                 "__weakref__")
+    __slots__ = ("frame", "kind", "slot", "payload", "version", "ref", "aliases", "meta", "__weakref__")
 
-    def __init__(self, frame: Any, kind: str, slot: int, payload: Any, version: int, shape: Any) -> None:
+    def __init__(self, frame: Any, kind: str, slot: int, payload: Any, version: int, ref: Any = None) -> None:
         self.frame = frame
         self.kind = kind
         self.slot = slot
         self.payload = payload
         self.version = version
-        self.shape = shape
-        self.ref: Any = None  # a dropped tensor, weakly: written in place since it was saved, it raises
-        self.dtype: Any = None
-        self.aliases: list[Any] = []  # weak references to the dropped tensor's views and base
+        self.ref = ref  # a dropped or offloaded tensor, weakly: written in place since it was saved, it raises
+        self.aliases: Any = ()  # weak references to the dropped tensor's views and base
+        # (shape, dtype) of the tensor when a write moved its version (``Trace.settle``), for the message once it is gone
+        self.meta: Any = None
 
 
 class _Ran:
@@ -129,6 +127,8 @@ class _Serving(Half):
     def unpack(self, p: _Pack) -> Tensor:
         with self._lock:
             kind = p.kind
+            if kind == DROP:
+                return self._take(p)
             if kind == KEEP or kind == INPUT:
                 t = p.payload
                 if t._version != p.version:
@@ -141,7 +141,7 @@ class _Serving(Half):
             if kind == ROUTED:
                 assert self.parent is not None or isinstance(p.payload, _Pack)
                 return p.payload.frame.unpack(p.payload)  # type: ignore[no-any-return]
-            return self._take(p)
+            raise AssertionError(kind)
 
     def _check_unwritten(self, p: _Pack) -> None:
         if p.ref is None:
@@ -152,22 +152,24 @@ class _Serving(Half):
             a = ref()
             if a is not None and a._version != p.version:
                 moved, t = True, a if t is None else t
-        if moved and p.kind == OFFLOAD:
+        if not moved:
+            return
+        shape, dtype = (t.shape, t.dtype) if t is not None else p.meta
+        if p.kind == OFFLOAD:
             raise RematError(
-                f"remat: a tensor of shape {list(p.shape)} that {self.fn_name} offloaded for the backward pass was "
+                f"remat: a tensor of shape {list(shape)} that {self.fn_name} offloaded for the backward pass was "
                 "modified in place after it was saved; plain autograd raises here too (\"one of the variables needed "
                 "for gradient computation has been modified by an inplace operation\"). Do not modify intermediate "
                 "results in place after an op has used them; clone them first."
             )
-        if moved:
-            # written in place since it was saved (in the forward pass: NOTE [outside writes] in trace.py)
-            shown = t if t is not None else torch.empty(p.shape, dtype=p.dtype)
-            raise saved_written_after_save(self.fn_name, p.slot, shown, max(p.version, 0),
-                                           -1 if t is None else t._version)
+        # written in place since it was saved (in the forward pass: NOTE [outside writes] in trace.py)
+        shown = t if t is not None else torch.empty(shape, dtype=dtype)
+        raise saved_written_after_save(self.fn_name, p.slot, shown, max(p.version, 0),
+                                       -1 if t is None else t._version)
 
     def _written(self, p: _Pack, t: Tensor) -> None:
         raise RematError(
-            f"remat: a tensor of shape {list(p.shape)} that {self.fn_name} saved for the backward pass was "
+            f"remat: a tensor of shape {list(t.shape)} that {self.fn_name} saved for the backward pass was "
             f"modified in place after it was saved (version {p.version} -> {t._version}). Do not modify inputs "
             "or results of a remat'd function in place before the backward pass; clone them first."
         )
@@ -175,7 +177,11 @@ class _Serving(Half):
     def _take(self, p: _Pack) -> Tensor:
         graph = torch.is_grad_enabled()
         s = p.slot
-        self._check_unwritten(p)
+        ref = p.ref
+        if ref is not None:
+            t = ref()
+            if p.version < 0 or p.aliases or (t is not None and t._version != p.version):
+                self._check_unwritten(p)
         entry = self.caches.get(graph)
         if entry is None or s not in entry[0]:
             entry = self.caches[graph] = self._replay(graph, full=s in self.skipped)
@@ -190,21 +196,23 @@ class _Serving(Half):
                 return t
         made, left, versions = entry
         t = made[s]
-        r = self.view_roots.get(s)
-        b = self.made_roots.get(r) if r is not None else None
-        if t._version != versions[s] or (b is not None and b._version != versions[r]):  # type: ignore[index]
+        r = self.view_roots.get(s) if self.view_roots else None
+        if t._version != versions[s] or (r is not None and r in self.made_roots
+                                         and self.made_roots[r]._version != versions[r]):
             # a backward node wrote it (or the value it is a view of: the replay's views share no version
             # counter) in place and another reads it now: plain autograd refuses this too
             raise saved_written_after_save(self.fn_name, s, t, versions[s], t._version)
-        left[s] -= 1
-        if left[s] <= 0:
-            del made[s]
-            del left[s]
-            if r is not None and not any(left.get(v) for v, rr in self.view_roots.items() if rr == r):
-                self.made_roots.pop(r, None)
+        n = left[s] - 1
+        if n > 0:
+            left[s] = n
+            return t
+        del made[s]
+        del left[s]
+        if r is not None and not any(left.get(v) for v, rr in self.view_roots.items() if rr == r):
+            self.made_roots.pop(r, None)
         return t
 
-    def _replay(self, graph: bool, full: bool = False) -> tuple[dict[int, Tensor], Counter[int], dict[int, int]]:
+    def _replay(self, graph: bool, full: bool = False) -> tuple[dict[int, Tensor], dict[int, int], dict[int, int]]:
         self.recomputes += 1
         trace = self.trace
         wanted = set(self.counts)
@@ -238,21 +246,27 @@ class _Serving(Half):
         # storage anyway), so that a write into one before a view is read is seen (the replay's views share no
         # version counter with their base)
         self.made_roots = {r: made[r] for r in self.view_roots.values() if r in made}
-        return made, Counter(self.counts), versions
+        return made, dict(self.counts), versions
 
-    def _available(self, graph: bool) -> Callable[[int], bool]:
+    def _available(self, graph: bool) -> set[int]:
+        """The slots a replay reads rather than makes."""
         trace = self.trace
-        outside, routed = trace.outside, self.routed
+        avail = set(trace.outside)
+        avail.update(self.routed)
         if graph:
-            return lambda s: s in outside or s in routed
-        stash, offloaded, replay_offloaded = trace.stash, self.offloaded, self.replay_offloaded
-        written = trace.written_keys
+            return avail
+        avail.update(self.replay_offloaded)
         versions = trace.stash_versions
+        for s, v in trace.stash.items():
+            if type(v) is not weakref.ref and v._version == versions.get(s):
+                avail.add(s)
         # (a copy the offload engine took for the replay holds the value before any later write; one taken for a
         # save, the value then, which a write through .data since would make stale)
-        return lambda s: (s in outside or s in routed or s in replay_offloaded
-                          or (s in stash and type(stash[s]) is not weakref.ref and stash[s]._version == versions.get(s))
-                          or (trace.key_of.get(s) not in written and s in offloaded and offloaded[s]() is not None))
+        written = trace.written_keys
+        for s, ref in self.offloaded.items():
+            if trace.key_of.get(s) not in written and ref() is not None:
+                avail.add(s)
+        return avail
 
     def _source(self, graph: bool) -> Callable[[int], Tensor]:
         trace = self.trace
@@ -322,23 +336,25 @@ class _Saving(Half):
     def pack(self, t: Tensor) -> _Pack:
         trace = self.trace
         e = trace._slot_of.get(id(t))
-        s = e[1] if e is not None and e[0]() is t else None
-        if s is None or s in trace.outside:
-            return self._keep(t, -1 if s is None else s, INPUT)
+        if e is None or e[0]() is not t:
+            return self._keep(t, -1, INPUT)
+        s = e[1]
+        step = trace.producer.get(s)
+        if step is None:
+            return self._keep(t, s, INPUT)  # (an outside tensor)
         # a view is decided for by the op that made its storage (keeping a view keeps that storage)
         r = trace.root.get(s, s)
-        if r in trace.outside:
-            return self._keep(t, s, INPUT)  # (a view of an input or a parameter: nothing of the call's)
-        step = trace.producer[r]
+        replayable = step.replayable
+        if r != s:
+            step = trace.producer.get(r)
+            if step is None:
+                return self._keep(t, s, INPUT)  # (a view of an input or a parameter: nothing of the call's)
+            replayable = replayable and step.replayable
         decision = step.decision
-        replayable = step.replayable and (r == s or trace.producer[s].replayable)
         if decision is Recompute and replayable:
             counts = self.counts
             counts[s] = counts.get(s, 0) + 1
-            p = _Pack(self, DROP, s, None, t._version, t.shape)
-            # (self._watch, inline: the hot path; the trace's weak reference to t, when it is the slot's own)
-            ref = trace.refs.get(s)
-            p.ref, p.dtype = ref if ref is not None and ref() is t else weakref.ref(t), t.dtype
+            p = _Pack(self, DROP, s, None, t._version, e[0])
             self.drops.append(p)
             k = trace.key_of.get(s)
             if k is not None:
@@ -355,8 +371,8 @@ class _Saving(Half):
                 o = self.engine.offload_saved(t, decision, group=self._group, own_modes=self.depth)
             if o is not None:
                 self._offloaded_any = True
-                p = _Pack(self, OFFLOAD, s, o, t._version, t.shape)
-                self._watch(p, t)
+                p = _Pack(self, OFFLOAD, s, o, t._version, weakref.ref(t))
+                self.drops.append(p)  # (NOTE [written after saved] in _engine/packed.py: watched with its aliases)
                 k = trace.key_of.get(s)
                 if k is not None:
                     trace.dropped_keys.setdefault(k, []).append(p)
@@ -368,16 +384,10 @@ class _Saving(Half):
             self.kept.setdefault(r, []).append(p)
         return p
 
-    def _watch(self, p: _Pack, t: Tensor) -> None:
-        """NOTE [written after saved] in _engine/packed.py: what is not held is watched (weakly, with its aliases) for a
-        write in place before its unpack, which plain autograd would refuse."""
-        p.ref, p.dtype = weakref.ref(t), t.dtype
-        self.drops.append(p)
-
     def _keep(self, t: Tensor, s: int, kind: str) -> _Pack:
         if self.parent is not None:
-            return _Pack(self, ROUTED, s, self.parent.pack(t), t._version, t.shape)
-        return _Pack(self, kind, s, holdable(t), t._version, t.shape)
+            return _Pack(self, ROUTED, s, self.parent.pack(t), t._version)
+        return _Pack(self, kind, s, holdable(t), t._version)
 
     def _demote(self, s: int) -> None:
         """A ``checkpoint_name`` the policy drops names a value saved as kept already (or a view of it): drop it."""
@@ -458,7 +468,7 @@ class TraceFrame(_Saving, _Serving):
         self.skipped: set[int] = set()
         self.view_roots: dict[int, int] = {}  # a dropped view -> the dropped value it is a view of
         self.made_roots: dict[int, Tensor] = {}  # dropped values the last replay made views of (their writes)
-        self.caches: dict[bool, tuple[dict[int, Tensor], Counter[int], dict[int, int]]] = {}
+        self.caches: dict[bool, tuple[dict[int, Tensor], dict[int, int], dict[int, int]]] = {}
         self._lock = threading.RLock()
         self._offloaded_any = False
         wself = weakref.ref(self)
