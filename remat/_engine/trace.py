@@ -176,7 +176,7 @@ class Step:
     """One recorded op: ``op(*args, **kwargs)`` with the tensors at ``refs`` taken from slots."""
 
     __slots__ = ("op", "call", "args", "kwargs", "refs", "outs", "inplace_view", "spec", "rng", "grad", "decision", "writes",
-                 "nograd_outs", "replayable", "index", "plain")
+                 "nograd_outs", "replayable", "plain")
 
     def __init__(self, op: Any, call: Any, args: list[Any], kwargs: dict[str, Any],
                  refs: list[tuple[Any, int, int]]) -> None:
@@ -194,7 +194,6 @@ class Step:
         self.writes: tuple[int, ...] = ()  # storage keys it writes
         self.nograd_outs: list[weakref.ref[Tensor]] | None = None  # ran without grad: its outputs (custom Functions)
         self.replayable = True
-        self.index = 0
         self.plain = False  # one tensor out, tensors positional only, no draw, no reshape in place (the replay's short path)
 
     def reads(self) -> list[int]:
@@ -227,8 +226,13 @@ class AmbientFlags:
         (lambda: torch.backends.cuda.matmul.allow_tf32, lambda v: setattr(torch.backends.cuda.matmul, "allow_tf32", v)),
     )
 
+    _CPU = 3  # (the first three: the rest change CUDA kernels only)
+
     def __init__(self) -> None:
-        self.values = tuple(get() for get, _ in self._FLAGS)
+        # (reading a flag costs up to 0.7 us; without CUDA initialised the call ran no CUDA kernel, and its replay runs
+        # none: the CUDA flags are not noted, nor set)
+        flags = self._FLAGS if torch.cuda.is_initialized() else self._FLAGS[:self._CPU]
+        self.values = tuple(get() for get, _ in flags)
 
     def set(self) -> list[tuple[Callable[[Any], None], Any]]:
         """Set the call's flags; return what to restore."""
@@ -430,7 +434,6 @@ class Tracer(TorchDispatchMode):
         if not plain:
             return self._general(func, info, args, kwargs)
         step = Step(func, info.call, targs, kwargs, refs)
-        step.index = len(trace.steps)
         step.grad = grad = torch.is_grad_enabled()
         out = info.call(*args, **kwargs)
         if self.nothing:
@@ -446,7 +449,17 @@ class Tracer(TorchDispatchMode):
                         else decide_answer(self.policy, func, kwargs, answer))
             step.decision = decision
         if type(out) is Tensor:
-            s = trace.new_slot(out, step)
+            # (trace.new_slot, inline: the hot path)
+            s = trace.n
+            trace.n = s + 1
+            ref = weakref.ref(out)
+            slot_of[id(out)] = (ref, s)
+            trace.refs[s] = ref
+            trace.producer[s] = step
+            try:
+                trace.key_of[s] = int(out.data_ptr() - out.storage_offset() * out.element_size())
+            except (RuntimeError, NotImplementedError):
+                pass
             step.outs.append(s)
             step.plain = True
             if info.view:
@@ -515,7 +528,6 @@ class Tracer(TorchDispatchMode):
                 refs.append((k, -1, trace.read(a)))
                 tkw[k] = None
         step = Step(func, info.call, targs, tkw, refs)
-        step.index = len(trace.steps)
         step.inplace_view = info.inplace_view
         if info.mutable:
             keys = []
