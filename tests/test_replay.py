@@ -194,6 +194,91 @@ def test_global_settings_changed_between_the_passes() -> None:
     torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
 
 
+def test_the_replay_sets_the_kernel_flags_the_forward_pass_had_and_puts_back_the_new_ones() -> None:
+    """``AmbientFlags``: noted with the call, set for its replay, restored after; the CUDA-only switches are noted only
+    once CUDA is initialised (a call without it ran no CUDA kernel), so a change to them on a CPU run is left alone."""
+    from remat._engine.ambient import AmbientFlags
+
+    mkldnn, cudnn_det = torch.backends.mkldnn.enabled, torch.backends.cudnn.deterministic
+    try:
+        flags = AmbientFlags()
+        assert len(flags.values) == (len(AmbientFlags._FLAGS) if torch.cuda.is_initialized() else AmbientFlags._CPU)
+        torch.backends.mkldnn.enabled = not mkldnn
+        torch.backends.cudnn.deterministic = not cudnn_det
+        undo = flags.set()
+        assert torch.backends.mkldnn.enabled == mkldnn  # the forward pass's value, for the replay
+        assert torch.backends.cudnn.deterministic == (cudnn_det if torch.cuda.is_initialized() else not cudnn_det)
+        for put, v in undo:
+            put(v)
+        assert torch.backends.mkldnn.enabled == (not mkldnn)  # the caller's new value, back after the replay
+    finally:
+        torch.backends.mkldnn.enabled, torch.backends.cudnn.deterministic = mkldnn, cudnn_det
+
+
+def _conv(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(F.conv2d(torch.sin(x), w)).pow(2).sum()
+
+
+def _denormal(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    kept = (x * 1e-310 != 0).to(x.dtype)  # denormal float64 values: all zero with flush_denormal on
+    return (torch.sin(x * w.sum()) * kept).sum()  # (the mask, saved for sin's gradient, is dropped and recomputed)
+
+
+def _flip_mkldnn(on: bool) -> None:
+    torch.backends.mkldnn.enabled = not on
+
+
+def _flip_denormal(on: bool) -> None:
+    torch.set_flush_denormal(on)
+
+
+SWITCHES = {  # name: (function, dtype, switch to the other state (True: the other), supported here)
+    "mkldnn": (_conv, torch.float32, _flip_mkldnn, True),
+    "flush_denormal": (_denormal, f64, _flip_denormal, torch.set_flush_denormal(False)),
+}
+
+
+@pytest.mark.parametrize("switch", list(SWITCHES))
+@pytest.mark.parametrize("route", ["autograd", "debug", "vjp", "vjp-debug"])
+def test_a_kernel_switch_flipped_between_the_passes_leaves_the_gradient_bitwise_plain(route: str, switch: str) -> None:
+    """A kernel switch flipped between the passes must not change what the recompute computes: the gradient equals
+    plain autograd's (under the same flip) to the bit, first call and later ones, on the replay engine (autograd),
+    the re-run (debug) and the full engine's program replay (torch.func.vjp). oneDNN: float32 convolutions differ
+    with it on and off (~1e-5); flush_denormal: a value that was denormal in the forward pass is zero in a recompute
+    under it. Before, only the replay engine set oneDNN's flag, and nothing set flush_denormal."""
+    f, dtype, flip, supported = SWITCHES[switch]
+    if not supported:
+        pytest.skip("torch.set_flush_denormal is not supported on this CPU")
+
+    def backward(g: Callable[..., torch.Tensor], w: torch.Tensor, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        if route.startswith("vjp"):
+            _, fn = torch.func.vjp(g, w, x)
+            return lambda: fn(torch.ones((), dtype=dtype))[0]
+        w = w.detach().requires_grad_()
+        y = g(w, x)
+        return lambda: torch.autograd.grad(y, w)[0]
+
+    torch.manual_seed(0)
+    on = torch.backends.mkldnn.enabled
+    rf = remat.remat(f, debug=route.endswith("debug"))
+    try:
+        for _ in range(2):
+            w, x = torch.randn(8, 8, 3, 3, dtype=dtype), torch.randn(2, 8, 12, 12, dtype=dtype)
+            grads = []
+            for g in (f, rf):
+                run = backward(g, w, x)
+                flip(True)  # between the passes (plain autograd's backward pass under it too)
+                try:
+                    grads.append(run())
+                finally:
+                    torch.backends.mkldnn.enabled = on
+                    torch.set_flush_denormal(False)
+            assert torch.equal(grads[1], grads[0])
+    finally:
+        torch.backends.mkldnn.enabled = on
+        torch.set_flush_denormal(False)
+
+
 def test_writes_of_the_forward_pass_happen_once() -> None:
     """A global accumulator, a buffer counter, renormalised embedding rows, BatchNorm statistics: written once per
     call, as in plain autograd, and the replay reads what the forward pass read."""

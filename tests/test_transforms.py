@@ -573,3 +573,34 @@ def test_cuda_rng_every_device(transform: str) -> None:
     out = run(remat(counted))
     assert counted.calls == 2
     assert_tree_close(out, ref, **TOL)
+
+
+# ---- debug=True under every transform ---------------------------------------------------
+
+DEBUG_TRANSFORMS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    "grad": lambda g: grad(g),
+    "vjp": lambda g: lambda w, x: vjp(g, w, x)[1](torch.ones((), dtype=DT)),
+    "jacrev": lambda g: jacrev(g),
+    "hessian": lambda g: hessian(g),
+    "vmap(grad)": lambda g: vmap(grad(g), in_dims=(None, 0)),
+    "jacfwd(jacrev)": lambda g: jacfwd(jacrev(g)),
+}
+
+
+@pytest.mark.parametrize("pol", ["nothing", "dots"])
+@pytest.mark.parametrize("transform", list(DEBUG_TRANSFORMS))
+def test_debug_mode_under_each_transform_equals_plain(transform: str, pol: str) -> None:
+    """``debug=True`` (the re-run with its checks, and a hash of every input when the forward pass ends) under each
+    torch.func transform, on the first call and later ones: plain ``f``'s result. The hash ran ops on plain tensors
+    with the transform's level still active, which made wrappers without storage: every call raised RuntimeError."""
+
+    def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(F.conv1d(torch.sin(x).unsqueeze(1), w.unsqueeze(0).unsqueeze(0), padding=1))
+        return (h * h).sum() + (x @ w).sin().sum()
+
+    t = DEBUG_TRANSFORMS[transform]
+    rf = remat(f, policy=POLICIES[pol], debug=True)
+    for i in range(3):
+        w = _rand(3, seed=i)
+        x = _rand(2, 3, seed=10 + i) if transform != "vmap(grad)" else _rand(4, 2, 3, seed=10 + i)
+        assert_tree_close(t(rf)(w, x), t(f)(w, x), **TOL)

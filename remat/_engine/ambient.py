@@ -1,4 +1,4 @@
-"""Ambient state the recompute must replay (random-number generators and autocast), and what it must not
+"""Ambient state the recompute must replay (random-number generators, autocast, kernel flags), and what it must not
 do again (accumulate gradients a backward pass inside the function accumulated: :func:`no_accumulation`).
 
 The recompute must draw exactly the random numbers the forward pass drew
@@ -14,16 +14,60 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
 from .._errors import RematError
 
-__all__ = ["AmbientState", "no_accumulation"]
+__all__ = ["AmbientFlags", "AmbientState", "no_accumulation"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+# NOTE [flush denormal]
+#     torch.set_flush_denormal sets the thread's floating-point control flags (SSE's DAZ/FTZ, ARM's FZ), which torch
+#     has no getter for. Python's own float arithmetic runs under the same flags: a denormal times one is zero exactly
+#     when they are set (40 ns; the operands are module globals so that nothing folds the product).
+_TINY, _ONE = 5e-324, 1.0
+
+
+class AmbientFlags:
+    """Global switches that change what a kernel computes, noted once per call and set for its replay."""
+
+    __slots__ = ("values",)
+
+    _FLAGS: tuple[tuple[Callable[[], Any], Callable[[Any], None]], ...] = (
+        (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+        (lambda: (torch.are_deterministic_algorithms_enabled(),
+                  torch.is_deterministic_algorithms_warn_only_enabled()),
+         lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1])),
+        (lambda: torch.backends.mkldnn.enabled, lambda v: setattr(torch.backends.mkldnn, "enabled", v)),
+        (lambda: _TINY * _ONE == 0.0, torch.set_flush_denormal),  # (NOTE [flush denormal])
+        (lambda: torch.backends.cudnn.enabled, lambda v: setattr(torch.backends.cudnn, "enabled", v)),
+        (lambda: torch.backends.cudnn.deterministic, lambda v: setattr(torch.backends.cudnn, "deterministic", v)),
+        (lambda: torch.backends.cudnn.allow_tf32, lambda v: setattr(torch.backends.cudnn, "allow_tf32", v)),
+        (lambda: torch.backends.cuda.matmul.allow_tf32, lambda v: setattr(torch.backends.cuda.matmul, "allow_tf32", v)),
+    )
+
+    _CPU = 4  # (the first four: the rest change CUDA kernels only)
+
+    def __init__(self) -> None:
+        # (reading a flag costs up to 0.7 us; without CUDA initialised the call ran no CUDA kernel, and its replay runs
+        # none: the CUDA flags are not noted, nor set)
+        flags = self._FLAGS if torch.cuda.is_initialized() else self._FLAGS[:self._CPU]
+        self.values = tuple(get() for get, _ in flags)
+
+    def set(self) -> list[tuple[Callable[[Any], None], Any]]:
+        """Set the call's flags; return what to restore."""
+        undo = []
+        for (get, put), v in zip(self._FLAGS, self.values):
+            now = get()
+            if now != v:
+                put(v)
+                undo.append((put, now))
+        return undo
 
 
 @dataclasses.dataclass
@@ -33,6 +77,7 @@ class AmbientState:
     autocast: dict[str, tuple[bool, torch.dtype]]
     # NOTE [generators of your own]: id -> (generator, its state before the call's first draw from it)
     generators: dict[int, tuple[torch.Generator, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    flags: AmbientFlags = dataclasses.field(default_factory=AmbientFlags)  # (noted when the forward pass starts)
 
     @classmethod
     def capture(cls, tensors: Iterable[torch.Tensor], preserve_rng: bool) -> AmbientState:
@@ -70,7 +115,7 @@ class _Restored:
     """The context manager of :meth:`AmbientState.restored`: a class rather than a generator, as it runs once per
     recompute (torch.random.fork_rng, which it does the work of, costs several times more)."""
 
-    __slots__ = ("state", "autocast", "cpu", "cuda", "gens")
+    __slots__ = ("state", "autocast", "cpu", "cuda", "gens", "undo")
 
     def __init__(self, state: AmbientState) -> None:
         self.state = state
@@ -78,9 +123,11 @@ class _Restored:
         self.cpu: torch.Tensor | None = None
         self.cuda: dict[int, torch.Tensor] = {}
         self.gens: list[tuple[torch.Generator, torch.Tensor]] = []
+        self.undo: list[tuple[Callable[[Any], None], Any]] = []
 
     def __enter__(self) -> None:
         st = self.state
+        self.undo = st.flags.set()
         for dev, (enabled, dtype) in st.autocast.items():
             # entering torch.autocast costs ~4 us a device: only where the state differs from now
             if (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) != (enabled, dtype):
@@ -103,6 +150,9 @@ class _Restored:
                 torch.cuda.set_rng_state(rng, d)
         while self.autocast:
             self.autocast.pop().__exit__(*exc)
+        for put, v in self.undo:
+            put(v)
+        self.undo = []
 
 
 @contextlib.contextmanager

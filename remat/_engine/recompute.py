@@ -25,7 +25,7 @@ from .._torch_internals import saved_tensors_hooks
 from . import outside as ox
 from .capture import Capture, PassThrough, StopRecompute
 from .dispatch import OpTap
-from .functorch import check_lower_levels, replay
+from .functorch import below_all_levels, check_lower_levels, replay
 from .ops import DeadRead, storage_key
 from .packed import Made, ParentHandle, made_anew
 from .replay import Replayer
@@ -199,7 +199,7 @@ def call_nested_replay(ctx: Any, run: Callable[[list[Any]], Any], flat: list[Any
 def fingerprints(tensors: list[Any]) -> list[Any]:
     """NOTE [values between the passes]: a hash of each plain tensor of ``tensors`` (None for anything else)."""
     out: list[Any] = []
-    with internal():
+    with internal(), below_all_levels():  # (under a torch.func level, an op on a plain tensor returns a wrapper)
         for t in tensors:
             u = ti.unwrap_all(t) if isinstance(t, torch.Tensor) else None
             plain = u is not None and type(u) in (torch.Tensor, torch.nn.Parameter) and u.layout == torch.strided

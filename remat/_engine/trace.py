@@ -56,9 +56,10 @@ from .._policies.core import (
 )
 from .._policies.naming import checkpoint_name
 from .._torch_internals import TorchDispatchMode
+from .ambient import AmbientFlags
 from .ops import ALIAS, RANGE_OPS, generator_for, ignored, profiler_op
 
-__all__ = ["OpInfo", "Step", "Trace", "Tracer", "op_info", "AmbientFlags"]
+__all__ = ["OpInfo", "Step", "Trace", "Tracer", "op_info"]
 
 Tensor = torch.Tensor
 
@@ -207,42 +208,6 @@ def _storage_key(t: Tensor) -> int:
         return int(t.data_ptr() - t.storage_offset() * t.element_size())
     except (RuntimeError, NotImplementedError):
         return 0
-
-
-class AmbientFlags:
-    """Global switches that change what a kernel computes, noted once per call and set for its replay."""
-
-    __slots__ = ("values",)
-
-    _FLAGS: tuple[tuple[Callable[[], Any], Callable[[Any], None]], ...] = (
-        (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
-        (lambda: (torch.are_deterministic_algorithms_enabled(),
-                  torch.is_deterministic_algorithms_warn_only_enabled()),
-         lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1])),
-        (lambda: torch.backends.mkldnn.enabled, lambda v: setattr(torch.backends.mkldnn, "enabled", v)),
-        (lambda: torch.backends.cudnn.enabled, lambda v: setattr(torch.backends.cudnn, "enabled", v)),
-        (lambda: torch.backends.cudnn.deterministic, lambda v: setattr(torch.backends.cudnn, "deterministic", v)),
-        (lambda: torch.backends.cudnn.allow_tf32, lambda v: setattr(torch.backends.cudnn, "allow_tf32", v)),
-        (lambda: torch.backends.cuda.matmul.allow_tf32, lambda v: setattr(torch.backends.cuda.matmul, "allow_tf32", v)),
-    )
-
-    _CPU = 3  # (the first three: the rest change CUDA kernels only)
-
-    def __init__(self) -> None:
-        # (reading a flag costs up to 0.7 us; without CUDA initialised the call ran no CUDA kernel, and its replay runs
-        # none: the CUDA flags are not noted, nor set)
-        flags = self._FLAGS if torch.cuda.is_initialized() else self._FLAGS[:self._CPU]
-        self.values = tuple(get() for get, _ in flags)
-
-    def set(self) -> list[tuple[Callable[[Any], None], Any]]:
-        """Set the call's flags; return what to restore."""
-        undo = []
-        for (get, put), v in zip(self._FLAGS, self.values):
-            now = get()
-            if now != v:
-                put(v)
-                undo.append((put, now))
-        return undo
 
 
 class Trace:
