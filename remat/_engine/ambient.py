@@ -33,6 +33,10 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 _TINY, _ONE = 5e-324, 1.0
 
 
+def _set_flush_denormal(on: bool) -> None:
+    torch.set_flush_denormal(on)
+
+
 class AmbientFlags:
     """Global switches that change what a kernel computes, noted once per call and set for its replay."""
 
@@ -44,7 +48,7 @@ class AmbientFlags:
                   torch.is_deterministic_algorithms_warn_only_enabled()),
          lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1])),
         (lambda: torch.backends.mkldnn.enabled, lambda v: setattr(torch.backends.mkldnn, "enabled", v)),
-        (lambda: _TINY * _ONE == 0.0, lambda v: None if torch.set_flush_denormal(v) else None),  # (NOTE [flush denormal])
+        (lambda: _TINY * _ONE == 0.0, lambda v: _set_flush_denormal(v)),  # (NOTE [flush denormal])
         (lambda: torch.backends.cudnn.enabled, lambda v: setattr(torch.backends.cudnn, "enabled", v)),
         (lambda: torch.backends.cudnn.deterministic, lambda v: setattr(torch.backends.cudnn, "deterministic", v)),
         (lambda: torch.backends.cudnn.allow_tf32, lambda v: setattr(torch.backends.cudnn, "allow_tf32", v)),
