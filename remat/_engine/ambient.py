@@ -48,7 +48,7 @@ class AmbientFlags:
                   torch.is_deterministic_algorithms_warn_only_enabled()),
          lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1])),
         (lambda: torch.backends.mkldnn.enabled, lambda v: setattr(torch.backends.mkldnn, "enabled", v)),
-        (lambda: _TINY * _ONE == 0.0, lambda v: _set_flush_denormal(v)),  # (NOTE [flush denormal])
+        (lambda: _TINY * _ONE == 0.0, _set_flush_denormal),  # (NOTE [flush denormal])
         (lambda: torch.backends.cudnn.enabled, lambda v: setattr(torch.backends.cudnn, "enabled", v)),
         (lambda: torch.backends.cudnn.deterministic, lambda v: setattr(torch.backends.cudnn, "deterministic", v)),
         (lambda: torch.backends.cudnn.allow_tf32, lambda v: setattr(torch.backends.cudnn, "allow_tf32", v)),
