@@ -5,9 +5,9 @@ module, a module-level global, a closure cell, a default argument, which expert 
 the order of a list of experts, Python's and NumPy's random numbers, a dict in a closure, a buffer replaced by a
 same-shaped one, an op's list argument (``roll``'s shifts), torch's RNG seeded inside the forward pass from a counter
 it bumps (then dropout), a factory that follows the default dtype, a global tensor (written in place between the
-passes), ``torch.tensor`` of a number on the module (issue 46). Its first call is clean; every later call mutates
-some of that state before its forward pass and some between its forward and its backward pass (there also the
-default dtype and matmul precision), and some calls run two forward passes, with mutations between them, before one
+passes), ``torch.tensor`` of a number on the module (issue 46), a mask of denormal values. Its first call is clean;
+every later call mutates some of that state before its forward pass and some between its forward and its backward
+pass (there also the default dtype, matmul precision and ``torch.set_flush_denormal``), and some calls run two forward passes, with mutations between them, before one
 backward pass over both. The wrappings: a function, a bound method, ``remat_module``, ``debug=True`` (the re-run
 engine), ``torch.func.vjp``, ``grad``, ``jacrev`` and ``vmap(grad)`` over ``functional_call`` (the mutations between
 the passes inside the transformed function), and two nested calls inside an outer remat'd one. Any call may run with a user's dispatch mode (``CommDebugMode``, a
@@ -17,7 +17,7 @@ remat: its tracker needs the outermost module called as a module and breaks on l
 1e-10; plain autograd differentiates what its forward pass computed) or a ``RematError``; anything else is a
 *silent mismatch*, the one outcome remat never allows (NOTE [same reads] in ``remat/_engine/wiring.py``).
 
-Run: ``python benchmarks/fuzz.py --programs 500 --calls 7`` (216,000 calls) prints, per policy and wrapping, the number of calls,
+Run: ``python benchmarks/fuzz.py --programs 500 --calls 7`` (240,000 calls; ``--seed`` splits a run across processes) prints, per policy and wrapping, the number of calls,
 how many matched, raised, and mismatched silently. ``tests/test_python_state.py::test_state_fuzzer_slice`` runs a
 slice.
 """
@@ -48,7 +48,7 @@ GLOBAL = {"scale": 1.0}  # read through a module-level global (rebound, not muta
 _GLOBAL_SCALE = 1.0
 
 STEPS = ["attr", "global", "cell", "default", "expert", "moddict", "order", "random", "nprandom", "cfg", "buffer",
-         "roll", "tanh", "sin", "lin", "seed", "factory", "gtensor", "pydata"]
+         "roll", "tanh", "sin", "lin", "seed", "factory", "gtensor", "pydata", "denormal"]
 MUTATIONS = ["attr", "global", "cell", "default", "expert", "moddict", "order", "cfg", "buffer", "roll", "gtensor",
              "pydata"]
 # between the passes only (undone before plain autograd runs): global settings, which a replay must not follow
@@ -208,6 +208,8 @@ class Program(nn.Module):
                 h = torch.tanh(h + G_TENSOR)
             elif s == "pydata":
                 h = torch.sin(h * torch.tensor(self.value, dtype=D))
+            elif s == "denormal":  # (a mask of denormal values: all zero under torch.set_flush_denormal(True))
+                h = torch.tanh(h * (1 + 0.1 * ((h.abs() + 1) * 1e-310 != 0).to(D)))
             elif s == "tanh":
                 h = torch.tanh(h)
             elif s == "sin":
@@ -244,6 +246,7 @@ def mutate(m: Program, what: str, rng: random.Random) -> None:
     elif what == "settings":
         torch.set_default_dtype(torch.float16)
         torch.set_float32_matmul_precision("medium")
+        torch.set_flush_denormal(True)
     elif what == "buffer":
         if rng.random() < 0.5:
             m.gain = GAINS[rng.randrange(len(GAINS))]  # replaced by a same-shaped tensor (drawn beforehand: a
@@ -320,6 +323,7 @@ def _func_grads(module: nn.Module, wrap: str, x: torch.Tensor, between: Any) -> 
 def _restore_settings(dtype: torch.dtype, precision: str) -> None:
     torch.set_default_dtype(dtype)
     torch.set_float32_matmul_precision(precision)
+    torch.set_flush_denormal(False)
 
 
 def run_program(seed: int, policy_name: str, wrap: str, calls: int = 6) -> Counter[str]:
