@@ -14,7 +14,7 @@ NOTE [the trace]
       between the passes changes nothing);
     * each step notes whether grad mode was on (a ``torch.no_grad()`` block replays without a graph);
     * the kernel flags of the call (matmul precision, deterministic mode, oneDNN/cuDNN switches) are noted once
-      per call and set for the replay (``AmbientFlags``).
+      per call and set for the replay (``AmbientFlags`` in ``ambient.py``, which every recompute sets).
 
     The policy is asked about every step as it runs; a step it keeps has its outputs held (weakly until a
     step the replay may run reads them: NOTE [stash liveness] of this engine, ``Trace.read_by_replay``).
