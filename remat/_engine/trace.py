@@ -13,7 +13,7 @@ NOTE [the trace]
     * factory steps (no tensor argument) pin the dtype and device they produced (``torch.set_default_dtype``
       between the passes changes nothing);
     * each step notes whether grad mode was on (a ``torch.no_grad()`` block replays without a graph);
-    * the kernel flags of the call (matmul precision, deterministic mode, oneDNN/cuDNN switches) are noted once
+    * the kernel flags of the call (matmul precision, deterministic mode, oneDNN/cuDNN switches, flush_denormal) are noted once
       per call and set for the replay (``AmbientFlags`` in ``ambient.py``, which every recompute sets).
 
     The policy is asked about every step as it runs; a step it keeps has its outputs held (weakly until a
