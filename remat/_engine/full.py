@@ -424,6 +424,7 @@ class Frame(_Saving, _Serving):
         # NOTE [one copy per storage] in _offload/copies.py: a write ends the sharing of a storage's copy
         self.recorder.on_write = lambda keys: wself()._storage_written(keys)  # type: ignore[union-attr]
         self.recorder.describe_tensor = state.label_of
+        self.recorder.keep_written_offloads = h > 0  # NOTE [written before offloaded] in _engine/outside_writes.py
         self._kept: dict[int, list[tuple[Packed, int]]] = {}  # storage key -> kept packs made here, vid
         with internal():
             tensors = [a for a in flat if isinstance(a, torch.Tensor)]

@@ -27,7 +27,7 @@ import torch
 
 from .._context import internal
 from .._errors import RematError
-from .._policies.core import Offloadable
+from .._policies.core import Offloadable, Saveable
 from . import outside as ox
 from .ops import OVERWRITES, Half, OpRecord, arg_tensors, storage_key, tensor_leaves
 
@@ -91,6 +91,13 @@ class OutsideReads(Half):
                                 else tensor_leaves((args, kwargs)))
         return subst
 
+    # NOTE [written before offloaded]
+    #     An output the policy offloads but the offload engine declined (it moves nothing: a copy to where the
+    #     tensor is, a size below the policy's minimum) is kept as itself, like a saved one; written in place later
+    #     (LayerNorm's forward-mode formula divides a sum it made, in place, under jvp, jacfwd and hessian), it is
+    #     copied before the write and kept as a saved output is. Under torch.func the call then keeps it for good
+    #     (its decision becomes Saveable). An output the engine took (its copy may be under way) and written in
+    #     place under torch.func still raises in ``Frame.forward``: that replay gave wrong gradients.
     def _copy_on_write(self, func: Any, written: list[torch.Tensor]) -> None:
         # a write that depends on what it overwrites (not a fill, a copy or a random draw)
         partial = (torch.Tag.inplace_view not in func.tags and torch.Tag.nondeterministic_seeded not in func.tags
@@ -110,7 +117,12 @@ class OutsideReads(Half):
                         if storage_key(cur) in keys:
                             rec.stash[pos] = cur.detach().clone()
                             rec.cow = True
-                            self.offloaded_written |= partial and isinstance(rec.decision, Offloadable)
+                            if partial and isinstance(rec.decision, Offloadable):
+                                if self.keep_written_offloads:
+                                    # NOTE [written before offloaded]
+                                    rec.decision = Saveable
+                                else:
+                                    self.offloaded_written = True
                     elif cur is not None and cur.engine.shares_storage(cur, keys):
                         self.offloaded_written |= partial
                         # offloaded: on CUDA the write must wait until its copy to the host ran
