@@ -611,9 +611,10 @@ def test_debug_mode_under_each_transform_equals_plain(transform: str, pol: str) 
 @pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian", "jacfwd(jacrev)", "grad"])
 def test_offload_with_layer_norm_under_forward_mode_transforms_equals_plain(transform: str) -> None:
     """LayerNorm's forward-mode formula divides a sum it made, in place (``mean``); under an offload policy that
-    sum is an output the offload engine declined to move, and the write made the call raise ``RematError`` ("writes
-    in place into a tensor that its offload policy offloads") under jvp, jacfwd and hessian, where plain torch.func
-    is exact (NOTE [written before offloaded] in remat/_engine/outside_writes.py); grad is the control."""
+    sum is an output to offload not yet handed to the offload engine, and the write made the call raise
+    ``RematError`` ("writes in place into a tensor that its offload policy offloads") under jvp, jacfwd and hessian,
+    where plain torch.func is exact (NOTE [written before offloaded] in remat/_engine/outside_writes.py); grad is the
+    control."""
     torch.manual_seed(0)
     ln = torch.nn.LayerNorm(4, dtype=DT)
 

@@ -92,12 +92,14 @@ class OutsideReads(Half):
         return subst
 
     # NOTE [written before offloaded]
-    #     An output the policy offloads but the offload engine declined (it moves nothing: a copy to where the
-    #     tensor is, a size below the policy's minimum) is kept as itself, like a saved one; written in place later
-    #     (LayerNorm's forward-mode formula divides a sum it made, in place, under jvp, jacfwd and hessian), it is
-    #     copied before the write and kept as a saved output is. Under torch.func the call then keeps it for good
-    #     (its decision becomes Saveable). An output the engine took (its copy may be under way) and written in
-    #     place under torch.func still raises in ``Frame.forward``: that replay gave wrong gradients.
+    #     An output the policy offloads is held weakly until an op the recompute runs reads it (NOTE [stash
+    #     liveness]), and only then handed to the offload engine. Written in place before that (LayerNorm's
+    #     forward-mode formula divides a sum it made, in place, under jvp, jacfwd and hessian), it is copied before
+    #     the write and the copy is kept as a saved output is, on either side of torch.func; under torch.func its
+    #     decision becomes Saveable, so that its saved tensors are kept too. An output already handed to the engine
+    #     (its copy may be under way) and written in place under torch.func still raises in ``Frame.forward``: that
+    #     replay gave wrong gradients. (The replay engine instead hands such an output to the engine at the write:
+    #     ``Trace.before_write``.)
     def _copy_on_write(self, func: Any, written: list[torch.Tensor]) -> None:
         # a write that depends on what it overwrites (not a fill, a copy or a random draw)
         partial = (torch.Tag.inplace_view not in func.tags and torch.Tag.nondeterministic_seeded not in func.tags

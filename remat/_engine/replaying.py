@@ -121,22 +121,7 @@ def run(trace: Trace, steps: list[Step], wanted: set[int], source: Callable[[int
                 es.enter_context(torch.autocast(dev, enabled=False))
         undo = trace.flags.set()
         try:
-            vals_get = vals.get
             for k, step in enumerate(steps):
-                if step.plain and not graph:
-                    # (the common step: one tensor out, its tensors positional, no draw, no reshape in place)
-                    args = step.args.copy()
-                    for key, _, s in step.refs:
-                        v = vals_get(s)
-                        if v is None:
-                            v = vals[s] = source(s)
-                        args[key] = v
-                    vals[step.outs[0]] = step.call(*args, **step.kwargs)
-                    f = frees[k]
-                    if f:
-                        for s in f:
-                            vals.pop(s, None)
-                    continue
                 args = list(step.args)
                 kwargs = step.kwargs
                 for key, j, s in step.refs:

@@ -177,7 +177,7 @@ class Step:
     """One recorded op: ``op(*args, **kwargs)`` with the tensors at ``refs`` taken from slots."""
 
     __slots__ = ("op", "call", "args", "kwargs", "refs", "outs", "inplace_view", "spec", "rng", "grad", "decision", "writes",
-                 "nograd_outs", "replayable", "plain")
+                 "nograd_outs", "replayable")
 
     def __init__(self, op: Any, call: Any, args: list[Any], kwargs: dict[str, Any],
                  refs: list[tuple[Any, int, int]]) -> None:
@@ -195,7 +195,6 @@ class Step:
         self.writes: tuple[int, ...] = ()  # storage keys it writes
         self.nograd_outs: list[weakref.ref[Tensor]] | None = None  # ran without grad: its outputs (custom Functions)
         self.replayable = True
-        self.plain = False  # one tensor out, tensors positional only, no draw, no reshape in place (the replay's short path)
 
     def reads(self) -> list[int]:
         return [s for _, _, s in self.refs]
@@ -414,19 +413,8 @@ class Tracer(TorchDispatchMode):
                         else decide_answer(self.policy, func, kwargs, answer))
             step.decision = decision
         if type(out) is Tensor:
-            # (trace.new_slot, inline: the hot path)
-            s = trace.n
-            trace.n = s + 1
-            ref = weakref.ref(out)
-            slot_of[id(out)] = (ref, s)
-            trace.refs[s] = ref
-            trace.producer[s] = step
-            try:
-                trace.key_of[s] = int(out.data_ptr() - out.storage_offset() * out.element_size())
-            except (RuntimeError, NotImplementedError):
-                pass
+            s = trace.new_slot(out, step)
             step.outs.append(s)
-            step.plain = True
             if info.view:
                 r = refs[0][2]
                 trace.root[s] = trace.root.get(r, r)
