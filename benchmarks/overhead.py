@@ -15,7 +15,9 @@ Workloads: ``chain`` (sin, matmul, scale, tanh, repeated), ``block`` (a tiny
 pre-LN transformer block: layer norm, linear, softmax attention, gelu; what the
 bench models run, at width 16) and ``mlp`` (matmul, in-place ReLU, tanh: a
 configuration that raises, as torch's selective checkpointing does there, shows
-"raises"). Ops are counted by a dispatch mode on the plain function. The garbage
+"raises"). Ops are counted by a dispatch mode on the plain function. Two floors: an empty
+dispatch mode as torch runs one (its handler wrapped in ``torch._disable_dynamo``) and the
+same unwrapped, as remat's own modes run (the floor of remat's recording). The garbage
 collector stays on (as in training), and the table says so.
 """
 
@@ -39,6 +41,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import remat
 from remat import checkpoint_name, policies
+from remat._torch_internals import TorchDispatchMode as RematMode  # (the floor of remat's own modes)
 
 MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
            torch.ops.aten.baddbmm.default]
@@ -46,6 +49,14 @@ MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.at
 
 class _NoOp(TorchDispatchMode):
     """The floor of any Python dispatch mode: call the op and return."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+class _NoOpUnwrapped(RematMode):
+    """The same, without the ``torch._disable_dynamo`` wrapper torch puts around a mode's handler (remat's modes
+    opt out of it: ``remat._torch_internals.TorchDispatchMode``): the floor remat's own modes start from."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         return func(*args, **(kwargs or {}))
@@ -131,15 +142,16 @@ def configs() -> dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]:
     def torch_ckpt(f: Callable[..., Any], **kw: Any) -> Callable[..., Any]:
         return lambda *a: torch_checkpoint(f, *a, use_reentrant=False, **kw)
 
-    def noop_mode(f: Callable[..., Any]) -> Callable[..., Any]:
+    def noop_mode(f: Callable[..., Any], mode: type = _NoOp) -> Callable[..., Any]:
         def run(*a: Any) -> Any:
-            with _NoOp():
+            with mode():
                 return f(*a)
         return run
 
     return {
         "plain": lambda f: f,
         "empty dispatch mode": noop_mode,
+        "empty mode, unwrapped": lambda f: noop_mode(f, _NoOpUnwrapped),
         "torch checkpoint": torch_ckpt,
         "torch SAC (matmuls)": lambda f: torch_ckpt(f, context_fn=sac),
         "remat save-nothing": lambda f: remat.remat(f, policy=policies.nothing_saveable),

@@ -93,9 +93,11 @@ class Caches:
     * ``wrappers``: object (a module, a bound method's instance) -> remat's wrappers that ``remat.checkpoint``'s
       call form made for it, per settings (``_api/checkpoint.py``).
     * ``torch_policies``: a ``context_fn`` -> the remat policy it was translated to (``_api/checkpoint.py``).
+    * ``answers``: a policy whose answer depends on the op alone (``policies.core.op_only``) -> id(op) -> its
+      decision, asked once (``_engine/trace.py``'s tracer).
     """
 
-    __slots__ = ("learnt", "slots", "devices", "wrappers", "torch_policies")
+    __slots__ = ("learnt", "slots", "devices", "wrappers", "torch_policies", "answers")
 
     def __init__(self) -> None:
         self.learnt: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
@@ -103,6 +105,7 @@ class Caches:
         self.devices: dict[str, Any] = {}
         self.wrappers: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
         self.torch_policies: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self.answers: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
 
 
 # The caches in use: one set for the process (what one thread learnt serves another, as a trace would), unless a

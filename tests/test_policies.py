@@ -13,6 +13,8 @@ import torch
 from remat import checkpoint_name, policies, remat, saved_residuals
 from remat.policies import Offloadable, Recompute, Saveable
 
+from .helpers import OpCounter
+
 aten = torch.ops.aten
 
 NO_BATCH_DOTS = [aten.mm.default, aten.addmm.default, aten.mv.default, aten.dot.default]
@@ -305,6 +307,61 @@ def test_a_policy_sees_every_aten_op_and_every_name():
     assert all(isinstance(op, torch._ops.OpOverload) for op in ops if op is not checkpoint_name)
     # asked in the forward pass only: the backward's recompute does not ask again
     assert len(seen) == 4
+
+
+def test_a_users_policy_is_asked_on_every_call_and_op_only_policies_answer_as_asked():
+    """The tracer asks a policy whose answer depends on the op alone (the fixed and name policies) once per op and
+    reuses the answer; a user's callable, which may read the arguments or its own state, is asked every time."""
+    from remat._policies.core import op_only
+
+    assert op_only(policies.dots_saveable) and op_only(policies.everything_saveable)
+    assert op_only(policies.save_only_these_names("h"))
+    assert op_only(policies.save_from_both_policies(policies.dots_saveable, policies.save_any_names_but_these("h")))
+    assert not op_only(policies.dots_with_no_batch_dims_saveable)  # (reads the arguments' shapes)
+    assert not op_only(policies.offload_to_cpu())
+    assert not op_only(policies.save_from_both_policies(policies.dots_saveable, policies.offload_to_cpu()))
+    assert not op_only(lambda op, *a, **k: True)
+
+    class Mine(policies.save_only_these_names):  # (a subclass may answer otherwise: asked every time)
+        def __call__(self, op, *args, **kwargs):
+            return flips(op, *args, **kwargs)
+
+    assert not op_only(Mine("h"))
+    state = {"save": True}
+    asked = []
+
+    def flips(op, *args, **kwargs):
+        asked.append(op)
+        return state["save"] if op is aten.mm.default else False
+
+    def f(W, x):
+        return torch.mm(x, W).sin().sum()
+
+    def recomputed_mm(g, W, x):
+        """The matmuls the backward pass ran beyond plain autograd's (counted from outside remat), and the gradient."""
+        loss = g(W, x)
+        with OpCounter({aten.mm.default}) as c:
+            (gW,) = torch.autograd.grad(loss, W)
+        plain_loss = f(W, x)
+        with OpCounter({aten.mm.default}) as plain:
+            (want,) = torch.autograd.grad(plain_loss, W)
+        assert torch.equal(gW, want)
+        return c.count - plain.count
+
+    W, x = torch.randn(3, 3, dtype=torch.float64, requires_grad=True), torch.randn(2, 3, dtype=torch.float64)
+    for policy in (flips, Mine("h")):
+        g = remat(f, policy=policy)
+        for save in (True, False, True, False):
+            state["save"] = save
+            asked.clear()
+            assert recomputed_mm(g, W, x) == (0 if save else 1), (policy, save)
+            assert len(asked) == 3  # (mm, sin, sum: every op of every call)
+    for policy in (policies.dots_saveable, policies.save_from_both_policies(policies.dots_saveable,
+                                                                           policies.save_only_these_names("h")),
+                   policies.save_only_these_names("h"), policies.everything_saveable):
+        g = remat(f, policy=policy)
+        for _ in range(3):
+            assert recomputed_mm(g, W, x) == (1 if type(policy) is policies.save_only_these_names else 0), policy
 
 
 def test_a_policy_gets_the_op_arguments():

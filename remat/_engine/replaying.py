@@ -27,7 +27,7 @@ import torch
 from .. import _torch_internals as ti
 from .._context import internal
 from .._errors import RematError
-from .trace import Step, Trace
+from .trace import FLAT, Step, Trace
 
 __all__ = ["plan", "run", "ancestors"]
 
@@ -152,10 +152,11 @@ def run(trace: Trace, steps: list[Step], wanted: set[int], source: Callable[[int
                         out = step.call(*args, **kwargs)
                 else:
                     out = step.call(*args, **kwargs)
-                if step.spec is None:
+                spec = step.spec
+                if spec is None:
                     vals[step.outs[0]] = out
                 else:
-                    for o, t in zip(step.outs, optree.tree_leaves(out, none_is_leaf=True)):
+                    for o, t in zip(step.outs, out if spec is FLAT else optree.tree_leaves(out, none_is_leaf=True)):
                         if o >= 0:
                             vals[o] = t
                 for s in frees[k]:

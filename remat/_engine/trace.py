@@ -42,7 +42,7 @@ import optree
 import torch
 
 from .. import _torch_internals as ti
-from .._context import INTERNAL, PENDING_NAME, internal
+from .._context import CACHES, INTERNAL, PENDING_NAME, internal
 from .._policies.core import (
     Decision,
     Offloadable,
@@ -52,6 +52,7 @@ from .._policies.core import (
     decide_answer,
     decide_explicit,
     nothing_saveable,
+    op_only,
     policy_failed,
 )
 from .._policies.naming import checkpoint_name
@@ -62,6 +63,8 @@ from .ops import ALIAS, RANGE_OPS, generator_for, ignored, profiler_op
 __all__ = ["OpInfo", "Step", "Trace", "Tracer", "op_info"]
 
 Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_grad_enabled = torch.is_grad_enabled
 
 
 def hidden_write(name: str) -> bool:
@@ -173,6 +176,9 @@ def op_info(func: Any) -> OpInfo:
     return OpInfo(func)
 
 
+FLAT = "flat"  # Step.spec of an op that returns a flat tuple of tensors
+
+
 class Step:
     """One recorded op: ``op(*args, **kwargs)`` with the tensors at ``refs`` taken from slots."""
 
@@ -188,7 +194,7 @@ class Step:
         self.kwargs = kwargs
         self.refs = refs  # (argument index or keyword, position in a list argument or -1, slot)
         self.outs: list[int] = []  # the slots of its tensor outputs, in order (-1: not a tensor)
-        self.spec: Any = None  # the output's pytree structure, when it is not one tensor
+        self.spec: Any = None  # the output's pytree structure, when it is not one tensor (FLAT: a flat tuple of them)
         self.rng: tuple[torch.Generator, torch.Tensor] | None = None  # generator state before a random op
         self.grad = True  # grad mode was on
         self.decision: Decision = Recompute
@@ -204,7 +210,7 @@ def _storage_key(t: Tensor) -> int:
     """The address of ``t``'s storage (which its views share), without making the storage's Python object (which
     costs more than the rest of recording an op)."""
     try:
-        return int(t.data_ptr() - t.storage_offset() * t.element_size())
+        return int(t.data_ptr() - t.storage_offset() * t.itemsize)
     except (RuntimeError, NotImplementedError):
         return 0
 
@@ -233,7 +239,11 @@ class Trace:
         self.raw: set[int] = set()  # kept slots held as the tensor itself until the forward pass ends (``seal``)
         self.stash_versions: dict[int, int] = {}  # kept slot held strongly -> its version then (a write since: recompute)
         self.pending: list[tuple[Any, Tensor]] = []  # dropped tensors a write may have moved (after_write)
-        self.dropped_keys: dict[int, list[Any]] = {}  # storage key -> the frame's packs of dropped tensors there
+        # the frame's packs of dropped (and offloaded) tensors, in the order saved; by storage key, those indexed so far
+        # (at the call's first write in place: a call that writes nothing pays nothing per save)
+        self.drops: list[Any] = []
+        self.dropped_keys: dict[int, list[Any]] = {}
+        self._indexed = 0
         self.key_of: dict[int, int] = {}  # slot -> the storage key its tensor had when the trace met it
         self.written_keys: set[int] = set()  # storage keys some step wrote in place
         self.first_rng: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # generator -> state before its first draw
@@ -270,7 +280,8 @@ class Trace:
         self.refs[s] = ref
         self.producer[s] = step
         try:
-            self.key_of[s] = int(t.data_ptr() - t.storage_offset() * t.element_size())  # (_storage_key, inline)
+            # (_storage_key, inline; an offset is a SymInt only on a fake tensor, whose data_ptr raises first)
+            self.key_of[s] = t.data_ptr() - t.storage_offset() * t.itemsize  # type: ignore[assignment]
         except (RuntimeError, NotImplementedError):
             pass
         return s
@@ -342,11 +353,24 @@ class Trace:
         """A step wrote these storages: a dropped tensor there whose version moves was written after its save (its
         unpack raises, as autograd's would; a tensor with a counter of its own, ``unsafe_split``'s, does not move).
         The counter moves above this mode, once the op returns: checked at the next op (``settle``)."""
+        dk, drops = self.dropped_keys, self.drops
+        for i in range(self._indexed, len(drops)):
+            p = drops[i]
+            k = self.key_of.get(p.slot)
+            if k is not None:
+                dk.setdefault(k, []).append(p)
+        self._indexed = len(drops)
         for key in keys:
             for p in self.dropped_keys.get(key, ()):
                 t = p.ref()
                 if t is not None:
                     self.pending.append((p, t))
+
+    def forget_drops(self) -> None:
+        """The forward pass ended: no write the tracer sees can move a dropped tensor's version any more."""
+        self.drops = []
+        self.dropped_keys.clear()
+        self._indexed = 0
 
     def settle(self) -> None:
         for p, t in self.pending:
@@ -364,6 +388,10 @@ class Tracer(TorchDispatchMode):
         self.policy = policy
         self.with_output = getattr(policy, "with_output", None)  # (policies._core.ask: one that reads the output)
         self.nothing = policy is nothing_saveable  # (whose answer is known: not asked per op)
+        # a policy whose answer depends on the op alone: asked once per op (and policy), on the short path
+        self.answers: dict[int, Decision] | None = None
+        if not self.nothing and op_only(policy):
+            self.answers = CACHES.get().answers.setdefault(policy, {})  # (Caches.answers: keyed weakly by the policy)
         # id(overload) -> its OpInfo, for this call (op_info's cache hashes the overload with a Python method: a frame
         # per op on the hot path; an overload lives as long as torch.ops holds it, and its OpInfo holds it)
         self.infos: dict[int, OpInfo] = {}
@@ -390,7 +418,7 @@ class Tracer(TorchDispatchMode):
             if i < n:
                 a = args[i]
                 if isinstance(a, Tensor):
-                    if type(a) is not Tensor and type(a) is not torch.nn.Parameter:
+                    if type(a) is not Tensor and type(a) is not _Parameter:
                         plain = False
                     e = slot_of.get(id(a))
                     refs.append((i, -1, e[1] if e is not None and e[0]() is a else trace.read(a)))
@@ -398,10 +426,12 @@ class Tracer(TorchDispatchMode):
         if not plain:
             return self._general(func, info, args, kwargs)
         step = Step(func, info.call, targs, kwargs, refs)
-        step.grad = grad = torch.is_grad_enabled()
+        step.grad = grad = _grad_enabled()
         out = info.call(*args, **kwargs)
         if self.nothing:
             decision = Recompute
+        elif self.answers is not None and (decision := self.answers.get(id(func))) is not None:  # type: ignore[assignment]
+            step.decision = decision
         else:
             # (decide's work, inline: the answers most policies give)
             try:
@@ -412,6 +442,8 @@ class Tracer(TorchDispatchMode):
             decision = (Recompute if answer is False or answer is Recompute else Saveable if answer is True
                         else decide_answer(self.policy, func, kwargs, answer))
             step.decision = decision
+            if self.answers is not None:
+                self.answers[id(func)] = decision  # (by id, as infos: an overload hashes in Python)
         if type(out) is Tensor:
             s = trace.new_slot(out, step)
             step.outs.append(s)
@@ -435,7 +467,9 @@ class Tracer(TorchDispatchMode):
     def _outputs(self, step: Step, out: Any, keep: bool, grad: bool) -> None:
         trace = self.trace
         if isinstance(out, Tensor):
-            leaves: list[Any] = [out]
+            leaves: Any = [out]
+        elif type(out) is tuple and all(type(t) is Tensor for t in out):
+            leaves, step.spec = out, FLAT  # (native_layer_norm's and most ops' tuples: no pytree walk, in either pass)
         else:
             leaves, step.spec = optree.tree_flatten(out, none_is_leaf=True)
         for t in leaves:
@@ -461,7 +495,7 @@ class Tracer(TorchDispatchMode):
         replayable = True
         for i, a in enumerate(args):
             if isinstance(a, Tensor):
-                if type(a) is not Tensor and type(a) is not torch.nn.Parameter:
+                if type(a) is not Tensor and type(a) is not _Parameter:
                     replayable = False
                 refs.append((i, -1, trace.read(a)))
                 targs[i] = None
@@ -505,9 +539,9 @@ class Tracer(TorchDispatchMode):
         if not info.trusted and not info.mutable:
             # NOTE [outside writes]: a write no schema declares shows as a version that moved
             versions = [(x, x._version) for x in _outside_args(trace, refs, args, kwargs)]
-        step.grad = grad = torch.is_grad_enabled()
+        step.grad = grad = _grad_enabled()
         out = info.call(*args, **kwargs)
-        if step.writes and trace.dropped_keys:
+        if step.writes and trace.drops:
             trace.after_write(step.writes)
         if versions:
             for x, v in versions:

@@ -355,14 +355,7 @@ class _Saving(Half):
             counts = self.counts
             counts[s] = counts.get(s, 0) + 1
             p = _Pack(self, DROP, s, None, t._version, e[0])
-            self.drops.append(p)
-            k = trace.key_of.get(s)
-            if k is not None:
-                dk = trace.dropped_keys
-                if k in dk:
-                    dk[k].append(p)
-                else:
-                    dk[k] = [p]
+            trace.drops.append(p)  # (indexed by storage at the call's first write in place: Trace.after_write)
             return p
         if isinstance(decision, Offloadable) and replayable:  # (offload_saved asks whether it moves t)
             if self._group is None:
@@ -372,10 +365,7 @@ class _Saving(Half):
             if o is not None:
                 self._offloaded_any = True
                 p = _Pack(self, OFFLOAD, s, o, t._version, weakref.ref(t))
-                self.drops.append(p)  # (NOTE [written after saved] in _engine/packed.py: watched with its aliases)
-                k = trace.key_of.get(s)
-                if k is not None:
-                    trace.dropped_keys.setdefault(k, []).append(p)
+                trace.drops.append(p)  # (NOTE [written after saved] in _engine/packed.py: watched with its aliases)
                 # weakly: once autograd let go of the save, the engine may free its copy (NOTE [keep last])
                 self.offloaded[s] = weakref.ref(p)
                 return p
@@ -475,7 +465,6 @@ class TraceFrame(_Saving, _Serving):
         self.trace.on_demote = lambda s: wself()._demote(s)  # type: ignore[union-attr]
         self.trace.offload = lambda s, t, d: wself()._offload_for_replay(s, t, d)  # type: ignore[union-attr]
         self.trace.on_write = lambda key: wself()._storage_written(key)  # type: ignore[union-attr]
-        self.drops: list[_Pack] = []  # every pack of a dropped tensor (their aliases are noted at the end)
         self.replay_offloaded: dict[int, Any] = {}  # slot -> the offload engine's copy of a value the replay reads
         if self.parent is not None:
             self.trace.external = lambda s, t: wself()._route_outside(s, t)  # type: ignore[union-attr]
@@ -506,7 +495,7 @@ class TraceFrame(_Saving, _Serving):
             self.trace.stash.clear()
             self.trace.raw.clear()
             self.kept.clear()
-            self.drops = []
+            self.trace.forget_drops()
             raise
         finally:
             self.forwarding = False
@@ -576,7 +565,8 @@ class TraceFrame(_Saving, _Serving):
                 if (t is not None and s not in snaps and s not in trace.inputs and not t.requires_grad
                         and ox.nbytes(t) <= ox.SMALL):
                     snaps[s] = ti.detach_below_modes(t).clone()
-        if self.drops and trace.root:
+        drops = trace.drops
+        if drops and trace.root:
             # NOTE [written after saved]: a dropped tensor's views and its base share its version counter (the caller's
             # h.detach(), a view it returns): held weakly, a write through any of them raises at the unpack
             by_root: dict[int, list[Any]] = {}
@@ -584,20 +574,19 @@ class TraceFrame(_Saving, _Serving):
                 ref = trace.refs.get(v)
                 if ref is not None:
                     by_root.setdefault(r, []).append(ref)
-            for p in self.drops:
+            for p in drops:
                 r = trace.root.get(p.slot, p.slot)
                 refs = by_root.get(r)
                 if refs or r != p.slot:
                     base = trace.refs.get(r)
                     p.aliases = [*(refs or ()), *(() if base is None else (base,))]
-        self.view_roots = {p.slot: trace.root[p.slot] for p in self.drops
+        self.view_roots = {p.slot: trace.root[p.slot] for p in drops
                            if p.kind == DROP and trace.root.get(p.slot) in self.counts}
-        self.drops = []
+        trace.forget_drops()
         self.kept.clear()  # (a name decides during the forward pass only; the packs hold this frame: no cycle)
         trace.root.clear()
         trace.refs.clear()
         trace.stash_keys.clear()
-        trace.dropped_keys.clear()
         if self.parent is not None and stash:
             # the values the replay reads are saved through the parent too (NOTE [nested replay])
             parent = self.parent

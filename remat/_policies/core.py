@@ -629,6 +629,19 @@ def resolve_policy(policy: Any) -> Policy:
     return policy
 
 
+def op_only(policy: Any) -> bool:
+    """Whether ``policy``'s answer for an op that is not a ``checkpoint_name`` depends on the op alone (not its
+    arguments nor its output), so that a caller may ask it once per op: the fixed policies, the name policies
+    (which decide names only) and their combination. A user's callable is asked every time."""
+    if policy in (nothing_saveable, everything_saveable, dots_saveable):
+        return True
+    if type(policy) in (save_only_these_names, save_anything_except_these_names, save_any_names_but_these):
+        return True
+    if type(policy) is save_from_both_policies:
+        return op_only(policy.left) and op_only(policy.right)
+    return False
+
+
 def _check_signature(policy: Policy) -> None:
     """A policy is called as ``policy(op, *args, **kwargs)`` with each op's arguments: refuse one that cannot take
     that call when it is given, not at the user's first op."""
