@@ -239,6 +239,9 @@ class Trace:
         self.raw: set[int] = set()  # kept slots held as the tensor itself until the forward pass ends (``seal``)
         self.stash_versions: dict[int, int] = {}  # kept slot held strongly -> its version then (a write since: recompute)
         self.pending: list[tuple[Any, Tensor]] = []  # dropped tensors a write may have moved (after_write)
+        # (slot, version when saved) of the dropped tensors' saves a write in the forward pass made stale -> (shape,
+        # dtype) then (NOTE [dropped packs] in traced.py)
+        self.moved: dict[tuple[int, int], tuple[Any, Any]] = {}
         # the frame's packs of dropped (and offloaded) tensors, in the order saved; by storage key, those indexed so far
         # (at the call's first write in place: a call that writes nothing pays nothing per save)
         self.drops: list[Any] = []
@@ -356,13 +359,13 @@ class Trace:
         dk, drops = self.dropped_keys, self.drops
         for i in range(self._indexed, len(drops)):
             p = drops[i]
-            k = self.key_of.get(p.slot)
+            k = self.key_of.get(p[0] if type(p) is tuple else p.slot)  # (a dropped tensor's tuple, or an offload's pack)
             if k is not None:
                 dk.setdefault(k, []).append(p)
         self._indexed = len(drops)
         for key in keys:
             for p in self.dropped_keys.get(key, ()):
-                t = p.ref()
+                t = (p[2] if type(p) is tuple else p.ref)()
                 if t is not None:
                     self.pending.append((p, t))
 
@@ -374,7 +377,10 @@ class Trace:
 
     def settle(self) -> None:
         for p, t in self.pending:
-            if t._version != p.version:
+            if type(p) is tuple:  # (a dropped tensor's pack: NOTE [dropped packs] in traced.py)
+                if t._version != p[1]:
+                    self.moved[(p[0], p[1])] = (t.shape, t.dtype)
+            elif t._version != p.version:
                 p.version, p.meta = -1, (t.shape, t.dtype)
         self.pending.clear()
 

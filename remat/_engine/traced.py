@@ -25,6 +25,14 @@ NOTE [unused outputs in a replay]
     the nodes it ran already, which it no longer reports). A dropped tensor skipped and read after all (a double
     backward reaches the forward's nodes through the first backward's graph) makes the replay run again in full.
 
+NOTE [dropped packs]
+    A dropped tensor's pack is the tuple ``(slot, version when saved, the slot's weak reference)``: no object of its
+    own per saved tensor (its allocation, its release and the garbage collector's share cost ~1 us an op of the
+    forward pass on tiny blocks). What a ``_Pack`` would note later lives on the frame: the weak references to the
+    tensor's views and base (``alias_refs``, by slot, when the forward pass ends) and, on the trace, the saves a
+    write in the forward pass made stale (``Trace.moved``, by slot and version, which is exact: every save of that
+    slot at that version saw the value the write changed).
+
 NOTE [graph replay]
     A backward pass that builds a graph (``create_graph=True``, double backward) needs the dropped tensors with
     their history. Then the replay reads only outside tensors (the inputs with their history), ignores kept
@@ -61,10 +69,12 @@ from .trace import Trace, Tracer
 __all__ = ["TraceFrame", "traceable"]
 
 Tensor = torch.Tensor
+_grad_enabled = torch.is_grad_enabled
 
 
 class _Pack:
-    """What autograd holds for one saved tensor of a traced call."""
+    """What autograd holds for one saved tensor of a traced call that is kept, offloaded, routed through the parent,
+    or an input. A dropped tensor's pack, the common case, is a tuple instead (NOTE [dropped packs])."""
 
     __slots__ = ("frame", "kind", "slot", "payload", "version", "ref", "aliases", "meta", "__weakref__")
 
@@ -124,11 +134,13 @@ class _Serving(Half):
     """The unpack hook of a traced call (``TraceFrame.unpack``): hand back what was kept, fetch what was offloaded,
     replay once what was dropped (NOTE [replay]) and let go of it as it is read; a half of ``TraceFrame``."""
 
-    def unpack(self, p: _Pack) -> Tensor:
+    def unpack(self, p: Any) -> Tensor:
         with self._lock:
+            if type(p) is tuple:  # (a dropped tensor: NOTE [dropped packs])
+                return self._take(p[0], p[1], p[2])
             kind = p.kind
-            if kind == DROP:
-                return self._take(p)
+            if kind == DROP:  # (a kept value a name dropped since: ``_demote``)
+                return self._take(p.slot, p.version, None)
             if kind == KEEP or kind == INPUT:
                 t = p.payload
                 if t._version != p.version:
@@ -139,23 +151,28 @@ class _Serving(Half):
                 self._check_unwritten(p)  # (or one of its aliases)
                 return t  # type: ignore[no-any-return]
             if kind == ROUTED:
-                assert self.parent is not None or isinstance(p.payload, _Pack)
-                return p.payload.frame.unpack(p.payload)  # type: ignore[no-any-return]
+                assert self.parent is not None
+                return self.parent.unpack(p.payload)
             raise AssertionError(kind)
 
-    def _check_unwritten(self, p: _Pack) -> None:
-        if p.ref is None:
+    def _check_unwritten(self, p: Any) -> None:
+        if type(p) is tuple:  # (NOTE [dropped packs])
+            slot, version, ref = p
+            aliases, meta, kind = self.alias_refs.get(slot, ()), self.trace.moved.get((slot, version)), DROP
+        else:
+            slot, version, ref, aliases, meta, kind = p.slot, p.version, p.ref, p.aliases, p.meta, p.kind
+        if ref is None:
             return
-        t = p.ref()
-        moved = p.version < 0 or (t is not None and t._version != p.version)
-        for ref in p.aliases:
-            a = ref()
-            if a is not None and a._version != p.version:
+        t = ref()
+        moved = meta is not None or (t is not None and t._version != version)
+        for r in aliases:
+            a = r()
+            if a is not None and a._version != version:
                 moved, t = True, a if t is None else t
         if not moved:
             return
-        shape, dtype = (t.shape, t.dtype) if t is not None else p.meta
-        if p.kind == OFFLOAD:
+        shape, dtype = (t.shape, t.dtype) if t is not None else meta
+        if kind == OFFLOAD:
             raise RematError(
                 f"remat: a tensor of shape {list(shape)} that {self.fn_name} offloaded for the backward pass was "
                 "modified in place after it was saved; plain autograd raises here too (\"one of the variables needed "
@@ -164,8 +181,7 @@ class _Serving(Half):
             )
         # written in place since it was saved (in the forward pass: NOTE [outside writes] in trace.py)
         shown = t if t is not None else torch.empty(shape, dtype=dtype)
-        raise saved_written_after_save(self.fn_name, p.slot, shown, max(p.version, 0),
-                                       -1 if t is None else t._version)
+        raise saved_written_after_save(self.fn_name, slot, shown, max(version, 0), -1 if t is None else t._version)
 
     def _written(self, p: _Pack, t: Tensor) -> None:
         raise RematError(
@@ -174,14 +190,13 @@ class _Serving(Half):
             "or results of a remat'd function in place before the backward pass; clone them first."
         )
 
-    def _take(self, p: _Pack) -> Tensor:
-        graph = torch.is_grad_enabled()
-        s = p.slot
-        ref = p.ref
+    def _take(self, s: int, version: int, ref: Any) -> Tensor:
+        graph = _grad_enabled()
         if ref is not None:
             t = ref()
-            if p.version < 0 or p.aliases or (t is not None and t._version != p.version):
-                self._check_unwritten(p)
+            if (t is not None and t._version != version) or (self.alias_refs and s in self.alias_refs) \
+                    or (self.trace.moved and (s, version) in self.trace.moved):
+                self._check_unwritten((s, version, ref))
         entry = self.caches.get(graph)
         if entry is None or s not in entry[0]:
             entry = self.caches[graph] = self._replay(graph, full=s in self.skipped)
@@ -274,7 +289,8 @@ class _Serving(Half):
         def source(s: int) -> Tensor:
             h = self.routed.get(s)
             if h is not None:
-                return h.frame.unpack(h)  # type: ignore[no-any-return]
+                assert self.parent is not None
+                return self.parent.unpack(h)
             e = trace.outside.get(s)
             if e is not None:
                 snap = trace.snapshots.get(s)
@@ -333,7 +349,7 @@ class _Saving(Half):
 
     _group: Any  # (set by TraceFrame.__init__, as every attribute this half reads)
 
-    def pack(self, t: Tensor) -> _Pack:
+    def pack(self, t: Tensor) -> Any:
         trace = self.trace
         e = trace._slot_of.get(id(t))
         if e is None or e[0]() is not t:
@@ -354,9 +370,9 @@ class _Saving(Half):
         if decision is Recompute and replayable:
             counts = self.counts
             counts[s] = counts.get(s, 0) + 1
-            p = _Pack(self, DROP, s, None, t._version, e[0])
-            trace.drops.append(p)  # (indexed by storage at the call's first write in place: Trace.after_write)
-            return p
+            d = (s, t._version, e[0])  # (NOTE [dropped packs])
+            trace.drops.append(d)  # (indexed by storage at the call's first write in place: Trace.after_write)
+            return d
         if isinstance(decision, Offloadable) and replayable:  # (offload_saved asks whether it moves t)
             if self._group is None:
                 self._group = self.engine.group(self)  # (looked up once a call: the engine's common case)
@@ -457,6 +473,7 @@ class TraceFrame(_Saving, _Serving):
         self._outs: list[tuple[Any, int, int, Any]] = []
         self.skipped: set[int] = set()
         self.view_roots: dict[int, int] = {}  # a dropped view -> the dropped value it is a view of
+        self.alias_refs: dict[int, list[Any]] = {}  # a dropped slot -> its views and base, weakly (NOTE [dropped packs])
         self.made_roots: dict[int, Tensor] = {}  # dropped values the last replay made views of (their writes)
         self.caches: dict[bool, tuple[dict[int, Tensor], dict[int, int], dict[int, int]]] = {}
         self._lock = threading.RLock()
@@ -575,13 +592,18 @@ class TraceFrame(_Saving, _Serving):
                 if ref is not None:
                     by_root.setdefault(r, []).append(ref)
             for p in drops:
-                r = trace.root.get(p.slot, p.slot)
+                slot: int = p[0] if type(p) is tuple else p.slot
+                r = trace.root.get(slot, slot)
                 refs = by_root.get(r)
-                if refs or r != p.slot:
+                if refs or r != slot:
                     base = trace.refs.get(r)
-                    p.aliases = [*(refs or ()), *(() if base is None else (base,))]
-        self.view_roots = {p.slot: trace.root[p.slot] for p in drops
-                           if p.kind == DROP and trace.root.get(p.slot) in self.counts}
+                    aliases = [*(refs or ()), *(() if base is None else (base,))]
+                    if type(p) is tuple:
+                        self.alias_refs[slot] = aliases
+                    else:
+                        p.aliases = aliases
+        self.view_roots = {p[0]: trace.root[p[0]] for p in drops
+                           if type(p) is tuple and trace.root.get(p[0]) in self.counts}
         trace.forget_drops()
         self.kept.clear()  # (a name decides during the forward pass only; the packs hold this frame: no cycle)
         trace.root.clear()
