@@ -97,8 +97,9 @@ def test_overhead_benchmark_runs() -> None:
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "overhead.py"), "--rounds", "1", "--reps", "1",
                         "--short", "1", "--long", "2"], cwd=root, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    for row in ("plain", "torch checkpoint", "torch SAC (matmuls)", "remat save-nothing", "remat dots_saveable",
-                "remat names('mm')", "remat custom callable", "remat offload (min_bytes=0)"):
+    for row in ("plain", "empty dispatch mode", "empty mode, unwrapped", "torch checkpoint", "torch SAC (matmuls)",
+                "remat save-nothing", "remat dots_saveable", "remat names('mm')", "remat custom callable",
+                "remat offload (min_bytes=0)"):
         assert any(line.startswith(row) for line in r.stdout.splitlines()), (row, r.stdout)
     # each remat row against its torch peer, per op (forward/backward), as the goals of issue 10 are stated (one
     # round is noise: a peer's slope may come out at or below zero, "-")
@@ -106,6 +107,21 @@ def test_overhead_benchmark_runs() -> None:
         line = next(line for line in r.stdout.splitlines() if line.startswith(row))
         assert re.search(r"\s(-?\d+\.\d\d|-)/(-?\d+\.\d\d|-)$", line), (row, r.stdout)
     assert not re.search(r"\d/", next(line for line in r.stdout.splitlines() if line.startswith("torch SAC")))
+
+
+def test_ab_benchmark_compares_the_tree_with_a_commit() -> None:
+    """benchmarks/ab.py (docs/benchmarks.md): the working tree's remat and a commit's, imported in one process, each
+    row us per op forward / backward and their difference."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    if subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "ab.py"), "--base", "HEAD", "--rounds", "1",
+                        "--reps", "1", "--long", "2"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    number = r"-?\d+\.\d\d"
+    for row in ("this tree", "base HEAD", "this tree - base"):
+        line = next((line for line in r.stdout.splitlines() if line.strip().startswith(row)), None)
+        assert line is not None and re.search(rf"({number}) / +({number})$", line), (row, r.stdout)
 
 
 def _load_benchmark(name: str) -> Any:

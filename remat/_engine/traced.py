@@ -155,12 +155,12 @@ class _Serving(Half):
                 return self.parent.unpack(p.payload)
             raise AssertionError(kind)
 
-    def _check_unwritten(self, p: Any) -> None:
-        if type(p) is tuple:  # (NOTE [dropped packs])
-            slot, version, ref = p
-            aliases, meta, kind = self.alias_refs.get(slot, ()), self.trace.moved.get((slot, version)), DROP
-        else:
-            slot, version, ref, aliases, meta, kind = p.slot, p.version, p.ref, p.aliases, p.meta, p.kind
+    def _check_unwritten(self, p: _Pack) -> None:
+        self._check_written(p.slot, p.version, p.ref, p.aliases, p.meta, p.kind)
+
+    def _check_written(self, slot: int, version: int, ref: Any, aliases: Any, meta: Any, kind: str) -> None:
+        """Raise if the saved tensor (or one of its ``aliases``) was written in place since it was saved at
+        ``version``; ``meta``: its (shape, dtype) when a write in the forward pass made it stale already."""
         if ref is None:
             return
         t = ref()
@@ -194,9 +194,10 @@ class _Serving(Half):
         graph = _grad_enabled()
         if ref is not None:
             t = ref()
-            if (t is not None and t._version != version) or (self.alias_refs and s in self.alias_refs) \
-                    or (self.trace.moved and (s, version) in self.trace.moved):
-                self._check_unwritten((s, version, ref))
+            aliases = self.alias_refs.get(s, ()) if self.alias_refs else ()
+            moved = self.trace.moved.get((s, version)) if self.trace.moved else None
+            if aliases or moved is not None or (t is not None and t._version != version):
+                self._check_written(s, version, ref, aliases, moved, DROP)  # (NOTE [dropped packs])
         entry = self.caches.get(graph)
         if entry is None or s not in entry[0]:
             entry = self.caches[graph] = self._replay(graph, full=s in self.skipped)
