@@ -118,7 +118,7 @@ def test_ab_benchmark_compares_the_tree_with_a_commit() -> None:
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "ab.py"), "--base", "HEAD", "--rounds", "1",
                         "--reps", "1", "--long", "2"], cwd=root, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    number = r"-?\d+\.\d\d"
+    number = r"[-+]?\d+\.\d\d"
     for row in ("this tree", "base HEAD", "this tree - base"):
         line = next((line for line in r.stdout.splitlines() if line.strip().startswith(row)), None)
         assert line is not None and re.search(rf"({number}) / +({number})$", line), (row, r.stdout)
