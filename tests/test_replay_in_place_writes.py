@@ -252,3 +252,114 @@ def test_a_held_output_an_in_place_op_only_reads_stays_held():
             got = torch.autograd.grad(out.sum(), (W, x))
         assert_tree_close(got, ref)
         assert c.count == plain.count, (c.count, plain.count)
+
+
+# ---- a kept value that a name drops afterwards, written in place -------------------------------------------------
+
+
+def _named_then_written(x: torch.Tensor) -> torch.Tensor:  # written after the name, through a detach
+    t = x.tanh()
+    n = checkpoint_name(t, "h")
+    t.detach().add_(0.25)
+    return t.sum() + n.sum()
+
+
+def _written_then_named(x: torch.Tensor) -> torch.Tensor:  # written between its save and the name; then let go
+    t = x.tanh()
+    u = t * 2
+    t.detach().mul_(3)
+    n = checkpoint_name(t, "h")
+    del t
+    return u.sum() + n.sum()
+
+
+def _written_through_the_name(x: torch.Tensor) -> torch.Tensor:
+    t = x.tanh()
+    n = checkpoint_name(t, "h")
+    y = n.sin()
+    n.detach().add_(1)
+    return y.sum() + t.sum()
+
+
+def _view_of_the_name_written(x: torch.Tensor) -> torch.Tensor:
+    t = x.exp()
+    y = t.sin()
+    n = checkpoint_name(t, "h")
+    n[0].detach().add_(1)
+    return y.sum()
+
+
+def _named_not_written(x: torch.Tensor) -> torch.Tensor:  # the control: no write, no error
+    t = x.tanh()
+    n = checkpoint_name(t, "h")
+    return (t * n).sum()
+
+
+@pytest.mark.parametrize("fn", [_named_then_written, _written_then_named, _written_through_the_name,
+                                _view_of_the_name_written, _named_not_written], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("policy", [
+    policies.save_anything_except_these_names("h"),
+    policies.save_from_both_policies(policies.everything_saveable, policies.save_anything_except_these_names("h")),
+    lambda op, *args, **kwargs: policies.Recompute if op is checkpoint_name else True,
+], ids=["except", "both", "callable"])
+def test_a_kept_value_a_name_drops_is_watched_for_writes_as_plain_autograd_watches_it(fn, policy):
+    """The policy keeps a value; a ``checkpoint_name`` it drops names it afterwards, so its save turns into a
+    dropped one (``_demote`` in remat/_engine/traced.py). Written in place after its save (through a detach, through
+    the name or a view of it, before the name and then let go), plain autograd raises at the backward pass; remat
+    raised nothing and replayed the value from before the write (a silent wrong gradient). Now ``RematError``; with
+    no write, plain autograd's gradient."""
+    x0 = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x = x0.clone().requires_grad_()
+    try:
+        (want,) = torch.autograd.grad(fn(x), x)
+    except RuntimeError as e:
+        assert "modified by an inplace operation" in str(e)
+        want = None
+    x = x0.clone().requires_grad_()
+    if want is None:
+        with pytest.raises(RematError, match="in place"):
+            torch.autograd.grad(remat(fn, policy=policy)(x), x)
+    else:
+        (got,) = torch.autograd.grad(remat(fn, policy=policy)(x), x)
+        assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+# ---- an out= op's results are views of its out arguments -------------------------------------------------------
+
+
+def _max_out_into_a_parameter(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = torch.mm(x, w).sin()
+    vals = nn.Parameter(torch.empty(4, dtype=torch.float64), requires_grad=False)
+    idx = torch.empty(4, dtype=torch.long)
+    torch.max(h.detach(), 1, out=(vals, idx))
+    m, _ = torch.max(h, 1)
+    return (vals[:, None] * h).sum() + (m * h.gather(1, idx[:, None])[:, 0]).sum()
+
+
+def _add_out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = torch.mm(x, w)
+    c = torch.empty(4, 4, dtype=torch.float64)
+    r = torch.add(h.detach().tanh(), x.detach(), out=c)  # r is c: a view of c, not of tanh's output
+    return (r.exp() * h).sum() + (c[0] * h[1]).sum()
+
+
+@pytest.mark.parametrize("fn", [_max_out_into_a_parameter, _add_out], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("policy", ["nothing", "dots", "everything", "names"])
+@pytest.mark.parametrize("debug", [False, True], ids=["replay", "debug"])
+def test_an_out_op_result_is_a_view_of_its_out_argument(fn, policy, debug):
+    """``torch.max(h, 1, out=(vals, idx))`` returns ``vals`` and ``idx``; the trace made both views of the op's first
+    argument (``h``), so ``idx[:, None]``, read by ``gather``, counted as a view of ``h`` and its unpack raised
+    ``RematError`` ("modified in place after an op saved it") where plain autograd is exact. Each output is now a
+    view of the argument the schema says it aliases. First and later calls, float64."""
+    pol = {"nothing": policies.nothing_saveable, "dots": policies.dots_saveable,
+           "everything": policies.everything_saveable, "names": policies.save_only_these_names("h")}[policy]
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(4, 4, dtype=torch.float64, generator=g)
+    w0 = torch.randn(4, 4, dtype=torch.float64, generator=g)
+    rf = remat(fn, policy=pol, debug=debug)
+    for _ in range(2):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        want = torch.autograd.grad(fn(x, w), (x, w))
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        got = torch.autograd.grad(rf(x, w), (x, w))
+        assert_tree_close(got, want, rtol=1e-10, atol=1e-10)

@@ -633,3 +633,44 @@ def test_offload_with_layer_norm_under_forward_mode_transforms_equals_plain(tran
     for i in range(2):
         x = _rand(3, 4, seed=i)
         assert_tree_close(t(rf)(x), t(f)(x), **TOL)
+
+
+# ---- a name that drops one output of a multi-output op, under a higher-order grad ---------------------------------
+
+NAME_POLICIES: dict[str, Any] = {
+    "except": policies.save_anything_except_these_names("h"),
+    "only": policies.save_only_these_names("h"),
+    "any-but": policies.save_any_names_but_these("h"),
+}
+
+
+@pytest.mark.parametrize("pol", list(NAME_POLICIES))
+@pytest.mark.parametrize("transform", ["jacrev(grad)", "hessian", "jacfwd(grad)", "grad(grad)"])
+def test_a_named_layer_norm_output_under_a_higher_order_grad_equals_plain(transform: str, pol: str) -> None:
+    """``layer_norm`` returns its output and the mean and rstd it saves; a name on the output that the policy drops
+    makes the op run in the recompute, while its other outputs were saved as kept at a level above a grad level
+    (NOTE [kept under higher-order grad] in remat/_engine/full.py): turning those into recomputed ones read the op's
+    stash, which the name had taken away, and every call raised TypeError under ``save_anything_except_these_names``.
+    First and later calls: plain ``f``'s result."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint_name(F.layer_norm(x, (3,)), "h")
+        return h.sin().sum()
+
+    def f2(x: torch.Tensor) -> torch.Tensor:
+        a = x.exp()
+        h = checkpoint_name(F.layer_norm(a, (3,)), "h")
+        return (h.tanh() * a.cos()).sum()
+
+    ts: dict[str, Callable[[Callable[..., Any]], Any]] = {
+        "jacrev(grad)": lambda g: jacrev(grad(g)),
+        "hessian": lambda g: hessian(g),
+        "jacfwd(grad)": lambda g: jacfwd(grad(g)),
+        "grad(grad)": lambda g: grad(lambda y: grad(g)(y).sum()),
+    }
+    t = ts[transform]
+    for fn in (f, f2):
+        rf = remat(fn, policy=NAME_POLICIES[pol])
+        for i in range(2):
+            x = _rand(2, 3, seed=i)
+            assert_tree_close(t(rf)(x), t(fn)(x), **TOL)

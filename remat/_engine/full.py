@@ -236,7 +236,11 @@ class _Saving(Half):
                 continue  # this level recomputes nothing: keep everything, as plain autograd would
             with below_all_levels():  # detach must give a plain tensor, not a wrapper of a live level
                 self.recorder.promote(rec)
-            if any(isinstance(r, weakref.ref) for r in rec.stash):
+            if rec.stash is None:
+                # (the op runs in the recompute, not replayed: a name dropped another of its outputs, or it wrote in
+                # place since; what it makes there stands for this one too)
+                pass
+            elif any(isinstance(r, weakref.ref) for r in rec.stash):
                 continue  # an output of the op is gone, it could not be replayed: keep this one
             self.drops[p.height][p.pos] = p.meta
             self.needed_vids.add(vid)

@@ -106,7 +106,7 @@ class OpInfo:
     """What an op's schema says that the trace needs, computed once per overload."""
 
     __slots__ = ("written", "written_kw", "random", "pins", "hidden", "mutable", "tpos", "simple", "view", "trusted",
-                 "call", "inplace_view", "ignored", "func")
+                 "call", "inplace_view", "ignored", "func", "alias_of")
 
     def __init__(self, func: Any) -> None:
         self.func = func
@@ -147,6 +147,15 @@ class OpInfo:
         self.call = ti.op_call(func)  # (its C++ callable: one Python frame less per op, in both passes)
         # its outputs alias an argument (a view): never kept for the replay, which runs views again for free
         self.view = any(r.alias_info is not None for r in schema.returns)
+        # per output, the argument it aliases, by the alias set the schema names: its position, or its name if it is
+        # keyword-only (an out= op's results alias its out arguments, not its first one); None: none named (each
+        # view of a list of views aliases the first argument, as every view that writes nothing does)
+        alias_of: list[int | str | None] = []
+        for r in schema.returns:
+            sets = r.alias_info.before_set if r.alias_info is not None else set()
+            alias_of.append(next((a.name if a.kwarg_only else i for i, a in enumerate(schema.arguments)
+                                  if sets and a.alias_info is not None and a.alias_info.before_set & sets), None))
+        self.alias_of = tuple(alias_of)
         # ATen's schemas say what an op writes (but for the hidden writes above); another namespace's may not: a
         # version that moved across such an op is a write nobody declared (NOTE [outside writes])
         self.trusted = getattr(func, "namespace", None) in ("aten", "prims")
@@ -571,9 +580,14 @@ class Tracer(TorchDispatchMode):
             keep = all(_storage_key(a) != key for a in _arg_tensors(args, kwargs))
         self._outputs(step, out, keep, grad)
         if info.view and refs:
-            r = refs[0][2]
-            for o in step.outs:
+            # each output is a view of the argument it aliases (its storage's value decides for it)
+            first = refs[0][2]
+            by_arg = {key: s for key, j, s in refs if j < 0}
+            mapped = len(step.outs) == len(info.alias_of)  # (one output per return: no list among them)
+            for k, o in enumerate(step.outs):
                 if o >= 0:
+                    a = info.alias_of[k] if mapped else None
+                    r = first if a is None else by_arg.get(a, first)
                     trace.root[o] = trace.root.get(r, r)
         if info.pins and not refs and isinstance(out, Tensor):
             # a factory op: pin what it produced (a default dtype or device changed before the replay)

@@ -140,6 +140,7 @@ class _Serving(Half):
                 return self._take(p[0], p[1], p[2])
             kind = p.kind
             if kind == DROP:  # (a kept value a name dropped since: ``_demote``)
+                self._check_unwritten(p)
                 return self._take(p.slot, p.version, None)
             if kind == KEEP or kind == INPUT:
                 t = p.payload
@@ -398,9 +399,17 @@ class _Saving(Half):
 
     def _demote(self, s: int) -> None:
         """A ``checkpoint_name`` the policy drops names a value saved as kept already (or a view of it): drop it."""
+        trace = self.trace
         for p in self.kept.pop(s, ()):
             if p.kind == KEEP:
-                p.kind, p.payload = DROP, None
+                held = p.payload  # (a detached alias: it shares the tensor's version counter)
+                if held._version != p.version:  # written since it was saved: stale already (as Trace.settle notes)
+                    p.version, p.meta = -1, (held.shape, held.dtype)
+                # watched as a dropped tensor is from now on (a write before the backward pass raises at the unpack,
+                # as plain autograd's check of the saved tensor would): its slot's weak reference, and among the
+                # call's drops (a write in the forward pass moving it, its views and base when the forward pass ends)
+                p.kind, p.payload, p.ref = DROP, None, trace.refs.get(p.slot)
+                trace.drops.append(p)
                 self.counts[p.slot] = self.counts.get(p.slot, 0) + 1
 
     def _storage_written(self, key: int) -> None:
