@@ -93,8 +93,8 @@ class Caches:
     * ``wrappers``: object (a module, a bound method's instance) -> remat's wrappers that ``remat.checkpoint``'s
       call form made for it, per settings (``_api/checkpoint.py``).
     * ``torch_policies``: a ``context_fn`` -> the remat policy it was translated to (``_api/checkpoint.py``).
-    * ``answers``: a policy whose answer depends on the op alone (``policies.core.op_only``) -> id(op) -> its
-      decision, asked once (``_engine/trace.py``'s tracer).
+    * ``answers``: a policy whose answer depends on the op alone (``policies.core.op_only``) -> id(op) -> (the op,
+      its decision), asked once (``_engine/trace.py``'s tracer).
     """
 
     __slots__ = ("learnt", "slots", "devices", "wrappers", "torch_policies", "answers")

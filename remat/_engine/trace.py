@@ -404,7 +404,7 @@ class Tracer(TorchDispatchMode):
         self.with_output = getattr(policy, "with_output", None)  # (policies._core.ask: one that reads the output)
         self.nothing = policy is nothing_saveable  # (whose answer is known: not asked per op)
         # a policy whose answer depends on the op alone: asked once per op (and policy), on the short path
-        self.answers: dict[int, Decision] | None = None
+        self.answers: dict[int, tuple[Any, Decision]] | None = None
         if not self.nothing and op_only(policy):
             self.answers = CACHES.get().answers.setdefault(policy, {})  # (Caches.answers: keyed weakly by the policy)
         # id(overload) -> its OpInfo, for this call (op_info's cache hashes the overload with a Python method: a frame
@@ -445,8 +445,8 @@ class Tracer(TorchDispatchMode):
         out = info.call(*args, **kwargs)
         if self.nothing:
             decision = Recompute
-        elif self.answers is not None and (decision := self.answers.get(id(func))) is not None:  # type: ignore[assignment]
-            step.decision = decision
+        elif self.answers is not None and (known := self.answers.get(id(func))) is not None and known[0] is func:
+            step.decision = decision = known[1]
         else:
             # (decide's work, inline: the answers most policies give)
             try:
@@ -458,7 +458,8 @@ class Tracer(TorchDispatchMode):
                         else decide_answer(self.policy, func, kwargs, answer))
             step.decision = decision
             if self.answers is not None:
-                self.answers[id(func)] = decision  # (by id, as infos: an overload hashes in Python)
+                # (by id, as infos: an overload hashes in Python; held with its answer, so that its id is not reused)
+                self.answers[id(func)] = (func, decision)
         if type(out) is Tensor:
             s = trace.new_slot(out, step)
             step.outs.append(s)
