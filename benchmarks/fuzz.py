@@ -48,7 +48,7 @@ GLOBAL = {"scale": 1.0}  # read through a module-level global (rebound, not muta
 _GLOBAL_SCALE = 1.0
 
 STEPS = ["attr", "global", "cell", "default", "expert", "moddict", "order", "random", "nprandom", "cfg", "buffer",
-         "roll", "tanh", "sin", "lin", "seed", "factory", "gtensor", "pydata", "denormal"]
+         "roll", "tanh", "sin", "lin", "seed", "factory", "gtensor", "pydata", "denormal", "outmax"]
 MUTATIONS = ["attr", "global", "cell", "default", "expert", "moddict", "order", "cfg", "buffer", "roll", "gtensor",
              "pydata"]
 # between the passes only (undone before plain autograd runs): global settings, which a replay must not follow
@@ -60,6 +60,7 @@ POLICIES: dict[str, Any] = {
     "save-nothing": policies.nothing_saveable,
     "save-matmuls": policies.dots_saveable,
     "names": policies.save_only_these_names("h"),
+    "all-but-names": policies.save_anything_except_these_names("h"),  # (a name drops a value the policy keeps)
     "offload": policies.offload_dot_with_no_batch_dims("cpu", "cpu"),
     "budget": policies.memory_budget(0.5),
     "custom": lambda op, *a, **k: str(op).startswith("aten.mm"),
@@ -139,8 +140,8 @@ class Program(nn.Module):
         # (a draw from Python's or NumPy's random numbers in the forward pass: one program in five has them; a seed
         # set inside, ``seeded``: not under vmap, which refuses it with or without remat)
         menu = STEPS if seed % 5 == 0 else [s for s in STEPS if s not in ("random", "nprandom")]
-        if not seeded:
-            menu = [s for s in menu if s != "seed"]
+        if not seeded:  # (under vmap: no seed set inside, and no out= op, which vmap cannot batch)
+            menu = [s for s in menu if s not in ("seed", "outmax")]
         self.steps = [rng.choice(menu) for _ in range(n_steps)]
         self.lin = nn.Linear(8, 8).to(D)
         self.experts = nn.ModuleList([nn.Linear(8, 8).to(D) for _ in range(3)])
@@ -210,6 +211,11 @@ class Program(nn.Module):
                 h = torch.sin(h * torch.tensor(self.value, dtype=D))
             elif s == "denormal":  # (a mask of denormal values: all zero under torch.set_flush_denormal(True))
                 h = torch.tanh(h * (1 + 0.1 * ((h.abs() + 1) * 1e-310 != 0).to(D)))
+            elif s == "outmax":  # (an out= op writing tensors the call made; its results read by others)
+                vals, idx = torch.empty(4, dtype=D), torch.empty(4, dtype=torch.long)
+                torch.max(h.detach(), 1, out=(vals, idx))
+                m, _ = torch.max(h, 1)
+                h = torch.tanh(h * (1 + 0.1 * vals[:, None])) + 0.1 * m[:, None] * h.gather(1, idx[:, None])
             elif s == "tanh":
                 h = torch.tanh(h)
             elif s == "sin":

@@ -143,8 +143,9 @@ def test_state_changed_between_forward_and_backward_is_exact_or_raises(case: str
     finally:
         _set_scale(1.0)
     # the first call is clean; the second changes the state in between (the replay engine is exact, the full engine
-    # raises); the third does not (exact)
-    assert outcomes == ["equal", "raised" if debug else "equal", "equal"], outcomes
+    # raises where it recomputes: all-but-names keeps every value these cases compute); the third does not (exact)
+    raises = debug and policy != "all-but-names"
+    assert outcomes == ["equal", "raised" if raises else "equal", "equal"], outcomes
 
 
 @pytest.mark.parametrize("debug", [False, True], ids=["replay", "full-engine"])
@@ -271,7 +272,8 @@ def test_state_fuzzer_slice(policy: str, wrap: str) -> None:
             total[k] = total.get(k, 0) + v
     assert total.get("silent", 0) == 0, total
     if wrap == "debug":
-        assert total.get("equal", 0) > total.get("raised", 0) > 0, total
+        # (the re-run refuses a changed Python value where it recomputes; all-but-names recomputes named values only)
+        assert total.get("equal", 0) > total.get("raised", 0) >= (0 if policy == "all-but-names" else 1), total
     elif wrap == "nested" and policy == "budget":
         # a budget's measuring call whose function calls other remat'd functions re-runs its Python (its program
         # gives way to the inner calls: NOTE [program replay]): at most that first call of a program raises
