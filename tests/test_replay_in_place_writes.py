@@ -6,6 +6,8 @@ backward).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -363,3 +365,92 @@ def test_an_out_op_result_is_a_view_of_its_out_argument(fn, policy, debug):
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
         got = torch.autograd.grad(rf(x, w), (x, w))
         assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+# ---- t.data = ... (NOTE [data replaced] in remat/_engine/traced.py) ----------------------------------------------
+
+
+def _replaced_then_saved(x: torch.Tensor) -> torch.Tensor:  # no save before the data moves: exact
+    t = x * 3
+    t.data = t.data * 2
+    return (t * t).sum()
+
+
+def _saved_as_output_then_replaced(x: torch.Tensor) -> torch.Tensor:  # tanh saves its output, then the data moves
+    t = x.tanh()
+    t.data = t.data * 2
+    return (t * t).sum()
+
+
+def _saved_as_input_then_replaced(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # sin saves t, which lives on
+    t = x.tanh()
+    u = t.sin()
+    t.data = t.data * 2
+    return u.sum(), t
+
+
+@pytest.mark.parametrize("policy", ["nothing", "dots", "names", "offload"])
+def test_data_replaced_after_a_save_is_exact_or_raises(policy):
+    """``t.data = y`` inside the function moves ``t`` to another storage that no op shows: the replay made the old
+    values where plain autograd reads the new ones (a silent wrong gradient, on every call). A save made after the
+    move is now kept (exact); a save made before it raises ``RematError``, since plain autograd reads the new data
+    for a save as an op's input and the old for a save as the op's own output, which remat cannot tell apart."""
+    pol = {"nothing": policies.nothing_saveable, "dots": policies.dots_saveable,
+           "names": policies.save_only_these_names("h"), "offload": policies.offload_to_cpu(min_bytes=0)}[policy]
+    x0 = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def loss(out):
+        return out[0] + out[1].sum() if isinstance(out, tuple) else out
+
+    for _ in range(2):
+        x = x0.clone().requires_grad_()
+        (want,) = torch.autograd.grad(loss(_replaced_then_saved(x)), x)
+        x = x0.clone().requires_grad_()
+        (got,) = torch.autograd.grad(loss(remat(_replaced_then_saved, policy=pol)(x)), x)
+        assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
+        for fn in (_saved_as_output_then_replaced, _saved_as_input_then_replaced):
+            x = x0.clone().requires_grad_()
+            with pytest.raises(RematError, match=r"t\.data = \.\.\."):
+                torch.autograd.grad(loss(remat(fn, policy=pol)(x)), x)
+
+
+# ---- a saved view gone before its base is written; a view op that changes a saved tensor's shape in place --------
+
+
+def _short_lived_view(x: torch.Tensor) -> torch.Tensor:
+    c = x.sin()
+    r = (c[:2] * x[:2]).sum()  # mul saves the temporary view c[:2], gone at once
+    c.mul_(2.0)  # its base written after the save
+    return r
+
+
+def _shape_changed(op: str) -> Any:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        t = torch.mm(x, x).sin()
+        r = (t * t).sum()  # mul saves t
+        getattr(t, op)(*{"t_": (), "transpose_": (0, 1), "unsqueeze_": (0,), "squeeze_": (),
+                         "swapdims_": (0, 1)}[op])
+        return r
+    return f
+
+
+@pytest.mark.parametrize("fn", [_short_lived_view] + [_shape_changed(op) for op in
+                                                       ("t_", "transpose_", "unsqueeze_", "squeeze_", "swapdims_")],
+                         ids=["short-lived-view", "t_", "transpose_", "unsqueeze_", "squeeze_", "swapdims_"])
+@pytest.mark.parametrize("policy", ["nothing", "dots", "everything"])
+def test_a_saved_tensor_changed_after_its_save_raises_as_plain_autograd_does(fn, policy):
+    """Plain autograd raises ("modified by an inplace operation") at the backward pass; remat returned a gradient
+    where it dropped the saved tensor: a saved view that died before its base was written (its pack watched the
+    view, not the counter it shares with the base), and a view op that changes the saved tensor's shape in place
+    (``t_``, ``squeeze_``: no value written, the version moved, the tracer noted no write)."""
+    pol = {"nothing": policies.nothing_saveable, "dots": policies.dots_saveable,
+           "everything": policies.everything_saveable}[policy]
+    x0 = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x = x0.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(fn(x), x)
+    rf = remat(fn, policy=pol)
+    for _ in range(2):
+        x = x0.clone().requires_grad_()
+        with pytest.raises(RematError, match="in place"):
+            torch.autograd.grad(rf(x), x)

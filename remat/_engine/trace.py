@@ -559,6 +559,10 @@ class Tracer(TorchDispatchMode):
         out = info.call(*args, **kwargs)
         if step.writes and trace.drops:
             trace.after_write(step.writes)
+        elif info.inplace_view and trace.drops and args and isinstance(args[0], Tensor):
+            # (t.t_(), squeeze_: no value written, but the version moves, and plain autograd refuses a saved tensor
+            # so changed: a dropped tensor there whose version moved raises at its unpack)
+            trace.after_write((_storage_key(args[0]),))
         if versions:
             for x, v in versions:
                 if x._version != v:

@@ -33,6 +33,17 @@ NOTE [dropped packs]
     write in the forward pass made stale (``Trace.moved``, by slot and version, which is exact: every save of that
     slot at that version saw the value the write changed).
 
+NOTE [data replaced]
+    ``t.data = y`` gives ``t`` another storage without an op any mode sees and without moving its version. Plain
+    autograd's saves of ``t`` as an op's input hold ``t`` itself and read ``y``'s values, saved before or after; its
+    save as its own op's output holds an alias of the old storage and reads the old values. The pack hook compares
+    a dropped or offloaded tensor's storage with the one its op made, and the forward pass's end does for every
+    dropped tensor still alive. A save made after the data moved (an input's, necessarily) is kept: exact. The
+    slot's earlier saves may be either kind, which the pack hook cannot tell apart (autograd packs an op's inputs
+    before the op reaches any mode, so the trace's last step is the same for both), so their unpack raises
+    ``RematError``. Not seen: a tensor whose data was replaced, that no op saved afterwards and that died before
+    the forward pass ended (its earlier saves replay the old values), as under ``torch.utils.checkpoint``.
+
 NOTE [graph replay]
     A backward pass that builds a graph (``create_graph=True``, double backward) needs the dropped tensors with
     their history. Then the replay reads only outside tensors (the inputs with their history), ignores kept
@@ -104,6 +115,17 @@ class _Ran:
         self.ran = True
 
 
+def _swapped(trace: Trace, s: int, t: Tensor) -> bool:
+    """NOTE [data replaced]: whether ``t``'s storage is no longer the one its op made (``t.data = ...``)."""
+    k = trace.key_of.get(s)
+    if k is None:
+        return False
+    try:
+        return bool(t.data_ptr() - t.storage_offset() * t.itemsize != k)
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
 def _alive(ref: Any) -> Any:
     return ref()
 
@@ -148,6 +170,8 @@ class _Serving(Half):
                     self._written(p, t)
                 return t  # type: ignore[no-any-return]
             if kind == OFFLOAD:
+                if self.replaced and p.slot in self.replaced:
+                    self._refuse_replaced(p.slot)
                 t = self.engine.fetch(p.payload)  # (which raises if the tensor it copied was written since)
                 self._check_unwritten(p)  # (or one of its aliases)
                 return t  # type: ignore[no-any-return]
@@ -155,6 +179,16 @@ class _Serving(Half):
                 assert self.parent is not None
                 return self.parent.unpack(p.payload)
             raise AssertionError(kind)
+
+    def _refuse_replaced(self, s: int) -> None:
+        t = self.replaced[s]
+        raise RematError(
+            f"remat: {self.fn_name} replaced the data of a tensor of shape {list(t.shape)} with `t.data = ...` after "
+            "an op had saved it for the backward pass (NOTE [data replaced]). Plain autograd reads the new data where "
+            "the tensor was saved as an op's input and the old data where it was saved as its own op's output, which "
+            "remat cannot tell apart, so it cannot recompute or fetch the saved value. Rebind the name instead "
+            "(t = t * 2), or keep the tensor (a policy that saves the op that made it)."
+        )
 
     def _check_unwritten(self, p: _Pack) -> None:
         self._check_written(p.slot, p.version, p.ref, p.aliases, p.meta, p.kind)
@@ -192,6 +226,8 @@ class _Serving(Half):
         )
 
     def _take(self, s: int, version: int, ref: Any) -> Tensor:
+        if self.replaced and s in self.replaced:
+            self._refuse_replaced(s)
         graph = _grad_enabled()
         if ref is not None:
             t = ref()
@@ -369,10 +405,17 @@ class _Saving(Half):
                 return self._keep(t, s, INPUT)  # (a view of an input or a parameter: nothing of the call's)
             replayable = replayable and step.replayable
         decision = step.decision
+        if replayable and (decision is Recompute or isinstance(decision, Offloadable)) and _swapped(trace, s, t):
+            return self._data_replaced(t, s)  # NOTE [data replaced]
         if decision is Recompute and replayable:
             counts = self.counts
             counts[s] = counts.get(s, 0) + 1
-            d = (s, t._version, e[0])  # (NOTE [dropped packs])
+            ref = e[0]
+            if r != s and t._base is not None:
+                # a view shares its base's version counter: watched through the base, which may outlive it (a write
+                # into the base after the view is gone still moves the counter plain autograd checks)
+                ref = trace.refs.get(r, ref)
+            d = (s, t._version, ref)  # (NOTE [dropped packs])
             trace.drops.append(d)  # (indexed by storage at the call's first write in place: Trace.after_write)
             return d
         if isinstance(decision, Offloadable) and replayable:  # (offload_saved asks whether it moves t)
@@ -391,6 +434,11 @@ class _Saving(Half):
         if p.kind == KEEP:
             self.kept.setdefault(r, []).append(p)
         return p
+
+    def _data_replaced(self, t: Tensor, s: int) -> _Pack:
+        """NOTE [data replaced]: ``t``'s data is not what its op made: held, for this save and the slot's earlier ones."""
+        self.replaced[s] = holdable(t)
+        return self._keep(t, s, KEEP)
 
     def _keep(self, t: Tensor, s: int, kind: str) -> _Pack:
         if self.parent is not None:
@@ -484,6 +532,7 @@ class TraceFrame(_Saving, _Serving):
         self.skipped: set[int] = set()
         self.view_roots: dict[int, int] = {}  # a dropped view -> the dropped value it is a view of
         self.alias_refs: dict[int, list[Any]] = {}  # a dropped slot -> its views and base, weakly (NOTE [dropped packs])
+        self.replaced: dict[int, Tensor] = {}  # a slot whose data ``t.data = ...`` replaced -> it (NOTE [data replaced])
         self.made_roots: dict[int, Tensor] = {}  # dropped values the last replay made views of (their writes)
         self.caches: dict[bool, tuple[dict[int, Tensor], dict[int, int], dict[int, int]]] = {}
         self._lock = threading.RLock()
@@ -593,6 +642,11 @@ class TraceFrame(_Saving, _Serving):
                         and ox.nbytes(t) <= ox.SMALL):
                     snaps[s] = ti.detach_below_modes(t).clone()
         drops = trace.drops
+        for p in drops:
+            ds, dref = (p[0], p[2]) if type(p) is tuple else (p.slot, p.ref)
+            dt = dref() if dref is not None else None
+            if dt is not None and ds not in self.replaced and _swapped(trace, ds, dt):
+                self.replaced[ds] = dt.detach()  # (for the message) NOTE [data replaced]
         if drops and trace.root:
             # NOTE [written after saved]: a dropped tensor's views and its base share its version counter (the caller's
             # h.detach(), a view it returns): held weakly, a write through any of them raises at the unpack
