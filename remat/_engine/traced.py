@@ -405,9 +405,14 @@ class _Saving(Half):
                 return self._keep(t, s, INPUT)  # (a view of an input or a parameter: nothing of the call's)
             replayable = replayable and step.replayable
         decision = step.decision
-        if replayable and (decision is Recompute or isinstance(decision, Offloadable)) and _swapped(trace, s, t):
-            return self._data_replaced(t, s)  # NOTE [data replaced]
         if decision is Recompute and replayable:
+            k = trace.key_of.get(s)
+            if k is not None:
+                try:  # (_swapped, inline)
+                    if t.data_ptr() - t.storage_offset() * t.itemsize != k:
+                        return self._data_replaced(t, s)  # NOTE [data replaced]
+                except (RuntimeError, NotImplementedError):
+                    pass
             counts = self.counts
             counts[s] = counts.get(s, 0) + 1
             ref = e[0]
@@ -419,6 +424,8 @@ class _Saving(Half):
             trace.drops.append(d)  # (indexed by storage at the call's first write in place: Trace.after_write)
             return d
         if isinstance(decision, Offloadable) and replayable:  # (offload_saved asks whether it moves t)
+            if _swapped(trace, s, t):
+                return self._data_replaced(t, s)  # NOTE [data replaced]
             if self._group is None:
                 self._group = self.engine.group(self)  # (looked up once a call: the engine's common case)
             with internal():
