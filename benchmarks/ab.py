@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -43,18 +42,6 @@ def export_base(rev: str, into: str) -> None:
     with tarfile.open(archive) as tar:
         tar.extractall(into, filter="data")
     os.rename(os.path.join(into, "remat"), os.path.join(into, "remat_base"))
-
-
-def _time(fn: Callable[..., torch.Tensor], W: torch.Tensor, x: torch.Tensor, reps: int) -> tuple[float, float]:
-    fwd = bwd = 0.0
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn(W, x)
-        t1 = time.perf_counter()
-        torch.autograd.grad(out.sum(), (W,))
-        fwd += t1 - t0
-        bwd += time.perf_counter() - t1
-    return fwd / reps, bwd / reps
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -84,13 +71,13 @@ def main(argv: list[str] | None = None) -> None:
         }
         runs = {(name, k): w(f) for name, w in wraps.items() for k, f in fns.items()}
         for fn in runs.values():
-            _time(fn, W, x, 2)
+            overhead._time(fn, W, x, 2)
         samples: dict[tuple[str, str], list[tuple[float, float]]] = {key: [] for key in runs}
         order, rng = list(runs), random.Random(0)
         for _ in range(args.rounds):
             rng.shuffle(order)
             for key in order:
-                samples[key].append(_time(runs[key], W, x, args.reps))
+                samples[key].append(overhead._time(runs[key], W, x, args.reps))
         d_ops = overhead.count_ops(fns["long"], W, x) - overhead.count_ops(fns["short"], W, x)
 
         def slope(name: str, i: int) -> float:
