@@ -298,6 +298,12 @@ class Trace:
             pass
         return s
 
+    def data_replaced(self, s: int, t: Tensor) -> bool:
+        """NOTE [data replaced] in traced.py: whether ``t``'s storage is no longer the one slot ``s``'s op made."""
+        k = self.key_of.get(s)
+        now = _storage_key(t)  # (0: a tensor without a data pointer)
+        return k is not None and now != 0 and now != k
+
     # ---- what the replay may read instead of running a step ----------------------
     def keep(self, s: int, t: Tensor) -> None:
         self.stash[s] = self.refs[s]
