@@ -454,3 +454,118 @@ def test_a_saved_tensor_changed_after_its_save_raises_as_plain_autograd_does(fn,
         x = x0.clone().requires_grad_()
         with pytest.raises(RematError, match="in place"):
             torch.autograd.grad(rf(x), x)
+
+
+# ---- writes into outside tensors under torch.func (NOTE [written outside storages] in _engine/outside_writes.py) ---
+
+
+def _outside_writer(how: str, batched: bool) -> Any:
+    """A function writing a tensor that is not its argument (``G``, a global or a buffer) in place, and reading it
+    through a view it made before the write. ``batched``: the written value does not depend on ``x`` (vmap)."""
+
+    def f(G: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = x.sin()
+        new = (G[0] * 0.5 + 0.25) if batched else h.detach().cos()
+        c = G[1]  # a view made before the write
+        early = c.exp()  # read before the write
+        if how == "out=":
+            torch.sin(new, out=c)
+        elif how == "copy_":
+            c.copy_(new)
+        elif how == "add_":
+            c.add_(new)
+        elif how == "view of a view":
+            c[1:].mul_(new[1:])
+        elif how == "into G":  # through the base, not the view: the view reads the write
+            G.mul_(3.0)
+        elif how == "twice":
+            torch.add(c, new, out=c)
+            mid = c.tanh()
+            torch.mul(new, 2.0, out=G[1])
+            return (early * h).sum() + (mid * h).sum() + (c.exp() * h).sum()
+        return (early * h).sum() + (c.exp() * h).sum() + (G.sum(0) * h).sum()
+
+    return f
+
+
+_TRANSFORMS = {
+    "grad": lambda f: torch.func.grad(f),
+    "vjp": lambda f: (lambda x: torch.func.vjp(f, x)[1](torch.ones((), dtype=torch.float64))[0]),
+    "jacrev": lambda f: torch.func.jacrev(f),
+    "hessian": lambda f: torch.func.hessian(f),
+    "vmap(grad)": lambda f: torch.func.vmap(torch.func.grad(f)),
+    "autograd": lambda f: (lambda x: torch.autograd.grad(f(x.requires_grad_()), x)[0]),
+}
+
+
+@pytest.mark.parametrize("how", ["out=", "copy_", "add_", "view of a view", "into G", "twice"])
+@pytest.mark.parametrize("transform", list(_TRANSFORMS))
+@pytest.mark.parametrize("policy", ["nothing", "dots", "everything", "names"])
+@pytest.mark.parametrize("debug", [False, True], ids=["replay", "debug"])
+def test_a_write_into_an_outside_tensor_read_through_an_earlier_view_equals_plain(how, transform, policy, debug):
+    """``c = G[1]; torch.sin(h, out=c); c.exp()`` with ``G`` a global: under ``grad``, ``vjp``, ``jacrev`` the
+    recompute handed the view a copy of ``G`` taken before the write, so ``c.exp()`` was remade from the old values
+    (off by up to 1.9, silently); with ``debug=True`` the write into the view raised a false "recompute diverged".
+    The recompute now reads and writes its own copy of ``G``'s storage; ``G`` is written once, as by plain ``f``.
+    First and later calls, float64, against plain ``f`` under the same transform."""
+    pol = {"nothing": policies.nothing_saveable, "dots": policies.dots_saveable,
+           "everything": policies.everything_saveable, "names": policies.save_only_these_names("h")}[policy]
+    batched = transform == "vmap(grad)"
+    f = _outside_writer(how, batched)
+    t = _TRANSFORMS[transform]
+    g = torch.Generator().manual_seed(5)
+    G0 = torch.randn(2, 4, dtype=torch.float64, generator=g)
+    xs = [torch.randn(*((3, 4) if batched else (4,)), dtype=torch.float64, generator=g) for _ in range(3)]
+    G_plain, G_remat = G0.clone(), G0.clone()
+    plain = t(lambda x: f(G_plain, x))
+    rf = remat(lambda x: f(G_remat, x), policy=pol, debug=debug)
+    wrapped = t(rf)
+    for x in xs:  # the first call and later ones; G carries what each call wrote
+        try:
+            want = plain(x.clone())
+        except RuntimeError as e:  # torch.func refuses an in-place write into a captured tensor (not out=)
+            assert "captured Tensor" in str(e)
+            with pytest.raises(RuntimeError, match="captured Tensor"):
+                wrapped(x.clone())
+            return
+        got = wrapped(x.clone())
+        assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
+        assert torch.equal(G_remat, G_plain), "the recompute wrote G again, or the forward pass did not"
+
+
+# ---- a value with two names, written in place after them ----------------------------------------------------------
+
+
+def _two_names_then_written(x: torch.Tensor) -> torch.Tensor:
+    t = x @ x
+    n = checkpoint_name(checkpoint_name(t, "g"), "h")
+    t.detach().add_(1.0)  # layer_norm reads n after the write
+    return torch.nn.functional.layer_norm(n, (4,)).sum()
+
+
+def _two_names_written_through_the_outer(x: torch.Tensor) -> torch.Tensor:
+    t = x.sin() * 2
+    n = checkpoint_name(checkpoint_name(t, "g"), "h")
+    y = n.exp()
+    n.detach().mul_(0.5)
+    return y.sum() + torch.nn.functional.layer_norm(t, (4,)).sum()
+
+
+@pytest.mark.parametrize("fn", [_two_names_then_written, _two_names_written_through_the_outer],
+                         ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "autograd"])
+@pytest.mark.parametrize("policy", ["h", "g", "except h", "nothing"])
+@pytest.mark.parametrize("debug", [False, True], ids=["replay", "debug"])
+def test_a_value_named_twice_and_written_after_equals_plain(fn, transform, policy, debug):
+    """``checkpoint_name(checkpoint_name(t, "g"), "h")`` with only ``h`` saved, then ``t`` written in place before
+    ``layer_norm`` read the name: under ``torch.func`` (and with ``debug=True``) the outer name kept the inner
+    name's alias, whose copy taken before the write the recompute replayed, so ``layer_norm``'s saved input held the
+    old values (off by 3.4, silently). The name now keeps the value's own op (the write runs again on it). Against
+    plain ``f`` under the same transform, first and later calls, float64."""
+    pol = {"h": policies.save_only_these_names("h"), "g": policies.save_only_these_names("g"),
+           "except h": policies.save_anything_except_these_names("h"), "nothing": policies.nothing_saveable}[policy]
+    t = _TRANSFORMS[transform]
+    rf = t(remat(fn, policy=pol, debug=debug))
+    for seed in range(3):
+        x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        assert_tree_close(rf(x.clone()), t(fn)(x.clone()), rtol=1e-10, atol=1e-10)

@@ -160,6 +160,7 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
         self.input_keys: set[int] = set()  # storages of the call's inputs (set by the frame)
         self.written_outside: set[int] = set()  # storages of outside tensors the call wrote
         self._pending: dict[int, list[tuple[OpRecord, int, torch.Tensor]]] = {}  # outside reads since the last write
+        self.shadows: dict[int, Any] = {}  # storage key -> its Shadow (NOTE [written outside storages])
         self.describe_tensor: Callable[[torch.Tensor], str | None] = lambda t: None
         # NOTE [generators of your own] (_engine/ambient.py): the call's AmbientState.generators, set by its engine
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
@@ -323,6 +324,8 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
                 # a checkpoint_name alias shares its input's storage; its decision (the name's)
                 # governs that storage when it is saved, not the decision of the op that allocated it
                 if k and (k not in in_keys or name is not None or func in LIFTS):
+                    if name is not None:
+                        rec.named_from = self.producers.get(k)
                     self.producers[k] = idx
                 if k and k not in in_keys:
                     # a fresh storage: whatever was written at this address before was another storage, freed
@@ -330,6 +333,7 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
                     # written, it would be run again for nothing, as often as the allocator reuses an address
                     self.written.discard(k)
                     self.written_outside.discard(k)
+                    self.shadows.pop(k, None)
             # a mutable op (squeeze_, add_, out=) is run again, never replayed: handing back its stashed
             # output would skip the write into its argument, which the caller goes on using. A zero
             # tensor (forward AD's "no tangent") is free to remake and a replayed copy would lose the
@@ -366,6 +370,11 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
             # the name's own output is stashed as usual)
             return
         rec = self.ops[idx]
+        while decision is not Recompute and rec.name is not None and rec.named_from is not None:
+            # a name of a named value (checkpoint_name(checkpoint_name(t, "g"), "h")): the value is the op's that
+            # made it, which the replay must run the writes after it on (its alias would be a copy)
+            idx = rec.named_from
+            rec = self.ops[idx]
         if rec.random or rec.out_spec is None:
             return
         rec.decision = decision

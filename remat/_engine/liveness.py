@@ -43,6 +43,7 @@ class StashLiveness(Half):
     """The recorder's stash and its liveness (NOTE [stash liveness], NOTE [dead ops])."""
 
     _pending: dict[int, list[tuple[OpRecord, int, torch.Tensor]]]  # (set by Recorder.__init__, as all it reads)
+    shadows: dict[int, Any]
 
     def route_stash(self, route: Callable[[torch.Tensor], Any]) -> list[tuple[int, int]]:
         """Hand every output held for the replay to ``route`` (the enclosing call), in op order; returns where
@@ -167,6 +168,7 @@ class StashLiveness(Half):
             if rec.outside is not None:
                 self._settle_outside(rec)
         self._pending = {}
+        self.shadows = {}
 
     def watch_results(self, results: list[torch.Tensor]) -> None:
         """A held output whose own tensor died may still be written through a result of the call that shares its

@@ -225,7 +225,7 @@ class OpRecord:
     skippable: bool = False  # a pure op allocating fresh outputs: may be skipped when dead
     # NOTE [outside tensors]: (position among the tensor args, tensor, its version when read)
     outside: list[tuple[int, torch.Tensor, int]] | None = None
-    subst: dict[int, torch.Tensor] | None = None  # position -> copy the recompute reads or writes instead
+    subst: dict[int, Any] | None = None  # position -> copy (or ShadowView, None: as is) the recompute reads or writes
     scalars: list[Any] = dataclasses.field(default_factory=list)  # the op's values (NOTE [same reads]): the recompute must pass the same
     lifted: tuple[Any, ...] | None = None  # a lift_fresh: the fingerprint of the value it lifted
     in_keys: list[int] = dataclasses.field(default_factory=list)  # storages of the tensor arguments
@@ -234,6 +234,7 @@ class OpRecord:
     # autocast's cast of a leaf, which autocast caches: the leaf, weakly (NOTE [autocast's cache] in _engine/wiring.py)
     cast_leaf: weakref.ref[torch.Tensor] | None = None
     wkey: list[Any] | None = None  # NOTE [same reads] in _engine/wiring.py: the key of the op's arguments (no levels)
+    named_from: int | None = None  # a checkpoint_name's alias: the op that made its storage's value before it
     alias: bool = False  # an identity alias (NOTE [hooks' aliases]): a recompute may lack it, or have more
     # a random op: its generator and the generator's state before it drew (the recompute draws the same numbers even
     # where the function seeds inside: NOTE [random ops] in _engine/replay.py)

@@ -58,7 +58,7 @@ class OutsideReads(Half):
         return found
 
     def _before_mutation(self, func: Any, args: Any, kwargs: Any,
-                         ins: list[torch.Tensor]) -> dict[int, torch.Tensor] | None:
+                         ins: list[torch.Tensor]) -> dict[int, Any] | None:
         """Copy-on-write: a stashed output about to be written in place (itself or through a view) is copied first.
 
         Returns copies of the outside tensors the op is about to write (NOTE [outside tensors]);
@@ -72,16 +72,22 @@ class OutsideReads(Half):
                 t = ins[j]
                 k = storage_key(t)
                 if self.is_outside(k):
-                    # the reads of this storage since its last write saw what it holds now: copy it for them
-                    # (at their own geometry), and the value about to be overwritten for the write itself
+                    # NOTE [written outside storages]: the reads of this storage since its last write, and the
+                    # write itself, read and write the recompute's own copy of it
+                    shadow = self.shadows.get(k)
+                    if shadow is None:
+                        shadow = self.shadows[k] = Shadow.of(t)
                     for rec, pos, read in self._pending.pop(k, ()):
                         if rec.subst is None:
                             rec.subst = {}
-                        rec.subst.setdefault(pos, read.detach().clone())
+                        rec.subst.setdefault(pos, shadow.at(read))
                     self.written_outside.add(k)
                     if subst is None:
                         subst = {}
-                    subst[j] = t.detach().clone()
+                    v = self.known_vid(t)
+                    # a view the call made of it is one of the copy in the recompute already: written as it is
+                    # (the ops after it read that very tensor, as in the forward pass)
+                    subst[j] = None if v in self.made_by and shadow.snap is not None else shadow.at(t)
                 else:
                     inside = True
         if subst is None or inside:
@@ -140,14 +146,60 @@ class OutsideReads(Half):
             if not written and (t.requires_grad or ox.nbytes(t) > ox.SMALL):
                 keep.append((j, t, version))  # checked by the recompute: the same tensor, unmodified
                 continue
-            # read after the call's last write into it: its value now; or a buffer or constant that needs
-            # no gradient and is small (running statistics, a tensor built from Python data): a copy the
-            # recompute reads whatever happens to it next (even writes torch does not count as versions,
-            # like a batch norm's, outside the call)
+            # read after the call's last write into it: the recompute's copy (NOTE [written outside storages]);
+            # or a buffer or constant that needs no gradient and is small (running statistics, a tensor built
+            # from Python data): a copy the recompute reads whatever happens to it next (even writes torch does
+            # not count as versions, like a batch norm's, outside the call)
             if rec.subst is None:
                 rec.subst = {}
-            rec.subst[j] = t.detach().clone()
+            shadow = self.shadows.get(storage_key(t)) if written else None
+            rec.subst[j] = shadow.at(t) if shadow is not None else t.detach().clone()
         rec.outside = keep or None
+
+
+class Shadow:
+    """NOTE [written outside storages]
+    An outside tensor the call writes in place (a cache slot, a buffer, ``torch.sin(h, out=G[1])``) is not written
+    again by the recompute: at the call's first write into its storage the recorder copies the whole storage, and
+    every op of the call that reads or writes that storage from then on, and the reads before the write, get a
+    view of the recompute's own copy of it at the same geometry (``ShadowView``). The recompute's writes land in
+    its copy, so a view the call made of the outside tensor before a write reads the written values after it, as
+    in the forward pass. Each recompute starts from a fresh copy of the snapshot (``Replayer.shadows``).
+    """
+
+    __slots__ = ("snap",)
+
+    def __init__(self, snap: Any) -> None:
+        self.snap = snap  # the storage before the call's first write into it (an UntypedStorage), or None
+
+    @staticmethod
+    def of(t: torch.Tensor) -> Shadow:
+        try:
+            return Shadow(t.untyped_storage().clone())
+        except (RuntimeError, NotImplementedError):  # (a wrapper subclass: copies of each read, as before)
+            return Shadow(None)
+
+    def at(self, t: torch.Tensor) -> Any:
+        """What the recompute reads for ``t`` (a view of this storage): a view of its copy, or a copy of ``t``."""
+        if self.snap is None:
+            return t.detach().clone()
+        return ShadowView(self, ox.geometry(t))
+
+
+class ShadowView:
+    __slots__ = ("shadow", "geometry")
+
+    def __init__(self, shadow: Shadow, geometry: tuple[Any, ...]) -> None:
+        self.shadow = shadow
+        self.geometry = geometry
+
+    def view(self, copies: dict[int, Any]) -> torch.Tensor:
+        """The view, on the recompute's copy of the storage (``copies``: id of a Shadow -> its copy)."""
+        e = copies.get(id(self.shadow))
+        if e is None:
+            e = copies[id(self.shadow)] = (self.shadow, self.shadow.snap.clone())
+        shape, stride, offset, dtype = self.geometry
+        return torch.empty(0, dtype=dtype, device=e[1].device).set_(e[1], offset, shape, stride)
 
 
 def outside_args(self: Any, i: int, rec: OpRecord, args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -195,7 +247,9 @@ def outside_args(self: Any, i: int, rec: OpRecord, args: Any, kwargs: Any) -> tu
                 + (f" (Its shape was {list(t0.shape)} in the forward pass.)" if cur.shape != t0.shape else "")
             )
         if rec.subst is not None:
-            args, kwargs = ox.replace_tensors(args, kwargs, {j: c.clone() for j, c in rec.subst.items()})
+            args, kwargs = ox.replace_tensors(args, kwargs, {
+                j: c.clone() if isinstance(c, torch.Tensor) else c.view(self.shadows)
+                for j, c in rec.subst.items() if c is not None})
         if casts:
             args, kwargs = ox.replace_tensors(args, kwargs, casts)
     return args, kwargs

@@ -67,6 +67,7 @@ class Replayer(TorchDispatchMode):
         self.casts: dict[int, tuple[torch.Tensor, weakref.ref[torch.Tensor]]] = {}
         self.wiring = None if recorder.wiring is None else Wiring(recorder.wiring.known, loose=True)
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # set by the recompute: their states
+        self.shadows: dict[int, Any] = {}  # NOTE [written outside storages]: id -> (Shadow, this recompute's copy)
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
