@@ -48,12 +48,13 @@ GLOBAL = {"scale": 1.0}  # read through a module-level global (rebound, not muta
 _GLOBAL_SCALE = 1.0
 
 STEPS = ["attr", "global", "cell", "default", "expert", "moddict", "order", "random", "nprandom", "cfg", "buffer",
-         "roll", "tanh", "sin", "lin", "seed", "factory", "gtensor", "pydata", "denormal", "outmax"]
+         "roll", "tanh", "sin", "lin", "seed", "factory", "gtensor", "pydata", "denormal", "outmax", "cache"]
 MUTATIONS = ["attr", "global", "cell", "default", "expert", "moddict", "order", "cfg", "buffer", "roll", "gtensor",
              "pydata"]
 # between the passes only (undone before plain autograd runs): global settings, which a replay must not follow
 BETWEEN_ONLY = ["settings"]
 G_TENSOR = torch.full((8,), 0.25, dtype=D)
+CACHE = torch.zeros(2, 8, dtype=D)  # a global key/value cache: a slot is written in place in the forward pass
 GAINS = [torch.rand(8, dtype=D, generator=torch.Generator().manual_seed(i)) + 0.5 for i in range(8)]  # a global tensor an op reads (add: saved by no node), written in place
 
 POLICIES: dict[str, Any] = {
@@ -141,7 +142,7 @@ class Program(nn.Module):
         # set inside, ``seeded``: not under vmap, which refuses it with or without remat)
         menu = STEPS if seed % 5 == 0 else [s for s in STEPS if s not in ("random", "nprandom")]
         if not seeded:  # (under vmap: no seed set inside, and no out= op, which vmap cannot batch)
-            menu = [s for s in menu if s not in ("seed", "outmax")]
+            menu = [s for s in menu if s not in ("seed", "outmax", "cache")]
         self.steps = [rng.choice(menu) for _ in range(n_steps)]
         self.lin = nn.Linear(8, 8).to(D)
         self.experts = nn.ModuleList([nn.Linear(8, 8).to(D) for _ in range(3)])
@@ -216,6 +217,10 @@ class Program(nn.Module):
                 torch.max(h.detach(), 1, out=(vals, idx))
                 m, _ = torch.max(h, 1)
                 h = torch.tanh(h * (1 + 0.1 * vals[:, None])) + 0.1 * m[:, None] * h.gather(1, idx[:, None])
+            elif s == "cache":  # (a slot of a global cache, viewed before an out= op writes it, read through the view after)
+                slot = CACHE[self.active % 2]
+                torch.tanh(h.detach()[0], out=slot)
+                h = torch.sin(h * (1 + 0.1 * slot)) + 0.1 * CACHE[self.active % 2] * h
             elif s == "tanh":
                 h = torch.tanh(h)
             elif s == "sin":

@@ -34,11 +34,12 @@ __all__ = ["plan", "run", "ancestors"]
 Tensor = torch.Tensor
 
 
-def plan(trace: Trace, wanted: set[int], available: Container[int]) -> list[Step]:
-    """The steps to replay, in order, to make the ``wanted`` slots (NOTE [replay])."""
+def plan(trace: Trace, wanted: set[int], available: Container[int]) -> tuple[list[Step], list[list[int]]]:
+    """The steps to replay, in order, to make the ``wanted`` slots (NOTE [replay]); with each, the slots let go
+    after it (read last by it, or made by it and read by none)."""
     need = {s for s in wanted if s not in available}
     if not need:
-        return []
+        return [], []
     # from the last step back: a write into a wanted tensor's storage that autograd does not see (through .data, an
     # alias with a version counter of its own) is part of the value the backward pass reads, as in plain autograd,
     # whenever it happened in the forward pass; a write it sees raises at the unpack (``Trace.after_write``). A call
@@ -48,6 +49,8 @@ def plan(trace: Trace, wanted: set[int], available: Container[int]) -> list[Step
     need_keys = {key_of.get(s, 0) for s in need} if writes else set()
     need_keys.discard(0)
     out: list[Step] = []
+    frees: list[list[int]] = []
+    read_later: set[int] = set()  # slots a step after this one reads (the walk goes backwards)
     steps = trace.steps
     for i in range(len(steps) - 1, -1, -1):
         step = steps[i]
@@ -58,15 +61,25 @@ def plan(trace: Trace, wanted: set[int], available: Container[int]) -> list[Step
             if not (writes and step.writes and any(k in need_keys for k in step.writes)):
                 continue
         out.append(step)
+        free = []
+        for o in step.outs:
+            if o not in read_later and o >= 0 and o not in wanted:
+                free.append(o)
         for _, _, s in step.refs:
+            if s not in read_later:
+                read_later.add(s)
+                if s not in wanted:
+                    free.append(s)
+                if s not in need and s not in available:
+                    need.add(s)
             if writes:
                 k = key_of.get(s, 0)
                 if k:
                     need_keys.add(k)  # a write into what this step reads, before it, is replayed too
-            if s not in need and s not in available:
-                need.add(s)
+        frees.append(free)
     out.reverse()
-    return out
+    frees.reverse()
+    return out, frees
 
 
 def ancestors(trace: Trace, slots: set[int]) -> set[int]:
@@ -85,9 +98,10 @@ def ancestors(trace: Trace, slots: set[int]) -> set[int]:
     return anc
 
 
-def run(trace: Trace, steps: list[Step], wanted: set[int], source: Callable[[int], Tensor],
+def run(trace: Trace, steps: list[Step], frees: list[list[int]], wanted: set[int], source: Callable[[int], Tensor],
         graph: bool) -> dict[int, Tensor]:
-    """Replay ``steps``; return the ``wanted`` slots' values (NOTE [replay])."""
+    """Replay ``steps`` (``plan``'s, with what to let go after each); return the ``wanted`` slots' values (NOTE
+    [replay])."""
     for step in steps:
         if not step.replayable:
             raise RematError(
@@ -95,18 +109,6 @@ def run(trace: Trace, steps: list[Step], wanted: set[int], source: Callable[[int
                 "a write into a tensor from outside that its schema does not declare); save what it feeds (policy=policies.everything_saveable), or this is a bug "
                 "in remat, please report it."
             )
-    last_use: dict[int, int] = {}
-    for k, step in enumerate(steps):
-        for _, _, s in step.refs:
-            last_use[s] = k
-    frees: list[list[int]] = [[] for _ in steps]
-    for s, k in last_use.items():
-        if s not in wanted:
-            frees[k].append(s)
-    for k, step in enumerate(steps):
-        for o in step.outs:
-            if o >= 0 and o not in last_use and o not in wanted:
-                frees[k].append(o)
     vals: dict[int, Tensor] = {}
     gens: dict[int, tuple[torch.Generator, Any]] = {}
     with contextlib.ExitStack() as es:

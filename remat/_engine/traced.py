@@ -270,7 +270,7 @@ class _Serving(Half):
                 self.skipped = {s for s in wanted if s not in anc}
                 wanted -= self.skipped
         available = self._available(graph)
-        steps = plan(trace, wanted, available)
+        steps, frees = plan(trace, wanted, available)
         if graph:
             for step in steps:
                 if step.nograd_outs is not None and any(_has_node(r()) for r in step.nograd_outs):
@@ -281,7 +281,7 @@ class _Serving(Half):
                         "graph. Save the Function's outputs (a policy that keeps them, e.g. "
                         "policies.everything_saveable), or run the double backward without remat."
                     )
-        made = run(trace, steps, wanted, self._source(graph), graph)
+        made = run(trace, steps, frees, wanted, self._source(graph), graph)
         versions = {s: t._version for s, t in made.items()}
         # the dropped values that dropped views were made from: held until the views are read (a view holds their
         # storage anyway), so that a write into one before a view is read is seen (the replay's views share no
@@ -620,7 +620,7 @@ class TraceFrame(_Saving, _Serving):
         if stash:
             used: set[int] = set()
             if self.counts:
-                for step in plan(trace, set(self.counts), self._available(False)):
+                for step in plan(trace, set(self.counts), self._available(False))[0]:
                     used.update(step.reads())
             for s in list(stash):
                 if s not in used or type(stash[s]) is weakref.ref:
