@@ -144,6 +144,16 @@ def run(trace: Trace, steps: list[Step], frees: list[list[int]], wanted: set[int
                 if step.inplace_view:
                     # (on an alias: the value it reshapes may be a kept value or an outside tensor, read again later)
                     args[0] = args[0].view_as(args[0]) if graph else args[0].detach()
+                if graph and step.quiet:
+                    # a write autograd did not see in the forward pass (through ``t.data``, a detach): nor now, through
+                    # an alias with a version counter of its own (a view of a split refuses its base written, and
+                    # the version of ``t.data`` moved none of the forward's)
+                    for key in step.quiet:
+                        if type(key) is int:
+                            args[key] = args[key].data
+                        else:
+                            kwargs = dict(kwargs)
+                            kwargs[key] = kwargs[key].data
                 if step.rng is not None:
                     gen, state = step.rng
                     if id(gen) not in gens:

@@ -192,7 +192,7 @@ class Step:
     """One recorded op: ``op(*args, **kwargs)`` with the tensors at ``refs`` taken from slots."""
 
     __slots__ = ("op", "call", "args", "kwargs", "refs", "outs", "inplace_view", "spec", "rng", "grad", "decision", "writes",
-                 "nograd_outs", "replayable")
+                 "nograd_outs", "replayable", "quiet")
 
     def __init__(self, op: Any, call: Any, args: list[Any], kwargs: dict[str, Any],
                  refs: list[tuple[Any, int, int]]) -> None:
@@ -210,6 +210,9 @@ class Step:
         self.writes: tuple[int, ...] = ()  # storage keys it writes
         self.nograd_outs: list[weakref.ref[Tensor]] | None = None  # ran without grad: its outputs (custom Functions)
         self.replayable = True
+        # a write none of whose arguments needed a gradient (into ``t.data``, a detach): what it wrote, which a replay
+        # that builds a graph writes through an alias autograd does not follow, as in the forward pass
+        self.quiet: tuple[Any, ...] = ()
 
     def reads(self) -> list[int]:
         return [s for _, _, s in self.refs]
@@ -540,14 +543,19 @@ class Tracer(TorchDispatchMode):
         step.inplace_view = info.inplace_view
         if info.mutable:
             keys = []
+            written = []
             for i in info.written:
                 if i < len(args) and isinstance(args[i], Tensor):
                     keys.append(trace.before_write(args[i]))
+                    written.append(i)
             for k in info.written_kw:
                 a = kwargs.get(k)
                 if isinstance(a, Tensor):
                     keys.append(trace.before_write(a))
+                    written.append(k)
             step.writes = tuple(keys)
+            if not any(a.requires_grad for a in _arg_tensors(args, kwargs)):
+                step.quiet = tuple(written)  # (autograd records nothing of this write)
         if info.random:
             gen = generator_for(args, kwargs)
             if gen is None:
