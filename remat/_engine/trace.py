@@ -136,7 +136,7 @@ class OpInfo:
         # (squeeze_, transpose_, as_strided_: they change a tensor's shape, not its data; replayed on an alias)
         self.inplace_view = torch.Tag.inplace_view in func.tags
         if self.inplace_view:
-            written = []
+            written: list[Any] = []
         self.written = tuple(written) + tuple(hidden)
         self.written_kw = tuple(written_kw)
         self.hidden = bool(hidden)
@@ -543,7 +543,7 @@ class Tracer(TorchDispatchMode):
         step.inplace_view = info.inplace_view
         if info.mutable:
             keys = []
-            written = []
+            written: list[Any] = []
             for i in info.written:
                 if i < len(args) and isinstance(args[i], Tensor):
                     keys.append(trace.before_write(args[i]))
