@@ -136,7 +136,7 @@ class OpInfo:
         # (squeeze_, transpose_, as_strided_: they change a tensor's shape, not its data; replayed on an alias)
         self.inplace_view = torch.Tag.inplace_view in func.tags
         if self.inplace_view:
-            written: list[Any] = []
+            written = []
         self.written = tuple(written) + tuple(hidden)
         self.written_kw = tuple(written_kw)
         self.hidden = bool(hidden)
