@@ -6,6 +6,7 @@ backward).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -621,3 +622,66 @@ def test_a_double_backward_replays_a_write_autograd_did_not_see_as_unseen(fn, po
     rf = remat(fn, policy=pol)
     for _ in range(2):
         assert_tree_close(both(rf), want, rtol=1e-10, atol=1e-10)
+
+
+# ---- NOTE [quiet writes]: a write no version counter shows into a save held as a copy ------------------------------
+
+
+def _data_write_after_an_offloaded_save(x: torch.Tensor) -> torch.Tensor:
+    t = x.sin()
+    r = t * t  # saves t (offloaded)
+    t.data.add_(0.5)  # plain autograd's mul backward reads the written t
+    return r.sum()
+
+
+def _data_write_into_a_named_split_piece(x: torch.Tensor) -> torch.Tensor:
+    t = x.sin().split(2, 0)[1]
+    r = t * t  # saves t (dropped: the name comes later)
+    n = checkpoint_name(t, "h")  # keeps t's value (copied before the write below)
+    r2 = n.exp()
+    t.data.add_(0.5)
+    return r.sum() + r2.sum()
+
+
+def _data_write_into_a_sibling_piece(x: torch.Tensor) -> torch.Tensor:  # the control: the saved piece is unwritten
+    a, b = (x @ x).unsafe_chunk(2, 1)
+    r = a * a
+    b.data.mul_(2.0)
+    return r.sum() + (b * x[:, :2]).sum()
+
+
+@pytest.mark.parametrize("fn", [_data_write_after_an_offloaded_save, _data_write_into_a_named_split_piece,
+                                _data_write_into_a_sibling_piece], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("policy", ["offload", "names", "nothing", "dots"])
+def test_a_write_no_version_shows_into_a_save_held_as_a_copy_is_exact(fn, policy):
+    """``t.data.add_(...)`` after an op saved ``t``: plain autograd reads the written values without an error. remat
+    served the offload engine's copy (offload policy) or the kept value's copy taken at the write (a name that kept
+    the value after its save), both from before the write: off by 0.997, silently. A write whose bytes overlap a
+    dropped or offloaded save whose version did not move now makes the replay run it (NOTE [quiet writes]); a write
+    into a sibling piece of ``unsafe_chunk`` does not. Two calls, float64."""
+    pol = {"offload": policies.offload_to_cpu(min_bytes=0), "names": policies.save_only_these_names("h"),
+           "nothing": policies.nothing_saveable, "dots": policies.dots_saveable}[policy]
+    x0 = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x = x0.clone().requires_grad_()
+    (want,) = torch.autograd.grad(fn(x), x)
+    rf = remat(fn, policy=pol)
+    for _ in range(2):
+        x = x0.clone().requires_grad_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (offloading from the CPU to the CPU frees nothing: said once)
+            (got,) = torch.autograd.grad(rf(x), x)
+        assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_overlap_is_exact_for_interleaved_pieces():
+    """The overlap test of NOTE [quiet writes]: pieces of ``unsafe_chunk`` along the last dimension interleave in
+    memory (their spans overlap) but share no byte; a view of another dtype shares the bytes it covers."""
+    from remat._engine.trace import overlap
+
+    x = torch.zeros(2, 24)
+    a, b, _ = x.unsafe_chunk(3, 1)
+    assert not overlap(a, b) and overlap(a, a) and overlap(a, a[:, 1:3]) and overlap(x, b)
+    assert not overlap(x[0], x[1]) and overlap(x.view(-1)[5:9], b) and not overlap(x.view(-1)[0:8], b)
+    y = torch.zeros(10, dtype=torch.float64)
+    assert overlap(y.view(torch.int32)[3:4], y[1:2]) and not overlap(y.view(torch.int32)[4:5], y[1:2])
+    assert not overlap(y[:0], y)

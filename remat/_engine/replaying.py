@@ -38,6 +38,8 @@ def plan(trace: Trace, wanted: set[int], available: Container[int]) -> tuple[lis
     """The steps to replay, in order, to make the ``wanted`` slots (NOTE [replay]); with each, the slots let go
     after it (read last by it, or made by it and read by none)."""
     need = {s for s in wanted if s not in available}
+    if trace.quiet_written:
+        need |= _stale(trace, wanted, available)
     if not need:
         return [], []
     # from the last step back: a write into a wanted tensor's storage that autograd does not see (through .data, an
@@ -46,12 +48,12 @@ def plan(trace: Trace, wanted: set[int], available: Container[int]) -> tuple[lis
     # that wrote nothing in place (the common case) needs no storage keys.
     key_of = trace.key_of
     writes = bool(trace.written_keys)
+    steps = trace.steps
     need_keys = {key_of.get(s, 0) for s in need} if writes else set()
     need_keys.discard(0)
     out: list[Step] = []
     frees: list[list[int]] = []
     read_later: set[int] = set()  # slots a step after this one reads (the walk goes backwards)
-    steps = trace.steps
     for i in range(len(steps) - 1, -1, -1):
         step = steps[i]
         for o in step.outs:
@@ -80,6 +82,13 @@ def plan(trace: Trace, wanted: set[int], available: Container[int]) -> tuple[lis
     out.reverse()
     frees.reverse()
     return out, frees
+
+
+def _stale(trace: Trace, wanted: set[int], available: Container[int]) -> set[int]:
+    """The wanted slots available only as a copy taken before a write of the call changed them where no version
+    counter shows (NOTE [quiet writes] in trace.py): made again, the write with them."""
+    quiet = trace.quiet_written
+    return {s for s in wanted if s in quiet and s in available} if quiet else set()
 
 
 def ancestors(trace: Trace, slots: set[int]) -> set[int]:

@@ -240,6 +240,7 @@ class Trace:
         self.on_demote: Callable[[int], None] | None = None  # a name dropped a kept slot (the frame re-packs it)
         # an offloaded slot a replayed step reads: the frame hands it to the offload engine (True: it did)
         self.on_write: Callable[[int], None] | None = None  # a storage about to be written (the offload engine)
+        self.on_quiet_write: Callable[[Any], None] | None = None  # an offloaded save written, its version unmoved
         self.root: dict[int, int] = {}  # a view's slot -> the slot it is a view of, transitively (its version counter)
         self.offload: Callable[[int, Tensor, Any], bool] | None = None
         self.outside: dict[int, tuple[Tensor, int]] = {}  # outside slot -> (tensor, version when first read)
@@ -250,7 +251,10 @@ class Trace:
         self.stash_keys: dict[int, list[int]] = {}  # storage key -> kept slots living there
         self.raw: set[int] = set()  # kept slots held as the tensor itself until the forward pass ends (``seal``)
         self.stash_versions: dict[int, int] = {}  # kept slot held strongly -> its version then (a write since: recompute)
-        self.pending: list[tuple[Any, Tensor]] = []  # dropped tensors a write may have moved (after_write)
+        # dropped tensors a write may have moved (after_write), with the tensors the write wrote in their storage
+        self.pending: list[tuple[Any, Tensor, list[Tensor]]] = []
+        # NOTE [quiet writes]: dropped or offloaded slots a write of the call changed without moving their version
+        self.quiet_written: set[int] = set()
         # (slot, version when saved) of the dropped tensors' saves a write in the forward pass made stale -> (shape,
         # dtype) then (NOTE [dropped packs] in traced.py)
         self.moved: dict[tuple[int, int], tuple[Any, Any]] = {}
@@ -370,7 +374,7 @@ class Trace:
             self.on_write(key)
         return key
 
-    def after_write(self, keys: tuple[int, ...]) -> None:
+    def after_write(self, keys: tuple[int, ...], written: list[Tensor] | None = None) -> None:
         """A step wrote these storages: a dropped tensor there whose version moves was written after its save (its
         unpack raises, as autograd's would; a tensor with a counter of its own, ``unsafe_split``'s, does not move).
         The counter moves above this mode, once the op returns: checked at the next op (``settle``)."""
@@ -381,11 +385,12 @@ class Trace:
             if k is not None:
                 dk.setdefault(k, []).append(p)
         self._indexed = len(drops)
-        for key in keys:
+        for n, key in enumerate(keys):
+            ws = [written[n]] if written is not None else []
             for p in self.dropped_keys.get(key, ()):
                 t = (p[2] if type(p) is tuple else p.ref)()
                 if t is not None:
-                    self.pending.append((p, t))
+                    self.pending.append((p, t, ws))
 
     def forget_drops(self) -> None:
         """The forward pass ended: no write the tracer sees can move a dropped tensor's version any more."""
@@ -394,13 +399,62 @@ class Trace:
         self._indexed = 0
 
     def settle(self) -> None:
-        for p, t in self.pending:
+        for p, t, ws in self.pending:
             if type(p) is tuple:  # (a dropped tensor's pack: NOTE [dropped packs] in traced.py)
                 if t._version != p[1]:
                     self.moved[(p[0], p[1])] = (t.shape, t.dtype)
+                elif any(overlap(w, t) for w in ws):
+                    self.quiet_written.add(p[0])  # NOTE [quiet writes]
             elif t._version != p.version:
                 p.version, p.meta = -1, (t.shape, t.dtype)
+            elif any(overlap(w, t) for w in ws):
+                self.quiet_written.add(p.slot)  # NOTE [quiet writes]
+                if self.on_quiet_write is not None:
+                    self.on_quiet_write(p)
         self.pending.clear()
+
+
+# NOTE [quiet writes]
+#     A write through ``t.data`` (or into an alias with a version counter of its own) changes a saved tensor's values
+#     without moving its version: plain autograd reads the written values, without an error. A dropped tensor so
+#     written is made by a replay that runs the write again; but a copy taken before the write (the offload engine's
+#     of an offloaded save, a kept value's copied at the write) holds the values before it. So a write whose bytes
+#     overlap a dropped or offloaded save whose version did not move marks its slot: an offloaded save is then served
+#     as a dropped one, and the replay makes such a slot again rather than read a copy (``replaying._stale``). The
+#     overlap is exact (``overlap``): a piece of ``unsafe_chunk`` written is not its sibling (``nn.GRUCell``).
+_OVERLAP_EXACT = 1 << 22  # elements: above, two tensors whose spans overlap count as overlapping
+
+
+def _byte_offsets(t: Tensor, lo: int) -> Tensor:
+    """The offsets, from byte ``lo`` of its storage, of every byte of ``t``."""
+    offs = torch.zeros((), dtype=torch.long)
+    for n, st in zip(t.shape, t.stride()):
+        offs = offs.unsqueeze(-1) + torch.arange(int(n)) * int(st)
+    start = int(t.storage_offset()) * t.itemsize - lo
+    return (offs.reshape(-1, 1) * t.itemsize + start + torch.arange(t.itemsize)).reshape(-1)
+
+
+def overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors on one storage share a byte (NOTE [quiet writes])."""
+    try:
+        if a.numel() == 0 or b.numel() == 0:
+            return False
+        spans: list[tuple[int, int]] = []
+        for t in (a, b):
+            first = int(t.storage_offset()) * t.itemsize
+            spans.append((first, first + (sum((int(n) - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.itemsize))
+        (alo, ahi), (blo, bhi) = spans
+        if ahi <= blo or bhi <= alo:
+            return False
+        if alo == blo and a.shape == b.shape and a.stride() == b.stride() or max(a.numel(), b.numel()) > _OVERLAP_EXACT:
+            return True
+        with internal():
+            lo = min(alo, blo)
+            mask = torch.zeros(max(ahi, bhi) - lo, dtype=torch.bool)
+            mask[_byte_offsets(a, lo)] = True
+            return bool(mask[_byte_offsets(b, lo)].any())
+    except (RuntimeError, NotImplementedError):
+        return True
 
 
 class Tracer(TorchDispatchMode):
@@ -572,7 +626,7 @@ class Tracer(TorchDispatchMode):
         step.grad = grad = _grad_enabled()
         out = info.call(*args, **kwargs)
         if step.writes and trace.drops:
-            trace.after_write(step.writes)
+            trace.after_write(step.writes, [args[i] if type(i) is int else kwargs[i] for i in written])
         elif info.inplace_view and trace.drops and args and isinstance(args[0], Tensor):
             # (t.t_(), squeeze_: no value written, but the version moves, and plain autograd refuses a saved tensor
             # so changed: a dropped tensor there whose version moved raises at its unpack)

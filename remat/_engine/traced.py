@@ -456,6 +456,17 @@ class _Saving(Half):
                 trace.drops.append(p)
                 self.counts[p.slot] = self.counts.get(p.slot, 0) + 1
 
+    def _offload_written_quietly(self, p: _Pack) -> None:
+        """An offloaded save was written in the forward pass where no version counter shows (through ``t.data``):
+        plain autograd reads the written values, the engine's copy holds the ones before; replayed instead (the
+        replay runs the write again), as a dropped save is."""
+        if p.kind != OFFLOAD:
+            return
+        p.kind, p.payload = DROP, None
+        self.offloaded.pop(p.slot, None)
+        self.replay_offloaded.pop(p.slot, None)  # (a copy taken before the write: the replay makes it and writes it)
+        self.counts[p.slot] = self.counts.get(p.slot, 0) + 1
+
     def _storage_written(self, key: int) -> None:
         if not self._offloaded_any:
             return
@@ -537,6 +548,7 @@ class TraceFrame(_Saving, _Serving):
         self.trace.on_demote = lambda s: wself()._demote(s)  # type: ignore[union-attr]
         self.trace.offload = lambda s, t, d: wself()._offload_for_replay(s, t, d)  # type: ignore[union-attr]
         self.trace.on_write = lambda key: wself()._storage_written(key)  # type: ignore[union-attr]
+        self.trace.on_quiet_write = lambda p: wself()._offload_written_quietly(p)  # type: ignore[union-attr]
         self.replay_offloaded: dict[int, Any] = {}  # slot -> the offload engine's copy of a value the replay reads
         if self.parent is not None:
             self.trace.external = lambda s, t: wself()._route_outside(s, t)  # type: ignore[union-attr]
