@@ -272,6 +272,17 @@ def queue_backward_callback(fn: Callable[[], None]) -> bool:
     return True
 
 
+# No public API sets a tensor's version counter. The full engine's recompute writes an outside tensor's values
+# into a copy of its own (NOTE [written outside storages] in _engine/outside_writes.py), but the write's view of
+# the outside tensor was made above the dispatch level, where the in-place op moves the real tensor's counter: put
+# back, the counter says what is true (its values did not change), and a kept view of it is not refused.
+def set_version(t: torch.Tensor, version: int) -> None:
+    try:
+        torch._C._autograd._unsafe_set_version_counter((t,), (version,))
+    except TypeError:  # (an older signature: one tensor, one version)
+        torch._C._autograd._unsafe_set_version_counter(t, version)  # type: ignore[arg-type]
+
+
 def will_engine_execute(node: Any) -> bool:
     """Whether the running backward pass will execute autograd node ``node`` (True outside a backward pass).
 

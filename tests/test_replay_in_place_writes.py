@@ -484,6 +484,13 @@ def _outside_writer(how: str, batched: bool) -> Any:
             mid = c.tanh()
             torch.mul(new, 2.0, out=G[1])
             return (early * h).sum() + (mid * h).sum() + (c.exp() * h).sum()
+        elif how == "out= an alias of G":  # (an identity alias the call made: G.detach())
+            torch.sin(new.expand(2, 4), out=G.detach())
+        elif how == "G.data":
+            G.data.add_(0.5)
+        elif how == "saved after":  # (c * h saves c, a view of G, after the write)
+            torch.sin(new, out=c)
+            return (early * h).sum() + (c * h).sum() + (c.exp() * h).sum()
         return (early * h).sum() + (c.exp() * h).sum() + (G.sum(0) * h).sum()
 
     return f
@@ -499,7 +506,8 @@ _TRANSFORMS = {
 }
 
 
-@pytest.mark.parametrize("how", ["out=", "copy_", "add_", "view of a view", "into G", "twice"])
+@pytest.mark.parametrize("how", ["out=", "copy_", "add_", "view of a view", "into G", "twice", "out= an alias of G",
+                                 "G.data", "saved after"])
 @pytest.mark.parametrize("transform", list(_TRANSFORMS))
 @pytest.mark.parametrize("policy", ["nothing", "dots", "everything", "names"])
 @pytest.mark.parametrize("debug", [False, True], ids=["replay", "debug"])
@@ -508,7 +516,9 @@ def test_a_write_into_an_outside_tensor_read_through_an_earlier_view_equals_plai
     recompute handed the view a copy of ``G`` taken before the write, so ``c.exp()`` was remade from the old values
     (off by up to 1.9, silently); with ``debug=True`` the write into the view raised a false "recompute diverged".
     The recompute now reads and writes its own copy of ``G``'s storage; ``G`` is written once, as by plain ``f``.
-    First and later calls, float64, against plain ``f`` under the same transform."""
+    Review: a write through an identity alias (``G.detach()``, ``G.data``) wrote the real ``G`` again; a view of
+    ``G`` saved after the write raised a false "modified in place" (the recompute's write moved ``G``'s version
+    counter). First and later calls, float64, against plain ``f`` under the same transform."""
     pol = {"nothing": policies.nothing_saveable, "dots": policies.dots_saveable,
            "everything": policies.everything_saveable, "names": policies.save_only_these_names("h")}[policy]
     batched = transform == "vmap(grad)"

@@ -31,7 +31,7 @@ from .._policies.core import Offloadable, Saveable
 from . import outside as ox
 from .ops import OVERWRITES, Half, OpRecord, arg_tensors, storage_key, tensor_leaves
 
-__all__ = ["OutsideReads", "outside_args"]
+__all__ = ["OutsideReads", "outside_args", "with_copies"]
 
 class OutsideReads(Half):
     """The recorder's reads of and writes into outside tensors (NOTE [outside tensors])."""
@@ -202,6 +202,15 @@ class ShadowView:
         return torch.empty(0, dtype=dtype, device=e[1].device).set_(e[1], offset, shape, stride)
 
 
+def with_copies(self: Any, rec: OpRecord, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """Op ``rec``'s arguments with the copies the forward pass recorded for it in place (``self``: the full
+    engine's ``Replayer``; NOTE [written outside storages])."""
+    assert rec.subst is not None
+    return ox.replace_tensors(args, kwargs, {
+        j: c.clone() if isinstance(c, torch.Tensor) else c.view(self.shadows)
+        for j, c in rec.subst.items() if c is not None})
+
+
 def outside_args(self: Any, i: int, rec: OpRecord, args: Any, kwargs: Any) -> tuple[Any, Any]:
     """The recompute's half of NOTE [outside tensors] (``self``: the full engine's ``Replayer``): check op ``i``
     reads the forward pass's outside tensors; hand it copies where recorded."""
@@ -247,9 +256,7 @@ def outside_args(self: Any, i: int, rec: OpRecord, args: Any, kwargs: Any) -> tu
                 + (f" (Its shape was {list(t0.shape)} in the forward pass.)" if cur.shape != t0.shape else "")
             )
         if rec.subst is not None:
-            args, kwargs = ox.replace_tensors(args, kwargs, {
-                j: c.clone() if isinstance(c, torch.Tensor) else c.view(self.shadows)
-                for j, c in rec.subst.items() if c is not None})
+            args, kwargs = with_copies(self, rec, args, kwargs)
         if casts:
             args, kwargs = ox.replace_tensors(args, kwargs, casts)
     return args, kwargs

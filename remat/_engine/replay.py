@@ -43,7 +43,7 @@ from .ops import (
     storage_key,
     tensor_leaves,
 )
-from .outside_writes import outside_args
+from .outside_writes import outside_args, with_copies
 from .wiring import Wiring, autocast_cast, cast_source, describe_difference, same_key, values_key
 
 __all__ = ["Replayer"]
@@ -131,6 +131,8 @@ class Replayer(TorchDispatchMode):
         if rec.alias and alias:
             # NOTE [hooks' aliases]: the same value under another name, whichever tensor a hook's alias of the forward
             # pass at this position read: its output takes its argument's token, which the ops after it are checked by
+            if rec.subst is not None:  # (an alias of an outside tensor the call writes: of the recompute's copy)
+                args, kwargs = with_copies(self, rec, args, kwargs)
             out = func(*args, **kwargs)
             if wiring is not None:
                 wiring.note_alias(out, args[0])
