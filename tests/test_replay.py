@@ -425,7 +425,7 @@ def test_the_hidden_writes_rule_covers_what_torchs_schemas_declare() -> None:
     """NOTE [outside writes]: the argument names an op may write without declaring it are derived from torch's
     schemas: every name some ATen op declares written, other than the generic ones of in-place and out= ops, is one
     the runtime rule (``hidden_write``) takes for written; and batch norm's running statistics are among them."""
-    from remat._engine.trace import declared_written_names, hidden_write, op_info
+    from remat._engine.ops import declared_written_names, hidden_write, op_info
 
     declared = declared_written_names()
     assert {"running_mean", "running_var"} <= declared

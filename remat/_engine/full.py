@@ -367,8 +367,8 @@ class _Serving(Half):
             raise RematError(
                 f"remat: a tensor of shape {list(p.meta[0])} that {self.fn_name} saved for the backward "
                 f"pass was modified in place after it was saved (version {p.version} -> {now}). "
-                "Do not modify inputs or results of a remat'd function in place before the backward "
-                "pass; clone them first."
+                "Do not modify it in place before the backward pass (an input or result of the call, or a "
+                "tensor from outside it such as a buffer or cache); write a clone instead."
             )
 
     def _inputs(self) -> list[Any]:

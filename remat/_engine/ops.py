@@ -15,7 +15,7 @@ from .. import _torch_internals as ti
 from .._context import HOOK_RANGE, INTERNAL, internal
 from .._policies.core import Decision
 
-__all__ = ["Half", "LIFTS", "RANGE_OPS", "OpRecord", "DeadRead", "arg_tensors", "dead_value", "identity_alias", "ignored",
+__all__ = ["OpInfo", "op_info", "hidden_write", "declared_written_names", "Half", "LIFTS", "RANGE_OPS", "OpRecord", "DeadRead", "arg_tensors", "dead_value", "identity_alias", "ignored",
            "is_tainted", "profiler_op", "storage_key", "tensor_leaves", "traits"]
 
 # The base of a half of a class split by concern (the recorder's stash and outside-tensor halves, the frames' pack
@@ -283,3 +283,124 @@ def dead_value(meta: tuple[Any, ...] | None) -> Any:
     if dtype.is_floating_point or dtype.is_complex:
         t.fill_(float("nan"))
     return t
+
+
+# ---- what an op's schema says (the replay engine's record, ``trace.py``) ----------------------------------------
+
+
+def hidden_write(name: str) -> bool:
+    """Whether an argument of this name is written by an op whose schema declares no write: the running statistics
+    (``running_mean``, ``running_var``, ``running_min``, ``running_max``), which ``native_batch_norm`` and its
+    kin update in place undeclared. The rule is what torch's own schemas say: every argument name some ATen op
+    declares written (``Tensor(a!) running_mean``, ``_native_batch_norm_legit``) and that is not an in-place or
+    out= op's generic ``self``/``out`` starts with ``running_`` (``declared_written_names``, checked against the
+    installed torch by ``tests/test_replay.py``; scanning every schema costs ~1.7 s, too long for a first call)."""
+    return name.startswith("running_")
+
+
+@functools.cache
+def declared_written_names() -> frozenset[str]:
+    """Argument names that some ATen op's schema declares written, outside in-place and out= overloads (whose
+    ``self`` and ``out`` every such op writes): derived from torch's schemas."""
+    declared: set[str] = set()
+    for name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is None or not hasattr(packet, "overloads"):
+            continue
+        try:
+            overloads = packet.overloads()
+        except Exception:  # noqa: BLE001 (an odd packet: skip it)
+            continue
+        for o in overloads:
+            op = getattr(packet, o, None)
+            # (an out= overload writes its out arguments, an in-place one its self: not hidden writes; torch 2.11
+            # has no tags for them, their names say it)
+            if op is None or "out" in o.split("_") or name.endswith("_"):
+                continue
+            for a in op._schema.arguments:
+                if a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only:
+                    declared.add(a.name)
+    return frozenset(declared)
+
+
+class OpInfo:
+    """What an op's schema says that the trace needs, computed once per overload."""
+
+    __slots__ = ("written", "written_kw", "random", "pins", "hidden", "mutable", "tpos", "simple", "view", "trusted",
+                 "call", "inplace_view", "ignored", "func", "alias_of")
+
+    def __init__(self, func: Any) -> None:
+        self.func = func
+        self.ignored = ignored(func)  # not an op of the call (a profiler marker, a size query)
+        schema = func._schema
+        written: list[int] = []
+        written_kw: list[str] = []
+        hidden: list[int] = []
+        tpos: list[int] = []
+        other = False  # a list of tensors, or a keyword-only tensor
+        names = set()
+        for i, a in enumerate(schema.arguments):
+            names.add(a.name)
+            kind = _tensor_kind(a.type)
+            if kind == 1 and not a.kwarg_only:
+                tpos.append(i)
+            elif kind:
+                other = True
+            w = a.alias_info is not None and a.alias_info.is_write
+            if w:
+                if a.kwarg_only:
+                    written_kw.append(a.name)
+                else:
+                    written.append(i)
+            elif not a.kwarg_only and hidden_write(a.name):
+                hidden.append(i)  # NOTE [outside writes]: a write the schema does not declare
+        # (squeeze_, transpose_, as_strided_: they change a tensor's shape, not its data; replayed on an alias)
+        self.inplace_view = torch.Tag.inplace_view in func.tags
+        if self.inplace_view:
+            written = []
+        self.written = tuple(written) + tuple(hidden)
+        self.written_kw = tuple(written_kw)
+        self.hidden = bool(hidden)
+        self.mutable = bool(self.written or self.written_kw)
+        self.random = torch.Tag.nondeterministic_seeded in func.tags
+        self.pins = tuple(n for n in ("dtype", "device") if n in names)
+        self.tpos = tuple(tpos)
+        self.call = ti.op_call(func)  # (its C++ callable: one Python frame less per op, in both passes)
+        # its outputs alias an argument (a view): never kept for the replay, which runs views again for free
+        self.view = any(r.alias_info is not None for r in schema.returns)
+        # per output, the argument it aliases, by the alias set the schema names: its position, or its name if it is
+        # keyword-only (an out= op's results alias its out arguments, not its first one); None: none named (each
+        # view of a list of views aliases the first argument, as every view that writes nothing does)
+        alias_of: list[int | str | None] = []
+        for r in schema.returns:
+            sets = r.alias_info.before_set if r.alias_info is not None else set()
+            alias_of.append(next((a.name if a.kwarg_only else i for i, a in enumerate(schema.arguments)
+                                  if sets and a.alias_info is not None and a.alias_info.before_set & sets), None))
+        self.alias_of = tuple(alias_of)
+        # ATen's schemas say what an op writes (but for the hidden writes above); another namespace's may not: a
+        # version that moved across such an op is a write nobody declared (NOTE [outside writes])
+        self.trusted = getattr(func, "namespace", None) in ("aten", "prims")
+        # the common case, recorded by the short path: tensors only as positional arguments, no write, no draw, not
+        # a factory (which pins its dtype), a schema to trust
+        self.simple = (not other and not self.mutable and not self.random and bool(tpos) and self.trusted
+                       and func is not ALIAS and not self.inplace_view)
+
+
+def _tensor_kind(t: Any) -> int:
+    """1: a Tensor (or Tensor?) argument; 2: a list of them; 0: anything else."""
+    if isinstance(t, torch.OptionalType):
+        t = t.getElementType()
+    if isinstance(t, torch.TensorType):
+        return 1
+    if isinstance(t, torch.ListType):
+        e = t.getElementType()
+        if isinstance(e, torch.OptionalType):
+            e = e.getElementType()
+        if isinstance(e, torch.TensorType):
+            return 2
+    return 0
+
+
+@functools.cache
+def op_info(func: Any) -> OpInfo:
+    return OpInfo(func)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 __all__ = ["HIDDEN_WRITES", "SMALL", "mutates", "written_positions", "replace_tensors", "nbytes",
-           "geometry", "fingerprint"]
+           "geometry", "fingerprint", "overlap"]
 
 # Ops that write their running-statistics arguments (3 and 4) in training mode (argument 5)
 # although their schemas do not say so.
@@ -96,3 +96,38 @@ def fingerprint(t: torch.Tensor) -> tuple[Any, ...]:
     b = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().contiguous()
     data = ctypes.string_at(b.data_ptr(), b.numel()) if b.numel() else b""  # (numpy is not a dependency)
     return (tuple(t.shape), t.dtype, hashlib.blake2b(data, digest_size=32).hexdigest())
+
+
+_OVERLAP_EXACT = 1 << 22  # elements: above, two tensors whose spans overlap count as overlapping
+
+
+def _byte_offsets(t: torch.Tensor, lo: int) -> torch.Tensor:
+    """The offsets, from byte ``lo`` of its storage, of every byte of ``t``."""
+    offs = torch.zeros((), dtype=torch.long)
+    for n, st in zip(t.shape, t.stride()):
+        offs = offs.unsqueeze(-1) + torch.arange(int(n)) * int(st)
+    start = int(t.storage_offset()) * t.itemsize - lo
+    return (offs.reshape(-1, 1) * t.itemsize + start + torch.arange(t.itemsize)).reshape(-1)
+
+
+def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors on one storage share a byte (NOTE [quiet writes] in ``trace.py``; run it in ``internal()``
+    under a recording mode)."""
+    try:
+        if a.numel() == 0 or b.numel() == 0:
+            return False
+        spans: list[tuple[int, int]] = []
+        for t in (a, b):
+            first = int(t.storage_offset()) * t.itemsize
+            spans.append((first, first + (sum((int(n) - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.itemsize))
+        (alo, ahi), (blo, bhi) = spans
+        if ahi <= blo or bhi <= alo:
+            return False
+        if alo == blo and a.shape == b.shape and a.stride() == b.stride() or max(a.numel(), b.numel()) > _OVERLAP_EXACT:
+            return True
+        lo = min(alo, blo)
+        mask = torch.zeros(max(ahi, bhi) - lo, dtype=torch.bool)
+        mask[_byte_offsets(a, lo)] = True
+        return bool(mask[_byte_offsets(b, lo)].any())
+    except (RuntimeError, NotImplementedError):
+        return True

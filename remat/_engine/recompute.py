@@ -218,8 +218,8 @@ def check_fingerprints(frame: Any, flat: list[Any]) -> None:
             what = f"input #{i}" if i < n else f"the tensor {frame.state.label_of(t) or f'#{i - n} of its module state'}"
             raise RematError(
                 f"remat: {what} (shape {list(t.shape)}) of {frame.fn_name} changed value between its forward and its "
-                "backward pass without moving its version counter (a write through .data, or into a detached "
-                "alias): the recompute would compute from the new values, and the gradient would not be that of the "
-                "forward pass's computation. Write after the backward pass, or write the tensor itself (a write remat "
-                "sees and refuses without debug=True); NOTE [values between the passes] in remat/_engine/recompute.py."
+                "backward pass (written in place, through .data or a detached alias, or under torch.no_grad()): the "
+                "recompute would compute from the new values, and the gradient would not be that of the forward "
+                "pass's computation. Update it after the backward pass (optimizer.step() after backward()), or write "
+                "a clone; NOTE [values between the passes] in remat/_engine/recompute.py."
             )

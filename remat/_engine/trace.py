@@ -22,9 +22,11 @@ NOTE [the trace]
 NOTE [outside writes]
     A step that writes into an outside tensor (a BatchNorm's running statistics, an accumulator, renormalised
     embedding rows, an input written through a view) would write it again if the replay ran it on the tensor
-    itself. Before the first write into an outside tensor's storage the tracer copies it (``Trace.snapshots``);
-    the replay reads and writes a fresh copy of that snapshot, so the real tensor is written once, by the
-    forward pass, and every step reads what it read then. Which arguments an op writes comes from its schema
+    itself. Before the first write into an outside tensor's storage the tracer copies the storage
+    (``Trace.shadows``); each replay reads and writes views of one fresh copy of it, at each outside tensor's
+    geometry (``Trace.shadowed``: two outside tensors on one storage, ``G`` and ``G.view(-1)[4:8]``, see each
+    other's writes as in the forward pass), so the real tensor is written once, by the forward pass, and every
+    step reads what it read then. Which arguments an op writes comes from its schema
     (``(a!)``), and for the few ops whose schema hides a write, from the argument names that torch's own
     schemas declare written elsewhere (``running_mean``, ``running_var``: ``hidden_write``); a write
     neither shows (a version that moved across a step of a non-ATen op that declares none) makes that step's outputs
@@ -33,7 +35,6 @@ NOTE [outside writes]
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -41,7 +42,6 @@ from typing import Any
 import optree
 import torch
 
-from .. import _torch_internals as ti
 from .._context import CACHES, INTERNAL, PENDING_NAME, internal
 from .._policies.core import (
     Decision,
@@ -57,132 +57,15 @@ from .._policies.core import (
 )
 from .._policies.naming import checkpoint_name
 from .._torch_internals import TorchDispatchMode
+from . import outside as ox
 from .ambient import AmbientFlags
-from .ops import ALIAS, RANGE_OPS, generator_for, ignored, profiler_op
+from .ops import ALIAS, RANGE_OPS, OpInfo, generator_for, op_info, profiler_op
 
-__all__ = ["OpInfo", "Step", "Trace", "Tracer", "op_info"]
+__all__ = ["Step", "Trace", "Tracer"]
 
 Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _grad_enabled = torch.is_grad_enabled
-
-
-def hidden_write(name: str) -> bool:
-    """Whether an argument of this name is written by an op whose schema declares no write: the running statistics
-    (``running_mean``, ``running_var``, ``running_min``, ``running_max``), which ``native_batch_norm`` and its
-    kin update in place undeclared. The rule is what torch's own schemas say: every argument name some ATen op
-    declares written (``Tensor(a!) running_mean``, ``_native_batch_norm_legit``) and that is not an in-place or
-    out= op's generic ``self``/``out`` starts with ``running_`` (``declared_written_names``, checked against the
-    installed torch by ``tests/test_replay.py``; scanning every schema costs ~1.7 s, too long for a first call)."""
-    return name.startswith("running_")
-
-
-@functools.cache
-def declared_written_names() -> frozenset[str]:
-    """Argument names that some ATen op's schema declares written, outside in-place and out= overloads (whose
-    ``self`` and ``out`` every such op writes): derived from torch's schemas."""
-    declared: set[str] = set()
-    for name in dir(torch.ops.aten):
-        packet = getattr(torch.ops.aten, name, None)
-        if packet is None or not hasattr(packet, "overloads"):
-            continue
-        try:
-            overloads = packet.overloads()
-        except Exception:  # noqa: BLE001 (an odd packet: skip it)
-            continue
-        for o in overloads:
-            op = getattr(packet, o, None)
-            # (an out= overload writes its out arguments, an in-place one its self: not hidden writes; torch 2.11
-            # has no tags for them, their names say it)
-            if op is None or "out" in o.split("_") or name.endswith("_"):
-                continue
-            for a in op._schema.arguments:
-                if a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only:
-                    declared.add(a.name)
-    return frozenset(declared)
-
-
-class OpInfo:
-    """What an op's schema says that the trace needs, computed once per overload."""
-
-    __slots__ = ("written", "written_kw", "random", "pins", "hidden", "mutable", "tpos", "simple", "view", "trusted",
-                 "call", "inplace_view", "ignored", "func", "alias_of")
-
-    def __init__(self, func: Any) -> None:
-        self.func = func
-        self.ignored = ignored(func)  # not an op of the call (a profiler marker, a size query)
-        schema = func._schema
-        written: list[int] = []
-        written_kw: list[str] = []
-        hidden: list[int] = []
-        tpos: list[int] = []
-        other = False  # a list of tensors, or a keyword-only tensor
-        names = set()
-        for i, a in enumerate(schema.arguments):
-            names.add(a.name)
-            kind = _tensor_kind(a.type)
-            if kind == 1 and not a.kwarg_only:
-                tpos.append(i)
-            elif kind:
-                other = True
-            w = a.alias_info is not None and a.alias_info.is_write
-            if w:
-                if a.kwarg_only:
-                    written_kw.append(a.name)
-                else:
-                    written.append(i)
-            elif not a.kwarg_only and hidden_write(a.name):
-                hidden.append(i)  # NOTE [outside writes]: a write the schema does not declare
-        # (squeeze_, transpose_, as_strided_: they change a tensor's shape, not its data; replayed on an alias)
-        self.inplace_view = torch.Tag.inplace_view in func.tags
-        if self.inplace_view:
-            written = []
-        self.written = tuple(written) + tuple(hidden)
-        self.written_kw = tuple(written_kw)
-        self.hidden = bool(hidden)
-        self.mutable = bool(self.written or self.written_kw)
-        self.random = torch.Tag.nondeterministic_seeded in func.tags
-        self.pins = tuple(n for n in ("dtype", "device") if n in names)
-        self.tpos = tuple(tpos)
-        self.call = ti.op_call(func)  # (its C++ callable: one Python frame less per op, in both passes)
-        # its outputs alias an argument (a view): never kept for the replay, which runs views again for free
-        self.view = any(r.alias_info is not None for r in schema.returns)
-        # per output, the argument it aliases, by the alias set the schema names: its position, or its name if it is
-        # keyword-only (an out= op's results alias its out arguments, not its first one); None: none named (each
-        # view of a list of views aliases the first argument, as every view that writes nothing does)
-        alias_of: list[int | str | None] = []
-        for r in schema.returns:
-            sets = r.alias_info.before_set if r.alias_info is not None else set()
-            alias_of.append(next((a.name if a.kwarg_only else i for i, a in enumerate(schema.arguments)
-                                  if sets and a.alias_info is not None and a.alias_info.before_set & sets), None))
-        self.alias_of = tuple(alias_of)
-        # ATen's schemas say what an op writes (but for the hidden writes above); another namespace's may not: a
-        # version that moved across such an op is a write nobody declared (NOTE [outside writes])
-        self.trusted = getattr(func, "namespace", None) in ("aten", "prims")
-        # the common case, recorded by the short path: tensors only as positional arguments, no write, no draw, not
-        # a factory (which pins its dtype), a schema to trust
-        self.simple = (not other and not self.mutable and not self.random and bool(tpos) and self.trusted
-                       and func is not ALIAS and not self.inplace_view)
-
-
-def _tensor_kind(t: Any) -> int:
-    """1: a Tensor (or Tensor?) argument; 2: a list of them; 0: anything else."""
-    if isinstance(t, torch.OptionalType):
-        t = t.getElementType()
-    if isinstance(t, torch.TensorType):
-        return 1
-    if isinstance(t, torch.ListType):
-        e = t.getElementType()
-        if isinstance(e, torch.OptionalType):
-            e = e.getElementType()
-        if isinstance(e, torch.TensorType):
-            return 2
-    return 0
-
-
-@functools.cache
-def op_info(func: Any) -> OpInfo:
-    return OpInfo(func)
 
 
 FLAT = "flat"  # Step.spec of an op that returns a flat tuple of tensors
@@ -246,7 +129,11 @@ class Trace:
         self.outside: dict[int, tuple[Tensor, int]] = {}  # outside slot -> (tensor, version when first read)
         self.outside_keys: dict[int, list[int]] = {}  # storage key -> outside slots living there
         self.inputs: dict[int, int] = {}  # outside slot -> which input of the call (set by the frame)
-        self.snapshots: dict[int, Tensor] = {}  # outside slot -> its value before the call first wrote it
+        self.snapshots: dict[int, Tensor] = {}  # outside slot -> a copy of its value (small ones: ``_prune``)
+        # NOTE [outside writes]: storage key -> the storage before the call first wrote it; the outside slots on it
+        # -> (key, geometry): every replay reads and writes views of one fresh copy of that storage
+        self.shadows: dict[int, Any] = {}
+        self.shadowed: dict[int, tuple[int, tuple[Any, ...]]] = {}
         self.stash: dict[int, Any] = {}  # kept slot -> its tensor (strong) or a weak reference
         self.stash_keys: dict[int, list[int]] = {}  # storage key -> kept slots living there
         self.raw: set[int] = set()  # kept slots held as the tensor itself until the forward pass ends (``seal``)
@@ -287,6 +174,8 @@ class Trace:
         self.outside[s] = (t, t._version)
         key = self.key_of[s] = _storage_key(t)
         self.outside_keys.setdefault(key, []).append(s)
+        if key in self.shadows:  # (first read after the call wrote its storage: from the replay's copy too)
+            self.shadowed[s] = (key, ox.geometry(t))
         if self.external is not None:
             self.external(s, t)  # a nested call: the parent may have made it (NOTE [nested replay])
         return s
@@ -353,10 +242,21 @@ class Trace:
         """NOTE [outside writes]: an op is about to write ``t`` in place; return its storage key."""
         key = _storage_key(t)
         self.written_keys.add(key)
-        for s in self.outside_keys.get(key, ()):
-            if s not in self.snapshots:
-                with internal():
-                    self.snapshots[s] = self.outside[s][0].detach().clone()
+        outside = self.outside_keys.get(key)
+        if outside and key not in self.shadows:
+            with internal():
+                try:
+                    self.shadows[key] = self.outside[outside[0]][0].untyped_storage().clone()
+                except (RuntimeError, NotImplementedError):  # (a wrapper subclass: a copy of each slot)
+                    self.shadows[key] = None
+        for s in outside or ():
+            if s not in self.snapshots and s not in self.shadowed:
+                o = self.outside[s][0]
+                if self.shadows[key] is not None:
+                    self.shadowed[s] = (key, ox.geometry(o))
+                else:
+                    with internal():
+                        self.snapshots[s] = o.detach().clone()
         for s in self.stash_keys.pop(key, ()):
             # a value the policy keeps, about to be written: keep its value before the write (the replay of a later
             # step reads that), copied, or handed to the offload engine now if the policy offloads it
@@ -399,15 +299,19 @@ class Trace:
         self._indexed = 0
 
     def settle(self) -> None:
+        with internal():  # (``ox.overlap`` runs ops)
+            self._settle()
+
+    def _settle(self) -> None:
         for p, t, ws in self.pending:
             if type(p) is tuple:  # (a dropped tensor's pack: NOTE [dropped packs] in traced.py)
                 if t._version != p[1]:
                     self.moved[(p[0], p[1])] = (t.shape, t.dtype)
-                elif any(overlap(w, t) for w in ws):
+                elif any(ox.overlap(w, t) for w in ws):
                     self.quiet_written.add(p[0])  # NOTE [quiet writes]
             elif t._version != p.version:
                 p.version, p.meta = -1, (t.shape, t.dtype)
-            elif any(overlap(w, t) for w in ws):
+            elif any(ox.overlap(w, t) for w in ws):
                 self.quiet_written.add(p.slot)  # NOTE [quiet writes]
                 if self.on_quiet_write is not None:
                     self.on_quiet_write(p)
@@ -421,42 +325,7 @@ class Trace:
 #     of an offloaded save, a kept value's copied at the write) holds the values before it. So a write whose bytes
 #     overlap a dropped or offloaded save whose version did not move marks its slot: an offloaded save is then served
 #     as a dropped one, and the replay makes such a slot again rather than read a copy (``replaying._stale``). The
-#     overlap is exact (``overlap``): a piece of ``unsafe_chunk`` written is not its sibling (``nn.GRUCell``).
-_OVERLAP_EXACT = 1 << 22  # elements: above, two tensors whose spans overlap count as overlapping
-
-
-def _byte_offsets(t: Tensor, lo: int) -> Tensor:
-    """The offsets, from byte ``lo`` of its storage, of every byte of ``t``."""
-    offs = torch.zeros((), dtype=torch.long)
-    for n, st in zip(t.shape, t.stride()):
-        offs = offs.unsqueeze(-1) + torch.arange(int(n)) * int(st)
-    start = int(t.storage_offset()) * t.itemsize - lo
-    return (offs.reshape(-1, 1) * t.itemsize + start + torch.arange(t.itemsize)).reshape(-1)
-
-
-def overlap(a: Tensor, b: Tensor) -> bool:
-    """Whether two tensors on one storage share a byte (NOTE [quiet writes])."""
-    try:
-        if a.numel() == 0 or b.numel() == 0:
-            return False
-        spans: list[tuple[int, int]] = []
-        for t in (a, b):
-            first = int(t.storage_offset()) * t.itemsize
-            spans.append((first, first + (sum((int(n) - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.itemsize))
-        (alo, ahi), (blo, bhi) = spans
-        if ahi <= blo or bhi <= alo:
-            return False
-        if alo == blo and a.shape == b.shape and a.stride() == b.stride() or max(a.numel(), b.numel()) > _OVERLAP_EXACT:
-            return True
-        with internal():
-            lo = min(alo, blo)
-            mask = torch.zeros(max(ahi, bhi) - lo, dtype=torch.bool)
-            mask[_byte_offsets(a, lo)] = True
-            return bool(mask[_byte_offsets(b, lo)].any())
-    except (RuntimeError, NotImplementedError):
-        return True
-
-
+#     overlap is exact (``outside.overlap``): a piece of ``unsafe_chunk`` written is not its sibling (``nn.GRUCell``).
 class Tracer(TorchDispatchMode):
     """The forward pass's dispatch mode: record each op (NOTE [the trace]) and ask the policy about it."""
 

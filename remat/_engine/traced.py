@@ -311,6 +311,7 @@ class _Serving(Half):
 
     def _source(self, graph: bool) -> Callable[[int], Tensor]:
         trace = self.trace
+        copies: dict[int, Any] = {}  # storage key -> this replay's copy of a storage the call wrote
 
         def source(s: int) -> Tensor:
             h = self.routed.get(s)
@@ -319,6 +320,13 @@ class _Serving(Half):
                 return self.parent.unpack(h)
             e = trace.outside.get(s)
             if e is not None:
+                shadow = trace.shadowed.get(s) if trace.shadowed else None
+                if shadow is not None:  # NOTE [outside writes]
+                    key, (shape, stride, offset, dtype) = shadow
+                    c = copies.get(key)
+                    if c is None:
+                        c = copies[key] = trace.shadows[key].clone()
+                    return torch.empty(0, dtype=dtype, device=c.device).set_(c, offset, shape, stride)
                 snap = trace.snapshots.get(s)
                 if snap is not None:
                     return snap.clone()
@@ -612,7 +620,7 @@ class TraceFrame(_Saving, _Serving):
 
     def rewind(self) -> None:
         """Undo what a forward pass cut short did (random state), so that the call can run again."""
-        if self.trace.snapshots:
+        if self.trace.snapshots or self.trace.shadows:
             raise RematError(
                 f"remat: {self.fn_name} (or a remat'd function it calls) enters torch.func.grad, vjp, jacrev or "
                 "hessian, so remat runs it again as one region (NOTE [reentrant region]), but the first attempt "
@@ -646,7 +654,8 @@ class TraceFrame(_Saving, _Serving):
             # write no version counter shows (a batch norm's, outside the call)
             snaps = trace.snapshots
             for s, (t, _) in trace.outside.items():
-                if (t is not None and s not in snaps and s not in trace.inputs and not t.requires_grad
+                if (t is not None and s not in snaps and s not in trace.shadowed and s not in trace.inputs
+                        and not t.requires_grad
                         and ox.nbytes(t) <= ox.SMALL):
                     snaps[s] = ti.detach_below_modes(t).clone()
         drops = trace.drops
