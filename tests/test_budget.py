@@ -413,3 +413,54 @@ def test_exhaustive_path_prefers_fewer_bytes_at_equal_cost() -> None:
               producer=[0, 1], saved=[0, 1])
     sol = solve(g, budget=100)
     assert (sol.cost, sol.bytes) == (0.0, 8) and sol.keep == frozenset({1})
+
+
+class _SquareSavingInput(torch.autograd.Function):
+    """A custom Function that saves its input (Bloom's ``GeLUFunction`` does so)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+@pytest.mark.parametrize("budget", [0.3, 1.0])
+def test_a_custom_function_that_saves_its_input_under_a_budget_equals_plain(budget: float) -> None:
+    """Review (Bloom's MLP): the measuring call of a budget replays the call's program, which saw the Function's
+    inner calls (grad off) but not the Function, so the recompute saved fewer tensors than the forward pass and
+    raised ``RematError`` on the first call. A custom Function returning what a call inside it made now makes the
+    measuring call run the Python again. First and later calls, float64."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 16).double()
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return _SquareSavingInput.apply(lin(x)).tanh()
+
+    x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    want = torch.autograd.grad(block(x).sum(), [x, lin.weight, lin.bias])
+    rf = remat.remat(block, policy=policies.memory_budget(budget))
+    for _ in range(3):
+        assert_tree_close(torch.autograd.grad(rf(x).sum(), [x, lin.weight, lin.bias]), want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("outer", ["nothing", "dots", "budget"])
+def test_a_budget_inside_a_remat_module_with_a_fixed_policy_equals_plain(outer: str) -> None:
+    """Review: a module remat'd with a memory budget inside one remat'd with a fixed policy (the replay engine) tried
+    to measure inside the enclosing trace and crashed (``AttributeError: 'TraceFrame' object has no attribute
+    'nested'``) on every call. Inside a traced call it now saves nothing (the enclosing policy decides). Three calls,
+    float64."""
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()).double()
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), inner).double()
+    x = torch.randn(4, 16, dtype=torch.float64)
+    want = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    remat.remat_module(inner, policy=policies.memory_budget(0.5))
+    remat.remat_module(model, policy={"nothing": policies.nothing_saveable, "dots": policies.dots_saveable,
+                                      "budget": policies.memory_budget(0.5)}[outer])
+    for _ in range(3):
+        assert_tree_close(torch.autograd.grad(model(x).sum(), list(model.parameters())), want, rtol=1e-10, atol=1e-10)

@@ -112,6 +112,12 @@ class Program:
 
     def finish(self) -> None:
         """The forward pass ended: no more slots to look up; note when each value is read last."""
+        if self._nograd and self.spoiled is None:
+            # a value made with grad off that an autograd.Function returned (as the call's result: no call read it)
+            for ref, _, _ in list(self._slot_of.values()):
+                t = ref()
+                if t is not None:
+                    self._known(t)
         self._slot_of = {}
         self.frame = None
         if self.spoiled is not None:
@@ -137,16 +143,19 @@ class Program:
         e = self._slot_of.get(id(t))
         if e is None or e[0]() is not t:
             return None
-        if e[1] in self._nograd and type(t) is not Tensor and type(t) is not torch.nn.Parameter:
+        if e[1] in self._nograd:
             node = t.grad_fn
-            if id(node) != e[2] and isinstance(node, torch.autograd.function.BackwardCFunction):
+            if id(node) != e[2] and isinstance(node, torch.autograd.function.BackwardCFunction) and (
+                    (type(t) is not Tensor and type(t) is not torch.nn.Parameter)
+                    or type(node).__name__ != "BackwardHookFunctionBackward"):
                 # a call inside an autograd.Function's forward (grad off there) made it, and the Function returned
                 # it as its own output (a module's full backward hook does so for a wrapper subclass, through
                 # BackwardHookFunction's view_as): the replay would make it without the Function's node, and the
                 # ops after it would save less (for plain tensors the hook's Function returns its arguments, which
-                # the replay's ops read as the forward's did: tests/test_user_modes.py)
-                self.spoil("an autograd.Function returned a tensor that a call inside it made (a module's full "
-                           "backward hook)")
+                # the replay's ops read as the forward's did: tests/test_user_modes.py); any other custom Function
+                # returning what a call inside it made (Bloom's GeLUFunction) saved what the replay cannot rebuild
+                self.spoil("an autograd.Function returned a tensor that a call inside it made (a custom "
+                           "autograd.Function, a module's full backward hook)")
         return e[1]
 
     def read(self, t: Tensor) -> int:

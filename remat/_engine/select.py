@@ -35,6 +35,7 @@ from .._budgets.budget_policy import MemoryBudget
 from .._context import INSPECTOR, active_context
 from .._errors import RematError
 from .._offload import default_engine
+from .._policies.core import nothing_saveable
 from .frame import CallFrame
 from .full import Frame
 from .program import Program
@@ -99,6 +100,10 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
         bkey = (code or type(fn), signature(flat, static_vals, state),
                 tuple(str(i.key()) for i in ti.interpreter_stack()))
         call_policy, measuring = budget.bind(bkey)
+        if in_trace and measuring is not None:
+            # inside a traced call, which records this one: no frame of its own to measure with; it saves nothing
+            # (the enclosing call's policy decides what survives), and learns its plan when called on its own
+            call_policy, measuring = nothing_saveable, None
         if region:
             # a function that enters a torch.func reverse transform runs as a reentrant region every time: it saves
             # nothing (the measuring policy), and never gets a plan (docs/budgets.md)
