@@ -197,7 +197,8 @@ class _Saving(Half):
                 p = Packed(self, KEEP, s, pos, holdable(t), phys._version, meta, rec)
                 if rec is not None:
                     self._kept.setdefault(storage_key(phys), []).append((p, self.recorder.vid(phys)))
-                elif self.recorder.is_outside(storage_key(phys)):
+                elif self.recorder.written_outside and storage_key(phys) in self.recorder.written_outside:
+                    # (saved after the call wrote its storage: the recompute's writes would move its version)
                     self._kept_outside.append(weakref.ref(ti.unwrap_all(p.payload)))
                 if rec is not None and rec.stash is not None and any(lv.kind == "grad" for lv in self.levels[:s]):
                     self._mixed.append((p, self.recorder.vid(phys)))  # NOTE [kept under higher-order grad]
