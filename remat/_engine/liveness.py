@@ -168,6 +168,9 @@ class StashLiveness(Half):
             if rec.outside is not None:
                 self._settle_outside(rec)
         self._pending = {}
+        for shadow in self.shadows.values():
+            if shadow.snap is not None:
+                shadow.snap.done()
         self.shadows = {}
 
     def watch_results(self, results: list[torch.Tensor]) -> None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 from typing import Any
 
 import torch
 
 __all__ = ["HIDDEN_WRITES", "SMALL", "mutates", "written_positions", "replace_tensors", "nbytes",
-           "geometry", "fingerprint", "overlap"]
+           "geometry", "fingerprint", "overlap", "StorageSnapshot"]
 
 # Ops that write their running-statistics arguments (3 and 4) in training mode (argument 5)
 # although their schemas do not say so.
@@ -101,33 +102,102 @@ def fingerprint(t: torch.Tensor) -> tuple[Any, ...]:
 _OVERLAP_EXACT = 1 << 22  # elements: above, two tensors whose spans overlap count as overlapping
 
 
-def _byte_offsets(t: torch.Tensor, lo: int) -> torch.Tensor:
-    """The offsets, from byte ``lo`` of its storage, of every byte of ``t``."""
+Layout = tuple[tuple[int, ...], tuple[int, ...], int, int]  # shape, strides, storage offset, bytes per element
+
+
+def _offsets(t: Layout, lo: int, unit: int) -> torch.Tensor:
+    """The offsets, in ``unit`` bytes from byte ``lo`` of its storage, of every ``unit`` of a layout's bytes."""
+    shape, stride, offset, itemsize = t
     offs = torch.zeros((), dtype=torch.long)
-    for n, st in zip(t.shape, t.stride()):
-        offs = offs.unsqueeze(-1) + torch.arange(int(n)) * int(st)
-    start = int(t.storage_offset()) * t.itemsize - lo
-    return (offs.reshape(-1, 1) * t.itemsize + start + torch.arange(t.itemsize)).reshape(-1)
+    for n, st in zip(shape, stride):
+        offs = offs.unsqueeze(-1) + torch.arange(n) * st
+    per = itemsize // unit
+    return (offs.reshape(-1, 1) * per + (offset * itemsize - lo) // unit + torch.arange(per)).reshape(-1)
+
+
+def _layout(t: torch.Tensor) -> Layout:
+    return (tuple(int(n) for n in t.shape), tuple(int(s) for s in t.stride()), int(t.storage_offset()), t.itemsize)
 
 
 def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors on one storage share a byte (NOTE [quiet writes] in ``trace.py``; run it in ``internal()``
     under a recording mode)."""
     try:
-        if a.numel() == 0 or b.numel() == 0:
-            return False
-        spans: list[tuple[int, int]] = []
-        for t in (a, b):
-            first = int(t.storage_offset()) * t.itemsize
-            spans.append((first, first + (sum((int(n) - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.itemsize))
-        (alo, ahi), (blo, bhi) = spans
-        if ahi <= blo or bhi <= alo:
-            return False
-        if alo == blo and a.shape == b.shape and a.stride() == b.stride() or max(a.numel(), b.numel()) > _OVERLAP_EXACT:
-            return True
-        lo = min(alo, blo)
-        mask = torch.zeros(max(ahi, bhi) - lo, dtype=torch.bool)
-        mask[_byte_offsets(a, lo)] = True
-        return bool(mask[_byte_offsets(b, lo)].any())
-    except (RuntimeError, NotImplementedError):
+        return _overlap(_layout(a), _layout(b))
+    except (RuntimeError, NotImplementedError):  # (a tensor without strides: counted as overlapping)
         return True
+
+
+@functools.lru_cache(maxsize=1024)
+def _overlap(a: Layout, b: Layout) -> bool:
+    # (by layout alone, cached: a loop writes pieces of the same layouts on every step, a GRU cell's gates)
+    if 0 in a[0] or 0 in b[0]:
+        return False
+    spans: list[tuple[int, int]] = []
+    for shape, stride, offset, itemsize in (a, b):
+        first = offset * itemsize
+        spans.append((first, first + (sum((n - 1) * st for n, st in zip(shape, stride)) + 1) * itemsize))
+    (alo, ahi), (blo, bhi) = spans
+    if ahi <= blo or bhi <= alo:
+        return False
+    if a == b or max(math.prod(a[0]), math.prod(b[0])) > _OVERLAP_EXACT:
+        return True
+    lo = min(alo, blo)
+    unit = min(a[3], b[3])  # (bytes of the smaller element: one mask entry each)
+    mask = torch.zeros(-(-(max(ahi, bhi) - lo) // unit), dtype=torch.bool)
+    mask[_offsets(a, lo, unit)] = True
+    return bool(mask[_offsets(b, lo, unit)].any())
+
+
+WHOLE = 1 << 20  # bytes: a storage up to this size is copied whole (a view an op makes of it may reach past its tensors)
+
+
+class StorageSnapshot:
+    """The bytes of one outside storage before the call first wrote it, as far as the call's tensors on it reach.
+
+    NOTE [outside writes] in ``trace.py``, NOTE [written outside storages] in ``outside_writes.py``: each recompute
+    reads and writes views of its own copy (``copy``, ``view``), so two tensors on the storage see each other's
+    writes. Copied are the bytes the tensors ``cover`` reaches (a cache slot of a large arena, not the arena), the
+    whole storage when it is small; a tensor met later extends the span with the bytes it reaches, which no write of
+    the call has touched yet (every write goes through a tensor covered first).
+    """
+
+    __slots__ = ("storage", "lo", "data")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.storage: Any = t.untyped_storage()  # (the real one, while the forward pass runs: ``done``)
+        self.lo = 0
+        self.data: Any = None  # uint8, the bytes [lo, lo + len)
+        self.cover(t)
+
+    def cover(self, t: torch.Tensor) -> None:
+        """Extend the span to every byte of ``t`` (with the storage's current values there)."""
+        n = self.storage.nbytes()
+        if n <= WHOLE:
+            lo, hi = 0, n
+        else:
+            first = int(t.storage_offset()) * t.itemsize
+            extent = sum((int(d) - 1) * int(st) for d, st in zip(t.shape, t.stride())) + 1 if t.numel() else 0
+            lo, hi = first // 16 * 16, min(n, -(-(first + extent * t.itemsize) // 16) * 16)
+        if self.data is not None:
+            old_lo, old_hi = self.lo, self.lo + self.data.numel()
+            if old_lo <= lo and hi <= old_hi:
+                return
+            lo, hi = min(lo, old_lo), max(hi, old_hi)
+        raw = torch.empty(0, dtype=torch.uint8, device=self.storage.device).set_(self.storage, lo, (hi - lo,), (1,))
+        raw = raw.clone()
+        if self.data is not None:
+            raw[old_lo - lo:old_hi - lo] = self.data  # (the values before the call's writes)
+        self.lo, self.data = lo, raw
+
+    def done(self) -> None:
+        self.storage = None
+
+    def copy(self) -> torch.Tensor:
+        return self.data.clone()  # type: ignore[no-any-return]
+
+    def view(self, copy: torch.Tensor, geometry: tuple[Any, ...]) -> torch.Tensor:
+        """A tensor of ``geometry`` (``geometry(t)`` of a tensor on the storage) on a ``copy`` of the snapshot."""
+        shape, stride, offset, dtype = geometry
+        at = (int(offset) * dtype.itemsize - self.lo) // dtype.itemsize
+        return torch.empty(0, dtype=dtype, device=copy.device).set_(copy.untyped_storage(), at, shape, stride)

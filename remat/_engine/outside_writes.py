@@ -169,13 +169,13 @@ class Shadow:
 
     __slots__ = ("snap",)
 
-    def __init__(self, snap: Any) -> None:
-        self.snap = snap  # the storage before the call's first write into it (an UntypedStorage), or None
+    def __init__(self, snap: ox.StorageSnapshot | None) -> None:
+        self.snap = snap  # the storage before the call's first write into it, or None
 
     @staticmethod
     def of(t: torch.Tensor) -> Shadow:
         try:
-            return Shadow(t.untyped_storage().clone())
+            return Shadow(ox.StorageSnapshot(t))
         except (RuntimeError, NotImplementedError):  # (a wrapper subclass: copies of each read, as before)
             return Shadow(None)
 
@@ -183,6 +183,7 @@ class Shadow:
         """What the recompute reads for ``t`` (a view of this storage): a view of its copy, or a copy of ``t``."""
         if self.snap is None:
             return t.detach().clone()
+        self.snap.cover(t)
         return ShadowView(self, ox.geometry(t))
 
 
@@ -195,11 +196,12 @@ class ShadowView:
 
     def view(self, copies: dict[int, Any]) -> torch.Tensor:
         """The view, on the recompute's copy of the storage (``copies``: id of a Shadow -> its copy)."""
+        snap = self.shadow.snap
+        assert snap is not None
         e = copies.get(id(self.shadow))
         if e is None:
-            e = copies[id(self.shadow)] = (self.shadow, self.shadow.snap.clone())
-        shape, stride, offset, dtype = self.geometry
-        return torch.empty(0, dtype=dtype, device=e[1].device).set_(e[1], offset, shape, stride)
+            e = copies[id(self.shadow)] = (self.shadow, snap.copy())
+        return snap.view(e[1], self.geometry)
 
 
 def with_copies(self: Any, rec: OpRecord, args: Any, kwargs: Any) -> tuple[Any, Any]:

@@ -91,6 +91,11 @@ def _stale(trace: Trace, wanted: set[int], available: Container[int]) -> set[int
     return {s for s in wanted if s in quiet and s in available} if quiet else set()
 
 
+def _unfollowed(a: Any) -> Any:
+    """``a`` (a tensor, or a list of them) as aliases autograd does not follow (``.data``)."""
+    return [x.data for x in a] if type(a) is list or type(a) is tuple else a.data
+
+
 def ancestors(trace: Trace, slots: set[int]) -> set[int]:
     """Every slot the values of ``slots`` were computed from (writes into their storages included): NOTE [unused
     outputs] in traced.py."""
@@ -159,10 +164,10 @@ def run(trace: Trace, steps: list[Step], frees: list[list[int]], wanted: set[int
                     # the version of ``t.data`` moved none of the forward's)
                     for key in step.quiet:
                         if type(key) is int:
-                            args[key] = args[key].data
+                            args[key] = _unfollowed(args[key])
                         else:
                             kwargs = dict(kwargs)
-                            kwargs[key] = kwargs[key].data
+                            kwargs[key] = _unfollowed(kwargs[key])
                 if step.rng is not None:
                     gen, state = step.rng
                     if id(gen) not in gens:

@@ -132,8 +132,9 @@ class Trace:
         self.snapshots: dict[int, Tensor] = {}  # outside slot -> a copy of its value (small ones: ``_prune``)
         # NOTE [outside writes]: storage key -> the storage before the call first wrote it; the outside slots on it
         # -> (key, geometry): every replay reads and writes views of one fresh copy of that storage
-        self.shadows: dict[int, Any] = {}
+        self.shadows: dict[int, Any] = {}  # (ox.StorageSnapshot, or None for a wrapper subclass)
         self.shadowed: dict[int, tuple[int, tuple[Any, ...]]] = {}
+        self.geometry0: dict[int, tuple[Any, ...]] = {}  # outside slot -> its geometry before an in-place view op
         self.stash: dict[int, Any] = {}  # kept slot -> its tensor (strong) or a weak reference
         self.stash_keys: dict[int, list[int]] = {}  # storage key -> kept slots living there
         self.raw: set[int] = set()  # kept slots held as the tensor itself until the forward pass ends (``seal``)
@@ -142,6 +143,7 @@ class Trace:
         self.pending: list[tuple[Any, Tensor, list[Tensor]]] = []
         # NOTE [quiet writes]: dropped or offloaded slots a write of the call changed without moving their version
         self.quiet_written: set[int] = set()
+        self.copied: set[int] = set()  # kept slots copied (or offloaded) before a write: a replay may read the copy
         # (slot, version when saved) of the dropped tensors' saves a write in the forward pass made stale -> (shape,
         # dtype) then (NOTE [dropped packs] in traced.py)
         self.moved: dict[tuple[int, int], tuple[Any, Any]] = {}
@@ -174,7 +176,10 @@ class Trace:
         self.outside[s] = (t, t._version)
         key = self.key_of[s] = _storage_key(t)
         self.outside_keys.setdefault(key, []).append(s)
-        if key in self.shadows:  # (first read after the call wrote its storage: from the replay's copy too)
+        snap = self.shadows.get(key) if self.shadows else None
+        if snap is not None:  # (first read after the call wrote its storage: from the replay's copy too)
+            with internal():
+                snap.cover(t)
             self.shadowed[s] = (key, ox.geometry(t))
         if self.external is not None:
             self.external(s, t)  # a nested call: the parent may have made it (NOTE [nested replay])
@@ -243,20 +248,23 @@ class Trace:
         key = _storage_key(t)
         self.written_keys.add(key)
         outside = self.outside_keys.get(key)
-        if outside and key not in self.shadows:
+        if outside:
             with internal():
-                try:
-                    self.shadows[key] = self.outside[outside[0]][0].untyped_storage().clone()
-                except (RuntimeError, NotImplementedError):  # (a wrapper subclass: a copy of each slot)
-                    self.shadows[key] = None
-        for s in outside or ():
-            if s not in self.snapshots and s not in self.shadowed:
-                o = self.outside[s][0]
-                if self.shadows[key] is not None:
-                    self.shadowed[s] = (key, ox.geometry(o))
-                else:
-                    with internal():
-                        self.snapshots[s] = o.detach().clone()
+                if key not in self.shadows:
+                    try:
+                        self.shadows[key] = ox.StorageSnapshot(self.outside[outside[0]][0])
+                    except (RuntimeError, NotImplementedError):  # (a wrapper subclass: a copy of each slot)
+                        self.shadows[key] = None
+                snap = self.shadows[key]
+                for s in outside:
+                    if s not in self.snapshots and s not in self.shadowed:
+                        o = self.outside[s][0]
+                        if snap is not None:
+                            snap.cover(o)
+                            # (its geometry when the call first read it: an in-place view op since is replayed)
+                            self.shadowed[s] = (key, self.geometry0.get(s) or ox.geometry(o))
+                        else:
+                            self.snapshots[s] = o.detach().clone()
         for s in self.stash_keys.pop(key, ()):
             # a value the policy keeps, about to be written: keep its value before the write (the replay of a later
             # step reads that), copied, or handed to the offload engine now if the policy offloads it
@@ -264,6 +272,7 @@ class Trace:
             v = v() if type(v) is weakref.ref else v
             if v is None:
                 continue
+            self.copied.add(s)  # NOTE [quiet writes]
             decision = self.producer[s].decision
             if isinstance(decision, Offloadable) and self.offload is not None and self.offload(s, v, decision):
                 continue
@@ -299,23 +308,24 @@ class Trace:
         self._indexed = 0
 
     def settle(self) -> None:
-        with internal():  # (``ox.overlap`` runs ops)
-            self._settle()
-
-    def _settle(self) -> None:
         for p, t, ws in self.pending:
             if type(p) is tuple:  # (a dropped tensor's pack: NOTE [dropped packs] in traced.py)
                 if t._version != p[1]:
                     self.moved[(p[0], p[1])] = (t.shape, t.dtype)
-                elif any(ox.overlap(w, t) for w in ws):
-                    self.quiet_written.add(p[0])  # NOTE [quiet writes]
+                elif p[0] in self.copied and ws and self._overlaps(ws, t):
+                    self.quiet_written.add(p[0])  # NOTE [quiet writes] (only a copy can be stale)
             elif t._version != p.version:
                 p.version, p.meta = -1, (t.shape, t.dtype)
-            elif any(ox.overlap(w, t) for w in ws):
+            elif ws and self._overlaps(ws, t):
                 self.quiet_written.add(p.slot)  # NOTE [quiet writes]
                 if self.on_quiet_write is not None:
                     self.on_quiet_write(p)
         self.pending.clear()
+
+    @staticmethod
+    def _overlaps(ws: list[Tensor], t: Tensor) -> bool:
+        with internal():  # (``ox.overlap`` runs ops)
+            return any(ox.overlap(w, t) for w in ws)
 
 
 # NOTE [quiet writes]
@@ -464,17 +474,20 @@ class Tracer(TorchDispatchMode):
                 tkw[k] = None
         step = Step(func, info.call, targs, tkw, refs)
         step.inplace_view = info.inplace_view
+        if info.inplace_view and refs and refs[0][2] in trace.outside and refs[0][2] not in trace.geometry0:
+            trace.geometry0[refs[0][2]] = ox.geometry(args[0])  # (t_, unsqueeze_ on a global: replayed on the copy)
         if info.mutable:
             keys = []
-            written: list[Any] = []
-            for i in info.written:
-                if i < len(args) and isinstance(args[i], Tensor):
-                    keys.append(trace.before_write(args[i]))
-                    written.append(i)
-            for k in info.written_kw:
-                a = kwargs.get(k)
-                if isinstance(a, Tensor):
-                    keys.append(trace.before_write(a))
+            written: list[Any] = []  # (argument positions or names)
+            wrote: list[Tensor] = []  # (the tensors, a list argument's each: _foreach_mul_)
+            for k in (*info.written, *info.written_kw):
+                a = (args[k] if k < len(args) else None) if type(k) is int else kwargs.get(k)
+                n = len(wrote)
+                for x in (a if type(a) is list or type(a) is tuple else (a,)):
+                    if isinstance(x, Tensor):
+                        keys.append(trace.before_write(x))
+                        wrote.append(x)
+                if len(wrote) > n:
                     written.append(k)
             step.writes = tuple(keys)
             if not any(a.requires_grad for a in _arg_tensors(args, kwargs)):
@@ -495,7 +508,7 @@ class Tracer(TorchDispatchMode):
         step.grad = grad = _grad_enabled()
         out = info.call(*args, **kwargs)
         if step.writes and trace.drops:
-            trace.after_write(step.writes, [args[i] if type(i) is int else kwargs[i] for i in written])
+            trace.after_write(step.writes, wrote)
         elif info.inplace_view and trace.drops and args and isinstance(args[0], Tensor):
             # (t.t_(), squeeze_: no value written, but the version moves, and plain autograd refuses a saved tensor
             # so changed: a dropped tensor there whose version moved raises at its unpack)

@@ -322,11 +322,12 @@ class _Serving(Half):
             if e is not None:
                 shadow = trace.shadowed.get(s) if trace.shadowed else None
                 if shadow is not None:  # NOTE [outside writes]
-                    key, (shape, stride, offset, dtype) = shadow
+                    key, geometry = shadow
+                    snap = trace.shadows[key]
                     c = copies.get(key)
                     if c is None:
-                        c = copies[key] = trace.shadows[key].clone()
-                    return torch.empty(0, dtype=dtype, device=c.device).set_(c, offset, shape, stride)
+                        c = copies[key] = snap.copy()
+                    return snap.view(c, geometry)  # type: ignore[no-any-return]
                 snap = trace.snapshots.get(s)
                 if snap is not None:
                     return snap.clone()
@@ -428,7 +429,9 @@ class _Saving(Half):
                 o = self.engine.offload_saved(t, decision, group=self._group, own_modes=self.depth)
             if o is not None:
                 self._offloaded_any = True
-                p = _Pack(self, OFFLOAD, s, o, t._version, weakref.ref(t))
+                # (a view is watched through its base, as a dropped one is: it may die before the write)
+                ref = trace.refs.get(r) if r != s and t._base is not None else None
+                p = _Pack(self, OFFLOAD, s, o, t._version, ref if ref is not None else weakref.ref(t))
                 trace.drops.append(p)  # (NOTE [written after saved] in _engine/packed.py: watched with its aliases)
                 # weakly: once autograd let go of the save, the engine may free its copy (NOTE [keep last])
                 self.offloaded[s] = weakref.ref(p)
@@ -645,6 +648,9 @@ class TraceFrame(_Saving, _Serving):
             for s in list(stash):
                 if s not in used or type(stash[s]) is weakref.ref:
                     del stash[s]
+        for snap in trace.shadows.values():
+            if snap is not None:
+                snap.done()  # (no tensor of the call extends it any more)
         for s in self.routed:
             t, v = trace.outside[s]
             trace.outside[s] = (None, v)  # type: ignore[assignment]  # (the parent holds it)
