@@ -858,3 +858,42 @@ def test_writes_the_third_review_found_equal_plain(fn, policy):
             (got,) = torch.autograd.grad(rf(x), x)
         assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
         assert torch.equal(Gr, Gp)
+
+
+def _kept_piece_written_then_whole_saved(x: torch.Tensor) -> torch.Tensor:
+    h = checkpoint_name(x @ x, "h")
+    _, b = torch.unsafe_chunk(h, 2, 0)  # pieces with version counters of their own, kept by the policy
+    b.data.mul_(2.0)
+    return h.cos().sum()
+
+
+def _whole_saved_then_kept_piece_written(x: torch.Tensor) -> torch.Tensor:
+    h = checkpoint_name(x @ x, "h")
+    y = h.sin()
+    _, b = torch.unsafe_chunk(h, 2, 0)
+    b.data.mul_(2.0)
+    return y.sum()
+
+
+def _kept_piece_written_in_place(x: torch.Tensor) -> torch.Tensor:
+    h = checkpoint_name(x @ x, "h")
+    _, b = torch.unsafe_chunk(h, 2, 0)
+    b.mul_(2.0)  # (its own counter moves, not h's)
+    return h.cos().sum()
+
+
+@pytest.mark.parametrize("fn", [_kept_piece_written_then_whole_saved, _whole_saved_then_kept_piece_written,
+                                _kept_piece_written_in_place], ids=lambda f: f.__name__.strip("_"))
+def test_a_kept_piece_written_makes_the_dropped_whole_with_the_write(fn):
+    """Review: ``save_anything_except_these_names("h")`` keeps a piece of ``torch.unsafe_chunk(h)`` and drops ``h``;
+    the piece written in place (itself, or through ``.data``) before ``h`` is read: the replay wrote into the kept
+    copy of the piece, not into the ``h`` it made again (off by 3.4, silently). A replayed write into an available
+    value whose op read a value the replay makes on the same storage now makes that value again. Three calls."""
+    x0 = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    x = x0.clone().requires_grad_()
+    (want,) = torch.autograd.grad(fn(x), x)
+    rf = remat(fn, policy=policies.save_anything_except_these_names("h"))
+    for _ in range(3):
+        x = x0.clone().requires_grad_()
+        (got,) = torch.autograd.grad(rf(x), x)
+        assert_tree_close(got, want, rtol=1e-10, atol=1e-10)

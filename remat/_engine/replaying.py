@@ -27,6 +27,7 @@ import torch
 from .. import _torch_internals as ti
 from .._context import internal
 from .._errors import RematError
+from .ops import op_info
 from .trace import FLAT, Step, Trace
 
 __all__ = ["plan", "run", "ancestors"]
@@ -34,10 +35,11 @@ __all__ = ["plan", "run", "ancestors"]
 Tensor = torch.Tensor
 
 
-def plan(trace: Trace, wanted: set[int], available: Container[int]) -> tuple[list[Step], list[list[int]]]:
+def plan(trace: Trace, wanted: set[int], available: Container[int],
+         forced: frozenset[int] = frozenset()) -> tuple[list[Step], list[list[int]]]:
     """The steps to replay, in order, to make the ``wanted`` slots (NOTE [replay]); with each, the slots let go
-    after it (read last by it, or made by it and read by none)."""
-    need = {s for s in wanted if s not in available}
+    after it (read last by it, or made by it and read by none). ``forced``: slots made again although available."""
+    need = {s for s in wanted if s not in available} | forced
     if trace.quiet_written:
         need |= _stale(trace, wanted, available)
     if not need:
@@ -81,6 +83,23 @@ def plan(trace: Trace, wanted: set[int], available: Container[int]) -> tuple[lis
         frees.append(free)
     out.reverse()
     frees.reverse()
+    if writes:
+        # a replayed write into a value available as a copy (a kept piece of ``unsafe_chunk``) whose op read a value
+        # the replay makes on the same storage: the write belongs in that value, so the piece is made again from it
+        extra = set()
+        for step in out:
+            if step.writes:
+                for _, _, s in step.refs:
+                    k = key_of.get(s, 0)
+                    p = trace.producer.get(s)
+                    while p is not None and p.refs and op_info(p.op).view:  # (written through a view of it: b.data)
+                        s = p.refs[0][2]
+                        p = trace.producer.get(s)
+                    if s not in need and k in step.writes and s not in trace.outside:
+                        if p is not None and any(r in need and key_of.get(r) == k for _, _, r in p.refs):
+                            extra.add(s)
+        if extra:
+            return plan(trace, wanted, available, forced | extra)
     return out, frees
 
 
