@@ -897,3 +897,43 @@ def test_a_kept_piece_written_makes_the_dropped_whole_with_the_write(fn):
         x = x0.clone().requires_grad_()
         (got,) = torch.autograd.grad(rf(x), x)
         assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("how", ["read inside", "read beyond", "written beyond"])
+@pytest.mark.parametrize("policy", ["nothing", "dots"])
+@pytest.mark.parametrize("debug", [False, True], ids=["replay", "debug"])
+def test_an_as_strided_view_of_a_large_outside_storage_equals_plain(how, policy, debug):
+    """Review: a global slice ``A = big[1000:1010]`` of a storage past 1 MiB, written by the call, then viewed with
+    ``as_strided`` (whose offset counts from the storage's first byte): the replay's copy spanning only ``A``'s
+    bytes gave the view other values (off by 1.3, silently) or raised ``setStorage ... out of bounds``. A storage an
+    ``as_strided`` view reads is copied whole. Three calls, float64, against plain autograd."""
+    pol = {"nothing": policies.nothing_saveable, "dots": policies.dots_saveable}[policy]
+
+    def make(big: torch.Tensor) -> Any:
+        A = big[1000:1010]
+
+        def f(x: torch.Tensor) -> torch.Tensor:
+            A.add_(1.0)
+            if how == "read inside":
+                v = A.as_strided((5,), (1,), 1003)
+            elif how == "read beyond":
+                v = A.as_strided((5,), (1,), 5000)
+            else:
+                A.as_strided((5,), (1,), 200_000).mul_(0.5)
+                v = big[200_000:200_005]
+            return (torch.sin(v * x[:5]) * x[5:]).sum()
+
+        return f
+
+    g = torch.Generator().manual_seed(4)
+    big0 = torch.randn(300_000, dtype=torch.float64, generator=g)  # 2.3 MiB
+    bp, br = big0.clone(), big0.clone()
+    f, rf = make(bp), remat(make(br), policy=pol, debug=debug)
+    for _ in range(3):
+        x0 = torch.randn(10, dtype=torch.float64, generator=g)
+        x = x0.clone().requires_grad_()
+        (want,) = torch.autograd.grad(f(x), x)
+        x = x0.clone().requires_grad_()
+        (got,) = torch.autograd.grad(rf(x), x)
+        assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
+        assert torch.equal(br, bp)

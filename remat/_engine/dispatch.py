@@ -136,6 +136,9 @@ __all__ = ["OpTap", "Recorder", "iter_stashed"]
 # the user's function by any remat mode on the stack.
 
 
+ABSOLUTE_VIEWS = frozenset(getattr(torch.ops.aten, n) for n in ox.ABSOLUTE)  # (NOTE [written outside storages])
+
+
 class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
     """Forward pass: ask the policy about each op, record it, stash saveable outputs."""
 
@@ -161,6 +164,7 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
         self.written_outside: set[int] = set()  # storages of outside tensors the call wrote
         self._pending: dict[int, list[tuple[OpRecord, int, torch.Tensor]]] = {}  # outside reads since the last write
         self.shadows: dict[int, Any] = {}  # storage key -> its Shadow (NOTE [written outside storages])
+        self.whole_keys: set[int] = set()  # outside storages an as_strided view reads: copied whole
         self.describe_tensor: Callable[[torch.Tensor], str | None] = lambda t: None
         # NOTE [generators of your own] (_engine/ambient.py): the call's AmbientState.generators, set by its engine
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
@@ -234,6 +238,8 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
             return out
         name = PENDING_NAME.get() if func is ALIAS else None
         ins = arg_tensors(args, kwargs)
+        if func.overloadpacket in ABSOLUTE_VIEWS:
+            self._absolute_view(ins)
         mutable, random = traits(func)
         mutable = ox.mutates(func, args, mutable)
         subst = self._before_mutation(func, args, kwargs, ins) if mutable else None

@@ -14,6 +14,7 @@ import torch
 from .. import _torch_internals as ti
 from .._context import HOOK_RANGE, INTERNAL, internal
 from .._policies.core import Decision
+from . import outside as ox
 
 __all__ = ["OpInfo", "op_info", "hidden_write", "declared_written_names", "Half", "LIFTS", "RANGE_OPS", "OpRecord", "DeadRead", "arg_tensors", "dead_value", "identity_alias", "ignored",
            "is_tainted", "profiler_op", "storage_key", "tensor_leaves", "traits"]
@@ -327,7 +328,7 @@ class OpInfo:
     """What an op's schema says that the trace needs, computed once per overload."""
 
     __slots__ = ("written", "written_kw", "random", "pins", "hidden", "mutable", "tpos", "simple", "view", "trusted",
-                 "call", "inplace_view", "ignored", "func", "alias_of")
+                 "call", "inplace_view", "ignored", "func", "alias_of", "absolute")
 
     def __init__(self, func: Any) -> None:
         self.func = func
@@ -382,8 +383,10 @@ class OpInfo:
         self.trusted = getattr(func, "namespace", None) in ("aten", "prims")
         # the common case, recorded by the short path: tensors only as positional arguments, no write, no draw, not
         # a factory (which pins its dtype), a schema to trust
+        # an offset from the storage's first byte (as_strided): a copy of an outside storage must be whole
+        self.absolute = func.overloadpacket.__name__ in ox.ABSOLUTE
         self.simple = (not other and not self.mutable and not self.random and bool(tpos) and self.trusted
-                       and func is not ALIAS and not self.inplace_view)
+                       and func is not ALIAS and not self.inplace_view and not self.absolute)
 
 
 def _tensor_kind(t: Any) -> int:

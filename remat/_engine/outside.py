@@ -149,7 +149,8 @@ def _overlap(a: Layout, b: Layout) -> bool:
     return bool(mask[_offsets(b, lo, unit)].any())
 
 
-WHOLE = 1 << 20  # bytes: a storage up to this size is copied whole (a view an op makes of it may reach past its tensors)
+WHOLE = 1 << 20  # bytes: a storage up to this size is copied whole
+ABSOLUTE = frozenset({"as_strided", "as_strided_", "as_strided_scatter"})  # ops whose offsets count from byte 0
 
 
 class StorageSnapshot:
@@ -163,17 +164,20 @@ class StorageSnapshot:
     """
 
     __slots__ = ("storage", "lo", "data")
+    # (views replay with the offsets they had; ``as_strided``'s count from the storage's first byte, and it may reach
+    # any byte: a storage it views is copied whole, ``cover(t, whole=True)``)
 
-    def __init__(self, t: torch.Tensor) -> None:
+    def __init__(self, t: torch.Tensor, whole: bool = False) -> None:
         self.storage: Any = t.untyped_storage()  # (the real one, while the forward pass runs: ``done``)
         self.lo = 0
         self.data: Any = None  # uint8, the bytes [lo, lo + len)
-        self.cover(t)
+        self.cover(t, whole)
 
-    def cover(self, t: torch.Tensor) -> None:
-        """Extend the span to every byte of ``t`` (with the storage's current values there)."""
+    def cover(self, t: torch.Tensor, whole: bool = False) -> None:
+        """Extend the span to every byte of ``t`` (with the storage's current values there); ``whole``: to the
+        whole storage (an ``as_strided`` view of it, whose offset counts from the storage's first byte)."""
         n = self.storage.nbytes()
-        if n <= WHOLE:
+        if n <= WHOLE or whole:
             lo, hi = 0, n
         else:
             first = int(t.storage_offset()) * t.itemsize

@@ -40,6 +40,17 @@ class OutsideReads(Half):
         """Whether storage ``k`` is neither an input of the call nor made by one of its ops (NOTE [outside tensors])."""
         return k != 0 and k not in self.producers and k not in self.input_keys
 
+    def _absolute_view(self, ins: list[torch.Tensor]) -> None:
+        """An ``as_strided`` view of an outside storage: its copy is of all of it (``ox.StorageSnapshot``)."""
+        with internal():
+            for t in ins:
+                k = storage_key(t)
+                if self.is_outside(k):
+                    self.whole_keys.add(k)
+                    shadow = self.shadows.get(k)
+                    if shadow is not None and shadow.snap is not None:
+                        shadow.snap.cover(t, whole=True)
+
     def _outside_reads(self, ins: list[torch.Tensor], keys: list[int],
                        vids: list[int]) -> list[tuple[int, torch.Tensor, int]] | None:
         """The op's reads of outside tensors (NOTE [outside tensors]).
@@ -76,7 +87,7 @@ class OutsideReads(Half):
                     # write itself, read and write the recompute's own copy of it
                     shadow = self.shadows.get(k)
                     if shadow is None:
-                        shadow = self.shadows[k] = Shadow.of(t)
+                        shadow = self.shadows[k] = Shadow.of(t, k in self.whole_keys)
                     for rec, pos, read in self._pending.pop(k, ()):
                         if rec.subst is None:
                             rec.subst = {}
@@ -173,9 +184,9 @@ class Shadow:
         self.snap = snap  # the storage before the call's first write into it, or None
 
     @staticmethod
-    def of(t: torch.Tensor) -> Shadow:
+    def of(t: torch.Tensor, whole: bool = False) -> Shadow:
         try:
-            return Shadow(ox.StorageSnapshot(t))
+            return Shadow(ox.StorageSnapshot(t, whole))
         except (RuntimeError, NotImplementedError):  # (a wrapper subclass: copies of each read, as before)
             return Shadow(None)
 

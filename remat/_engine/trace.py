@@ -135,6 +135,7 @@ class Trace:
         self.shadows: dict[int, Any] = {}  # (ox.StorageSnapshot, or None for a wrapper subclass)
         self.shadowed: dict[int, tuple[int, tuple[Any, ...]]] = {}
         self.geometry0: dict[int, tuple[Any, ...]] = {}  # outside slot -> its geometry before an in-place view op
+        self.whole_keys: set[int] = set()  # outside storages an as_strided view reads: copied whole
         self.stash: dict[int, Any] = {}  # kept slot -> its tensor (strong) or a weak reference
         self.stash_keys: dict[int, list[int]] = {}  # storage key -> kept slots living there
         self.raw: set[int] = set()  # kept slots held as the tensor itself until the forward pass ends (``seal``)
@@ -243,6 +244,15 @@ class Trace:
             if type(t) is not weakref.ref:
                 self.stash_versions[s] = t._version
 
+    def whole(self, key: int) -> None:
+        """An ``as_strided`` view of storage ``key``: if it is outside, its copy is of all of it."""
+        if key in self.outside_keys:
+            self.whole_keys.add(key)
+            snap = self.shadows.get(key)
+            if snap is not None:
+                with internal():
+                    snap.cover(self.outside[self.outside_keys[key][0]][0], whole=True)
+
     def before_write(self, t: Tensor) -> int:
         """NOTE [outside writes]: an op is about to write ``t`` in place; return its storage key."""
         key = _storage_key(t)
@@ -252,7 +262,7 @@ class Trace:
             with internal():
                 if key not in self.shadows:
                     try:
-                        self.shadows[key] = ox.StorageSnapshot(self.outside[outside[0]][0])
+                        self.shadows[key] = ox.StorageSnapshot(self.outside[outside[0]][0], key in self.whole_keys)
                     except (RuntimeError, NotImplementedError):  # (a wrapper subclass: a copy of each slot)
                         self.shadows[key] = None
                 snap = self.shadows[key]
@@ -474,6 +484,9 @@ class Tracer(TorchDispatchMode):
                 tkw[k] = None
         step = Step(func, info.call, targs, tkw, refs)
         step.inplace_view = info.inplace_view
+        if info.absolute:  # (as_strided of a tensor from outside: the replay's copy of its storage is whole)
+            for _, _, r in refs:
+                trace.whole(trace.key_of.get(r, 0))
         if info.inplace_view and refs and refs[0][2] in trace.outside and refs[0][2] not in trace.geometry0:
             trace.geometry0[refs[0][2]] = ox.geometry(args[0])  # (t_, unsqueeze_ on a global: replayed on the copy)
         if info.mutable:
