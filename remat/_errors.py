@@ -70,7 +70,8 @@ def saved_written_after_save(fn_name: str, pos: int, t: Any, v0: int, v1: int) -
     return RematError(
         f"remat: {fn_name} modified a tensor ({_shape(t)}, saved tensor #{pos}) in place after an op saved it for "
         f"the backward pass (version {v0} -> {v1}); plain autograd raises here too (\"one of the variables needed "
-        "for gradient computation has been modified by an inplace operation\"), and the recompute would hand the "
+        "for gradient computation has been modified by an inplace operation\"; torch.func's transforms do not "
+        "check, and hand the backward pass whichever value the tensor holds then), and the recompute would hand the "
         "modified value to the backward pass. Use the out-of-place op (x = x * 3, not x.mul_(3)), or clone the "
         "tensor before modifying it."
     )
