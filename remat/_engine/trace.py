@@ -246,7 +246,7 @@ class Trace:
 
     def whole(self, key: int) -> None:
         """An ``as_strided`` view of storage ``key``: if it is outside, its copy is of all of it."""
-        if key in self.outside_keys:
+        if key and key in self.outside_keys:
             self.whole_keys.add(key)
             snap = self.shadows.get(key)
             if snap is not None:
