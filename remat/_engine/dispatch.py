@@ -166,15 +166,13 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
         self.shadows: dict[int, Any] = {}  # storage key -> its Shadow (NOTE [written outside storages])
         self.whole_keys: set[int] = set()  # outside storages an as_strided view reads: copied whole
         self.describe_tensor: Callable[[torch.Tensor], str | None] = lambda t: None
-        # NOTE [generators of your own] (_engine/ambient.py): the call's AmbientState.generators, set by its engine
-        self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+        self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # NOTE [generators of your own]
         # NOTE [same reads] in _engine/wiring.py: set by a frame without torch.func levels that is not nested (its tensors are
         # the call's own objects): the key of each op's arguments, which the Replayer compares
         self.wiring: Wiring | None = None
         self._paused = False
         # a reentrant region (_engine/region.py): what the policy saves is held at once, and detach is not an op
         self.region = False
-
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
