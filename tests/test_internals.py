@@ -323,3 +323,15 @@ def test_python_dispatch_off_hides_ops_from_every_mode() -> None:
             y = x.clone()
         z = x.clone()
     assert torch.equal(y, z) and seen == [torch.ops.aten.clone.default]
+
+
+def test_set_version_puts_a_counter_back_on_this_torch() -> None:
+    """``ti.set_version`` (the full engine puts back the version counter its recompute's writes moved on a kept view
+    of an outside tensor: NOTE [written outside storages]) sets the counter the tensor shares with its views."""
+    t = torch.zeros(4)
+    v = t[1:]
+    t.add_(1.0)
+    t.add_(1.0)
+    assert t._version == v._version == 2
+    ti.set_version(v, 0)
+    assert t._version == v._version == 0
