@@ -937,3 +937,36 @@ def test_an_as_strided_view_of_a_large_outside_storage_equals_plain(how, policy,
         (got,) = torch.autograd.grad(rf(x), x)
         assert_tree_close(got, want, rtol=1e-10, atol=1e-10)
         assert torch.equal(br, bp)
+
+
+_CACHE = torch.zeros(3, 4, dtype=torch.float64)  # a global (a closure cell would be module state: an input)
+
+
+def _writes_the_global_cache(x: torch.Tensor) -> torch.Tensor:
+    h = x.sin()
+    c = _CACHE[1]
+    torch.sin(h.detach(), out=c)
+    return (c.exp() * h).sum()
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["replay", "debug"])
+def test_a_recompute_leaves_the_version_of_a_tensor_the_call_wrote_as_it_was(debug):
+    """Review of the whole change: the full engine's recompute writes into its copy of a global cache the call wrote,
+    but through a view made above the dispatch level, which moved the real cache's version counter; an op outside
+    the call that saved the cache then raised "modified by an inplace operation" at its backward pass where plain
+    autograd runs. The recompute now puts back the counter of every tensor from outside that the call wrote (it put
+    back only the call's kept views of them). Against plain autograd, float64."""
+    def run(g: Any) -> tuple[torch.Tensor, ...]:
+        _CACHE.zero_()
+        v0 = _CACHE._version
+        x = torch.tensor([0.3, -1.2, 0.7, 2.1], dtype=torch.float64, requires_grad=True)
+        w = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(3, 4).requires_grad_()
+        y = g(x)
+        z = (_CACHE * w).sum()  # saves the cache, which the call wrote
+        y.backward()  # (the recompute runs first)
+        z.backward()
+        return x.grad, w.grad, torch.tensor(float(_CACHE._version - v0))
+
+    want = run(_writes_the_global_cache)
+    got = run(remat(_writes_the_global_cache, policy=policies.nothing_saveable, debug=debug))
+    assert_tree_close(got, want, rtol=1e-10, atol=1e-10)

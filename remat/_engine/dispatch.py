@@ -161,10 +161,7 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
         self.keep_written_offloads = False  # under torch.func: NOTE [written before offloaded] in outside_writes.py
         self.written: set[int] = set()  # storage keys an in-place op wrote (over-approximated: all its args)
         self.input_keys: set[int] = set()  # storages of the call's inputs (set by the frame)
-        self.written_outside: set[int] = set()  # storages of outside tensors the call wrote
-        self._pending: dict[int, list[tuple[OpRecord, int, torch.Tensor]]] = {}  # outside reads since the last write
-        self.shadows: dict[int, Any] = {}  # storage key -> its Shadow (NOTE [written outside storages])
-        self.whole_keys: set[int] = set()  # outside storages an as_strided view reads: copied whole
+        self._outside_state()  # (OutsideReads': the outside tensors read and written)
         self.describe_tensor: Callable[[torch.Tensor], str | None] = lambda t: None
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # NOTE [generators of your own]
         # NOTE [same reads] in _engine/wiring.py: set by a frame without torch.func levels that is not nested (its tensors are

@@ -197,9 +197,6 @@ class _Saving(Half):
                 p = Packed(self, KEEP, s, pos, holdable(t), phys._version, meta, rec)
                 if rec is not None:
                     self._kept.setdefault(storage_key(phys), []).append((p, self.recorder.vid(phys)))
-                elif self.recorder.written_outside and storage_key(phys) in self.recorder.written_outside:
-                    # (saved after the call wrote its storage: the recompute's writes would move its version)
-                    self._kept_outside.append(weakref.ref(ti.unwrap_all(p.payload)))
                 if rec is not None and rec.stash is not None and any(lv.kind == "grad" for lv in self.levels[:s]):
                     self._mixed.append((p, self.recorder.vid(phys)))  # NOTE [kept under higher-order grad]
             if p.kind == DROP and any(lv.kind == "jvp" for lv in self.levels[: max(s, 0)]):
@@ -401,15 +398,9 @@ class _Serving(Half):
             # would raise, raised first
             with internal():
                 self._check_forward_mutation(self._forward_inputs)
-        written = self.recorder.written_outside
-        # the kept tensors on outside storages the call wrote: the recompute's writes go to a copy, but move their
-        # version counter (``ti.set_version``), which is put back
-        versions = []
-        if written and self._kept_outside:
-            for ref in self._kept_outside:
-                t = ref()
-                if t is not None and storage_key(t) in written:
-                    versions.append((t, t._version))
+        # NOTE [written outside storages]: the recompute's writes go to a copy, but move the real tensors' version
+        # counters, which are put back
+        versions = [(t, t._version) for t in self.recorder.written_tensors]
         try:
             with no_accumulation(self.fn_name, [*self.flat, *self.state.tensors]):
                 return run_recompute(self, s, skip_unused, _forwarding_frames())
@@ -447,7 +438,6 @@ class Frame(_Saving, _Serving):
         self.recorder.describe_tensor = state.label_of
         self.recorder.keep_written_offloads = h > 0  # NOTE [written before offloaded] in _engine/outside_writes.py
         self._kept: dict[int, list[tuple[Packed, int]]] = {}  # storage key -> kept packs made here, vid
-        self._kept_outside: list[Any] = []  # kept tensors on outside storages, weakly (``_recompute``)
         with internal():
             tensors = [a for a in flat if isinstance(a, torch.Tensor)]
             self.ambient = AmbientState.capture(tensors, preserve_rng)

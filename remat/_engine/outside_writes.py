@@ -40,6 +40,13 @@ class OutsideReads(Half):
         """Whether storage ``k`` is neither an input of the call nor made by one of its ops (NOTE [outside tensors])."""
         return k != 0 and k not in self.producers and k not in self.input_keys
 
+    def _outside_state(self) -> None:
+        self.written_outside: set[int] = set()  # storages of outside tensors the call wrote
+        self._pending: dict[int, list[tuple[OpRecord, int, torch.Tensor]]] = {}  # outside reads since the last write
+        self.shadows: dict[int, Any] = {}  # storage key -> its Shadow (NOTE [written outside storages])
+        self.whole_keys: set[int] = set()  # outside storages an as_strided view reads: copied whole
+        self.written_tensors: list[torch.Tensor] = []  # outside tensors the call wrote: their versions put back
+
     def _absolute_view(self, ins: list[torch.Tensor]) -> None:
         """An ``as_strided`` view of an outside storage: its copy is of all of it (``ox.StorageSnapshot``)."""
         with internal():
@@ -88,6 +95,8 @@ class OutsideReads(Half):
                     shadow = self.shadows.get(k)
                     if shadow is None:
                         shadow = self.shadows[k] = Shadow.of(t, k in self.whole_keys)
+                    if not any(w is t for w in self.written_tensors):
+                        self.written_tensors.append(t)  # (the recompute puts its version back: ``Frame._recompute``)
                     for rec, pos, read in self._pending.pop(k, ()):
                         if rec.subst is None:
                             rec.subst = {}
@@ -175,7 +184,10 @@ class Shadow:
     every op of the call that reads or writes that storage from then on, and the reads before the write, get a
     view of the recompute's own copy of it at the same geometry (``ShadowView``). The recompute's writes land in
     its copy, so a view the call made of the outside tensor before a write reads the written values after it, as
-    in the forward pass. Each recompute starts from a fresh copy of the snapshot (``Replayer.shadows``).
+    in the forward pass. Each recompute starts from a fresh copy of the snapshot (``Replayer.shadows``). Its
+    writes still move the version counter of the real tensor (the views it writes through were made above the
+    dispatch level): the recompute puts it back (``Recorder.written_tensors``, ``ti.set_version``), so that the
+    call's kept views of it and any node outside the call that saved it see what is true, an unchanged tensor.
     """
 
     __slots__ = ("snap",)
