@@ -277,10 +277,7 @@ def queue_backward_callback(fn: Callable[[], None]) -> bool:
 # the outside tensor was made above the dispatch level, where the in-place op moves the real tensor's counter: put
 # back, the counter says what is true (its values did not change), and a kept view of it is not refused.
 def set_version(t: torch.Tensor, version: int) -> None:
-    try:
-        torch._C._autograd._unsafe_set_version_counter((t,), (version,))
-    except TypeError:  # (an older signature: one tensor, one version)
-        torch._C._autograd._unsafe_set_version_counter(t, version)  # type: ignore[arg-type]
+    torch._C._autograd._unsafe_set_version_counter((t,), (version,))  # (torch 2.11 to 2.13: sequences)
 
 
 def will_engine_execute(node: Any) -> bool:

@@ -412,11 +412,9 @@ class _Saving(Half):
                     pass
             counts = self.counts
             counts[s] = counts.get(s, 0) + 1
-            ref = e[0]
-            if r != s and t._base is not None:
-                # a view shares its base's version counter: watched through the base, which may outlive it (a write
-                # into the base after the view is gone still moves the counter plain autograd checks)
-                ref = trace.refs.get(r, ref)
+            # a view shares its base's version counter: watched through the base, which may outlive it (a write into
+            # the base after the view is gone still moves the counter plain autograd checks); an offloaded one too
+            ref = trace.refs.get(r, e[0]) if r != s and t._base is not None else e[0]
             d = (s, t._version, ref)  # (NOTE [dropped packs])
             trace.drops.append(d)  # (indexed by storage at the call's first write in place: Trace.after_write)
             return d
@@ -429,9 +427,8 @@ class _Saving(Half):
                 o = self.engine.offload_saved(t, decision, group=self._group, own_modes=self.depth)
             if o is not None:
                 self._offloaded_any = True
-                # (a view is watched through its base, as a dropped one is: it may die before the write)
-                ref = trace.refs.get(r) if r != s and t._base is not None else None
-                p = _Pack(self, OFFLOAD, s, o, t._version, ref if ref is not None else weakref.ref(t))
+                ref = trace.refs.get(r, e[0]) if r != s and t._base is not None else e[0]  # (as a dropped one's)
+                p = _Pack(self, OFFLOAD, s, o, t._version, ref)
                 trace.drops.append(p)  # (NOTE [written after saved] in _engine/packed.py: watched with its aliases)
                 # weakly: once autograd let go of the save, the engine may free its copy (NOTE [keep last])
                 self.offloaded[s] = weakref.ref(p)
