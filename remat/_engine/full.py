@@ -583,6 +583,14 @@ class Frame(_Saving, _Serving):
 
     def _check_forward_mutation(self, flat: list[Any]) -> None:
         now = [ti.unwrap_all(a)._version if isinstance(a, torch.Tensor) else None for a in flat]
+        written = self.recorder.input_read_then_written
+        if self.drops and written is not None:  # NOTE [hidden writes into inputs] in outside_writes.py
+            raise RematError(
+                f"remat: {self.fn_name} reads an input (shape {list(written.shape)}) and then updates it in place "
+                "through a batch norm's running statistics; on this route (torch.func, debug=True) the recompute "
+                "would read the updated value. Read the statistics after the batch norm, keep them as module "
+                "buffers, or call the function under plain autograd (which replays the trace)."
+            )
         if self.drops:
             for i, (a, v0, v1) in enumerate(zip(flat, self.versions, now)):
                 if v0 != v1:

@@ -43,6 +43,7 @@ class StashLiveness(Half):
     """The recorder's stash and its liveness (NOTE [stash liveness], NOTE [dead ops])."""
 
     _pending: dict[int, list[tuple[OpRecord, int, torch.Tensor]]]  # (set by Recorder.__init__, as all it reads)
+    made_geometry: dict[int, tuple[Any, ...]]  # value -> its geometry before an in-place view op changed it
     shadows: dict[int, Any]
 
     def route_stash(self, route: Callable[[torch.Tensor], Any]) -> list[tuple[int, int]]:
@@ -151,6 +152,10 @@ class StashLiveness(Half):
                     return
                 # the engine detaches; it is handed the op's own output so that it can watch that tensor
                 # for in-place writes (a detached alias would die at once)
+                g = self.made_geometry.get(rec.out_vids[i]) if self.made_geometry else None
+                if g is not None:  # (an in-place view op changed its geometry since its op made it: t_)
+                    with internal():
+                        t = t.detach().as_strided(g[0], g[1], g[2])
                 rec.stash[i] = self.offload(t, rec.decision) if isinstance(rec.decision, Offloadable) else t.detach()
 
     def seal(self) -> None:

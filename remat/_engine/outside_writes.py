@@ -46,6 +46,10 @@ class OutsideReads(Half):
         self.shadows: dict[int, Any] = {}  # storage key -> its Shadow (NOTE [written outside storages])
         self.whole_keys: set[int] = set()  # outside storages an as_strided view reads: copied whole
         self.written_tensors: list[torch.Tensor] = []  # outside tensors the call wrote: their versions put back
+        self.made_geometry: dict[int, tuple[Any, ...]] = {}  # value -> its geometry before an in-place view op
+        self.read_keys: set[int] = set()  # storages the call's ops read so far (but what a batch norm updates)
+        self._updating: set[int] = set()  # input storages the op being recorded updates (NOTE [hidden writes ...])
+        self.input_read_then_written: torch.Tensor | None = None  # NOTE [hidden writes into inputs]
 
     def _absolute_view(self, ins: list[torch.Tensor]) -> None:
         """An ``as_strided`` view of an outside storage: its copy is of all of it (``ox.StorageSnapshot``)."""
@@ -67,6 +71,8 @@ class OutsideReads(Half):
         temporaries that also die (wrapped scalars) are tiny and pass as equal constants.
         """
         found = None
+        self.read_keys.update(k for k in keys if k not in self._updating)
+        self._updating.clear()
         for j, (t, k, v) in enumerate(zip(ins, keys, vids)):
             if v in self.made_by or not self.is_outside(k):
                 continue
@@ -108,6 +114,14 @@ class OutsideReads(Half):
                     # a view the call made of it is one of the copy in the recompute already: written as it is
                     # (the ops after it read that very tensor, as in the forward pass)
                     subst[j] = None if v in self.made_by and shadow.snap is not None else shadow.at(t)
+                elif func in ox.HIDDEN_WRITES and k in self.input_keys and k not in self.producers:
+                    # NOTE [hidden writes into inputs]
+                    if k in self.read_keys:
+                        self.input_read_then_written = t
+                    self._updating.add(k)
+                    if subst is None:
+                        subst = {}
+                    subst[j] = t.detach().clone()
                 else:
                     inside = True
         if subst is None or inside:
@@ -126,6 +140,13 @@ class OutsideReads(Half):
     #     (its copy may be under way) and written in place under torch.func still raises in ``Frame.forward``: that
     #     replay gave wrong gradients. (The replay engine instead hands such an output to the engine at the write:
     #     ``Trace.before_write``.)
+    # NOTE [hidden writes into inputs]
+    #     A batch norm's running statistics passed as arguments of the call (``F.batch_norm(x, rm, rv,
+    #     training=True)`` with ``rm`` an input) are written by an op whose schema hides the write, so no version
+    #     moves and the check of the inputs does not see it. The recompute, which runs the op on the call's inputs
+    #     again, would write them twice: it writes into a copy instead (the op's outputs do not depend on the
+    #     statistics it writes). An op of the call that read such an input before the write would read the
+    #     written value in the recompute: refused (``Frame._check_forward_mutation``), never silently different.
     def _copy_on_write(self, func: Any, written: list[torch.Tensor]) -> None:
         # a write that depends on what it overwrites (not a fill, a copy or a random draw)
         partial = (torch.Tag.inplace_view not in func.tags and torch.Tag.nondeterministic_seeded not in func.tags
@@ -136,6 +157,11 @@ class OutsideReads(Half):
                 self.written |= keys
                 if self.on_write is not None and keys:
                     self.on_write(keys)
+            else:
+                for t in written:  # (held later, a value is held at the geometry its op made: ``promote``)
+                    v = self.known_vid(t)
+                    if v is not None and v in self.made_by and v not in self.made_geometry:
+                        self.made_geometry[v] = ox.geometry(t)
             for rec in self.ops:
                 if rec.stash is None:
                     continue

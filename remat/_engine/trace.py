@@ -135,6 +135,9 @@ class Trace:
         self.shadows: dict[int, Any] = {}  # (ox.StorageSnapshot, or None for a wrapper subclass)
         self.shadowed: dict[int, tuple[int, tuple[Any, ...]]] = {}
         self.geometry0: dict[int, tuple[Any, ...]] = {}  # outside slot -> its geometry before an in-place view op
+        # op-made slot -> the geometry its op made, before an in-place view op (``t.t_()``) changed its tensor's:
+        # a kept value is held at it (``made``), as the steps after its op read it
+        self.made_geometry: dict[int, tuple[Any, ...]] = {}
         self.whole_keys: set[int] = set()  # outside storages an as_strided view reads: copied whole
         self.stash: dict[int, Any] = {}  # kept slot -> its tensor (strong) or a weak reference
         self.stash_keys: dict[int, list[int]] = {}  # storage key -> kept slots living there
@@ -221,7 +224,8 @@ class Trace:
                 del self.stash[s]
                 return
             decision = self.producer[s].decision
-            if isinstance(decision, Offloadable) and self.offload is not None and self.offload(s, t, decision):
+            if isinstance(decision, Offloadable) and self.offload is not None and \
+                    self.offload(s, self.made(s, t), decision):
                 del self.stash[s]
                 return
             # the tensor itself until the forward pass ends (a detach made here, below autograd, would have a version
@@ -236,7 +240,7 @@ class Trace:
         for s in self.raw:
             t = self.stash.get(s)
             if t is not None and type(t) is not weakref.ref:
-                self.stash[s] = t.detach()
+                self.stash[s] = self.made(s, t.detach())
         self.raw.clear()
         # the versions a write after the forward pass would move (the forward's own writes copied the values
         # before them, and its squeeze_ & co. moved the counter without changing a value)
@@ -252,6 +256,14 @@ class Trace:
             if snap is not None:
                 with internal():
                     snap.cover(self.outside[self.outside_keys[key][0]][0], whole=True)
+
+    def made(self, s: int, t: Tensor) -> Tensor:
+        """Kept slot ``s``'s tensor ``t`` (or an alias of it) at the geometry its op made (``made_geometry``)."""
+        g = self.made_geometry.get(s) if self.made_geometry else None
+        if g is None:
+            return t
+        with internal():
+            return t.as_strided(g[0], g[1], g[2])
 
     def before_write(self, t: Tensor) -> int:
         """NOTE [outside writes]: an op is about to write ``t`` in place; return its storage key."""
@@ -287,8 +299,9 @@ class Trace:
             if isinstance(decision, Offloadable) and self.offload is not None and self.offload(s, v, decision):
                 continue
             with internal():
-                self.stash[s] = c = v.detach().clone()
+                self.stash[s] = c = self.made(s, v.detach()).clone()
                 self.stash_versions[s] = c._version
+            self.made_geometry.pop(s, None)  # (the copy is at it)
         if self.on_write is not None:
             self.on_write(key)
         return key
@@ -487,8 +500,13 @@ class Tracer(TorchDispatchMode):
         if info.absolute:  # (as_strided of a tensor from outside: the replay's copy of its storage is whole)
             for _, _, r in refs:
                 trace.whole(trace.key_of.get(r, 0))
-        if info.inplace_view and refs and refs[0][2] in trace.outside and refs[0][2] not in trace.geometry0:
-            trace.geometry0[refs[0][2]] = ox.geometry(args[0])  # (t_, unsqueeze_ on a global: replayed on the copy)
+        if info.inplace_view and refs:
+            r = refs[0][2]
+            if r in trace.outside:
+                if r not in trace.geometry0:
+                    trace.geometry0[r] = ox.geometry(args[0])  # (t_, unsqueeze_ on a global: replayed on the copy)
+            elif r in trace.producer and r not in trace.made_geometry and r not in trace.copied:
+                trace.made_geometry[r] = ox.geometry(args[0])  # (t_ on a value the policy may keep)
         if info.mutable:
             keys = []
             written: list[Any] = []  # (argument positions or names)

@@ -33,7 +33,7 @@ def checkpoint_name(x: T, name: str) -> T:
         name: the name policies match on.
 
     Returns:
-        ``x``, with the same values (tensors as aliases that share memory).
+        ``x`` itself.
 
     Example:
         >>> import torch
@@ -63,14 +63,19 @@ def checkpoint_name(x: T, name: str) -> T:
 
 
 def _tag(name: str, leaf: Any) -> Any:
-    """The name's ``aten.alias`` of a tensor leaf, seen by remat's dispatch mode with the name pending."""
+    """Run the name's ``aten.alias`` of a tensor leaf, seen by remat's modes with the name pending; return the leaf.
+
+    The alias is only the name's carrier (a name decides for the op that made the value, NOTE [names decide for
+    the value]): the caller gets the tensor itself, as outside ``remat``, so that an in-place view op on it
+    (``n.t_()``, ``n.unsqueeze_(0)``, ``n.detach_()``) changes the tensor it named, as in plain code."""
     if not isinstance(leaf, torch.Tensor):
         return leaf
     tok = PENDING_NAME.set(name)
     try:
-        return _ALIAS(leaf)
+        _ALIAS(leaf)
     finally:
         PENDING_NAME.reset(tok)
+    return leaf
 
 
 _ALIAS = torch.ops.aten.alias.default
