@@ -152,6 +152,16 @@ def unwrap_all(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def has_history(t: torch.Tensor) -> bool:
+    """Whether ``t`` or a tensor below one of its functorch wrappers requires grad (a graph at some level)."""
+    while True:
+        if t.requires_grad:
+            return True
+        if not _F.is_functorch_wrapped_tensor(t):
+            return False
+        t = _F.get_unwrapped(t)
+
+
 def unwrap_for_grad(t: torch.Tensor, level: int) -> torch.Tensor:
     return _F._unwrap_for_grad(t, level)
 

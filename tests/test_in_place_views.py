@@ -208,5 +208,23 @@ def test_batch_norm_statistics_read_before_their_update_raise_on_the_full_engine
 
     expected = _bn_run("autograd", f)
     assert_tree_close(_bn_run("autograd", remat(f)), expected)  # (the replay: exact)
-    with pytest.raises(RematError, match="reads an input .* batch norm's running statistics"):
+    with pytest.raises(RematError, match="reads an input .* then writes it in place"):
         _bn_run("grad", remat(f))
+
+
+@pytest.mark.parametrize("outer", ["save-nothing", "save-matmuls", "save-everything"])
+@pytest.mark.parametrize("route", ["autograd", "double backward"])
+def test_an_in_place_view_op_on_a_value_a_nested_call_keeps_equals_plain(route: str, outer: str) -> None:
+    """The inner call's kept value goes to the outer call (NOTE [nested replay]) as the tensor itself, and comes
+    back at the geometry its op made; ``x @ W`` of a 1-D ``x`` squeezes the product in place (torch's matmul)."""
+    def inner(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        return kept_then_transposed(x, W) + (x[0] @ W).sin()
+
+    def plain(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        return inner(inner(x, W).exp(), W)
+
+    rin = remat(inner, policy=keep_sin)
+    g = remat(lambda x, W: rin(rin(x, W).exp(), W), policy=outer)
+    expected = _routes(plain)[route]()
+    for _ in range(3):
+        assert_tree_close(_routes(g)[route](), expected)

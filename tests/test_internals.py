@@ -335,3 +335,20 @@ def test_set_version_puts_a_counter_back_on_this_torch() -> None:
     assert t._version == v._version == 2
     ti.set_version(v, 0)
     assert t._version == v._version == 0
+
+
+def test_has_history_looks_through_every_functorch_level() -> None:
+    """A tensor with a graph at some level (the differentiated input of ``grad``, under ``vmap`` too) has history;
+    a plain one, or one passed through a level without being differentiated, has none."""
+    plain = torch.randn(3)
+    assert not ti.has_history(plain)
+    assert ti.has_history(torch.randn(3, requires_grad=True))
+    seen: list[tuple[bool, bool]] = []
+
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        seen.append((ti.has_history(x), ti.has_history(y)))
+        return (x * y).sum()
+
+    torch.func.grad(f)(torch.randn(3), plain)
+    torch.func.vmap(torch.func.grad(f), in_dims=(0, None))(torch.randn(2, 3), plain)
+    assert seen == [(True, False), (True, False)]

@@ -157,7 +157,7 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
         self.on_demote: Callable[[int], None] | None = None  # storage key: a name dropped it
         self.on_write: Callable[[set[int]], None] | None = None  # storage keys an in-place op is about to write
         self.mutated_inplace = False
-        self.offloaded_written = False  # an output to offload was written in place (see Frame.forward)
+        self.offloaded_written: Any = None  # the op that wrote an output to offload in place (Frame.forward)
         self.keep_written_offloads = False  # under torch.func: NOTE [written before offloaded] in outside_writes.py
         self.written: set[int] = set()  # storage keys an in-place op wrote (over-approximated: all its args)
         self.input_keys: set[int] = set()  # storages of the call's inputs (set by the frame)
@@ -276,7 +276,7 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
                 # the recompute reads the forward's value whatever the Python data became)
                 outside, lifted = None, ox.fingerprint(ins[0])
             else:
-                outside, lifted = self._outside_reads(ins, keys, in_vids), None
+                outside, lifted = self._outside_reads(ins, keys, in_vids, func.is_view), None
             scalars = values_key(args, kwargs)  # NOTE [same reads] in _engine/wiring.py
             if outside and func is TO_COPY and isinstance(decision, Offloadable):
                 # a cast of a parameter (autocast's bf16 weights): moving a parameter-sized copy each step
@@ -322,11 +322,11 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
             rec.in_keys = keys
             rec.out_keys = [storage_key(t) for t in outs]
             for k in rec.out_keys:
-                # a checkpoint_name alias shares its input's storage; its decision (the name's)
-                # governs that storage when it is saved, not the decision of the op that allocated it
-                if k and (k not in in_keys or name is not None or func in LIFTS):
-                    if name is not None:
-                        rec.named_from = self.producers.get(k)
+                # a checkpoint_name's alias is only the name's carrier (the caller gets the tensor itself): the name
+                # decides for the op that made the value (``_name_decides``), which stays its storage's producer
+                if k and name is not None:
+                    rec.named_from = self.producers.get(k)
+                elif k and (k not in in_keys or func in LIFTS):
                     self.producers[k] = idx
                 if k and k not in in_keys:
                     # a fresh storage: whatever was written at this address before was another storage, freed

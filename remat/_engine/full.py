@@ -494,6 +494,9 @@ class Frame(_Saving, _Serving):
             self.recorder.wiring = Wiring(known_tokens(flat, []), loose=True)
         with internal():
             self.recorder.input_keys = {storage_key(ti.unwrap_all(a)) for a in flat if isinstance(a, torch.Tensor)}
+            if not any(lv.kind == "jvp" for lv in self.levels):  # NOTE [writes into inputs] in outside_writes.py
+                self.recorder.free_input_keys = {storage_key(ti.unwrap_all(a)) for a in flat
+                                                 if isinstance(a, torch.Tensor) and not ti.has_history(a)}
         self.forwarding = True
         try:
             with contextlib.ExitStack() as es:
@@ -524,12 +527,13 @@ class Frame(_Saving, _Serving):
                     with internal():
                         key = storage_key(ti.unwrap_all(t))
                     self._outs.append((weakref.ref(t), key, None if ran is None else weakref.ref(ran), t._version))
-            if self.levels and self.recorder.offloaded_written:
+            if self.levels and self.recorder.offloaded_written is not None:
                 raise RematError(
-                    f"remat: {self.fn_name} writes in place into a tensor that its offload policy "
-                    "offloads, under torch.func; remat does not support that yet (its replay could "
-                    "give wrong gradients). Make the write out of place (h = h * 2 instead of "
-                    "h.mul_(2)), or use a save or recompute policy under torch.func."
+                    f"remat: {self.fn_name} writes in place into a tensor that its offload policy offloads "
+                    f"({self.recorder.offloaded_written}, in its code or in a torch function it calls, such as "
+                    "cross_entropy with label_smoothing), under torch.func; remat does not support that yet (its replay could "
+                    "give wrong gradients). Make the write out of place (h = h * 2 instead of h.mul_(2)), keep "
+                    "that op's output out of the offload policy, or use a save or recompute policy under torch.func."
                 )
             self.forwarding = False
             self._release_all()  # what a backward pass inside the forward pass recomputed (partial)
@@ -584,16 +588,17 @@ class Frame(_Saving, _Serving):
     def _check_forward_mutation(self, flat: list[Any]) -> None:
         now = [ti.unwrap_all(a)._version if isinstance(a, torch.Tensor) else None for a in flat]
         written = self.recorder.input_read_then_written
-        if self.drops and written is not None:  # NOTE [hidden writes into inputs] in outside_writes.py
+        if self.drops and written is not None:  # NOTE [writes into inputs] in outside_writes.py
             raise RematError(
-                f"remat: {self.fn_name} reads an input (shape {list(written.shape)}) and then updates it in place "
-                "through a batch norm's running statistics; on this route (torch.func, debug=True) the recompute "
-                "would read the updated value. Read the statistics after the batch norm, keep them as module "
-                "buffers, or call the function under plain autograd (which replays the trace)."
+                f"remat: {self.fn_name} reads an input (shape {list(written.shape)}) and then writes it in place "
+                "(an accumulator, a batch norm's running statistics); on this route (torch.func, debug=True) the "
+                "recompute would read the written value. Write it before reading it, keep it as a module buffer, "
+                "or call the function under plain autograd (which replays the trace)."
             )
         if self.drops:
+            copied = self.recorder.inputs_written
             for i, (a, v0, v1) in enumerate(zip(flat, self.versions, now)):
-                if v0 != v1:
+                if v0 != v1 and not (copied and storage_key(ti.unwrap_all(a)) in copied):
                     raise input_written_in_forward(self.fn_name, i, a)
         self.versions = now
 

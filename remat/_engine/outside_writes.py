@@ -31,6 +31,8 @@ from .._policies.core import Offloadable, Saveable
 from . import outside as ox
 from .ops import OVERWRITES, Half, OpRecord, arg_tensors, storage_key, tensor_leaves
 
+_RENORM = torch.ops.aten.embedding_renorm_.default  # (NOTE [writes into inputs]: written under no_grad by torch)
+
 __all__ = ["OutsideReads", "outside_args", "with_copies"]
 
 class OutsideReads(Half):
@@ -48,7 +50,9 @@ class OutsideReads(Half):
         self.written_tensors: list[torch.Tensor] = []  # outside tensors the call wrote: their versions put back
         self.made_geometry: dict[int, tuple[Any, ...]] = {}  # value -> its geometry before an in-place view op
         self.read_keys: set[int] = set()  # storages the call's ops read so far (but what a batch norm updates)
-        self._updating: set[int] = set()  # input storages the op being recorded updates (NOTE [hidden writes ...])
+        self._updating: set[int] = set()  # input storages the op being recorded updates (NOTE [writes into inputs])
+        self.free_input_keys: set[int] = set()  # storages of the inputs with no history at any level (set by the frame)
+        self.inputs_written: set[int] = set()  # input storages written as NOTE [writes into inputs] says
         self.input_read_then_written: torch.Tensor | None = None  # NOTE [hidden writes into inputs]
 
     def _absolute_view(self, ins: list[torch.Tensor]) -> None:
@@ -62,8 +66,8 @@ class OutsideReads(Half):
                     if shadow is not None and shadow.snap is not None:
                         shadow.snap.cover(t, whole=True)
 
-    def _outside_reads(self, ins: list[torch.Tensor], keys: list[int],
-                       vids: list[int]) -> list[tuple[int, torch.Tensor, int]] | None:
+    def _outside_reads(self, ins: list[torch.Tensor], keys: list[int], vids: list[int],
+                       view: bool = False) -> list[tuple[int, torch.Tensor, int]] | None:
         """The op's reads of outside tensors (NOTE [outside tensors]).
 
         Held strongly: an outside tensor that dies during the forward pass was replaced (a cache
@@ -71,7 +75,8 @@ class OutsideReads(Half):
         temporaries that also die (wrapped scalars) are tiny and pass as equal constants.
         """
         found = None
-        self.read_keys.update(k for k in keys if k not in self._updating)
+        if not view:  # (a view reads no value: the ops that read it do)
+            self.read_keys.update(k for k in keys if k not in self._updating)
         self._updating.clear()
         for j, (t, k, v) in enumerate(zip(ins, keys, vids)):
             if v in self.made_by or not self.is_outside(k):
@@ -114,11 +119,16 @@ class OutsideReads(Half):
                     # a view the call made of it is one of the copy in the recompute already: written as it is
                     # (the ops after it read that very tensor, as in the forward pass)
                     subst[j] = None if v in self.made_by and shadow.snap is not None else shadow.at(t)
-                elif func in ox.HIDDEN_WRITES and k in self.input_keys and k not in self.producers:
-                    # NOTE [hidden writes into inputs]
+                elif k in self.input_keys and k not in self.producers and (
+                        func in ox.HIDDEN_WRITES or func is _RENORM
+                        or (k in self.free_input_keys and self._no_gradient_into(k, ins))):
+                    # NOTE [writes into inputs]
                     if k in self.read_keys:
                         self.input_read_then_written = t
                     self._updating.add(k)
+                    self.inputs_written.add(k)
+                    if not any(w is t for w in self.written_tensors):
+                        self.written_tensors.append(t)  # (the recompute's write moves its version: put back)
                     if subst is None:
                         subst = {}
                     subst[j] = t.detach().clone()
@@ -140,13 +150,27 @@ class OutsideReads(Half):
     #     (its copy may be under way) and written in place under torch.func still raises in ``Frame.forward``: that
     #     replay gave wrong gradients. (The replay engine instead hands such an output to the engine at the write:
     #     ``Trace.before_write``.)
-    # NOTE [hidden writes into inputs]
-    #     A batch norm's running statistics passed as arguments of the call (``F.batch_norm(x, rm, rv,
-    #     training=True)`` with ``rm`` an input) are written by an op whose schema hides the write, so no version
-    #     moves and the check of the inputs does not see it. The recompute, which runs the op on the call's inputs
-    #     again, would write them twice: it writes into a copy instead (the op's outputs do not depend on the
-    #     statistics it writes). An op of the call that read such an input before the write would read the
-    #     written value in the recompute: refused (``Frame._check_forward_mutation``), never silently different.
+    def _no_gradient_into(self, k: int, ins: list[torch.Tensor]) -> bool:
+        """Whether an op writing input storage ``k`` reads nothing that may carry a gradient into it: only inputs
+        with no history, tensors from outside that need none, and the written storage itself."""
+        for a in ins:
+            ka = storage_key(a)
+            if ka != k and ka not in self.free_input_keys and not (self.is_outside(ka) and not a.requires_grad):
+                return False
+        return True
+
+    # NOTE [writes into inputs]
+    #     The full engine's recompute runs the call's ops on its inputs again: a write into an input would happen
+    #     twice. A write that carries no gradient (a batch norm's running statistics passed as arguments, whose
+    #     schema hides the write; ``embedding_renorm_`` of ``F.embedding(..., max_norm=...)``, which torch runs
+    #     under no_grad; a write into an argument with no history at any level and no forward-mode level, of
+    #     values with no history either: an accumulator) writes, in the recompute, into a copy of the input
+    #     taken before the forward's write: the op reads what it read, the input is written once, and the ops
+    #     after it read the input as the forward pass left it, as they read it then. An op of the call that read
+    #     such an input before the write would read the written value in the recompute: refused
+    #     (``Frame._check_forward_mutation``), never silently different. Other writes into inputs raise there.
+    #     The recompute's write still moves the input's version counter (above the dispatch level): put back, as
+    #     an outside tensor's (``Recorder.written_tensors``).
     def _copy_on_write(self, func: Any, written: list[torch.Tensor]) -> None:
         # a write that depends on what it overwrites (not a fill, a copy or a random draw)
         partial = (torch.Tag.inplace_view not in func.tags and torch.Tag.nondeterministic_seeded not in func.tags
@@ -176,9 +200,10 @@ class OutsideReads(Half):
                                     # NOTE [written before offloaded]
                                     rec.decision = Saveable
                                 else:
-                                    self.offloaded_written = True
+                                    self.offloaded_written = func
                     elif cur is not None and cur.engine.shares_storage(cur, keys):
-                        self.offloaded_written |= partial
+                        if partial:
+                            self.offloaded_written = func
                         # offloaded: on CUDA the write must wait until its copy to the host ran
                         cur.engine.before_write(cur)
 

@@ -20,7 +20,7 @@ import torch
 
 from .. import _torch_internals as ti
 from .._context import activated, internal
-from .._errors import RematError, input_written_before_backward
+from .._errors import RematError, input_written_before_backward, internal_error
 from .._torch_internals import saved_tensors_hooks
 from . import outside as ox
 from .capture import Capture, PassThrough, StopRecompute
@@ -58,7 +58,10 @@ def run_recompute(frame: Any, s: int, skip_unused: bool, forwarding: list[Any]) 
         except DeadRead:
             # NOTE [dead ops]: an op the recompute needs read a placeholder, so the liveness walk missed a value
             # made where no dispatch mode sees it: run the recompute again without skipping any op (exact)
-            return _attempt(frame, s, skip_unused, forwarding, detach, skip_dead=False)
+            try:
+                return _attempt(frame, s, skip_unused, forwarding, detach, skip_dead=False)
+            except DeadRead:
+                raise internal_error(f"the recompute of {frame.fn_name} read a value it let go of, with no op skipped") from None
     finally:
         for h in routed:
             h.value = None

@@ -166,7 +166,7 @@ class Replayer(TorchDispatchMode):
                 self.unused_keys.update(storage_key(t) for t in dead)
                 return rec.rebuild(dead)
         if rec.stash is not None and not rec.random and (self.skip_dead or all(
-                x is not None for x in rec.stash)):
+                x is not None and not (isinstance(x, weakref.ref) and x() is None) for x in rec.stash)):
             return self._replay(rec, func, args, kwargs)
         if not rec.live and rec.skippable and self.skip_dead:
             with internal():  # dead: nothing needed reads it (NOTE [dead ops])
@@ -184,7 +184,7 @@ class Replayer(TorchDispatchMode):
                 )
         if rec.outside is not None or rec.subst is not None:
             args, kwargs = outside_args(self, i, rec, args, kwargs)
-        if rec.random and self.unused_keys:
+        if rec.random and (self.unused_keys or tainted):
             args, kwargs = self._no_placeholders(args, kwargs)
         if rec.rng is not None:
             # NOTE [random ops]: the state the forward pass drew from, whatever the function set since (a seed
@@ -235,7 +235,8 @@ class Replayer(TorchDispatchMode):
         (a NaN probability is an error): zeros of the same shape stand in; its outputs are placeholders too."""
         with internal():
             ins = arg_tensors(args, kwargs)
-            new = {j: torch.zeros_like(t) for j, t in enumerate(ins) if storage_key(t) in self.unused_keys}
+            new = {j: torch.zeros_like(t) for j, t in enumerate(ins) if storage_key(t) in self.unused_keys
+                   or (self.tainted and is_tainted(self.tainted, t))}  # (a dead op's placeholder: NOTE [dead ops])
             if not new:
                 return args, kwargs
             self.unused_keys.update(storage_key(t) for t in new.values())

@@ -174,8 +174,12 @@ def run(trace: Trace, steps: list[Step], frees: list[list[int]], wanted: set[int
                         if args[key] is step.args[key]:
                             args[key] = list(args[key])
                         args[key][j] = v
+                moved = None
                 if step.inplace_view:
-                    # (on an alias: the value it reshapes may be a kept value or an outside tensor, read again later)
+                    # (on an alias: the value it reshapes may be a kept value or an outside tensor, read again later;
+                    # with a graph, a view, whose counter the op moves: put back after it, the value is unchanged)
+                    if graph:
+                        moved = (args[0], args[0]._version)
                     args[0] = args[0].view_as(args[0]) if graph else args[0].detach()
                 if graph and step.quiet:
                     # a write autograd did not see in the forward pass (through ``t.data``, a detach): nor now, through
@@ -197,6 +201,8 @@ def run(trace: Trace, steps: list[Step], frees: list[list[int]], wanted: set[int
                         out = step.call(*args, **kwargs)
                 else:
                     out = step.call(*args, **kwargs)
+                if moved is not None:
+                    ti.set_version(*moved)
                 spec = step.spec
                 if spec is None:
                     vals[step.outs[0]] = out

@@ -240,7 +240,8 @@ class Trace:
         for s in self.raw:
             t = self.stash.get(s)
             if t is not None and type(t) is not weakref.ref:
-                self.stash[s] = self.made(s, t.detach())
+                # (a nested call's go to its parent, which must know the tensor itself: ``made`` when they come back)
+                self.stash[s] = t.detach() if self.external is not None else self.made(s, t.detach())
         self.raw.clear()
         # the versions a write after the forward pass would move (the forward's own writes copied the values
         # before them, and its squeeze_ & co. moved the counter without changing a value)

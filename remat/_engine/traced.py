@@ -317,7 +317,7 @@ class _Serving(Half):
             h = self.routed.get(s)
             if h is not None:
                 assert self.parent is not None
-                return self.parent.unpack(h)
+                return trace.made(s, self.parent.unpack(h))
             e = trace.outside.get(s)
             if e is not None:
                 shadow = trace.shadowed.get(s) if trace.shadowed else None

@@ -1,0 +1,191 @@
+"""Writes into the call's inputs and dead values on the full engine (``torch.func``, ``debug=True``), first call and
+later ones, against plain ``f`` under the same transform (float64; state compared too).
+
+Each case was a false error, a crash or a wrong state without an error before the twenty-fifth session's fixes
+(NOTE [writes into inputs] in ``remat/_engine/outside_writes.py``; a released kept value read by a random op or a
+saved tensor, NOTE [dead ops] in ``remat/_engine/liveness.py``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import grad, jacrev, vjp
+
+from remat import RematError, checkpoint_name, policies, remat
+
+from .helpers import assert_tree_close, seeded_randn
+
+D = torch.float64
+
+
+def _accumulate(x: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    acc.add_(1.0)
+    return (x * x).sin().sum() * acc
+
+
+def _renorm(E: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    idx = torch.tensor([0, 2, 2])
+    return (F.embedding(idx, E, max_norm=1.0) * x).sum()
+
+
+def _run(route: str, f: Callable[..., torch.Tensor], a: torch.Tensor, b: torch.Tensor) -> Any:
+    a, b = a.clone(), b.clone()
+    if route == "grad":
+        g = grad(f)(a, b)
+    elif route == "jacrev":
+        g = jacrev(f)(a, b)
+    elif route == "vjp":
+        g = vjp(lambda a: f(a, b), a)[1](torch.tensor(1.0, dtype=D))[0]
+    else:
+        a.requires_grad_()
+        f(a, b).backward()
+        g = a.grad
+    return g, a.detach(), b
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["default", "debug"])
+@pytest.mark.parametrize("route", ["autograd", "grad", "vjp", "jacrev"])
+@pytest.mark.parametrize("case", ["accumulator argument", "embedding max_norm"])
+def test_a_write_into_an_input_that_carries_no_gradient_happens_once(case: str, route: str, debug: bool) -> None:
+    """Raised "modified its input in place" on the full engine; plain autograd and plain torch.func run it."""
+    if case == "accumulator argument":
+        if route == "vjp":
+            pytest.skip("plain torch.func refuses a write into a captured tensor")
+        f, a, b = _accumulate, seeded_randn(4, 3, seed=1), torch.zeros((), dtype=D)
+    else:
+        f, a, b = _renorm, seeded_randn(5, 4, seed=1) * 2, seeded_randn(3, 4, seed=2)
+    expected = _run(route, f, a, b)
+    g = remat(f, debug=debug)
+    for _ in range(3):
+        assert_tree_close(_run(route, g, a, b), expected)
+
+
+def test_an_input_read_then_written_raises_on_the_full_engine_and_is_exact_on_the_replay() -> None:
+    def f(x: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+        y = (x + acc).sin().sum()  # (add saves neither argument: plain autograd lets the write pass)
+        acc.add_(1.0)
+        return y
+
+    a, b = seeded_randn(4, 3, seed=1), torch.ones((), dtype=D)
+    assert_tree_close(_run("autograd", remat(f), a, b), _run("autograd", f, a, b))
+    with pytest.raises(RematError, match="reads an input .* then writes it in place"):
+        _run("grad", remat(f), a, b)
+
+
+# ---- a value the liveness walk let go of, read after all --------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["grad", "vjp", "jacrev"])
+def test_an_offloaded_batch_norm_output_named_under_torch_func_equals_plain(route: str) -> None:
+    """Raised remat's internal ``DeadRead``, with no message: the recompute run again without skipping ops still
+    read a released kept value, which now runs its op instead."""
+    def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = F.batch_norm(x, None, None, w, None, training=True)
+        h = checkpoint_name(h, "n1")
+        return torch.sin(h).sum()
+
+    w, x = seeded_randn(8, seed=1), seeded_randn(4, 8, seed=2)
+    expected = _run(route, f, w, x)
+    g = remat(f, policy=policies.offload_to_cpu(min_bytes=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (an offload from the CPU to the CPU frees nothing, and says so)
+        for _ in range(3):
+            assert_tree_close(_run(route, g, w, x), expected)
+
+
+@pytest.mark.parametrize("route", ["grad", "debug"])
+def test_a_kept_random_op_whose_input_is_dead_equals_plain(route: str) -> None:
+    """``bernoulli`` of a dead ``full`` (a placeholder of NaNs) raised torch's "Expected p_in >= 0"."""
+    gen = torch.Generator()
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x * (x * w).sum(0)
+        m = torch.bernoulli(torch.full((3, 4), 0.6, dtype=D), generator=gen)
+        return (h * m).sum()
+
+    x, w = seeded_randn(3, 4, seed=1), seeded_randn(3, 4, seed=2)
+    def keep_bernoulli(op: Any, *a: Any, **k: Any) -> bool:
+        return "bernoulli" in str(op)
+
+    for _ in range(3):
+        gen.manual_seed(0)
+        expected = _run("grad" if route == "grad" else "autograd", f, x, w)
+        gen.manual_seed(0)
+        g = remat(f, policy=keep_bernoulli, debug=route == "debug")
+        assert_tree_close(_run("grad" if route == "grad" else "autograd", g, x, w), expected)
+
+
+def test_an_offloaded_tensor_written_by_a_torch_function_under_torch_func_names_the_op() -> None:
+    def f(W: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(x @ W, t, label_smoothing=0.1)
+
+    W, x, t = seeded_randn(8, 5), seeded_randn(4, 8, seed=1), torch.tensor([0, 3, 1, 4])
+    g = remat(f, policy=policies.offload_to_cpu(min_bytes=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RematError, match=r"offload policy offloads \(aten\.\w+.*cross_entropy"):
+            grad(g)(W, x, t)
+
+
+# ---- what the recompute's write into the copy leaves of the input (the fixes' review) -----------------------------
+
+
+def test_the_recompute_leaves_a_written_input_at_its_version_and_a_node_outside_the_call_that_saved_it_runs() -> None:
+    """The recompute writes into a copy, but its in-place op moved the real input's version counter (above the
+    dispatch level): a node outside the call that saved the input raised torch's "is at version 2"."""
+    def f(x: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+        acc.add_(1.0)
+        return x.sin().exp().sum()
+
+    def run(fn: Callable[..., torch.Tensor]) -> Any:
+        x, acc = seeded_randn(3).requires_grad_(), torch.zeros(3, dtype=D)
+        y = fn(x, acc)
+        z = (acc * x).sum()  # (saves acc, outside the call)
+        y.backward()
+        version = acc._version
+        z.backward()
+        return x.grad, acc, version
+
+    expected = run(f)
+    assert_tree_close(run(remat(f, debug=True)), expected)
+
+
+@pytest.mark.parametrize("route", ["grad", "jacrev", "debug, double backward"])
+def test_an_accumulator_written_then_saved_by_an_op_equals_plain(route: str) -> None:
+    """``(x * acc)`` saves the written accumulator: the recompute's version bump made its unpack raise "modified in
+    place after it was saved"."""
+    def f(x: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+        acc.add_(1.0)
+        return (x * acc).sin().sum()
+
+    def run(fn: Callable[..., torch.Tensor]) -> Any:
+        x, acc = seeded_randn(5), torch.zeros(5, dtype=D)
+        if route == "grad":
+            return grad(fn)(x, acc), acc
+        if route == "jacrev":
+            return jacrev(fn)(x, acc), acc
+        x.requires_grad_()
+        (g,) = torch.autograd.grad(fn(x, acc), x, create_graph=True)
+        return torch.autograd.grad((g * g).sum(), x)[0], acc
+
+    expected = run(f)
+    g = remat(f, debug=route.startswith("debug"))
+    for _ in range(3):
+        assert_tree_close(run(g), expected)
+
+
+def test_a_value_that_carries_a_gradient_written_into_an_input_still_raises_on_the_full_engine() -> None:
+    """Written into a copy, the recompute would lose the value's history (a double backward through it)."""
+    def f(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        buf.copy_(x.exp())
+        return buf.sin().sum()
+
+    x, buf = seeded_randn(5).requires_grad_(), torch.zeros(5, dtype=D)
+    with pytest.raises(RematError, match="modified its input #1"):
+        remat(f, debug=True)(x, buf)
