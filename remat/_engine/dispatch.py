@@ -214,7 +214,12 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
         if idx is None:
             return None
         rec = self.ops[idx]
-        return next((ov for ov, ok in zip(rec.out_vids, rec.out_keys) if ok == k), None)
+        for ov, ok, ref in zip(rec.out_vids, rec.out_keys, rec.refs):
+            # (the op's output still alive on this very storage: an address the allocator handed out again, to a
+            # tensor made where no mode saw, torch.tensor's data, is another value)
+            if ok == k and (t := ref()) is not None and ti.storage_of(t) is storage:
+                return ov
+        return None
 
     def known_vid(self, t: torch.Tensor) -> int | None:
         e = self._vid_of.get(id(t))
