@@ -494,6 +494,7 @@ class Frame(_Saving, _Serving):
             self.recorder.wiring = Wiring(known_tokens(flat, []), loose=True)
         with internal():
             self.recorder.input_keys = {storage_key(ti.unwrap_all(a)) for a in flat if isinstance(a, torch.Tensor)}
+            self.recorder.no_levels = not self.levels
             if not any(lv.kind == "jvp" for lv in self.levels):  # NOTE [writes into inputs] in outside_writes.py
                 self.recorder.free_input_keys = {storage_key(ti.unwrap_all(a)) for a in flat
                                                  if isinstance(a, torch.Tensor) and not ti.has_history(a)}
@@ -596,7 +597,7 @@ class Frame(_Saving, _Serving):
                 "or call the function under plain autograd (which replays the trace)."
             )
         if self.drops:
-            copied = self.recorder.inputs_written
+            copied = self.recorder.inputs_written - self.recorder.inputs_rewritten
             for i, (a, v0, v1) in enumerate(zip(flat, self.versions, now)):
                 if v0 != v1 and not (copied and storage_key(ti.unwrap_all(a)) in copied):
                     raise input_written_in_forward(self.fn_name, i, a)

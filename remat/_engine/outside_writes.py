@@ -52,7 +52,9 @@ class OutsideReads(Half):
         self.read_keys: set[int] = set()  # storages the call's ops read so far (but what a batch norm updates)
         self._updating: set[int] = set()  # input storages the op being recorded updates (NOTE [writes into inputs])
         self.free_input_keys: set[int] = set()  # storages of the inputs with no history at any level (set by the frame)
+        self.no_levels = False  # no torch.func level around the call (set by the frame)
         self.inputs_written: set[int] = set()  # input storages written as NOTE [writes into inputs] says
+        self.inputs_rewritten: set[int] = set()  # input storages written otherwise too (the recompute writes them)
         self.input_read_then_written: torch.Tensor | None = None  # NOTE [hidden writes into inputs]
 
     def _absolute_view(self, ins: list[torch.Tensor]) -> None:
@@ -134,6 +136,8 @@ class OutsideReads(Half):
                     subst[j] = t.detach().clone()
                 else:
                     inside = True
+                    if k in self.input_keys:
+                        self.inputs_rewritten.add(k)  # (run again on the input itself: it raises, NOTE [writes ...])
         if subst is None or inside:
             self.mutated_inplace = True
             # schema writes: all arguments (over-approximated, as always); batch norm's: the statistics
@@ -155,8 +159,12 @@ class OutsideReads(Half):
         with no history, tensors from outside that need none, and the written storage itself."""
         for a in ins:
             ka = storage_key(a)
-            if ka != k and ka not in self.free_input_keys and not (self.is_outside(ka) and not a.requires_grad):
-                return False
+            if ka == k or ka in self.free_input_keys or not (a.is_floating_point() or a.is_complex()):
+                continue  # (the written storage, an input with no history, an index: no gradient)
+            # (with no torch.func level, the tensors an op reads are the call's own, which say whether they need one)
+            if (self.is_outside(ka) or self.no_levels) and not a.requires_grad:
+                continue
+            return False
         return True
 
     # NOTE [writes into inputs]
