@@ -320,7 +320,7 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
             rec.refs = [weakref.ref(t) for t in outs]
             for t, v in zip(outs, rec.out_vids):
                 # an in-place write returns the outside tensor it wrote: that stays outside
-                if not (subst and self.is_outside(storage_key(t))):
+                if not (subst and self.is_outside(storage_key(t), t)):
                     self.made_by[v] = idx
             if name is not None and ins and (decision is not Recompute or explicit):
                 self._name_decides(ins[0], decision, idx)

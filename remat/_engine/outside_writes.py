@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .. import _torch_internals as ti
 from .._context import internal
 from .._errors import RematError
 from .._policies.core import Offloadable, Saveable
@@ -38,9 +39,18 @@ __all__ = ["OutsideReads", "outside_args", "with_copies"]
 class OutsideReads(Half):
     """The recorder's reads of and writes into outside tensors (NOTE [outside tensors])."""
 
-    def is_outside(self, k: int) -> bool:
-        """Whether storage ``k`` is neither an input of the call nor made by one of its ops (NOTE [outside tensors])."""
-        return k != 0 and k not in self.producers and k not in self.input_keys
+    def is_outside(self, k: int, t: torch.Tensor | None = None) -> bool:
+        """Whether storage ``k`` (of ``t``) is neither an input of the call nor made by one of its ops (NOTE [outside
+        tensors]). With ``t``: an op's storage only while that op's output lives on that very storage (an address
+        freed and handed to a tensor no mode saw, ``torch.tensor``'s data, a wrapper's inner tensor, is outside)."""
+        if k == 0 or k in self.input_keys:
+            return False
+        if k not in self.producers:
+            return True
+        if t is None:
+            return False
+        s = ti.storage_of(t)
+        return s is not None and self._storage_vid(s) is None
 
     def _outside_state(self) -> None:
         self.written_outside: set[int] = set()  # storages of outside tensors the call wrote
@@ -62,7 +72,7 @@ class OutsideReads(Half):
         with internal():
             for t in ins:
                 k = storage_key(t)
-                if self.is_outside(k):
+                if self.is_outside(k, t):
                     self.whole_keys.add(k)
                     shadow = self.shadows.get(k)
                     if shadow is not None and shadow.snap is not None:
@@ -81,7 +91,7 @@ class OutsideReads(Half):
             self.read_keys.update(k for k in keys if k not in self._updating)
         self._updating.clear()
         for j, (t, k, v) in enumerate(zip(ins, keys, vids)):
-            if v in self.made_by or not self.is_outside(k):
+            if v in self.made_by or not self.is_outside(k, t):
                 continue
             if found is None:
                 found = []
@@ -102,7 +112,7 @@ class OutsideReads(Half):
             for j in written:
                 t = ins[j]
                 k = storage_key(t)
-                if self.is_outside(k):
+                if self.is_outside(k, t):
                     # NOTE [written outside storages]: the reads of this storage since its last write, and the
                     # write itself, read and write the recompute's own copy of it
                     shadow = self.shadows.get(k)
@@ -162,7 +172,7 @@ class OutsideReads(Half):
             if ka == k or ka in self.free_input_keys or not (a.is_floating_point() or a.is_complex()):
                 continue  # (the written storage, an input with no history, an index: no gradient)
             # (with no torch.func level, the tensors an op reads are the call's own, which say whether they need one)
-            if (self.is_outside(ka) or self.no_levels) and not a.requires_grad:
+            if (self.is_outside(ka, a) or self.no_levels) and not a.requires_grad:
                 continue
             return False
         return True
