@@ -204,23 +204,6 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
                 self._vid_of[id(x)] = (weakref.ref(x), v)
         return v
 
-    def _storage_vid(self, storage: Any) -> int | None:
-        """The value of the op of the call whose output lives in ``storage`` (None: none made it)."""
-        try:
-            k = int(storage.data_ptr())
-        except (RuntimeError, NotImplementedError):
-            return None
-        idx = self.producers.get(k) if k else None
-        if idx is None:
-            return None
-        rec = self.ops[idx]
-        for ov, ok, ref in zip(rec.out_vids, rec.out_keys, rec.refs):
-            # (the op's output still alive on this very storage: an address the allocator handed out again, to a
-            # tensor made where no mode saw, torch.tensor's data, is another value)
-            if ok == k and (t := ref()) is not None and ti.storage_of(t) is storage:
-                return ov
-        return None
-
     def known_vid(self, t: torch.Tensor) -> int | None:
         e = self._vid_of.get(id(t))
         return e[1] if e is not None and e[0]() is t else None
@@ -318,6 +301,7 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
                 else:
                     self.wiring.note(idx, out)
             rec.refs = [weakref.ref(t) for t in outs]
+            rec.stores = [None if (st := ti.storage_of(t)) is None else weakref.ref(st) for t in outs]
             for t, v in zip(outs, rec.out_vids):
                 # an in-place write returns the outside tensor it wrote: that stays outside
                 if not (subst and self.is_outside(storage_key(t), t)):

@@ -219,6 +219,7 @@ class OpRecord:
     random: bool
     out_spec: Any = None  # how to rebuild the op's output from its tensors (None: not replayable)
     refs: list[Any] = dataclasses.field(default_factory=list)  # weakrefs to the outputs
+    stores: list[Any] = dataclasses.field(default_factory=list)  # weakrefs to the outputs' storages (or None)
     stash: list[Any] | None = None  # per output: weakref, tensor, offloaded handle or None
     cow: bool = False  # a stashed output was later mutated in place: replay a copy
     versions: list[int | None] | None = None  # of the stashed outputs when the forward pass ended

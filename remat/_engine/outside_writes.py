@@ -52,6 +52,21 @@ class OutsideReads(Half):
         s = ti.storage_of(t)
         return s is not None and self._storage_vid(s) is None
 
+    def _storage_vid(self, storage: Any) -> int | None:
+        """The value of the op of the call whose output lives in ``storage`` (None: none made it): only while that
+        storage lives (an address freed and handed to a tensor no mode saw, ``torch.tensor``'s data, a wrapper's
+        inner tensor, is another value; a storage object lives as long as any tensor on it)."""
+        try:
+            k = int(storage.data_ptr())
+        except (RuntimeError, NotImplementedError):
+            return None
+        idx = self.producers.get(k) if k else None
+        if idx is None:
+            return None
+        rec = self.ops[idx]
+        return next((ov for ov, ok, ref in zip(rec.out_vids, rec.out_keys, rec.stores)
+                     if ok == k and ref is not None and ref() is storage), None)
+
     def _outside_state(self) -> None:
         self.written_outside: set[int] = set()  # storages of outside tensors the call wrote
         self._pending: dict[int, list[tuple[OpRecord, int, torch.Tensor]]] = {}  # outside reads since the last write
