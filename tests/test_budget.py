@@ -464,3 +464,14 @@ def test_a_budget_inside_a_remat_module_with_a_fixed_policy_equals_plain(outer: 
                                       "budget": policies.memory_budget(0.5)}[outer])
     for _ in range(3):
         assert_tree_close(torch.autograd.grad(model(x).sum(), list(model.parameters())), want, rtol=1e-10, atol=1e-10)
+
+
+def test_a_budget_plan_another_program_learned_under_a_nested_call_raises_not_crashes(capsys: Any) -> None:
+    """The fuzzer's programs share ``Program.forward``'s code, so a plan one learned serves the next; an outer
+    recompute that ran a nested call again then missed an op its forward pass had routed: a ``KeyError`` from remat's
+    internals (found by the twenty-fifth session's fuzzer run). Now a ``RematError``, counted, no silent mismatch."""
+    rc = run_benchmark_in_process("fuzz", ["--policies", "budget", "--wraps", "method,nested", "--programs", "120",
+                                           "--calls", "6", "--seed", "26200"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "| budget | nested | 120 | 840 |" in out and "0 silent mismatches" in out

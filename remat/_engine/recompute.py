@@ -183,7 +183,15 @@ def call_nested_replay(ctx: Any, run: Callable[[list[Any]], Any], flat: list[Any
             out = run(flat)
     assert nested is not None
     for i, j in nested.stash:  # the stash the forward pass routed, re-saved in the same order
-        ctx.pack(tap.outputs[i][j])
+        outs = tap.outputs.get(i)
+        if outs is None or j >= len(outs):
+            raise RematError(
+                f"remat: an enclosing recompute ran a nested remat'd call again and did not meet op #{i} of its "
+                "forward pass (the inner call ran other ops; seen with a memory_budget plan that another function "
+                "of the same code learned). Give the inner call a fixed policy, or a memory_budget of its own; if "
+                "neither applies, please report it with the code."
+            )
+        ctx.pack(outs[j])
     return out
 
 
