@@ -35,6 +35,7 @@ import torch
 from .. import _torch_internals as ti
 from .._context import internal
 from .._policies.core import Decision, Offloadable
+from . import outside as ox
 from .ops import AliasRef, Half, OpRecord, storage_key, traits
 
 __all__ = ["StashLiveness"]
@@ -155,7 +156,7 @@ class StashLiveness(Half):
                 g = self.made_geometry.get(rec.out_vids[i]) if self.made_geometry else None
                 if g is not None:  # (an in-place view op changed its geometry since its op made it: t_)
                     with internal():
-                        t = t.detach().as_strided(g[0], g[1], g[2])
+                        t = ox.at_geometry(t.detach(), g)
                 rec.stash[i] = self.offload(t, rec.decision) if isinstance(rec.decision, Offloadable) else t.detach()
 
     def seal(self) -> None:

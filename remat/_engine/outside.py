@@ -88,6 +88,12 @@ def geometry(t: torch.Tensor) -> tuple[Any, ...]:
     return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
 
 
+def at_geometry(t: torch.Tensor, g: tuple[Any, ...]) -> torch.Tensor:
+    """An alias of ``t`` at geometry ``g`` (``geometry``'s) on its storage: a value an in-place view op reshaped
+    since (``t.t_()``) as its op made it."""
+    return t.as_strided(g[0], g[1], g[2])
+
+
 def fingerprint(t: torch.Tensor) -> tuple[Any, ...]:
     """A cryptographic hash of a tensor's value (shape, dtype and every byte), holding nothing.
 

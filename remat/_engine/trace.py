@@ -264,7 +264,7 @@ class Trace:
         if g is None:
             return t
         with internal():
-            return t.as_strided(g[0], g[1], g[2])
+            return ox.at_geometry(t, g)
 
     def before_write(self, t: Tensor) -> int:
         """NOTE [outside writes]: an op is about to write ``t`` in place; return its storage key."""
