@@ -488,10 +488,11 @@ class Frame(_Saving, _Serving):
             # forward's input required grad: the parent hands inputs back detached
             self._routed_slots = {i: a.requires_grad for i, a in enumerate(flat) if isinstance(a, torch.Tensor)}
         self._forward_inputs = flat
-        if not self.levels and not self.routed:  # NOTE [same reads] in _engine/wiring.py: the tensors are the call's own
+        if not self.routed:  # NOTE [same reads] in _engine/wiring.py: the tensors are the call's own
             # (module state is read as outside tensors here, checked by storage, and its recompute may read copies
-            # of what the call wrote: NOTE [outside tensors]; so one marker like them, not tokens of their own)
-            self.recorder.wiring = Wiring(known_tokens(flat, []), loose=True)
+            # of what the call wrote: NOTE [outside tensors]; so one marker like them, not tokens of their own; under
+            # torch.func levels the ops read the inputs unwrapped)
+            self.recorder.wiring = Wiring(known_tokens(_unwrapped(flat), []), loose=True)
         with internal():
             self.recorder.input_keys = {storage_key(ti.unwrap_all(a)) for a in flat if isinstance(a, torch.Tensor)}
             self.recorder.no_levels = not self.levels
@@ -638,3 +639,7 @@ class _Ran:
             ti.queue_backward_callback(frame._release_later())
 
 
+def _unwrapped(flat: list[Any]) -> list[Any]:
+    """The call's leaves as its ops read them, below every ``torch.func`` level (NOTE [same reads])."""
+    with internal():
+        return [ti.unwrap_all(a) if isinstance(a, torch.Tensor) else a for a in flat]

@@ -30,7 +30,7 @@ from .._context import internal
 from .._errors import RematError
 from .._policies.core import Offloadable, Saveable
 from . import outside as ox
-from .ops import OVERWRITES, Half, OpRecord, arg_tensors, storage_key, tensor_leaves
+from .ops import LIFTS, OVERWRITES, DeadRead, Half, OpRecord, arg_tensors, storage_key, tensor_leaves
 
 _RENORM = torch.ops.aten.embedding_renorm_.default  # (NOTE [writes into inputs]: written under no_grad by torch)
 
@@ -320,6 +320,14 @@ def with_copies(self: Any, rec: OpRecord, args: Any, kwargs: Any) -> tuple[Any, 
         for j, c in rec.subst.items() if c is not None})
 
 
+def placeholders(self: Any) -> None:
+    """A value built from Python data (``torch.from_numpy(t.numpy())``, ``torch.tensor(t.tolist())``) differs from
+    the forward pass's while the recompute handed back placeholders for dead ops (``self``: the full engine's
+    ``Replayer``): the data was read from one where no mode sees (NOTE [dead ops]), so run again without skipping."""
+    if self.skip_dead and (self.tainted or self.unused_keys):
+        raise DeadRead
+
+
 def outside_args(self: Any, i: int, rec: OpRecord, args: Any, kwargs: Any) -> tuple[Any, Any]:
     """The recompute's half of NOTE [outside tensors] (``self``: the full engine's ``Replayer``): check op ``i``
     reads the forward pass's outside tensors; hand it copies where recorded."""
@@ -349,9 +357,13 @@ def outside_args(self: Any, i: int, rec: OpRecord, args: Any, kwargs: Any) -> tu
                         "or clone it."
                     )
                 continue
-            if (not cur.requires_grad and not t0.requires_grad and cur.shape == t0.shape
+            lift = rec.func in LIFTS  # (Python data lifted: its value matters, not the tensor, which a custom
+            # autograd.Function returning it made require a gradient since: torch.from_numpy inside its forward)
+            if ((lift or (not cur.requires_grad and not t0.requires_grad)) and cur.shape == t0.shape
                     and cur.dtype == t0.dtype and cur.device == t0.device and torch.equal(cur, t0)):
                 continue  # a constant made afresh on every call, with the same value
+            if lift:
+                placeholders(self)  # (the data came from a placeholder: NOTE [dead ops])
             raise RematError(
                 f"remat: the recompute of {self.rec.fn_name} read a different tensor of shape "
                 f"{list(cur.shape)}{self.rec._label(t0)} than its forward pass did, as argument "

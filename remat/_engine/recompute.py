@@ -29,6 +29,7 @@ from .functorch import below_all_levels, check_lower_levels, replay
 from .ops import DeadRead, storage_key
 from .packed import Made, ParentHandle, made_anew
 from .replay import Replayer
+from .wiring import known_tokens
 
 __all__ = ["fingerprints", "check_fingerprints", "run_recompute", "unused_ops", "call_nested_replay"]
 
@@ -97,6 +98,10 @@ def _attempt(frame: Any, s: int, skip_unused: bool, forwarding: list[Any], detac
         vals, target = es.enter_context(
             replay(frame.levels, frame.decs + frame.state_decs, flat + frame.state.tensors, s))
         vals, state_vals = vals[:n], vals[n:]
+        if replayer.wiring is not None:  # (the recompute's inputs: a routed call's come from its parent, anew)
+            with internal():
+                replayer.wiring.known = known_tokens([ti.unwrap_all(v) if isinstance(v, torch.Tensor) else v
+                                                      for v in vals], [])
         written = frame.recorder.written_outside
         if written:
             # state the forward pass wrote (a BatchNorm's statistics): the recompute's writes go to a

@@ -43,7 +43,7 @@ from .ops import (
     storage_key,
     tensor_leaves,
 )
-from .outside_writes import outside_args, with_copies
+from .outside_writes import outside_args, placeholders, with_copies
 from .wiring import Wiring, autocast_cast, cast_source, describe_difference, same_key, values_key
 
 __all__ = ["Replayer"]
@@ -198,6 +198,7 @@ class Replayer(TorchDispatchMode):
             with internal():
                 now = ox.fingerprint(arg_tensors(args, kwargs)[0])
             if now != rec.lifted:
+                placeholders(self)  # (the data came from a placeholder: NOTE [dead ops])
                 raise self.diverged(
                     f"op #{i} {func} lifted a tensor built from Python data (torch.tensor, torch.from_numpy) "
                     f"of shape {list(now[0])} whose value differs from the forward pass's (data read from "

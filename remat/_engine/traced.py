@@ -54,7 +54,6 @@ NOTE [graph replay]
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 import weakref
@@ -570,11 +569,8 @@ class TraceFrame(_Saving, _Serving):
                     trace.inputs[trace.read(a)] = i
         self.forwarding = True
         try:
-            with contextlib.ExitStack() as es:
-                es.enter_context(saved_tensors_hooks(self.pack, self.unpack))
-                es.enter_context(self.tracer)
-                es.enter_context(activated(self))
-                es.enter_context(forward_pass())
+            # (one with statement, not an ExitStack: -2.5 us a call)
+            with saved_tensors_hooks(self.pack, self.unpack), self.tracer, activated(self), forward_pass():
                 try:
                     out = self.run(self.flat)
                 except RuntimeError as e:

@@ -291,13 +291,16 @@ def known_tokens(inputs: list[Any], state: list[torch.Tensor]) -> dict[int, Any]
 
 def same_key(now: Any, then: Any, loose: bool = False) -> bool:
     """Whether two keys are equal, NaN equal to NaN (``==`` first: the common case, done in C). ``loose`` (the full
-    engine's): a tensor no op of the call made, on either side, matches any tensor (its reads of tensors it did not
-    make, a backward pass's inside it included, are checked by storage: NOTE [outside tensors] in _engine/outside_writes.py)."""
+    engine's): a tensor no op of the forward pass made (``then``) matches any tensor now (its reads of tensors it did
+    not make, a backward pass's inside it included, are checked by storage: NOTE [outside tensors] in
+    _engine/outside_writes.py); the reverse does not: a recompute that reads such a tensor where the forward pass read
+    an input, a value of the call or a parameter reads another tensor (``src = x if self.flag else self.vec``), which
+    no storage check of the forward's outside reads would see."""
     if now == then:
         return True
     if type(now) is float and type(then) is float:
         return now != now and then != then
-    if loose and (now is _TENSOR and _is_token(then) or then is _TENSOR and _is_token(now)):
+    if loose and then is _TENSOR and _is_token(now):
         return True
     if type(now) in (tuple, list) and type(then) is type(now) and len(now) == len(then) and not _is_token(now):
         return all(same_key(a, b, loose) for a, b in zip(now, then))
