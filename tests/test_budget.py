@@ -475,3 +475,33 @@ def test_a_budget_plan_another_program_learned_under_a_nested_call_raises_not_cr
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "| budget | nested | 120 | 840 |" in out and "0 silent mismatches" in out
+
+
+@pytest.mark.parametrize("how", ["function", "remat_module"])
+def test_a_measuring_call_over_an_embedding_that_renormalises_its_weight_is_exact(how: str) -> None:
+    """``nn.Embedding(max_norm=...)`` writes its weight's rows under ``no_grad``; the measuring call's recompute
+    writes a stand-in of the weight, which needed no gradient: the embedding's output then needed none and the ops
+    after it saved less ("saved 2 tensors where its forward pass saved 4", a false error before). The gradients and
+    the weight after the calls equal plain autograd's, on the measuring call and the planned ones."""
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(6, 4, max_norm=1.0, dtype=torch.float64)
+            with torch.no_grad():
+                self.emb.weight.copy_(torch.linspace(-2, 3, 24, dtype=torch.float64).reshape(6, 4))
+            self.register_buffer("ids", torch.tensor([1, 3, 3]))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.emb(self.ids) * x + x.sin()
+
+    def step(m: torch.nn.Module, call: Any, k: int) -> Any:
+        x = torch.linspace(-1.2, 1.1 + k, 12, dtype=torch.float64).reshape(3, 4).requires_grad_()
+        (call(x) * torch.arange(12.0, dtype=torch.float64).reshape(3, 4)).sum().backward()
+        return x.grad, m.emb.weight.grad.clone(), m.emb.weight.detach().clone()
+
+    ref_m, m = M(), M()
+    budget = policies.memory_budget(0.5)
+    call = remat.remat(lambda t: m(t), policy=budget) if how == "function" else remat.remat_module(m, policy=budget)
+    for k in range(3):
+        assert_tree_close(step(m, call, k), step(ref_m, ref_m, k), rtol=1e-10, atol=1e-10)

@@ -517,7 +517,7 @@ class Frame(_Saving, _Serving):
                         raise
                     raise NeedsRegion(self, e) from e  # NOTE [reentrant region] in region.py
             if self.program is not None:
-                self.program.finish()
+                self.program.finish(out)
             if not self.routed and (not self.levels or (len(self.levels) == 1 and self.levels[0].kind == "grad")):
                 # NOTE [unused outputs]: weakly, an output's node would make a cycle through the graph
                 self._outs = []

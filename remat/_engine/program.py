@@ -21,11 +21,21 @@ NOTE [program replay]
 
     A program that cannot stand for the Python is *spoiled*, and the recompute runs the Python again as before
     (with the re-run's checks: exact or ``RematError``): a call at another functorch level than the call's own (a
-    vmap inside the function), a call made while another remat call is active (a nested remat call), an iterator
+    vmap inside the function), a call made while another remat call is active (other than a nested remat call
+    recorded as one call: NOTE [nested programs]), an iterator
     returned (its tensors come from no call the mode sees), a tensor with history that no call made (the output of
     a custom ``autograd.Function``; ``DTensor.from_local`` and ``to_local``, which are such Functions, and FSDP2's
     hooks: tensor parallel and FSDP2 calls re-run), a tensor of the call that an ``autograd.Function`` returned as
     its own output (a module's full backward hook), autocast switched inside the function.
+
+    NOTE [nested programs]: a remat call inside the forward pass of another, at its level under ``torch.func``,
+    records a program of its own and is one call of the enclosing program (``record_nested``): a
+    ``recompute.NestedProgram``, which the enclosing recompute runs as it runs any nested call (its saves pass
+    through to the enclosing recompute: ``call_nested_replay``), with the inner program, not the inner Python, as
+    its body; the inner call's own recompute replays that program too. So no level runs the user's Python twice
+    (a seed advanced inside, a counter: the inner block ran three times a call before, and a later call drew other
+    numbers). A nested program notes where its result comes from (``finish``); one that is spoiled itself runs
+    its Python there, as before.
 
     Without ``torch.func`` the same program serves a call the ATen trace does not take (tensor subclasses: a
     wrapper such as ``TwoTensor`` whose values the torch calls make is replayed exactly; NOTE [wrapper subclasses]
@@ -45,9 +55,10 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch_internals as ti
 from .._context import INTERNAL, PENDING_NAME, active_context
 
-__all__ = ["Program", "ProgramRecorder"]
+__all__ = ["Program", "ProgramRecorder", "GAVE_WAY"]
 
 Tensor = torch.Tensor
+GAVE_WAY = object()  # (Program.result: an outside tensor it held weakly died; the Python runs instead)
 
 
 class Call:
@@ -88,6 +99,10 @@ class Program:
         self.dtype0 = torch.float32
         self.autocast0: tuple[bool, bool] = (False, False)
         self.last_use: list[list[int]] | None = None
+        self.nested = False  # a remat call inside another's forward pass (NOTE [nested programs]): its result is noted
+        self.out_spec: Any = None
+        self.out_leaves: list[Any] = []
+        self.out_refs: list[tuple[int, int]] = []  # (leaf index, slot) of the result's tensors
 
     # ---- recording -------------------------------------------------------------------
     def start(self, frame: Any, flat: list[Any], state_tensors: list[Tensor]) -> None:
@@ -104,14 +119,33 @@ class Program:
             if self._known(t) is None:
                 self.state[self._new(t)] = i
 
+    def takes_nested(self) -> bool:
+        """Whether a remat call starting now inside this call's forward pass can be recorded as one of its calls
+        (NOTE [nested programs]): at the call's own level, under ``torch.func``, nothing else running."""
+        if self.spoiled is not None or self.running or self.frame is None or active_context() is not self.frame:
+            return False
+        top = ti.peek_interpreter()
+        return top is not None and top.level() == self.level and _autocast() == self.autocast0
+
     def spoil(self, why: str) -> None:
         if self.spoiled is None:
             self.spoiled = why
             self.calls = []
             self.outside = {}
 
-    def finish(self) -> None:
-        """The forward pass ended: no more slots to look up; note when each value is read last."""
+    def finish(self, out: Any = None) -> None:
+        """The forward pass ended: no more slots to look up; note when each value is read last (and, for a nested
+        call's program, where its result comes from: NOTE [nested programs])."""
+        if self.nested and self.spoiled is None:
+            leaves, self.out_spec = optree.tree_flatten(out, none_is_leaf=True)
+            self.out_leaves = [None if isinstance(t, Tensor) else t for t in leaves]
+            for i, t in enumerate(leaves):
+                if isinstance(t, Tensor):
+                    s = self._known(t)
+                    if s is None:
+                        self.spoil("it returns a tensor that no torch function of the call made")
+                        break
+                    self.out_refs.append((i, s))
         if self._nograd and self.spoiled is None:
             # a value made with grad off that an autograd.Function returned (as the call's result: no call read it)
             for ref, _, _ in list(self._slot_of.values()):
@@ -127,7 +161,7 @@ class Program:
             for _, s in c.refs:
                 last[s] = k
         frees: list[list[int]] = [[] for _ in self.calls]
-        held = set(self.inputs) | set(self.state) | set(self.outside)
+        held = set(self.inputs) | set(self.state) | set(self.outside) | {s for _, s in self.out_refs}
         for s, k in last.items():
             if s not in held:
                 frees[k].append(s)
@@ -177,12 +211,46 @@ class Program:
     def replay(self, vals: list[Any], state_vals: list[Any]) -> bool:
         """Run the program on the rebuilt stack's inputs and state (``_engine/recompute.py``); False, before
         running anything, if an outside tensor it holds weakly died (the Python runs again instead)."""
+        return self._run(vals, state_vals) is not None
+
+    def result(self, vals: list[Any], state_vals: list[Any]) -> Any:
+        """A nested call's program run on ``vals``: its result, or ``GAVE_WAY`` (as ``replay``'s False)."""
+        v = self._run(vals, state_vals)
+        if v is None:
+            return GAVE_WAY
+        leaves = list(self.out_leaves)
+        for i, s in self.out_refs:
+            leaves[i] = v[s]
+        return optree.tree_unflatten(self.out_spec, leaves)
+
+    def record_nested(self, func: Any, flat: list[Any], forward: Any) -> Any:
+        """NOTE [nested programs]: run ``forward`` (a remat call inside this call's forward pass, on ``flat``) and
+        record it as one call of ``func``, which the replay runs in its place."""
+        refs = [(i, self.read(a)) for i, a in enumerate(flat) if isinstance(a, Tensor)]
+        leaves: list[Any]
+        leaves, spec = optree.tree_flatten((tuple(flat), {}), none_is_leaf=True)  # type: ignore[arg-type]
+        call = Call(func, spec, [None if isinstance(a, Tensor) else a for a in leaves], refs,
+                    torch.is_grad_enabled(), torch.get_default_dtype(), PENDING_NAME.get())
+        self.running = True  # (its torch calls are its own program's, and noting its result is none of the call's)
+        try:
+            out = forward()
+            if self.spoiled is None:
+                call.outs = [self._new(t) if isinstance(t, Tensor) else -1
+                             for t in optree.tree_leaves(out, none_is_leaf=True)]
+                if not call.grad:
+                    self._nograd.update(s for s in call.outs if s >= 0)
+                self.calls.append(call)
+        finally:
+            self.running = False
+        return out
+
+    def _run(self, vals: list[Any], state_vals: list[Any]) -> dict[int, Any] | None:
         v: dict[int, Any] = {}
         for s, t in self.outside.items():
             if type(t) is weakref.ref:
                 t = t()
                 if t is None:
-                    return False
+                    return None
             v[s] = t
         for s, i in self.inputs.items():
             v[s] = vals[i]
@@ -220,7 +288,7 @@ class Program:
         finally:
             if torch.get_default_dtype() != dtype0:
                 torch.set_default_dtype(dtype0)
-        return True
+        return v
 
 
 def _autocast() -> tuple[bool, bool]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .. import _torch_internals as ti
-from .._context import activated, internal
+from .._context import activated, active_context, internal
 from .._errors import RematError, input_written_before_backward, internal_error
 from .._torch_internals import saved_tensors_hooks
 from . import outside as ox
@@ -28,6 +28,7 @@ from .dispatch import OpTap
 from .functorch import below_all_levels, check_lower_levels, replay
 from .ops import DeadRead, storage_key
 from .packed import Made, ParentHandle, made_anew
+from .program import GAVE_WAY
 from .replay import Replayer
 from .wiring import known_tokens
 
@@ -108,7 +109,9 @@ def _attempt(frame: Any, s: int, skip_unused: bool, forwarding: list[Any], detac
             # copy at the dispatch level (NOTE [outside tensors]), but autograd would still bump the real
             # buffer's version and give it the recompute's history: let the recompute write a stand-in
             with internal():
-                state_vals = [v.detach().clone() if storage_key(ti.unwrap_all(t)) in written else v
+                # (a stand-in of a parameter needs a gradient as it does, so that the ops reading it save what the
+                # forward pass's saved: nn.Embedding(max_norm=...) renormalises its weight's rows under no_grad)
+                state_vals = [_stand_in(v) if storage_key(ti.unwrap_all(t)) in written else v
                               for t, v in zip(frame.state.tensors, state_vals)]
         es.enter_context(frame.state.restored(state_vals))
         capture.target = target
@@ -137,6 +140,11 @@ def _attempt(frame: Any, s: int, skip_unused: bool, forwarding: list[Any], detac
             "global, under torch.func), pass them as arguments."
         )
     return Made(captured, capture.versions)
+
+
+def _stand_in(v: torch.Tensor) -> torch.Tensor:
+    c = v.detach().clone()
+    return c.requires_grad_() if v.requires_grad and c.is_leaf and not ti.interpreter_stack() else c
 
 
 def unused_ops(frame: Any, s: int) -> set[int]:
@@ -169,6 +177,28 @@ def unused_ops(frame: Any, s: int) -> set[int]:
         else:
             skipped = True
     return frame.recorder.unused_ops(used) if skipped else set()
+
+
+class NestedProgram:
+    """NOTE [nested programs] in program.py: a remat call inside another's forward pass under ``torch.func``, as one
+    call of the enclosing call's program. The enclosing recompute runs it as a nested call (``call_nested_replay``)
+    whose body is the inner call's program, on the inner function's module state as it is then (the enclosing
+    recompute's, put back); its Python only where that program gives way."""
+
+    def __init__(self, program: Any, run: Callable[[list[Any]], Any], state_now: Callable[[], list[Any]]) -> None:
+        self.program = program
+        self.run = run
+        self.state_now = state_now
+
+    def __call__(self, *flat: Any) -> Any:
+        def body(leaves: list[Any]) -> Any:
+            if self.program.spoiled is None:
+                out = self.program.result(leaves, self.state_now())
+                if out is not GAVE_WAY:
+                    return out
+            return self.run(leaves)
+
+        return call_nested_replay(active_context(), body, list(flat))
 
 
 def call_nested_replay(ctx: Any, run: Callable[[list[Any]], Any], flat: list[Any]) -> Any:

@@ -39,7 +39,7 @@ from .._policies.core import nothing_saveable
 from .frame import CallFrame
 from .full import Frame
 from .program import Program
-from .recompute import call_nested_replay
+from .recompute import NestedProgram, call_nested_replay
 from .region import NeedsRegion, enclosed, run_region
 from .signature import signature
 from .state import snapshot
@@ -133,8 +133,17 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
         # 6. the full engine
         frame = Frame(run, flat, name, call_policy, preserve_rng, default_engine(), state)
         frame.watch_values = owner is not None and owner.debug  # NOTE [values between the passes]
-        if owner is not None and not owner.debug and ctx is None:
+        outer = ctx.program if isinstance(ctx, Frame) and ctx.program is not None else None
+        nested = outer is not None and outer.takes_nested()
+        if owner is not None and not owner.debug and (ctx is None or nested):
             frame.program = Program(name)  # NOTE [program replay]: the recompute replays the forward's calls
+            frame.program.nested = nested
+        if nested and frame.program is not None:
+            assert outer is not None
+            # NOTE [nested programs] in program.py: one call of the enclosing program, replayed as this program
+            extra = [a for a in flat if not isinstance(a, torch.Tensor)] + list(static_vals.values())
+            replayed = NestedProgram(frame.program, run, lambda: snapshot(fn, extra).tensors)
+            return outer.record_nested(replayed, flat, frame.forward)
         return frame.forward()
     except NeedsRegion as e:
         # NOTE [reentrant region]: fn (or a remat'd function it calls) enters a torch.func reverse transform
