@@ -398,3 +398,31 @@ def test_ported_sac_policy_with_state() -> None:
     # the backward pass's own 7 matmuls (W's gradient per layer, and the gradient of each layer's input but the first,
     # which needs none), and the 2 products the policy let go, replayed
     assert mm.count == 7 + 2
+
+
+@pytest.mark.parametrize("kw", [{}, {"preserve_rng_state": False}, {"debug": True}], ids=["plain", "rng", "debug"])
+def test_a_function_of_no_arguments_is_called_as_torch_calls_it(kw: dict[str, Any]) -> None:
+    """torch's ``checkpoint(closure)`` runs the closure. Routed, remat added its policy and returned its decorator
+    (a ``Rematted``: "'Rematted' object has no attribute 'sum'" on the caller's next line); ``remat.checkpoint``
+    with a torch keyword alone (``preserve_rng_state``, ``debug``) did too. Only remat's own keywords (``policy``,
+    ``static_argnums``) or nothing make the decorator."""
+    W = torch.randn(4, 4, dtype=f64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    x = torch.randn(3, 4, dtype=f64, generator=torch.Generator().manual_seed(1))
+
+    def closure() -> torch.Tensor:
+        return torch.tanh(x @ W).sin()
+
+    (want,) = torch.autograd.grad(closure().sum(), W)
+    with remat.route_torch_checkpoint(policy="save-nothing"):
+        outs = [torch.utils.checkpoint.checkpoint(closure, use_reentrant=False, **kw),
+                torch.utils.checkpoint.checkpoint(closure, **kw)]  # (torch refuses debug without use_reentrant)
+    outs.append(remat.checkpoint(closure, **kw) if kw else remat.checkpoint(closure)())
+    for out in outs:
+        assert isinstance(out, torch.Tensor)
+        torch.testing.assert_close(torch.autograd.grad(out.sum(), W)[0], want, **TOL)
+    assert isinstance(remat.checkpoint(closure, policy="save-nothing", **kw), remat._api.transform.Rematted)
+
+
+def test_checkpoint_sequential_with_more_segments_than_functions_says_so() -> None:
+    with pytest.raises(ValueError, match="segments=5 is more than the 3 functions"):
+        remat.checkpoint_sequential(nn.Sequential(nn.Tanh(), nn.Tanh(), nn.Tanh()), 5, X.requires_grad_())

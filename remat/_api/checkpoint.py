@@ -157,15 +157,21 @@ def _call(fn: Callable[..., Any], policy: Any, static_argnums: Any, preserve_rng
     return hit[1](obj, *args, **kwargs)
 
 
+_TORCH_KEYWORDS = frozenset({"use_reentrant", "context_fn", "determinism_check", "debug", "early_stop",
+                             "preserve_rng_state"})
+
+
 def checkpoint(fn: Any = None, *args: Any, use_reentrant: bool | None = _UNSET, context_fn: Any = _UNSET,
-               determinism_check: str = _UNSET, debug: bool = False, early_stop: bool = _UNSET,
-               preserve_rng_state: bool = True, policy: Any = None, static_argnums: Any = (), **kwargs: Any) -> Any:
+               determinism_check: str = _UNSET, debug: bool = _UNSET, early_stop: bool = _UNSET,
+               preserve_rng_state: bool = _UNSET, policy: Any = None, static_argnums: Any = (), **kwargs: Any) -> Any:
     """``jax.checkpoint``'s decorator and ``torch.utils.checkpoint.checkpoint``'s call, in one name.
 
-    With the function alone (and remat's keywords), it is :func:`remat.remat`: ``@remat.checkpoint`` or
-    ``remat.checkpoint(f, policy=...)``. With arguments for the function, or any of torch's keywords, it runs the
-    call as torch's ``checkpoint(fn, *args, **kwargs)`` does, on remat: exact under plain autograd and every
-    ``torch.func`` transform, Python state changed before the backward pass included.
+    With the function alone, or with remat's own keywords (``policy``, ``static_argnums``), it is
+    :func:`remat.remat`: ``@remat.checkpoint`` or ``remat.checkpoint(f, policy=...)``. With arguments for the
+    function, or any of torch's keywords (``preserve_rng_state`` and ``debug`` included, as torch reads
+    ``checkpoint(closure, preserve_rng_state=False)``), it runs the call as torch's ``checkpoint(fn, *args,
+    **kwargs)`` does, on remat: exact under plain autograd and every ``torch.func`` transform, Python state
+    changed before the backward pass included.
 
     Args:
         fn: the function (a module, a function, a bound method).
@@ -190,29 +196,39 @@ def checkpoint(fn: Any = None, *args: Any, use_reentrant: bool | None = _UNSET, 
         >>> x.grad.shape
         torch.Size([2, 4])
     """
-    torch_kw = {k: v for k, v in (("use_reentrant", use_reentrant), ("context_fn", context_fn),
-                                  ("determinism_check", determinism_check), ("early_stop", early_stop))
-                if v is not _UNSET}
+    torch_kw: dict[str, Any] = {k: v for k, v in (("use_reentrant", use_reentrant), ("context_fn", context_fn),
+                                                  ("determinism_check", determinism_check), ("early_stop", early_stop))
+                                if v is not _UNSET}
+    shared: dict[str, Any] = {k: v for k, v in (("preserve_rng_state", preserve_rng_state), ("debug", debug))
+                              if v is not _UNSET}
+    own = policy is not None or static_argnums != ()
     if fn is None:
         if args or kwargs or torch_kw:
             raise TypeError("remat.checkpoint: the function comes first: remat.checkpoint(fn, *args, ...)")
-        return remat(policy=policy, static_argnums=static_argnums, preserve_rng_state=preserve_rng_state,
-                     debug=debug)
-    if not args and not kwargs and not torch_kw:
-        return remat(fn, policy=policy, static_argnums=static_argnums, preserve_rng_state=preserve_rng_state,
-                     debug=debug)
+        return remat(policy=policy, static_argnums=static_argnums, **shared)
+    if not args and not kwargs and not torch_kw and (own or not shared):
+        return remat(fn, policy=policy, static_argnums=static_argnums, **shared)
+    return checkpoint_call(fn, args, kwargs, policy=policy, static_argnums=static_argnums, **torch_kw, **shared)
+
+
+def checkpoint_call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], use_reentrant: bool | None = None,
+                    context_fn: Any = None, determinism_check: str = "default", debug: bool = False,
+                    early_stop: bool = True, preserve_rng_state: bool = True, policy: Any = None,
+                    static_argnums: Any = ()) -> Any:
+    """``checkpoint``'s call form, whatever the arguments (a function of none included): what
+    :class:`route_torch_checkpoint` runs in place of torch's checkpoint."""
     if not callable(fn):
         raise TypeError(f"remat.checkpoint: the first argument must be the function to run, got {fn!r}")
-    if torch_kw.get("use_reentrant") is True:
+    if use_reentrant is True:
         raise RematError(
             "remat.checkpoint: use_reentrant=True is torch's older variant, for code that saved-tensor hooks could "
             "not handle (torch.autograd.grad inside, inputs that need no gradient, torch.func); remat handles all "
             "of it with its hooks and replay. Pass use_reentrant=False (or leave it out)."
         )
-    check = torch_kw.get("determinism_check", "default")
-    if check not in ("default", "none"):
-        raise ValueError(f"remat.checkpoint: determinism_check={check!r}; torch accepts 'default' or 'none'")
-    translated = from_torch_policy(torch_kw.get("context_fn"))
+    if determinism_check not in ("default", "none"):
+        raise ValueError(f"remat.checkpoint: determinism_check={determinism_check!r}; torch accepts 'default' or "
+                         "'none'")
+    translated = from_torch_policy(context_fn)
     if translated is not None and policy is not None:
         raise ValueError("remat.checkpoint: pass a policy either as torch's context_fn or as remat's policy=, "
                          "not both")
@@ -259,6 +275,9 @@ def checkpoint_sequential(functions: torch.nn.Sequential | Iterable[Callable[...
                                      else list(functions))
     if not isinstance(segments, int) or segments < 1:
         raise ValueError(f"remat.checkpoint_sequential: segments must be a positive int, got {segments!r}")
+    if segments > len(fns):
+        raise ValueError(f"remat.checkpoint_sequential: segments={segments} is more than the {len(fns)} functions to "
+                         "run; pass at most one segment per function")
     size = len(fns) // segments
     end = -1
     for start in range(0, size * (segments - 1), size):
@@ -321,8 +340,12 @@ class route_torch_checkpoint:
             kwargs["use_reentrant"] = False
         cf = kwargs.get("context_fn")
         own = cf is not None and cf is not tc.noop_context_fn
-        return checkpoint(function, *args, **kwargs) if own else checkpoint(function, *args, policy=self.policy,
-                                                                             **kwargs)
+        fn_kw = {k: v for k, v in kwargs.items() if k not in _TORCH_KEYWORDS}
+        torch_kw = {k: v for k, v in kwargs.items() if k in _TORCH_KEYWORDS}
+        # (always the call: torch's checkpoint(closure) runs the closure, where remat.checkpoint(closure, policy=...)
+        # would be the decorator)
+        return checkpoint_call(function, args, fn_kw, **torch_kw) if own else \
+            checkpoint_call(function, args, fn_kw, policy=self.policy, **torch_kw)
 
     def _routed_sequential(self, functions: Any, segments: int, input: Any, use_reentrant: Any = None,
                            **kwargs: Any) -> Any:
