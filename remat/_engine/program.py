@@ -28,11 +28,13 @@ NOTE [program replay]
     hooks: tensor parallel and FSDP2 calls re-run), a tensor of the call that an ``autograd.Function`` returned as
     its own output (a module's full backward hook), autocast switched inside the function.
 
-    NOTE [nested programs]: a remat call inside the forward pass of another, at its level under ``torch.func``,
-    records a program of its own and is one call of the enclosing program (``record_nested``): a
-    ``recompute.NestedProgram``, which the enclosing recompute runs as it runs any nested call (its saves pass
-    through to the enclosing recompute: ``call_nested_replay``), with the inner program, not the inner Python, as
-    its body; the inner call's own recompute replays that program too. So no level runs the user's Python twice
+    NOTE [nested programs]: a remat call inside the forward pass of another full-engine call (under
+    ``torch.func``, or a memory budget's measuring call), at its level, records a program of its own and is one
+    call of the enclosing program (``record_nested``): a ``recompute.NestedProgram``, which the enclosing recompute
+    runs as it runs any nested call (its saves pass through to the enclosing recompute: ``call_nested_replay``),
+    with the inner program, not the inner Python, as its body, on the inputs and the module state or closed-over
+    tensors the enclosing program hands it (a closure over a value of the enclosing call: the value its replay
+    made); the inner call's own recompute replays that program too. So no level runs the user's Python twice
     (a seed advanced inside, a counter: the inner block ran three times a call before, and a later call drew other
     numbers). A nested program notes where its result comes from (``finish``); one that is spoiled itself runs
     its Python there, as before.
@@ -121,11 +123,11 @@ class Program:
 
     def takes_nested(self) -> bool:
         """Whether a remat call starting now inside this call's forward pass can be recorded as one of its calls
-        (NOTE [nested programs]): at the call's own level, under ``torch.func``, nothing else running."""
+        (NOTE [nested programs]): at the call's own level, nothing else running."""
         if self.spoiled is not None or self.running or self.frame is None or active_context() is not self.frame:
             return False
         top = ti.peek_interpreter()
-        return top is not None and top.level() == self.level and _autocast() == self.autocast0
+        return (top.level() if top is not None else -1) == self.level and _autocast() == self.autocast0
 
     def spoil(self, why: str) -> None:
         if self.spoiled is None:
@@ -223,9 +225,11 @@ class Program:
             leaves[i] = v[s]
         return optree.tree_unflatten(self.out_spec, leaves)
 
-    def record_nested(self, func: Any, flat: list[Any], forward: Any) -> Any:
-        """NOTE [nested programs]: run ``forward`` (a remat call inside this call's forward pass, on ``flat``) and
-        record it as one call of ``func``, which the replay runs in its place."""
+    def record_nested(self, func: Any, flat: list[Any], state: list[Tensor], forward: Any) -> Any:
+        """NOTE [nested programs]: run ``forward`` (a remat call inside this call's forward pass, on ``flat``, reading
+        the module state and closed-over tensors ``state``) and record it as one call of ``func``, which the replay
+        runs in its place on the values of both then (a closure over a value of this call: the replay's value)."""
+        flat = [*flat, *state]
         refs = [(i, self.read(a)) for i, a in enumerate(flat) if isinstance(a, Tensor)]
         leaves: list[Any]
         leaves, spec = optree.tree_flatten((tuple(flat), {}), none_is_leaf=True)  # type: ignore[arg-type]

@@ -182,23 +182,25 @@ def unused_ops(frame: Any, s: int) -> set[int]:
 class NestedProgram:
     """NOTE [nested programs] in program.py: a remat call inside another's forward pass under ``torch.func``, as one
     call of the enclosing call's program. The enclosing recompute runs it as a nested call (``call_nested_replay``)
-    whose body is the inner call's program, on the inner function's module state as it is then (the enclosing
-    recompute's, put back); its Python only where that program gives way."""
+    whose body is the inner call's program, on the inputs and the module state and closed-over tensors the
+    enclosing program hands it (its values then); its Python only where that program gives way."""
 
-    def __init__(self, program: Any, run: Callable[[list[Any]], Any], state_now: Callable[[], list[Any]]) -> None:
+    def __init__(self, program: Any, run: Callable[[list[Any]], Any], n: int) -> None:
         self.program = program
         self.run = run
-        self.state_now = state_now
+        self.n = n  # (the call's leaves, then its state)
 
-    def __call__(self, *flat: Any) -> Any:
-        def body(leaves: list[Any]) -> Any:
+    def __call__(self, *leaves: Any) -> Any:
+        flat, state = list(leaves[:self.n]), list(leaves[self.n:])
+
+        def body(vals: list[Any]) -> Any:
             if self.program.spoiled is None:
-                out = self.program.result(leaves, self.state_now())
+                out = self.program.result(vals, state)
                 if out is not GAVE_WAY:
                     return out
-            return self.run(leaves)
+            return self.run(vals)
 
-        return call_nested_replay(active_context(), body, list(flat))
+        return call_nested_replay(active_context(), body, flat)
 
 
 def call_nested_replay(ctx: Any, run: Callable[[list[Any]], Any], flat: list[Any]) -> Any:

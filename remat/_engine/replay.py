@@ -157,12 +157,9 @@ class Replayer(TorchDispatchMode):
             wiring.note_alias(out, args[0])
         else:
             wiring.note(i, out)
-            if (rec.subst is not None and args and isinstance(args[0], torch.Tensor) and out is not args[0]
-                    and 0 in op_info(func).written):
-                # a write into a tensor from outside went to the recompute's copy (NOTE [written outside storages]);
-                # the function reads on through the tensor it wrote (``A.add_(1); A.as_strided(...)``), which the
-                # forward pass's op returned: the same op's output, as there
-                wiring.note(i, args[0])
+            if rec.subst is not None and args and out is not args[0] and 0 in op_info(func).written:
+                wiring.note(i, args[0])  # NOTE [written outside storages]: the write went to a copy; the tensor written
+                # is read on (``A.add_(1); A.as_strided(...)``), as the forward's op returned it: that op's output
         return out
 
     def _run(self, i: int, rec: OpRecord, func: Any, args: Any, kwargs: Any) -> Any:

@@ -115,12 +115,11 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
         # 4. a memory budget measuring this signature
         if measuring is not None:
             frame = Frame(run, flat, name, call_policy, preserve_rng, default_engine(), state)
-            if owner is not None and not owner.debug and ctx is None:
-                frame.program = Program(name)  # NOTE [program replay]: its recompute replays too
+            outer = _with_program(frame, ctx, owner)  # NOTE [program replay]: its recompute replays too
             measuring.frame = frame
             tok = INSPECTOR.set(measuring)
             try:
-                out = frame.forward()
+                out = _forward(frame, outer, run, flat, state.tensors)
             finally:
                 INSPECTOR.reset(tok)
             assert budget is not None
@@ -133,18 +132,8 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
         # 6. the full engine
         frame = Frame(run, flat, name, call_policy, preserve_rng, default_engine(), state)
         frame.watch_values = owner is not None and owner.debug  # NOTE [values between the passes]
-        outer = ctx.program if isinstance(ctx, Frame) and ctx.program is not None else None
-        nested = outer is not None and outer.takes_nested()
-        if owner is not None and not owner.debug and (ctx is None or nested):
-            frame.program = Program(name)  # NOTE [program replay]: the recompute replays the forward's calls
-            frame.program.nested = nested
-        if nested and frame.program is not None:
-            assert outer is not None
-            # NOTE [nested programs] in program.py: one call of the enclosing program, replayed as this program
-            extra = [a for a in flat if not isinstance(a, torch.Tensor)] + list(static_vals.values())
-            replayed = NestedProgram(frame.program, run, lambda: snapshot(fn, extra).tensors)
-            return outer.record_nested(replayed, flat, frame.forward)
-        return frame.forward()
+        outer = _with_program(frame, ctx, owner)  # NOTE [program replay]: the recompute replays the forward's calls
+        return _forward(frame, outer, run, flat, state.tensors)
     except NeedsRegion as e:
         # NOTE [reentrant region]: fn (or a remat'd function it calls) enters a torch.func reverse transform
         if frame is not None and e.origin is frame:
@@ -165,6 +154,26 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
             "bug in remat, please report it. Meanwhile, remat the parts on either side of the inner transform."
         )
     return call(fn, name, policy, statics, preserve_rng, args, kwargs, owner, attempt + 1)
+
+
+def _with_program(frame: Frame, ctx: Any, owner: Any) -> Program | None:
+    """Give a full-engine call its program (NOTE [program replay]): an outermost call, or one nested in a call whose
+    program can record it as one of its calls (NOTE [nested programs] in program.py: returned, that program)."""
+    if owner is None or owner.debug:
+        return None
+    outer = ctx.program if isinstance(ctx, Frame) and ctx.program is not None and ctx.program.takes_nested() else None
+    if ctx is None or outer is not None:
+        frame.program = Program(frame.fn_name)
+        frame.program.nested = outer is not None
+    return outer
+
+
+def _forward(frame: Frame, outer: Program | None, run: Callable[[list[Any]], Any], flat: list[Any],
+             state: list[torch.Tensor]) -> Any:
+    """The call's forward pass; nested, as one call of the enclosing program, replayed as this call's program."""
+    if outer is None or frame.program is None:
+        return frame.forward()
+    return outer.record_nested(NestedProgram(frame.program, run, len(flat)), flat, state, frame.forward)
 
 
 def _flatten(fn: Callable[..., Any], name: str, statics: tuple[int, ...], args: tuple[Any, ...],
