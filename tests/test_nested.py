@@ -476,3 +476,31 @@ def test_a_memory_budgets_measuring_call_runs_nested_python_once(case: str) -> N
     (ref, calls0, seed0), (got, calls1, seed1) = results
     assert (calls1, seed1) == (calls0, seed0) == (3, 10)
     assert_tree_close(got, ref, **TOL)
+
+
+@pytest.mark.parametrize("outer_pol", ["budget", "save-nothing"])
+def test_an_inner_call_writing_a_value_of_the_outer_call_in_place_is_exact(outer_pol: str) -> None:
+    """The inner call writes in place a value of the outer call it closes over, under an outer memory budget's
+    measuring call: the recompute writes a stand-in of it, which needs a gradient as it does and must be no leaf (a
+    leaf that needs one refuses an in-place write: "a leaf Variable that requires grad is being used in an in-place
+    operation", found by review of the stand-in for nn.Embedding(max_norm)). Three calls."""
+    W1, W2 = _rand(4, 4, seed=6).requires_grad_(), _rand(4, 4, seed=7).requires_grad_()
+
+    def make(on: bool) -> Callable[..., Any]:
+        def outer(x: torch.Tensor) -> torch.Tensor:
+            h = (x @ W1).tanh()
+            g = h * 2
+
+            def inner(a: torch.Tensor) -> torch.Tensor:
+                g.mul_(1.5)
+                return a @ W2 + g
+
+            return (remat(inner) if on else inner)(h.sin()) * g
+
+        return remat(outer, policy=policies.memory_budget(0.5) if outer_pol == "budget" else outer_pol) if on else outer
+
+    x = _rand(3, 4, seed=8).requires_grad_()
+    want = torch.autograd.grad(make(False)(x).sum(), [x, W1, W2])
+    f = make(True)
+    for _ in range(3):
+        assert_tree_close(torch.autograd.grad(f(x).sum(), [x, W1, W2]), want, **TOL)

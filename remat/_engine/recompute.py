@@ -143,8 +143,10 @@ def _attempt(frame: Any, s: int, skip_unused: bool, forwarding: list[Any], detac
 
 
 def _stand_in(v: torch.Tensor) -> torch.Tensor:
+    """A copy of state the call wrote, for its recompute to write; one that needs a gradient as ``v`` does, and is
+    no leaf (a write into a leaf that needs one raises: ``g.mul_(1.5)`` under grad mode)."""
     c = v.detach().clone()
-    return c.requires_grad_() if v.requires_grad and c.is_leaf and not ti.interpreter_stack() else c
+    return c.requires_grad_().clone() if v.requires_grad and c.is_leaf and not ti.interpreter_stack() else c
 
 
 def unused_ops(frame: Any, s: int) -> set[int]:
