@@ -398,6 +398,21 @@ class _Stateful:
         return torch.nn.functional.dropout(x.sin(), 0.5, training=True) + x
 
 
+def _stateful_once_per_call(run: Callable[..., Any], outer_pol: Any, inner_pol: Any) -> None:
+    """Three calls of an outer remat'd call over a ``_Stateful`` block remat'd inside, against the same without remat:
+    the block's Python runs once a call (its counter and seed as plain's), and the results are plain's."""
+    results = []
+    for use in (False, True):
+        block = _Stateful()
+        inner = remat(block, policy=inner_pol) if use else block
+        body = functools.partial(lambda blk, x: blk(x).cos(), inner)
+        f = remat(body, policy=outer_pol) if use else body
+        results.append(([run(f, _rand(3, 4, seed=k)) for k in range(3)], block.calls, block.seed))
+    (ref, calls0, seed0), (got, calls1, seed1) = results
+    assert (calls1, seed1) == (calls0, seed0) == (3, 10)
+    assert_tree_close(got, ref, **TOL)
+
+
 NESTED_ROUTES: dict[str, Callable[[Callable[..., Any], torch.Tensor], Any]] = {
     "grad": lambda f, x: grad(lambda t: f(t).sum())(x),
     "vjp": lambda f, x: (lambda o, pb: (o, pb(torch.ones_like(o))))(*vjp(f, x)),
@@ -414,16 +429,7 @@ def test_nested_side_effects_run_once_per_call_under_transforms(route: str, pols
     up to 2.3 from the second call on, silently (and 9 calls of the inner block for 3)."""
     run = NESTED_ROUTES[route]
     outer_pol, inner_pol = PAIRS[pols]
-    results = []
-    for use in (False, True):
-        block = _Stateful()
-        inner = remat(block, policy=inner_pol) if use else block
-        body = functools.partial(lambda blk, x: blk(x).cos(), inner)
-        f = remat(body, policy=outer_pol) if use else body
-        results.append(([run(f, _rand(3, 4, seed=k)) for k in range(3)], block.calls, block.seed))
-    (ref, calls0, seed0), (got, calls1, seed1) = results
-    assert (calls1, seed1) == (calls0, seed0) == (3, 10)
-    assert_tree_close(got, ref, **TOL)
+    _stateful_once_per_call(run, outer_pol, inner_pol)
 
 
 @pytest.mark.parametrize("route", list(NESTED_ROUTES))
@@ -466,16 +472,7 @@ def test_a_memory_budgets_measuring_call_runs_nested_python_once(case: str) -> N
         **NESTED_ROUTES,
     }
     run = runs[route]
-    results = []
-    for use in (False, True):
-        block = _Stateful()
-        inner = remat(block, policy=inner_pol) if use else block
-        body = functools.partial(lambda blk, x: blk(x).cos(), inner)
-        f = remat(body, policy=outer_pol) if use else body
-        results.append(([run(f, _rand(3, 4, seed=k)) for k in range(3)], block.calls, block.seed))
-    (ref, calls0, seed0), (got, calls1, seed1) = results
-    assert (calls1, seed1) == (calls0, seed0) == (3, 10)
-    assert_tree_close(got, ref, **TOL)
+    _stateful_once_per_call(run, outer_pol, inner_pol)
 
 
 @pytest.mark.parametrize("outer_pol", ["budget", "save-nothing"])
