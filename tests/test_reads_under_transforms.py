@@ -21,18 +21,14 @@ from torch import nn
 from torch.func import functional_call, grad, jacrev, vjp
 
 import remat
-from remat import RematError, checkpoint_name, policies
+from remat import RematError, checkpoint_name
 
 from .helpers import assert_tree_close
+from .test_replay import POLICIES as REPLAY_POLICIES
 
 f64 = torch.float64
 TOL = {"rtol": 1e-10, "atol": 1e-10}
-POLICIES = {
-    "save-nothing": policies.nothing_saveable,
-    "save-matmuls": policies.dots_saveable,
-    "names": policies.save_only_these_names("h"),
-    "custom": lambda op, *a, **k: op is torch.ops.aten.mm.default,
-}
+POLICIES = {**REPLAY_POLICIES, "custom": lambda op, *a, **k: op is torch.ops.aten.mm.default}
 
 
 class NumpySin(torch.autograd.Function):

@@ -492,7 +492,7 @@ class Frame(_Saving, _Serving):
             # (module state is read as outside tensors here, checked by storage, and its recompute may read copies
             # of what the call wrote: NOTE [outside tensors]; so one marker like them, not tokens of their own; under
             # torch.func levels the ops read the inputs unwrapped)
-            self.recorder.wiring = Wiring(known_tokens(_unwrapped(flat), []), loose=True)
+            self.recorder.wiring = Wiring(known_tokens(flat), loose=True)
         with internal():
             self.recorder.input_keys = {storage_key(ti.unwrap_all(a)) for a in flat if isinstance(a, torch.Tensor)}
             self.recorder.no_levels = not self.levels
@@ -637,9 +637,3 @@ class _Ran:
         if frame is not None:
             frame._ran.add(self.i)
             ti.queue_backward_callback(frame._release_later())
-
-
-def _unwrapped(flat: list[Any]) -> list[Any]:
-    """The call's leaves as its ops read them, below every ``torch.func`` level (NOTE [same reads])."""
-    with internal():
-        return [ti.unwrap_all(a) if isinstance(a, torch.Tensor) else a for a in flat]

@@ -100,9 +100,7 @@ def _attempt(frame: Any, s: int, skip_unused: bool, forwarding: list[Any], detac
             replay(frame.levels, frame.decs + frame.state_decs, flat + frame.state.tensors, s))
         vals, state_vals = vals[:n], vals[n:]
         if replayer.wiring is not None:  # (the recompute's inputs: a routed call's come from its parent, anew)
-            with internal():
-                replayer.wiring.known = known_tokens([ti.unwrap_all(v) if isinstance(v, torch.Tensor) else v
-                                                      for v in vals], [])
+            replayer.wiring.known = known_tokens(vals)
         written = frame.recorder.written_outside
         if written:
             # state the forward pass wrote (a BatchNorm's statistics): the recompute's writes go to a
@@ -182,8 +180,8 @@ def unused_ops(frame: Any, s: int) -> set[int]:
 
 
 class NestedProgram:
-    """NOTE [nested programs] in program.py: a remat call inside another's forward pass under ``torch.func``, as one
-    call of the enclosing call's program. The enclosing recompute runs it as a nested call (``call_nested_replay``)
+    """NOTE [nested programs] in program.py: a remat call inside another full-engine call's forward pass (under
+    ``torch.func``, a memory budget's measuring call), as one call of the enclosing call's program. The enclosing recompute runs it as a nested call (``call_nested_replay``)
     whose body is the inner call's program, on the inputs and the module state and closed-over tensors the
     enclosing program hands it (its values then); its Python only where that program gives way."""
 

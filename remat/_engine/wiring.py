@@ -13,9 +13,8 @@ NOTE [same reads]
     compares the key of the op it runs at the same index. A key is the op's
     arguments with every tensor replaced by what it is in that pass:
 
-    * an input of the call, or a tensor of the module state it reads (NOTE
-      [state is an input] in ``_engine/state.py``): which one (by slot; both passes
-      read the same objects, the recompute with the state put back);
+    * an input of the call: which one (by position; each pass's own inputs, as its
+      ops read them, below every ``torch.func`` level);
     * an output of an earlier op of the same pass: which op, which output (the
       wiring, ``h = [a, b][self.idx]``);
     * anything else (a tensor no op of the call made, such as a global): that
@@ -67,6 +66,8 @@ from typing import Any
 
 import torch
 
+from .. import _torch_internals as ti
+
 __all__ = ["Wiring", "autocast_cast", "cast_source", "values_key", "made_token", "known_tokens", "same_key", "describe_difference", "first_value"]
 
 
@@ -83,7 +84,7 @@ class _Kind:
         return self.name
 
 
-_INPUT, _STATE, _MADE, _STORAGE = _Kind("input"), _Kind("state"), _Kind("op"), _Kind("storage")
+_INPUT, _MADE, _STORAGE = _Kind("input"), _Kind("op"), _Kind("storage")
 _TENSOR = _Kind("a tensor")
 _ZERO = _Kind("a float zero of sign")
 _CAST = _Kind("autocast's cast of")
@@ -278,15 +279,10 @@ def made_token(i: int) -> tuple[Any, ...]:
     return (_MADE, i, 0)
 
 
-def known_tokens(inputs: list[Any], state: list[torch.Tensor]) -> dict[int, Any]:
-    """The tokens of a call's inputs (by position among its leaves) and module state tensors (by slot)."""
-    known: dict[int, Any] = {}
-    for j, t in enumerate(state):
-        known.setdefault(id(t), (_STATE, j))
-    for j, a in enumerate(inputs):
-        if isinstance(a, torch.Tensor):
-            known[id(a)] = (_INPUT, j)
-    return known
+def known_tokens(inputs: list[Any]) -> dict[int, Any]:
+    """The tokens of a call's inputs (by position among its leaves), as its ops read them: below every ``torch.func``
+    level (module state is read as outside tensors: NOTE [same reads])."""
+    return {id(ti.unwrap_all(a)): (_INPUT, j) for j, a in enumerate(inputs) if isinstance(a, torch.Tensor)}
 
 
 def same_key(now: Any, then: Any, loose: bool = False) -> bool:
@@ -319,9 +315,6 @@ def _say(tok: Any, label: Any) -> str:
         return "a tensor"
     if type(tok) is tuple and len(tok) == 2 and tok[0] is _INPUT:
         return f"argument #{tok[1]} of the call (a leaf of its inputs)"
-    if type(tok) is tuple and len(tok) == 2 and tok[0] is _STATE:
-        where = label(tok[1])
-        return f"the module state tensor {where}" if where else f"module state tensor #{tok[1]}"
     if type(tok) is tuple and len(tok) == 3 and tok[0] is _MADE:
         return f"output #{tok[2]} of op #{tok[1]}"
     if type(tok) is tuple and len(tok) == 3 and tok[0] is _CAST:
