@@ -492,7 +492,7 @@ class Frame(_Saving, _Serving):
             # (module state is read as outside tensors here, checked by storage, and its recompute may read copies
             # of what the call wrote: NOTE [outside tensors]; so one marker like them, not tokens of their own; under
             # torch.func levels the ops read the inputs unwrapped)
-            self.recorder.wiring = Wiring(known_tokens(flat), loose=True)
+            self.recorder.wiring = Wiring(known_tokens(flat, ti.unwrap_all), loose=True)
         with internal():
             self.recorder.input_keys = {storage_key(ti.unwrap_all(a)) for a in flat if isinstance(a, torch.Tensor)}
             self.recorder.no_levels = not self.levels

@@ -100,7 +100,7 @@ def _attempt(frame: Any, s: int, skip_unused: bool, forwarding: list[Any], detac
             replay(frame.levels, frame.decs + frame.state_decs, flat + frame.state.tensors, s))
         vals, state_vals = vals[:n], vals[n:]
         if replayer.wiring is not None:  # (the recompute's inputs: a routed call's come from its parent, anew)
-            replayer.wiring.known = known_tokens(vals)
+            replayer.wiring.known = known_tokens(vals, ti.unwrap_all)
         written = frame.recorder.written_outside
         if written:
             # state the forward pass wrote (a BatchNorm's statistics): the recompute's writes go to a

@@ -66,8 +66,6 @@ from typing import Any
 
 import torch
 
-from .. import _torch_internals as ti
-
 __all__ = ["Wiring", "autocast_cast", "cast_source", "values_key", "made_token", "known_tokens", "same_key", "describe_difference", "first_value"]
 
 
@@ -279,10 +277,11 @@ def made_token(i: int) -> tuple[Any, ...]:
     return (_MADE, i, 0)
 
 
-def known_tokens(inputs: list[Any]) -> dict[int, Any]:
-    """The tokens of a call's inputs (by position among its leaves), as its ops read them: below every ``torch.func``
-    level (module state is read as outside tensors: NOTE [same reads])."""
-    return {id(ti.unwrap_all(a)): (_INPUT, j) for j, a in enumerate(inputs) if isinstance(a, torch.Tensor)}
+def known_tokens(inputs: list[Any], unwrap: Any) -> dict[int, Any]:
+    """The tokens of a call's inputs (by position among its leaves), as its ops read them: ``unwrap`` of each (below
+    every ``torch.func`` level: ``_torch_internals.unwrap_all``, which this floor does not import). Module state is
+    read as outside tensors (NOTE [same reads])."""
+    return {id(unwrap(a)): (_INPUT, j) for j, a in enumerate(inputs) if isinstance(a, torch.Tensor)}
 
 
 def same_key(now: Any, then: Any, loose: bool = False) -> bool:
