@@ -15,10 +15,12 @@ Workloads: ``chain`` (sin, matmul, scale, tanh, repeated), ``block`` (a tiny
 pre-LN transformer block: layer norm, linear, softmax attention, gelu; what the
 bench models run, at width 16) and ``mlp`` (matmul, in-place ReLU, tanh: a
 configuration that raises, as torch's selective checkpointing does there, shows
-"raises"). Ops are counted by a dispatch mode on the plain function. Two floors: an empty
-dispatch mode as torch runs one (its handler wrapped in ``torch._disable_dynamo``) and the
-same unwrapped, as remat's own modes run (the floor of remat's recording). The garbage
-collector stays on (as in training), and the table says so.
+"raises"). Ops are counted by a dispatch mode on the plain function. Three floors: an empty
+dispatch mode as torch runs one (its handler wrapped in ``torch._disable_dynamo``), the
+same unwrapped, as remat's own modes run (the floor of remat's recording), and the floor of
+any engine that records under such a mode and replays from Python (``replay_floor``: the
+unwrapped mode noting each op, hooks that do nothing, every op called again in the backward
+pass). The garbage collector stays on (as in training), and the table says so.
 """
 
 from __future__ import annotations
@@ -60,6 +62,42 @@ class _NoOpUnwrapped(RematMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         return func(*args, **(kwargs or {}))
+
+
+class _Recorder(RematMode):
+    """The floor of a recording: each op noted with its arguments, nothing else."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[Any, Any, Any]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self.ops.append((func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def replay_floor(f: Callable[..., Any]) -> Callable[..., Any]:
+    """What no engine that records the ATen ops under a Python mode and replays them from Python can go under: the
+    unwrapped mode noting each op, saved-tensor hooks that do nothing, and in the backward pass every op called
+    once more from Python (below autograd, its result thrown away). Not a remat (it holds what plain autograd
+    holds): a floor."""
+
+    def run(*a: Any) -> Any:
+        rec, replayed = _Recorder(), []
+
+        def unpack(t: torch.Tensor) -> torch.Tensor:
+            if not replayed:
+                replayed.append(True)
+                with torch.no_grad():
+                    for op, args, kwargs in rec.ops:
+                        op(*args, **kwargs)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack), rec:
+            return f(*a)
+
+    return run
 
 
 class _Count(TorchDispatchMode):
@@ -152,6 +190,7 @@ def configs() -> dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]:
         "plain": lambda f: f,
         "empty dispatch mode": noop_mode,
         "empty mode, unwrapped": lambda f: noop_mode(f, _NoOpUnwrapped),
+        "floor: record + replay": replay_floor,
         "torch checkpoint": torch_ckpt,
         "torch SAC (matmuls)": lambda f: torch_ckpt(f, context_fn=sac),
         "remat save-nothing": lambda f: remat.remat(f, policy=policies.nothing_saveable),

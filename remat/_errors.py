@@ -45,6 +45,16 @@ def input_written_in_forward(fn_name: str, i: int, t: Any) -> RematError:
     )
 
 
+def inference_tensor(fn_name: str, what: str, t: Any) -> RematError:
+    """The call reads a tensor made under ``torch.inference_mode()`` (no version counter)."""
+    return RematError(
+        f"remat: {fn_name} reads {what} ({_shape(t)}) that was made under torch.inference_mode(). An inference "
+        "tensor has no version counter, so remat cannot tell whether it is written in place before the backward "
+        "pass, which reads it again. Make it under torch.no_grad() instead, or pass a copy (x.clone(), made "
+        "outside inference mode)."
+    )
+
+
 def input_written_before_backward(fn_name: str, i: int, t: Any) -> RematError:
     """Input ``i`` was written in place between the forward pass and the recompute."""
     return RematError(

@@ -267,6 +267,12 @@ def saved_tensors_hooks_set_aside() -> Iterator[None]:
             torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
+def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
+    """The (pack, unpack) pair on top of the stack: a full-engine call's program notes whether the function pushed
+    hooks of its own (``torch.utils.checkpoint``, ``save_on_cpu`` inside it: ``_engine/program.py``)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True)  # type: ignore[no-any-return]
+
+
 def saved_tensors_hooks_disabled_message() -> str | None:
     return torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
 

@@ -66,6 +66,7 @@ def test_bad_flag_exits_2_in_a_subprocess():
     (["--warmup", "-1"], "--warmup must be >= 0"),
     (["--compile", "nope"], "--compile: unknown backend 'nope'"),
     (["--budgets", "0,1.5"], "expected fractions in (0, 1]"),
+    (["--json", "/nonexistent-remat-folder/out.json"], "--json: the folder /nonexistent-remat-folder does not exist"),
 ])
 def test_bad_flags(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -412,3 +413,8 @@ def test_the_recommendation_names_a_configuration_on_the_front_and_its_code():
     # no remat configuration on the front: it says so, and claims no winner
     rows = [row("no-remat", 36, 1.0, 0.0), row("save-nothing", 2.0, 1.6), row("torch-checkpoint", 2.0, 1.2)]
     assert "no remat configuration is on the front" in recommend(rows, {r.label for r in pareto_front(rows)})
+    # a configuration that does not apply here (offloading on a CPU: the copy frees nothing) is never recommended
+    rows = [row("no-remat", 36, 1.0, 0.0), row("offload-to-cpu", 16.0, 1.05), row("save-nothing", 2.0, 1.3)]
+    front = {r.label for r in pareto_front(rows)}
+    assert "offload-to-cpu" in front and "offload-to-cpu" in recommend(rows, front)
+    assert "offload-to-cpu" not in recommend(rows, front, ["offload-to-cpu"])

@@ -444,3 +444,100 @@ def test_every_policy_pickles_after_it_ran(policy):
         for m in (copy, loaded):
             torch.testing.assert_close(m(x), model(x))
             m(x).sum().backward()
+
+
+class _InferenceBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        with torch.inference_mode():
+            self.register_buffer("b", torch.randn(4))
+
+    def forward(self, x):
+        return (self.lin(x) + self.b).tanh().sum()
+
+
+@pytest.mark.parametrize("route", ["backward", "debug", "budget", "grad"])
+@pytest.mark.parametrize("where", ["input", "global", "buffer"])
+def test_an_inference_tensor_says_how_to_fix_it(where, route):
+    """A tensor made under ``torch.inference_mode()`` has no version counter, which every route reads (it was torch's
+    "Inference tensors do not track version counter." from remat's internals before the twenty-seventh session)."""
+    with torch.inference_mode():
+        inf = torch.randn(4, 4)
+    w = leaf(4, 4)
+    kw = {"debug": True} if route == "debug" else {"policy": policies.memory_budget(0.5)} if route == "budget" else {}
+    if where == "buffer":
+        m = api.remat_module(_InferenceBuffer(), **kw)  # (float32: .double() would copy the buffer out of inference)
+        w = torch.randn(4, 4, requires_grad=True)
+        params = dict(m.named_parameters())
+        run = (lambda: torch.func.grad(lambda p: torch.func.functional_call(m, p, (w.detach(),)))(params)) \
+            if route == "grad" else (lambda: m(w).backward())
+    else:
+        f = remat((lambda w, x: (w + x).tanh().sum()) if where == "input" else (lambda w, x: (w + inf).tanh().sum()),
+                  **kw)
+        x = inf if where == "input" else torch.randn(4, 4)
+        run = (lambda: torch.func.grad(f)(w.detach(), x)) if route == "grad" else (lambda: f(w, x).backward())
+    with pytest.raises(RematError, match=r"torch\.inference_mode\(\).*torch\.no_grad\(\) instead"):
+        run()
+    plain_autograd_still_works()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x + self.a(x)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: api.remat_modules(lambda x: x, _Block), TypeError, r"root must be an nn\.Module .* remat\(f, policy"),
+    (lambda: api.remat_modules(torch.nn.Sequential(_Block()), _Block()), TypeError,
+     r"where=_Block\(\.\.\.\) is a module instance; pass its class, where=_Block"),
+    (lambda: api.sequential(_Block()), TypeError, r"blocks must be a sequence of blocks .* got one _Block"),
+    (lambda: api.checkpoint_sequential(_Block(), 1, torch.randn(2, 4)), TypeError,
+     r"functions must be an nn\.Sequential or a list of functions, got one _Block"),
+    (lambda: remat(lambda x: x.sin().sum(), policy=policies.memory_budget), TypeError,
+     r"policy=remat\.policies\.memory_budget is a policy factory, not a policy: call it"),
+    (lambda: api.route_torch_checkpoint(policy="save_matmuls"), ValueError, r"unknown policy 'save_matmuls'"),
+    (lambda: api.route_torch_checkpoint(policy=torch.nn.Linear(2, 2)), TypeError,
+     r"policy=Linear\(\.\.\.\) is a module, not a policy"),
+    (lambda: api.checkpoint(lambda x: x.sin(), leaf(2), use_reentrant="no"), TypeError,
+     r"use_reentrant must be False \(or left out\), got 'no'"),
+], ids=["remat_modules-function", "remat_modules-instance", "sequential-module", "checkpoint_sequential-module",
+        "memory_budget-uncalled", "route-unknown-policy", "route-module-policy", "checkpoint-use_reentrant"])
+def test_a_misused_helper_says_what_to_pass(call, error, message):
+    """Each was a raw error from deep inside (AttributeError, the block's own forward signature, "object is not
+    iterable"), or came at the first training step (routing), or gave a wrong hint (memory_budget), before the
+    twenty-seventh session."""
+    with pytest.raises(error, match=message):
+        call()
+    plain_autograd_still_works()
+
+
+def test_a_generator_function_is_refused_at_once():
+    """Its ops would run when the caller iterates, outside remat: nothing would be rematerialized."""
+
+    def gen(w, x):
+        for _ in range(3):
+            x = (x @ w).tanh()
+            yield x
+
+    with pytest.raises(TypeError, match="gen is a generator .* nothing would be rematerialized"):
+        remat(gen)
+
+
+def test_a_measuring_call_that_writes_its_input_after_reading_it_names_its_route():
+    """The full engine's refusal names the route the call took: a memory budget's first call here, not torch.func or
+    debug=True (which the user did not ask for)."""
+    w = leaf(4, 4)
+
+    def f(w, x):
+        y = (x + w).tanh()
+        x.add_(1)
+        return y.sum()
+
+    with pytest.raises(RematError, match="on a memory budget's first call, .* with a fixed policy"):
+        remat(f, policy=policies.memory_budget(0.3))(w, leaf(4, 4).detach())
+    plain_autograd_still_works()

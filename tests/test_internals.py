@@ -352,3 +352,20 @@ def test_has_history_looks_through_every_functorch_level() -> None:
     torch.func.grad(f)(torch.randn(3), plain)
     torch.func.vmap(torch.func.grad(f), in_dims=(0, None))(torch.randn(2, 3), plain)
     assert seen == [(True, False), (True, False)]
+
+
+def test_top_saved_tensors_hooks_is_the_innermost_pair() -> None:
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    assert ti.top_saved_tensors_hooks() is None
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        assert ti.top_saved_tensors_hooks() == (pack, unpack)
+        with torch.autograd.graph.save_on_cpu():
+            top = ti.top_saved_tensors_hooks()
+            assert top is not None and top[0] is not pack
+        assert ti.top_saved_tensors_hooks() == (pack, unpack)
+    assert ti.top_saved_tensors_hooks() is None

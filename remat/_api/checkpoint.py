@@ -27,7 +27,7 @@ import torch.utils.checkpoint as tc
 from .. import _torch_internals as ti
 from .._context import CACHES
 from .._errors import RematError
-from .._policies.core import Decision, Offloadable, Recompute, Saveable
+from .._policies.core import Decision, Offloadable, Recompute, Saveable, resolve_policy
 from .transform import remat
 
 __all__ = ["checkpoint", "checkpoint_sequential", "from_torch_policy", "route_torch_checkpoint"]
@@ -219,6 +219,8 @@ def checkpoint_call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], use_
     :class:`route_torch_checkpoint` runs in place of torch's checkpoint."""
     if not callable(fn):
         raise TypeError(f"remat.checkpoint: the first argument must be the function to run, got {fn!r}")
+    if use_reentrant is not None and not isinstance(use_reentrant, bool):
+        raise TypeError(f"remat.checkpoint: use_reentrant must be False (or left out), got {use_reentrant!r}")
     if use_reentrant is True:
         raise RematError(
             "remat.checkpoint: use_reentrant=True is torch's older variant, for code that saved-tensor hooks could "
@@ -271,6 +273,10 @@ def checkpoint_sequential(functions: torch.nn.Sequential | Iterable[Callable[...
         raise ValueError("remat.checkpoint_sequential: unexpected keyword arguments: " + ", ".join(kwargs))
     if use_reentrant is True:
         checkpoint(lambda: None, use_reentrant=True)  # (its error)
+    if isinstance(functions, torch.nn.Module) and not isinstance(functions, (torch.nn.Sequential,
+                                                                            torch.nn.ModuleList)):
+        raise TypeError(f"remat.checkpoint_sequential: functions must be an nn.Sequential or a list of functions, "
+                        f"got one {type(functions).__name__}; for a single module use remat.checkpoint(module, x).")
     fns: list[Callable[..., Any]] = (list(functions.children()) if isinstance(functions, torch.nn.Sequential)
                                      else list(functions))
     if not isinstance(segments, int) or segments < 1:
@@ -332,6 +338,8 @@ class route_torch_checkpoint:
     """
 
     def __init__(self, policy: Any = None) -> None:
+        if policy is not None:
+            resolve_policy(policy)  # (a misspelt policy says so here, not at the first routed call of a training step)
         self.policy = policy
         self._undo: list[tuple[Any, str, Any]] = []
 

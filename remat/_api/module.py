@@ -130,6 +130,11 @@ def _selector(where: Any) -> Callable[[str, nn.Module], bool]:
         return lambda name, m: isinstance(m, where)
     if isinstance(where, tuple) and where and all(isinstance(c, type) and issubclass(c, nn.Module) for c in where):
         return lambda name, m: isinstance(m, where)
+    if isinstance(where, nn.Module):
+        raise TypeError(
+            f"remat_modules: where={type(where).__name__}(...) is a module instance; pass its class, "
+            f"where={type(where).__name__}, to remat every submodule of that class (or remat_module(block) for one)."
+        )
     if callable(where) and not isinstance(where, type):
         return where  # type: ignore[no-any-return]
     raise TypeError(
@@ -166,6 +171,9 @@ def remat_modules(root: nn.Module, where: Any, *, policy: Any = None,
         >>> remat_modules(model, torch.nn.Linear, policy="save-nothing")
         ['0', '2']
     """
+    if not isinstance(root, nn.Module):
+        raise TypeError(f"remat_modules: root must be an nn.Module (the model), got {type(root).__name__}; for a "
+                        "function use remat(f, policy=...).")
     if isinstance(where, str) and where == "auto":
         chosen = _declared_blocks(root)
     else:

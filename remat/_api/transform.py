@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import types
 from collections.abc import Callable, Sequence
@@ -108,6 +109,12 @@ def remat(fn: Any = None, *, policy: Any = None, static_argnums: int | Sequence[
         raise TypeError(
             f"remat: expected a function to wrap, got {fn!r} ({type(fn).__name__}); write "
             "remat(f, policy=...) or use @remat(policy=...) as a decorator."
+        )
+    if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        raise TypeError(
+            f"remat: {brief_name(fn)} is a generator (or async) function: calling it returns before its ops run, so "
+            "they would run later, outside remat, and nothing would be rematerialized. Remat the function that "
+            "computes each value instead (the body of the loop), or collect the values in a list inside it."
         )
     if ti.is_compiled_callable(fn):
         parts = ti.compiled_parts(fn)

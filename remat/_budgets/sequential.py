@@ -340,6 +340,10 @@ def sequential(blocks: Sequence[Callable[[Any], Any]], *, segments: int | None =
         >>> str(plan.schedule), plan.seconds < plan.two_way_seconds
         ('offload[0:6]', True)
     """
+    if isinstance(blocks, torch.nn.Module) and not isinstance(blocks, (torch.nn.Sequential, torch.nn.ModuleList)):
+        raise TypeError(f"remat.sequential: blocks must be a sequence of blocks (a list, an nn.Sequential or an "
+                        f"nn.ModuleList), got one {type(blocks).__name__}; for a single module use "
+                        "remat_module(module) or remat(module).")
     blocks = list(blocks)
     if not blocks or not all(callable(b) for b in blocks):
         raise TypeError(f"remat.sequential: blocks must be a non-empty sequence of callables, got {blocks!r}")

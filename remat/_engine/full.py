@@ -591,11 +591,14 @@ class Frame(_Saving, _Serving):
         now = [ti.unwrap_all(a)._version if isinstance(a, torch.Tensor) else None for a in flat]
         written = self.recorder.input_read_then_written
         if self.drops and written is not None:  # NOTE [writes into inputs] in outside_writes.py
+            route, other = (("under torch.func", "under plain autograd") if self.levels else
+                            ("with debug=True", "without debug=True") if self.watch_values else
+                            ("on a memory budget's first call, which measures the function", "with a fixed policy"))
             raise RematError(
                 f"remat: {self.fn_name} reads an input (shape {list(written.shape)}) and then writes it in place "
-                "(an accumulator, a batch norm's running statistics); on this route (torch.func, debug=True) the "
-                "recompute would read the written value. Write it before reading it, keep it as a module buffer, "
-                "or call the function under plain autograd (which replays the trace)."
+                f"(an accumulator, a batch norm's running statistics); {route}, the recompute would read the written "
+                "value. Write it before reading it, keep it as a module buffer, or call the function "
+                f"{other} (which replays the trace)."
             )
         if self.drops:
             copied = self.recorder.inputs_written - self.recorder.inputs_rewritten

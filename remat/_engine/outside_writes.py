@@ -27,7 +27,7 @@ import torch
 
 from .. import _torch_internals as ti
 from .._context import internal
-from .._errors import RematError
+from .._errors import RematError, inference_tensor
 from .._policies.core import Offloadable, Saveable
 from . import outside as ox
 from .ops import LIFTS, OVERWRITES, DeadRead, Half, OpRecord, arg_tensors, storage_key, tensor_leaves
@@ -108,6 +108,8 @@ class OutsideReads(Half):
         for j, (t, k, v) in enumerate(zip(ins, keys, vids)):
             if v in self.made_by or not self.is_outside(k, t):
                 continue
+            if t.is_inference():
+                raise inference_tensor(self.fn_name, "a tensor from outside its arguments (a global, a buffer)", t)
             if found is None:
                 found = []
             found.append((j, t, t._version))

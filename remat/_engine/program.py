@@ -26,7 +26,10 @@ NOTE [program replay]
     returned (its tensors come from no call the mode sees), a tensor with history that no call made (the output of
     a custom ``autograd.Function``; ``DTensor.from_local`` and ``to_local``, which are such Functions, and FSDP2's
     hooks: tensor parallel and FSDP2 calls re-run), a tensor of the call that an ``autograd.Function`` returned as
-    its own output (a module's full backward hook), autocast switched inside the function.
+    its own output (a module's full backward hook), autocast switched inside the function, saved-tensor hooks the
+    function pushes itself (``torch.utils.checkpoint``, ``save_on_cpu``: its ops' saves go to those hooks, which a
+    replay of the calls alone would not push). A recompute asked for before the forward pass ends (a backward pass
+    inside it: a gradient penalty) finds the program unfinished, and runs the Python.
 
     NOTE [nested programs]: a remat call inside the forward pass of another full-engine call (under
     ``torch.func``, or a memory budget's measuring call), at its level, records a program of its own and is one
@@ -261,7 +264,10 @@ class Program:
         for s, i in self.state.items():
             v[s] = state_vals[i]
         frees = self.last_use
-        assert frees is not None
+        if frees is None:
+            # a backward pass inside the forward pass (``torch.autograd.grad`` in the function, a gradient penalty):
+            # the program is not finished, and its recorder still listens; the Python runs instead
+            return None
         dtype0 = torch.get_default_dtype()
         grad0 = torch.is_grad_enabled()
         try:
@@ -321,6 +327,12 @@ class ProgramRecorder(TorchFunctionMode):
             return func(*args, **kwargs)
         if _autocast() != p.autocast0:
             p.spoil("it switches autocast inside")
+            return func(*args, **kwargs)
+        hooks = ti.top_saved_tensors_hooks()
+        if hooks is None or hooks[0] != p.frame.pack:
+            # (torch.utils.checkpoint or save_on_cpu inside the function: what its ops save goes to those hooks, and
+            # a replay of the ops alone would save it through the recompute's)
+            p.spoil("it runs torch functions under saved-tensor hooks of its own")
             return func(*args, **kwargs)
         leaves: list[Any]
         leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)  # type: ignore[arg-type]

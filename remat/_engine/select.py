@@ -32,8 +32,8 @@ import torch
 
 from .. import _torch_internals as ti
 from .._budgets.budget_policy import MemoryBudget
-from .._context import INSPECTOR, active_context
-from .._errors import RematError
+from .._context import INSPECTOR, active_context, internal
+from .._errors import RematError, inference_tensor
 from .._offload import default_engine
 from .._policies.core import nothing_saveable
 from .frame import CallFrame
@@ -83,6 +83,10 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
         return call_nested_replay(ctx, run, flat)
     # NOTE [state is an input]: what fn reads besides its arguments, held like them
     state = snapshot(fn, [a for a in flat if not isinstance(a, torch.Tensor)] + list(static_vals.values()))
+    with internal():  # (is_inference is a torch function: an enclosing call's program must not record it)
+        for i, a in enumerate(flat):
+            if isinstance(a, torch.Tensor) and ti.unwrap_all(a).is_inference():
+                raise inference_tensor(name, f"its input #{i}", a)
     outermost = not enclosed()
     in_trace = isinstance(ctx, TraceFrame)
     # the replay engine (NOTE [the trace] in trace.py): no torch.func level, no listener, plain tensors

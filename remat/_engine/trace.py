@@ -43,6 +43,7 @@ import optree
 import torch
 
 from .._context import CACHES, INTERNAL, PENDING_NAME, internal
+from .._errors import inference_tensor
 from .._policies.core import (
     Decision,
     Offloadable,
@@ -174,6 +175,8 @@ class Trace:
         e = self._slot_of.get(id(t))
         if e is not None and e[0]() is t:
             return e[1]
+        if t.is_inference():
+            raise inference_tensor(self.fn_name, "a tensor from outside its arguments (a global, a buffer)", t)
         s = self.n
         self.n = s + 1
         self._slot_of[id(t)] = (weakref.ref(t), s)

@@ -145,13 +145,55 @@ class _Serving(Half):
     replay once what was dropped (NOTE [replay]) and let go of it as it is read; a half of ``TraceFrame``."""
 
     def unpack(self, p: Any) -> Tensor:
+        """A dropped tensor's pack (the tuple of NOTE [dropped packs]): replay, once, what the backward pass reads
+        (NOTE [replay]) and hand it back; any other pack: ``_unpack_pack``."""
+        if type(p) is not tuple:
+            return self._unpack_pack(p)
+        s, version, ref = p
         with self._lock:
-            if type(p) is tuple:  # (a dropped tensor: NOTE [dropped packs])
-                return self._take(p[0], p[1], p[2])
+            if self.replaced and s in self.replaced:
+                self._refuse_replaced(s)
+            graph = _grad_enabled()
+            if ref is not None:
+                t = ref()
+                aliases = self.alias_refs.get(s, ()) if self.alias_refs else ()
+                moved = self.trace.moved.get((s, version)) if self.trace.moved else None
+                if aliases or moved is not None or (t is not None and t._version != version):
+                    self._check_written(s, version, ref, aliases, moved, DROP)  # (NOTE [dropped packs])
+            entry = self.caches.get(graph)
+            if entry is None or s not in entry[0]:
+                entry = self.caches[graph] = self._replay(graph, full=s in self.skipped)
+                if s not in entry[0]:
+                    # NOTE [unused outputs in a replay]: one the analysis skipped is read after all: everything, now
+                    entry = self.caches[graph] = self._replay(graph, full=True)
+                if not ti.queue_backward_callback(self._release_later()):
+                    # read outside a backward pass (``grad_fn._saved_self``): nothing ends it, so nothing is kept
+                    self.caches.pop(graph, None)
+                    return entry[0][s]
+            made, left, versions = entry
+            t = made[s]
+            r = self.view_roots.get(s) if self.view_roots else None
+            if t._version != versions[s] or (r is not None and r in self.made_roots
+                                             and self.made_roots[r]._version != versions[r]):
+                # a backward node wrote it (or the value it is a view of: the replay's views share no version
+                # counter) in place and another reads it now: plain autograd refuses this too
+                raise saved_written_after_save(self.fn_name, s, t, versions[s], t._version)
+            n = left[s] - 1
+            if n > 0:
+                left[s] = n
+                return t
+            del made[s]
+            del left[s]
+            if r is not None and not any(left.get(v) for v, rr in self.view_roots.items() if rr == r):
+                self.made_roots.pop(r, None)
+            return t
+
+    def _unpack_pack(self, p: _Pack) -> Tensor:
+        with self._lock:
             kind = p.kind
             if kind == DROP:  # (a kept value a name dropped since: ``_demote``)
                 self._check_unwritten(p)
-                return self._take(p.slot, p.version, None)
+                return self.unpack((p.slot, p.version, None))
             if kind == KEEP or kind == INPUT:
                 t = p.payload
                 if t._version != p.version:
@@ -211,46 +253,6 @@ class _Serving(Half):
             f"modified in place after it was saved (version {p.version} -> {t._version}). Do not modify inputs "
             "or results of a remat'd function in place before the backward pass; clone them first."
         )
-
-    def _take(self, s: int, version: int, ref: Any) -> Tensor:
-        if self.replaced and s in self.replaced:
-            self._refuse_replaced(s)
-        graph = _grad_enabled()
-        if ref is not None:
-            t = ref()
-            aliases = self.alias_refs.get(s, ()) if self.alias_refs else ()
-            moved = self.trace.moved.get((s, version)) if self.trace.moved else None
-            if aliases or moved is not None or (t is not None and t._version != version):
-                self._check_written(s, version, ref, aliases, moved, DROP)  # (NOTE [dropped packs])
-        entry = self.caches.get(graph)
-        if entry is None or s not in entry[0]:
-            entry = self.caches[graph] = self._replay(graph, full=s in self.skipped)
-            if s not in entry[0]:
-                # NOTE [unused outputs in a replay]: one the analysis skipped is read after all: everything, this time
-                entry = self.caches[graph] = self._replay(graph, full=True)
-            if not ti.queue_backward_callback(self._release_later()):
-                # read outside a backward pass (``grad_fn._saved_self``): nothing ends it, so nothing is kept
-                made, left, versions = entry
-                self.caches.pop(graph, None)
-                t = made[s]
-                return t
-        made, left, versions = entry
-        t = made[s]
-        r = self.view_roots.get(s) if self.view_roots else None
-        if t._version != versions[s] or (r is not None and r in self.made_roots
-                                         and self.made_roots[r]._version != versions[r]):
-            # a backward node wrote it (or the value it is a view of: the replay's views share no version
-            # counter) in place and another reads it now: plain autograd refuses this too
-            raise saved_written_after_save(self.fn_name, s, t, versions[s], t._version)
-        n = left[s] - 1
-        if n > 0:
-            left[s] = n
-            return t
-        del made[s]
-        del left[s]
-        if r is not None and not any(left.get(v) for v, rr in self.view_roots.items() if rr == r):
-            self.made_roots.pop(r, None)
-        return t
 
     def _replay(self, graph: bool, full: bool = False) -> tuple[dict[int, Tensor], dict[int, int], dict[int, int]]:
         self.recomputes += 1
@@ -313,20 +315,20 @@ class _Serving(Half):
         copies: dict[int, Any] = {}  # storage key -> this replay's copy of a storage the call wrote
 
         def source(s: int) -> Tensor:
+            shadow = trace.shadowed.get(s) if trace.shadowed else None
+            if shadow is not None:  # NOTE [outside writes] (the parent's value too was written since: not routed)
+                key, geometry = shadow
+                snap = trace.shadows[key]
+                c = copies.get(key)
+                if c is None:
+                    c = copies[key] = snap.copy()
+                return snap.view(c, geometry)  # type: ignore[no-any-return]
             h = self.routed.get(s)
             if h is not None:
                 assert self.parent is not None
                 return trace.made(s, self.parent.unpack(h))
             e = trace.outside.get(s)
             if e is not None:
-                shadow = trace.shadowed.get(s) if trace.shadowed else None
-                if shadow is not None:  # NOTE [outside writes]
-                    key, geometry = shadow
-                    snap = trace.shadows[key]
-                    c = copies.get(key)
-                    if c is None:
-                        c = copies[key] = snap.copy()
-                    return snap.view(c, geometry)  # type: ignore[no-any-return]
                 snap = trace.snapshots.get(s)
                 if snap is not None:
                     return snap.clone()
@@ -644,6 +646,10 @@ class TraceFrame(_Saving, _Serving):
         for snap in trace.shadows.values():
             if snap is not None:
                 snap.done()  # (no tensor of the call extends it any more)
+        for s in [s for s in self.routed if s in trace.shadowed]:
+            # NOTE [outside writes]: this call wrote it, so its replay reads its own copy of the storage, never the
+            # parent's value (which a later call may write again: a global two nested calls each write in place)
+            del self.routed[s]
         for s in self.routed:
             t, v = trace.outside[s]
             trace.outside[s] = (None, v)  # type: ignore[assignment]  # (the parent holds it)

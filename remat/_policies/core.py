@@ -619,6 +619,12 @@ def resolve_policy(policy: Any) -> Policy:
             f"remat: policy must be a callable policy(op, *args, **kwargs) or a string, got "
             f"{policy!r} ({type(policy).__name__}); for example policy=remat.policies.dots_saveable."
         )
+    if isinstance(policy, torch.nn.Module):
+        raise TypeError(
+            f"remat: policy={type(policy).__name__}(...) is a module, not a policy (the module goes first: "
+            "remat(module, policy=...), remat_module(module, policy=...)); a policy is a callable "
+            "policy(op, *args, **kwargs), for example policy=remat.policies.dots_saveable."
+        )
     if isinstance(policy, type):
         name = f"remat.policies.{policy.__name__}" if policy.__module__.startswith("remat") else policy.__name__
         raise TypeError(
@@ -659,6 +665,13 @@ def _check_signature(policy: Policy) -> None:
             return
         except TypeError:
             pass
+    if inspect.isfunction(policy) and str(getattr(policy, "__module__", "")).startswith("remat._budgets"):
+        # (policies.memory_budget: the one policy factory that is a function, not a class)
+        name = f"remat.policies.{policy.__name__}"
+        raise TypeError(
+            f"remat: policy={name} is a policy factory, not a policy: call it, policy={name}(...) (for example "
+            "policy=remat.policies.memory_budget(0.25), policy=remat.policies.offload_to_cpu())."
+        )
     hint = ""
     if torch_style:
         hint = (" It looks like a torch selective-checkpointing policy, policy_fn(ctx, op, *args, **kwargs): pass it "

@@ -23,6 +23,7 @@ import argparse
 import functools
 import importlib.util
 import json
+import os
 import platform
 import sys
 import time
@@ -151,11 +152,13 @@ def _code(label: str) -> str:
     return label
 
 
-def recommend(rows: Sequence[Any], front: set[str]) -> str:
+def recommend(rows: Sequence[Any], front: set[str], inapplicable: Sequence[str] = ()) -> str:
     """What to use, from the Pareto front: the remat configuration on it that costs least time (among those tied
-    on time, the one that keeps least), and the one that keeps least memory; never a winner the noise cannot tell."""
+    on time, the one that keeps least), and the one that keeps least memory; never a winner the noise cannot tell,
+    nor one that does not apply here (``inapplicable``: offloading on a machine where the copy frees nothing)."""
     base = rows[0]
-    ours = [r for r in rows if r.label in front and r is not base and not r.label.startswith(("torch", "compiled"))]
+    ours = [r for r in rows if r.label in front and r is not base and not r.label.startswith(("torch", "compiled"))
+            and r.label not in inapplicable]
     if not ours:
         return ("Recommendation: no remat configuration is on the front here (this model keeps little between the "
                 "passes, or torch's peer is as good within the noise); see docs/policies.md for a larger model.")
@@ -197,6 +200,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--warmup must be >= 0")
     if a.plot and importlib.util.find_spec("matplotlib") is None:
         p.error("--plot needs matplotlib, which is not installed: pip install matplotlib (or 'remat[plot]')")
+    for flag, path in (("--json", a.json), ("--plot", a.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder is not None and not os.path.isdir(folder):
+            p.error(f"{flag}: the folder {folder} does not exist; create it first, or give another path")
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = DTYPES[a.dtype]
@@ -259,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tied = [(a.label, b.label) for a, b in ties(rows) if a.label in front and b.label in front]
     print(f"Pareto front (retained memory vs time): {', '.join(r.label for r in rows if r.label in front)}"
           + (f"; tied within the noise: {', '.join(f'{a} and {b}' for a, b in tied)}" if tied else ""))
-    print(recommend(rows, front))
+    print(recommend(rows, front, [label(k, a.model) for k in keys if applies(k, a.model, device)]))
     if a.json:
         doc: dict[str, Any] = {
             "model": a.model, "size": a.size, "config": SIZES[a.size][a.model], "device": str(device),
