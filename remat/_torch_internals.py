@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks as _saved_tensors_hooks
+from torch.fx.experimental.proxy_tensor import get_proxy_mode as _get_proxy_mode  # (tracing_with_make_fx)
 
 # torch.func's interpreter stack has no public API: remat must know which
 # functorch level saved a tensor and rebuild that level for the recompute
@@ -265,6 +266,30 @@ def saved_tensors_hooks_set_aside() -> Iterator[None]:
     finally:
         for pack, unpack in reversed(popped):
             torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+# torch.autograd.grad(..., is_grads_batched=True) and autograd.functional's vectorize=True run the backward pass under
+# the legacy vmap (torch._vmap_internals), whose mode refuses every random op whatever its inputs. remat's recompute
+# makes the forward pass's values again (no batch dimension: the forward ran outside that vmap), so it runs outside
+# the mode. No public API leaves it; its depth is read by one increment (which returns the new depth).
+@contextlib.contextmanager
+def outside_legacy_vmap() -> Iterator[None]:
+    depth = torch._C._vmapmode_increment_nesting() - 1
+    torch._C._vmapmode_decrement_nesting()
+    for _ in range(depth):
+        torch._C._vmapmode_decrement_nesting()
+    try:
+        yield
+    finally:
+        for _ in range(depth):
+            torch._C._vmapmode_increment_nesting()
+
+
+def tracing_with_make_fx() -> bool:
+    """Whether ``make_fx`` is tracing (``torch.func.linearize`` traces its jvp so): remat keeps everything then
+    (``_engine/select.py``). No public API asks; ``get_proxy_mode`` is the proxy-tensor module's own question (the
+    module is imported by torch itself)."""
+    return _get_proxy_mode() is not None
 
 
 def top_saved_tensors_hooks() -> tuple[Any, Any] | None:

@@ -559,3 +559,49 @@ def test_saved_tensor_hooks_inside_the_function_under_a_budget_are_exact(budget:
     want = torch.autograd.grad(f(w, x), w)
     for _ in range(3):
         assert_tree_close(torch.autograd.grad(g(w, x), w), want, **F64)
+
+
+def test_an_inner_call_inside_torch_checkpoint_under_a_budget_is_exact() -> None:
+    """A remat call inside ``torch.utils.checkpoint`` inside a function on a memory budget: the inner call is not
+    recorded as one call of the program (its saves go to torch's hooks), so the program gives way (it raised "saved
+    4 tensors where its forward pass saved 5" on the first call before the twenty-seventh session)."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 4, dtype=torch.float64)
+
+    def make(on: bool) -> Any:
+        def inner(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+            return (x @ a).tanh()
+
+        gi = remat.remat(inner, policy=policies.nothing_saveable) if on else inner
+
+        def f(w: torch.Tensor) -> torch.Tensor:
+            h = torch.utils.checkpoint.checkpoint(lambda a: gi(x, a), w, use_reentrant=False)
+            return h.exp().pow(2).sum()
+
+        return remat.remat(f, policy=policies.memory_budget(0.3)) if on else f
+
+    want = torch.autograd.grad(make(False)(w), w)
+    g = make(True)
+    for _ in range(3):
+        assert_tree_close(torch.autograd.grad(g(w), w), want, **F64)
+
+
+def test_a_view_made_under_no_grad_and_written_under_a_budget_is_exact() -> None:
+    """``with torch.no_grad(): h[:, :2].add_(1.0)`` on an activation: torch refuses to give that view's node, which
+    the program asked for ("A view was created in no_grad mode ..." from remat's internals before the
+    twenty-seventh session); the program gives way."""
+    torch.manual_seed(0)
+    W = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = x.sin() * 1.5
+        with torch.no_grad():
+            h[:, :2].add_(1.0)
+        return ((h @ W).sin() * h).sum()
+
+    want = torch.autograd.grad(f(x), [x, W])
+    g = remat.remat(f, policy=policies.memory_budget(0.3))
+    for _ in range(3):
+        assert_tree_close(torch.autograd.grad(g(x), [x, W]), want, **F64)

@@ -369,3 +369,28 @@ def test_top_saved_tensors_hooks_is_the_innermost_pair() -> None:
             assert top is not None and top[0] is not pack
         assert ti.top_saved_tensors_hooks() == (pack, unpack)
     assert ti.top_saved_tensors_hooks() is None
+
+
+def test_outside_legacy_vmap_leaves_and_restores_every_depth() -> None:
+    from torch._vmap_internals import _vmap
+
+    def depth() -> int:
+        d = torch._C._vmapmode_increment_nesting() - 1
+        torch._C._vmapmode_decrement_nesting()
+        return d
+
+    seen = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        with ti.outside_legacy_vmap():
+            seen.append(depth())
+            r = torch.rand(3)  # (refused inside the legacy vmap's mode)
+        seen.append(depth())
+        return x + r
+
+    assert depth() == 0
+    _vmap(lambda y: _vmap(f)(y))(torch.ones(2, 2, 3))
+    assert seen == [0, 2]
+    with ti.outside_legacy_vmap():
+        assert depth() == 0
+    assert depth() == 0

@@ -557,3 +557,39 @@ def test_an_inner_call_writing_what_the_outer_call_reads_is_exact(case: Any, out
             assert torch.equal(_G, want_g)  # (each call's write ran once)
     finally:
         _WN.requires_grad_(False)
+
+
+def test_an_inner_call_writing_its_input_holds_only_its_copy_of_it() -> None:
+    """An outer save-nothing over four inner save-nothing calls, each writing its input (a value of the outer call)
+    in place: between the passes remat holds the inner calls' copies of what they wrote over (one activation each,
+    NOTE [outside writes]) and nothing else: neither the written values nor a save of them through the outer call
+    (the first version of the twenty-seventh session's fix held as much as plain autograd). A census of live
+    storages, outside remat."""
+    n = 256
+    W = _rand(n, n, seed=11).requires_grad_()
+    x = _rand(n, n, seed=12).requires_grad_()
+    act = n * n * 8
+
+    def make(on: bool) -> Callable[..., Any]:
+        def inner(h: torch.Tensor) -> torch.Tensor:
+            h.mul_(2.0)
+            return (h @ W).tanh()
+
+        gi = remat(inner, policy=policies.nothing_saveable) if on else inner
+
+        def outer(x: torch.Tensor) -> torch.Tensor:
+            h = x.sin() * 1.5
+            for _ in range(4):
+                h = gi(h) * 1.0
+            return h.sum()
+
+        return remat(outer, policy=policies.nothing_saveable) if on else outer
+
+    from remat.bench.measure import live_bytes_after
+
+    loss, plain = live_bytes_after(lambda: make(False)(x))
+    want = torch.autograd.grad(loss, [x, W])
+    loss, held = live_bytes_after(lambda: make(True)(x))
+    assert held <= 4 * act + act // 4, (held, plain, act)
+    assert plain >= 8 * act, (held, plain)
+    assert_tree_close(torch.autograd.grad(loss, [x, W]), want, **TOL)

@@ -14,6 +14,7 @@ import torch
 from torch.func import grad, vjp
 
 from remat import RematError, policies, remat
+from remat._context import internal
 from remat._torch_internals import unwrap_all
 from remat.bench.models import make_model
 from remat.offload import OffloadEngine, use_engine
@@ -30,7 +31,8 @@ def test_offloaded_wrapper_freed_under_grad(policy: str) -> None:
 
     def f(x: torch.Tensor) -> torch.Tensor:
         a = x.exp()
-        refs.append(weakref.ref(unwrap_all(a).untyped_storage()))  # the memory below the grad wrapper
+        with internal():  # (the test's probe, not a call of the function: the program would hold what it reads)
+            refs.append(weakref.ref(unwrap_all(a).untyped_storage()))  # the memory below the grad wrapper
         return (a * x).sum()
 
     g = remat(f, policy=policies.offload_to_cpu(min_bytes=0) if policy == "offload" else "save-everything")

@@ -260,6 +260,10 @@ class _Saving(Half):
     def _demote(self, key: int) -> None:
         """A checkpoint_name the policy drops names a value already saved as kept: drop it now."""
         for p, vid in self._kept.pop(key, ()):
+            if any(lv.kind == "jvp" for lv in self.levels[: max(p.height, 0)]):
+                # under a jvp level the recompute must make its tangents too, which only the live wrapper, gone
+                # by now, leads to (``_promote_tangents``): it stays kept (the replay read dead placeholders: NaN)
+                continue
             p.kind, p.payload = DROP, None
             self.drops.setdefault(p.height, {})[p.pos] = p.meta
             self.needed_vids.add(vid)
@@ -602,8 +606,13 @@ class Frame(_Saving, _Serving):
             )
         if self.drops:
             copied = self.recorder.inputs_written - self.recorder.inputs_rewritten
+            rewritten = self.recorder.inputs_rewritten
             for i, (a, v0, v1) in enumerate(zip(flat, self.versions, now)):
                 if v0 != v1 and not (copied and storage_key(ti.unwrap_all(a)) in copied):
+                    raise input_written_in_forward(self.fn_name, i, a)
+                if rewritten and isinstance(a, torch.Tensor) and storage_key(ti.unwrap_all(a)) in rewritten:
+                    # (through ``.data`` or an alias with a version counter of its own: the version did not move, but
+                    # the recompute, which runs the write again, would read the written value)
                     raise input_written_in_forward(self.fn_name, i, a)
         self.versions = now
 

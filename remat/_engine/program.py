@@ -63,7 +63,7 @@ from .._context import INTERNAL, PENDING_NAME, active_context
 __all__ = ["Program", "ProgramRecorder", "GAVE_WAY"]
 
 Tensor = torch.Tensor
-GAVE_WAY = object()  # (Program.result: an outside tensor it held weakly died; the Python runs instead)
+GAVE_WAY = object()  # (Program.result: the program is not finished, a backward pass inside the forward; the Python runs)
 
 
 class Call:
@@ -95,7 +95,7 @@ class Program:
         self._nograd: set[int] = set()  # slots made by a call with grad mode off
         self.inputs: dict[int, int] = {}  # slot -> index among the call's leaves
         self.state: dict[int, int] = {}  # slot -> index among the module state's tensors
-        self.outside: dict[int, Any] = {}  # slot -> an outside tensor, held (or weakly: ``read``)
+        self.outside: dict[int, Any] = {}  # slot -> an outside tensor, held
         self.spoiled: str | None = None  # why the Python must run again instead
         self.running = False  # a recorded call is running (the torch calls it makes are its own)
         self.frame: Any = None
@@ -129,6 +129,9 @@ class Program:
         (NOTE [nested programs]): at the call's own level, nothing else running."""
         if self.spoiled is not None or self.running or self.frame is None or active_context() is not self.frame:
             return False
+        hooks = ti.top_saved_tensors_hooks()
+        if hooks is None or hooks[0] != self.frame.pack:
+            return False  # (inside torch.utils.checkpoint or save_on_cpu: the program gives way, as ``ProgramRecorder``)
         top = ti.peek_interpreter()
         return (top.level() if top is not None else -1) == self.level and _autocast() == self.autocast0
 
@@ -175,15 +178,22 @@ class Program:
     def _new(self, t: Tensor) -> int:
         s = self.n
         self.n = s + 1
-        self._slot_of[id(t)] = (weakref.ref(t), s, id(t.grad_fn))
+        self._slot_of[id(t)] = (weakref.ref(t), s, id(self._node(t)))
         return s
+
+    def _node(self, t: Tensor) -> Any:
+        try:
+            return t.grad_fn
+        except RuntimeError:  # ("A view was created in no_grad mode and ... modified inplace": torch refuses its node)
+            self.spoil("it writes in place a view made under no_grad")
+            return None
 
     def _known(self, t: Tensor) -> int | None:
         e = self._slot_of.get(id(t))
         if e is None or e[0]() is not t:
             return None
         if e[1] in self._nograd:
-            node = t.grad_fn
+            node = self._node(t)
             if id(node) != e[2] and isinstance(node, torch.autograd.function.BackwardCFunction) and (
                     (type(t) is not Tensor and type(t) is not torch.nn.Parameter)
                     or type(node).__name__ != "BackwardHookFunctionBackward"):
@@ -201,21 +211,22 @@ class Program:
         s = self._known(t)
         if s is not None:
             return s
-        if t.grad_fn is not None:
+        if self._node(t) is not None:
             # a value with history that no recorded call made (a custom autograd.Function's output, a closure
             # over a value of the enclosing function): what made it would not run again
             self.spoil("it reads a tensor with history that no torch function of the call made")
         s = self._new(t)
-        # weakly, as the trace holds what it does not need (NOTE [the trace]): a tensor made where no mode sees
-        # (a functorch unwrap, an extension) may be an intermediate, which must not outlive the forward pass; a
-        # global replaced since dies, and the replay gives way to the re-run (``replay`` returns False)
-        self.outside[s] = t if t.requires_grad else weakref.ref(t)
+        # held, as the ATen trace holds its outside tensors (NOTE [the trace]): the replay reads the tensor the
+        # forward pass read, whatever happens to the name it was read through (a global rebound, a queue popped);
+        # held weakly, one that died made the Python run again, its side effects twice (a review, the
+        # twenty-seventh session)
+        self.outside[s] = t
         return s
 
     # ---- replay ----------------------------------------------------------------------
     def replay(self, vals: list[Any], state_vals: list[Any]) -> bool:
         """Run the program on the rebuilt stack's inputs and state (``_engine/recompute.py``); False, before
-        running anything, if an outside tensor it holds weakly died (the Python runs again instead)."""
+        running anything, if the program is not finished (the Python runs again instead)."""
         return self._run(vals, state_vals) is not None
 
     def result(self, vals: list[Any], state_vals: list[Any]) -> Any:
@@ -252,13 +263,7 @@ class Program:
         return out
 
     def _run(self, vals: list[Any], state_vals: list[Any]) -> dict[int, Any] | None:
-        v: dict[int, Any] = {}
-        for s, t in self.outside.items():
-            if type(t) is weakref.ref:
-                t = t()
-                if t is None:
-                    return None
-            v[s] = t
+        v: dict[int, Any] = dict(self.outside)
         for s, i in self.inputs.items():
             v[s] = vals[i]
         for s, i in self.state.items():

@@ -95,6 +95,7 @@ def _attempt(frame: Any, s: int, skip_unused: bool, forwarding: list[Any], detac
         for f in forwarding:
             es.enter_context(f.recorder.paused())
         es.enter_context(ti.saved_tensors_hooks_enabled())
+        es.enter_context(ti.outside_legacy_vmap())
         n = len(flat)
         vals, target = es.enter_context(
             replay(frame.levels, frame.decs + frame.state_decs, flat + frame.state.tensors, s))

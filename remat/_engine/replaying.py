@@ -13,6 +13,13 @@ NOTE [replay]
     What it refuses, as plain autograd would: an outside tensor the replay reads that was written in place
     since the forward pass read it (its version moved). A saved tensor written in place after it was saved is
     refused at its unpack (``traced.py``).
+
+NOTE [graph replay]
+    A backward pass that builds a graph (``create_graph=True``, double backward) needs the dropped tensors with
+    their history. Then the replay reads only outside tensors (the inputs with their history), ignores kept
+    values (detached), and runs each step with grad mode as it had it. A custom ``autograd.Function`` inside the
+    call ran its ops without grad: replayed, their outputs would lack the Function's backward, so a replay with a
+    graph through one raises instead.
 """
 
 from __future__ import annotations
@@ -146,6 +153,7 @@ def run(trace: Trace, steps: list[Step], frees: list[list[int]], wanted: set[int
     gens: dict[int, tuple[torch.Generator, Any]] = {}
     with contextlib.ExitStack() as es:
         es.enter_context(internal())
+        es.enter_context(ti.outside_legacy_vmap())
         if graph:
             es.enter_context(torch.enable_grad())
             es.enter_context(ti.saved_tensors_hooks_set_aside())

@@ -3,7 +3,8 @@
 ====  ==========================================================  ============================================
  #    when                                                        route
 ====  ==========================================================  ============================================
- 1    nothing will be saved (no grad, no ``torch.func`` level)    the function, plainly
+ 1    nothing will be saved (no grad, no ``torch.func`` level),   the function, plainly
+      or ``make_fx`` is tracing (NOTE [under make_fx])
  2    an outer re-run recompute is re-running this call           ``recompute.call_nested_replay``
  3    the function enters a ``torch.func`` reverse transform      ``region.run_region`` (NOTE [reentrant region])
  4    a memory budget is still measuring this signature           ``full.Frame``, measuring (NOTE [memory budget])
@@ -73,6 +74,11 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
             )
     # 1. nothing will be saved: no frame needed
     if not torch.is_grad_enabled() and not ti.interpreter_stack():
+        return run(flat)
+    if ti.tracing_with_make_fx():
+        # NOTE [under make_fx]: a trace (torch.func.linearize's of its jvp, make_fx's) would record the recompute's ops
+        # but neither the generator states a replayed random op puts back nor the offload engine's copies: the
+        # traced graph would draw other numbers, or read trace-time constants. The function runs as it is.
         return run(flat)
     # (what is learnt about the function is shared by every remat of it: a remat(f) made anew on every call inside
     # another remat'd function learns it from the first attempt)

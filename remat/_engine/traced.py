@@ -43,13 +43,6 @@ NOTE [data replaced]
     before the op reaches any mode, so the trace's last step is the same for both), so their unpack raises
     ``RematError``. Not seen: a tensor whose data was replaced, that no op saved afterwards and that died before
     the forward pass ended (its earlier saves replay the old values), as under ``torch.utils.checkpoint``.
-
-NOTE [graph replay]
-    A backward pass that builds a graph (``create_graph=True``, double backward) needs the dropped tensors with
-    their history. Then the replay reads only outside tensors (the inputs with their history), ignores kept
-    values (detached), and runs each step with grad mode as it had it. A custom ``autograd.Function`` inside the
-    call ran its ops without grad: replayed, their outputs would lack the Function's backward, so a replay with a
-    graph through one raises instead.
 """
 
 from __future__ import annotations
@@ -131,13 +124,8 @@ def traceable(flat: list[Any], state_tensors: list[Tensor], modules: list[Any]) 
     fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
     if fsdp is not None and any(isinstance(m, fsdp) for m in modules[1:]):
         return False
-    for a in flat:
-        if isinstance(a, Tensor) and type(a) is not Tensor and type(a) is not torch.nn.Parameter:
-            return False
-    for t in state_tensors:
-        if type(t) is not Tensor and type(t) is not torch.nn.Parameter:
-            return False
-    return True
+    return all(type(t) is Tensor or type(t) is torch.nn.Parameter
+               for t in (*(a for a in flat if isinstance(a, Tensor)), *state_tensors))
 
 
 class _Serving(Half):
@@ -271,7 +259,7 @@ class _Serving(Half):
                 self.skipped = {s for s in wanted if s not in anc}
                 wanted -= self.skipped
         available = self._available(graph)
-        steps, frees = plan(trace, wanted, available)
+        steps, frees = plan(trace, wanted, available, self._stale_copies(wanted, graph))
         if graph:
             for step in steps:
                 if step.nograd_outs is not None and any(_has_node(r()) for r in step.nograd_outs):
@@ -289,6 +277,14 @@ class _Serving(Half):
         # version counter with their base)
         self.made_roots = {r: made[r] for r in self.view_roots.values() if r in made}
         return made, dict(self.counts), versions
+
+    def _stale_copies(self, wanted: set[int], graph: bool) -> frozenset[int]:
+        """Wanted slots whose offloaded copy for the replay's reads predates a write into their storage (a name
+        dropped the value since: ``h = x @ W; h[:, :2].mul_(3)``): made again, the write with them."""
+        if graph or not self.replay_offloaded or not self.trace.written_keys:
+            return frozenset()
+        key_of, written = self.trace.key_of, self.trace.written_keys
+        return frozenset(s for s in wanted if s in self.replay_offloaded and key_of.get(s) in written)
 
     def _available(self, graph: bool) -> set[int]:
         """The slots a replay reads rather than makes."""
@@ -638,7 +634,8 @@ class TraceFrame(_Saving, _Serving):
         if stash:
             used: set[int] = set()
             if self.counts:
-                for step in plan(trace, set(self.counts), self._available(False))[0]:
+                wanted = set(self.counts)
+                for step in plan(trace, wanted, self._available(False), self._stale_copies(wanted, False))[0]:
                     used.update(step.reads())
             for s in list(stash):
                 if s not in used or type(stash[s]) is weakref.ref:
@@ -648,8 +645,15 @@ class TraceFrame(_Saving, _Serving):
                 snap.done()  # (no tensor of the call extends it any more)
         for s in [s for s in self.routed if s in trace.shadowed]:
             # NOTE [outside writes]: this call wrote it, so its replay reads its own copy of the storage, never the
-            # parent's value (which a later call may write again: a global two nested calls each write in place)
-            del self.routed[s]
+            # parent's value (which a later call may write again: a global two nested calls each write in place);
+            # neither this call nor the parent holds or makes it for that
+            h = self.routed.pop(s)
+            if type(h) is tuple and self.parent is not None:
+                counts = self.parent.counts  # (the parent's save of it will not be unpacked: not replayed for it)
+                counts[h[0]] -= 1
+                if not counts[h[0]]:
+                    del counts[h[0]]
+            trace.outside[s] = (None, trace.outside[s][1])  # type: ignore[assignment]
         for s in self.routed:
             t, v = trace.outside[s]
             trace.outside[s] = (None, v)  # type: ignore[assignment]  # (the parent holds it)

@@ -1,0 +1,124 @@
+"""Higher-order and forward-mode corners a review of the forward-mode transforms found (twenty-seventh session): each
+compares ``remat(f, policy=p)`` with plain ``f`` under the same transform (float64, 1e-10), on three calls.
+
+* a value saved as kept before its ``checkpoint_name`` dropped it (``save_anything_except_these_names``), under
+  forward-over-reverse (``hessian``, ``jacfwd(grad)``, ``vmap(jvp(grad))``): NaN before (the replay read dead
+  placeholders for its tangents);
+* random ops under the legacy vmap of ``torch.autograd.grad(..., is_grads_batched=True)`` and
+  ``torch.autograd.functional.jacobian(..., vectorize=True)``: torch's "We do not yet support calling random
+  operations inside of vmap" from the replay before;
+* ``torch.func.linearize`` (and ``make_fx``) over a remat'd function's gradient: its trace recorded the recompute's
+  ops but not the generator states a replayed random op puts back, nor the offload engine's copies, so the traced
+  jvp drew other numbers or read trace-time constants (off by 22 before); under a trace remat keeps everything
+  (NOTE [under make_fx] in remat/_engine/select.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import grad, hessian, jacfwd, jvp, linearize, vmap
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import remat
+from remat import checkpoint_name, policies
+
+from .helpers import assert_tree_close
+
+DT = torch.float64
+TOL = {"rtol": 1e-10, "atol": 1e-10}
+
+
+def _rand(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DT)
+
+
+X, G, T = _rand(3, 4, seed=0), _rand(4, seed=1), _rand(2, 3, 4, seed=2)
+
+FORWARD_OVER_REVERSE = {
+    "jvp(grad)": lambda f: jvp(grad(f), (X,), (T[0],))[1],
+    "vmap(jvp(grad))": lambda f: vmap(lambda t: jvp(grad(f), (X,), (t,))[1])(T),
+    "jacfwd(grad)": lambda f: jacfwd(grad(f))(X),
+    "hessian": lambda f: hessian(f)(X),
+}
+
+
+@pytest.mark.parametrize("op", ["tanh", "softmax", "exp"])
+@pytest.mark.parametrize("transform", list(FORWARD_OVER_REVERSE))
+def test_a_kept_value_a_name_drops_under_forward_over_reverse(transform: str, op: str) -> None:
+    act = {"tanh": torch.tanh, "softmax": lambda x: torch.softmax(x, -1), "exp": torch.exp}[op]
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint_name(act(x), "n0")
+        return ((h * G).sum(-1) ** 2).sum()
+
+    run = FORWARD_OVER_REVERSE[transform]
+    want = run(f)
+    g = remat.remat(f, policy=policies.save_anything_except_these_names("n0"))
+    for _ in range(3):
+        got = run(g)
+        assert not got.isnan().any()
+        assert_tree_close(got, want, **TOL)
+
+
+def _dropped(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    return F.dropout(torch.sin(x @ W), 0.5, training=True).sum(-1)
+
+
+BATCHED = {
+    "is_grads_batched": lambda f, x, W: torch.autograd.grad(f(x, W), (x, W), grad_outputs=_rand(2, 3, seed=5),
+                                                            is_grads_batched=True),
+    "jacobian(vectorize)": lambda f, x, W: torch.autograd.functional.jacobian(f, (x, W), vectorize=True),
+}
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["replay", "debug"])
+@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable"])
+@pytest.mark.parametrize("how", list(BATCHED))
+def test_random_ops_under_the_legacy_vmap_of_batched_grads(how: str, policy: str, debug: bool) -> None:
+    x, W = _rand(3, 4, seed=3).requires_grad_(), _rand(4, 4, seed=4).requires_grad_()
+    run: Any = BATCHED[how]
+    g = remat.remat(_dropped, policy=getattr(policies, policy), debug=debug)
+    for call in range(3):
+        torch.manual_seed(call)
+        want = run(_dropped, x, W)
+        torch.manual_seed(call)
+        assert_tree_close(run(g, x, W), want, **TOL)
+
+
+def _silu_mm(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    return F.silu(x @ W).pow(2).sum()
+
+
+def _dropout_mm(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    return F.dropout(torch.sin(x @ W), 0.5, training=True).pow(2).sum()
+
+
+TRACED = {
+    "linearize(grad)": lambda f, x, W, t: linearize(grad(lambda a: f(a, W)), x)[1](t),
+    "make_fx(backward)": lambda f, x, W, t: make_fx(
+        lambda a: torch.autograd.grad(f(a, W), a, create_graph=True)[0])(x.requires_grad_())(x),
+}
+
+
+@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable", "offload_to_cpu(min_bytes=0)",
+                                    "offload_dot_with_no_batch_dims"])
+@pytest.mark.parametrize("fn", [_silu_mm, _dropout_mm], ids=["silu", "dropout"])
+@pytest.mark.parametrize("how", list(TRACED))
+def test_a_traced_gradient_is_exact(how: str, fn: Any, policy: str) -> None:
+    pol = {"offload_to_cpu(min_bytes=0)": policies.offload_to_cpu(min_bytes=0),
+           "offload_dot_with_no_batch_dims": policies.offload_dot_with_no_batch_dims("cpu", "cpu")}.get(policy) \
+        or getattr(policies, policy)
+    g = remat.remat(fn, policy=pol)
+    W = _rand(4, 4, seed=6)
+    for call in range(3):
+        x, t = _rand(3, 4, seed=7 + call), _rand(3, 4, seed=10 + call)
+        torch.manual_seed(call)
+        want = TRACED[how](fn, x.clone(), W, t)
+        state = torch.get_rng_state()
+        torch.manual_seed(call)
+        assert_tree_close(TRACED[how](g, x.clone(), W, t), want, **TOL)
+        assert torch.equal(torch.get_rng_state(), state)  # (the same draws, no more)
