@@ -98,7 +98,8 @@ def test_overhead_benchmark_runs() -> None:
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "overhead.py"), "--rounds", "1", "--reps", "1",
                         "--short", "1", "--long", "2"], cwd=root, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    for row in ("plain", "empty dispatch mode", "empty mode, unwrapped", "torch checkpoint", "torch SAC (matmuls)",
+    for row in ("plain", "empty dispatch mode", "empty mode, unwrapped", "floor: record + replay", "torch checkpoint",
+                "torch SAC (matmuls)",
                 "remat save-nothing", "remat dots_saveable", "remat names('mm')", "remat custom callable",
                 "remat offload (min_bytes=0)"):
         assert any(line.startswith(row) for line in r.stdout.splitlines()), (row, r.stdout)
