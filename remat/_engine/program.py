@@ -129,11 +129,15 @@ class Program:
         (NOTE [nested programs]): at the call's own level, nothing else running."""
         if self.spoiled is not None or self.running or self.frame is None or active_context() is not self.frame:
             return False
-        hooks = ti.top_saved_tensors_hooks()
-        if hooks is None or hooks[0] != self.frame.pack:
+        if not self.own_hooks():
             return False  # (inside torch.utils.checkpoint or save_on_cpu: the program gives way, as ``ProgramRecorder``)
         top = ti.peek_interpreter()
         return (top.level() if top is not None else -1) == self.level and _autocast() == self.autocast0
+
+    def own_hooks(self) -> bool:
+        """Whether the saved-tensor hooks on top are the call's own (not the function's: torch's checkpoint inside)."""
+        hooks = ti.top_saved_tensors_hooks()
+        return hooks is not None and hooks[0] == self.frame.pack
 
     def spoil(self, why: str) -> None:
         if self.spoiled is None:
@@ -333,8 +337,7 @@ class ProgramRecorder(TorchFunctionMode):
         if _autocast() != p.autocast0:
             p.spoil("it switches autocast inside")
             return func(*args, **kwargs)
-        hooks = ti.top_saved_tensors_hooks()
-        if hooks is None or hooks[0] != p.frame.pack:
+        if not p.own_hooks():
             # (torch.utils.checkpoint or save_on_cpu inside the function: what its ops save goes to those hooks, and
             # a replay of the ops alone would save it through the recompute's)
             p.spoil("it runs torch functions under saved-tensor hooks of its own")
