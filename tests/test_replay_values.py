@@ -129,6 +129,25 @@ def test_a_function_that_needs_grad_mode_is_exact(what):
     assert probe.modes == [True, True, True], probe.modes
 
 
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", "offload"])
+def test_a_kernel_that_reads_grad_mode_is_replayed_with_it(cls, policy):
+    """Review (twenty-eighth session): in float32 on the CPU ``nn.LSTM`` runs ``mkldnn_rnn_layer``, which makes the
+    workspace its backward reads only with grad mode on; the backward pass runs with grad mode off, so a replay
+    without it made no workspace ("internal error: the replay has no value for slot"). Bitwise plain autograd's
+    gradients on every call, the Python run once per call."""
+    torch.manual_seed(0)
+    m = cls(4, 5, num_layers=2, batch_first=True, dtype=f32)
+    x = leaf(2, 5, 4, dtype=f32)
+    ref = grads(lambda x: m(x)[0], (x,), (x, *m.parameters()))
+    probe = GradModes(lambda x: m(x)[0])
+    p = policies.offload_to_cpu(min_bytes=0) if policy == "offload" else policy
+    g = remat(probe, policy=p)
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(grads(g, (x,), (x, *m.parameters())), ref))
+    assert probe.modes == [True, True, True], probe.modes
+
 # ---- the tensor the recompute hands back is the one the node saved --------------------------------------------------
 
 

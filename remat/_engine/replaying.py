@@ -154,8 +154,10 @@ def run(trace: Trace, steps: list[Step], frees: list[list[int]], wanted: set[int
     with contextlib.ExitStack() as es:
         es.enter_context(internal())
         es.enter_context(ti.outside_legacy_vmap())
+        # grad mode as each step had it, also below autograd: a kernel may read it (``mkldnn_rnn_layer`` makes the
+        # workspace its backward reads only with grad mode on, and the backward pass runs with it off)
+        es.enter_context(torch.enable_grad())
         if graph:
-            es.enter_context(torch.enable_grad())
             es.enter_context(ti.saved_tensors_hooks_set_aside())
         else:
             es.enter_context(ti.below_autograd())
@@ -204,8 +206,8 @@ def run(trace: Trace, steps: list[Step], frees: list[list[int]], wanted: set[int
                     if id(gen) not in gens:
                         gens[id(gen)] = (gen, gen.get_state())
                     gen.set_state(state)
-                if graph and step.grad != torch.is_grad_enabled():
-                    with torch.set_grad_enabled(step.grad):
+                if not step.grad:
+                    with torch.no_grad():
                         out = step.call(*args, **kwargs)
                 else:
                     out = step.call(*args, **kwargs)
