@@ -459,6 +459,12 @@ def is_compiling() -> bool:
 # The C guard skips Python dispatch for the one call; only for plain tensors, whose detach no subclass defines.
 # With no mode pushed (in a mode's handler, where its own is popped, or under none) there is nothing to skip, and
 # the guard would cost more than the detach (1.0 against 0.4 us).
+# Grad mode on or off, now, as ``torch.set_grad_enabled(mode)`` called as a function does, without its Python object:
+# the replay engine's recompute turns it on around each replayed op that ran with it (below autograd, where it builds
+# no graph, a kernel may still read it: NOTE [replay] in ``_engine/replaying.py``), ~0.1 against ~1 us per op.
+set_grad_mode = torch._C._set_grad_enabled
+
+
 def below_autograd() -> contextlib.AbstractContextManager[Any]:
     """Run ops below autograd and below ``ADInplaceOrView``: no graph, no view bookkeeping, no version bumps.
 

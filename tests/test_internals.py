@@ -309,6 +309,22 @@ def test_below_autograd_runs_in_place_ops_without_a_graph_or_a_version_bump() ->
     assert torch.equal(z, torch.full((3,), 8.0))
 
 
+def test_set_grad_mode_sets_grad_mode_now_and_builds_no_graph_below_autograd() -> None:
+    """The replay turns grad mode on around an op that ran with it (a kernel may read it), below autograd."""
+    x = torch.ones(3, requires_grad=True)
+    with torch.no_grad():
+        ti.set_grad_mode(True)
+        try:
+            assert torch.is_grad_enabled()
+            with ti.below_autograd():
+                z = torch.ops.aten.mul.Tensor(x, x)
+        finally:
+            ti.set_grad_mode(False)
+        assert not torch.is_grad_enabled()
+    assert torch.is_grad_enabled()
+    assert z.grad_fn is None and not z.requires_grad
+
+
 def test_python_dispatch_off_hides_ops_from_every_mode() -> None:
     seen: list[Any] = []
 

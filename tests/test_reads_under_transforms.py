@@ -167,3 +167,51 @@ def test_debug_under_functional_call_and_grad_raises_when_another_tensor_is_read
         run(remat.remat_module(M(), policy=POLICIES[policy], debug=True))
     # without debug the program replays: exact
     assert_tree_close(run(remat.remat_module(M(), policy=POLICIES[policy])), ref, **TOL)
+
+
+class Renormed(nn.Module):
+    """``nn.Embedding(max_norm=...)`` renormalises the rows it reads in place, under ``no_grad``, on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 6, max_norm=1.0, dtype=f64)
+        self.out = nn.Linear(6, 10, bias=False, dtype=f64)
+
+    def forward(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.out((self.emb(ids) + x).tanh()).sin().sum()
+
+
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", "custom"])
+@pytest.mark.parametrize("how", ["method", "remat_module"])
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev"])
+def test_renormalised_embedding_rows_under_functional_call_are_exact(transform: str, how: str, policy: str) -> None:
+    """Review (twenty-eighth session): under ``torch.func`` the recompute wrote the rows into a detached copy of the
+    weight, which needed no gradient at the transform's level, so the embedding saved nothing there and remat
+    raised a false "saved a tensor of shape [6, 10] where its forward pass saved [2, 5, 6]". Exact on three calls,
+    the weights renormalised between them as in plain ``torch.func``."""
+    torch.manual_seed(0)
+    ref_m, m = Renormed(), Renormed()
+    m.load_state_dict(ref_m.state_dict())
+    ids, x = torch.randint(0, 10, (2, 5)), torch.randn(2, 5, 6, dtype=f64)
+    p = POLICIES[policy]
+    block = remat.remat_module(m, policy=p) if how == "remat_module" else m
+    fn = m.forward if how == "method" else block
+    call = remat.remat(fn, policy=p) if how == "method" else fn
+
+    def run(model: nn.Module, f: Callable[..., torch.Tensor]) -> Any:
+        params = {k: v.detach() for k, v in model.named_parameters()}
+
+        def loss(ps: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            with torch.nn.utils.stateless._reparametrize_module(model, ps):
+                return f(ids, x)
+
+        if transform == "grad":
+            return grad(loss, argnums=(0, 1))(params, x)
+        if transform == "vjp":
+            out, pull = vjp(loss, params, x)
+            return out, pull(torch.ones_like(out))
+        return jacrev(loss, argnums=(0, 1))(params, x)
+
+    for _ in range(3):
+        assert_tree_close(run(m, call), run(ref_m, ref_m), **TOL)
+    torch.testing.assert_close(m.emb.weight, ref_m.emb.weight, rtol=0, atol=0)

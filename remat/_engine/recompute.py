@@ -143,9 +143,13 @@ def _attempt(frame: Any, s: int, skip_unused: bool, forwarding: list[Any], detac
 
 def _stand_in(v: torch.Tensor) -> torch.Tensor:
     """A copy of state the call wrote, for its recompute to write; one that needs a gradient as ``v`` does, and is
-    no leaf (a write into a leaf that needs one raises: ``g.mul_(1.5)`` under grad mode)."""
+    no leaf (a write into a leaf that needs one raises: ``g.mul_(1.5)`` under grad mode). Under ``torch.func`` a
+    clone of ``v`` at its level (a detached copy there would need no gradient at the level, and the ops reading it
+    would save less than the forward pass's)."""
+    if v.requires_grad and ti.interpreter_stack():
+        return v.clone()
     c = v.detach().clone()
-    return c.requires_grad_().clone() if v.requires_grad and c.is_leaf and not ti.interpreter_stack() else c
+    return c.requires_grad_().clone() if v.requires_grad and c.is_leaf else c
 
 
 def unused_ops(frame: Any, s: int) -> set[int]:

@@ -40,6 +40,7 @@ from .trace import FLAT, Step, Trace
 __all__ = ["plan", "run", "ancestors"]
 
 Tensor = torch.Tensor
+set_grad_mode = ti.set_grad_mode
 
 
 def plan(trace: Trace, wanted: set[int], available: Container[int],
@@ -154,10 +155,8 @@ def run(trace: Trace, steps: list[Step], frees: list[list[int]], wanted: set[int
     with contextlib.ExitStack() as es:
         es.enter_context(internal())
         es.enter_context(ti.outside_legacy_vmap())
-        # grad mode as each step had it, also below autograd: a kernel may read it (``mkldnn_rnn_layer`` makes the
-        # workspace its backward reads only with grad mode on, and the backward pass runs with it off)
-        es.enter_context(torch.enable_grad())
         if graph:
+            es.enter_context(torch.enable_grad())
             es.enter_context(ti.saved_tensors_hooks_set_aside())
         else:
             es.enter_context(ti.below_autograd())
@@ -206,9 +205,19 @@ def run(trace: Trace, steps: list[Step], frees: list[list[int]], wanted: set[int
                     if id(gen) not in gens:
                         gens[id(gen)] = (gen, gen.get_state())
                     gen.set_state(state)
-                if not step.grad:
-                    with torch.no_grad():
+                if graph and step.grad != torch.is_grad_enabled():
+                    with torch.set_grad_enabled(step.grad):
                         out = step.call(*args, **kwargs)
+                elif not graph and step.grad:
+                    # below autograd, grad mode as the step had it: a kernel may read it (``mkldnn_rnn_layer``, float32
+                    # ``nn.LSTM`` on the CPU, makes the workspace its backward reads only with grad mode on), and the
+                    # backward pass runs with it off; only around the op (remat's unpack hooks that ``source`` runs
+                    # read grad mode as whether the backward pass builds a graph)
+                    set_grad_mode(True)
+                    try:
+                        out = step.call(*args, **kwargs)
+                    finally:
+                        set_grad_mode(False)
                 else:
                     out = step.call(*args, **kwargs)
                 if moved is not None:
