@@ -49,6 +49,19 @@ from .wiring import Wiring, autocast_cast, cast_source, describe_difference, sam
 
 __all__ = ["Replayer"]
 
+def _written_to_a_copy(rec: OpRecord, func: Any, args: Any, kwargs: Any, out: Any) -> torch.Tensor | None:
+    """NOTE [written outside storages]: the tensor an op wrote whose write went to a copy, when the op returned the
+    copy: it is read on (``A.add_(1); A.as_strided(...)``, ``torch.div(a, b, out=A); A @ B``: an ``out=`` op hands
+    its argument back above the modes) as the forward's op returned it, as that op's output."""
+    if rec.subst is None:
+        return None
+    info = op_info(func)
+    if args and out is not args[0] and 0 in info.written:
+        return args[0]  # type: ignore[no-any-return]
+    ws = [kwargs.get(k) for k in info.written_kw]
+    return ws[0] if len(ws) == 1 and isinstance(ws[0], torch.Tensor) and ws[0] is not out else None
+
+
 class Replayer(TorchDispatchMode):
     """Recompute: the same ops in the same order; stashed outputs handed back, not recomputed."""
 
@@ -157,9 +170,9 @@ class Replayer(TorchDispatchMode):
             wiring.note_alias(out, args[0])
         else:
             wiring.note(i, out)
-            if rec.subst is not None and args and out is not args[0] and 0 in op_info(func).written:
-                wiring.note(i, args[0])  # NOTE [written outside storages]: the write went to a copy; the tensor written
-                # is read on (``A.add_(1); A.as_strided(...)``), as the forward's op returned it: that op's output
+            w = _written_to_a_copy(rec, func, args, kwargs, out)
+            if w is not None:
+                wiring.note(i, w)
         return out
 
     def _run(self, i: int, rec: OpRecord, func: Any, args: Any, kwargs: Any) -> Any:
