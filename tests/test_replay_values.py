@@ -148,6 +148,30 @@ def test_a_kernel_that_reads_grad_mode_is_replayed_with_it(cls, policy):
         assert all(torch.equal(a, b) for a, b in zip(grads(g, (x,), (x, *m.parameters())), ref))
     assert probe.modes == [True, True, True], probe.modes
 
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", "offload", "budget", "debug"])
+def test_a_backward_pass_under_inference_mode_is_exact(policy):
+    """Review (twenty-eighth session): ``torch.autograd.grad`` called under ``torch.inference_mode()`` works in plain
+    autograd; the recompute made inference tensors there, and remat's version checks raised torch's "Inference
+    tensors do not track version counter." (a memory budget's re-run diverged: "aten.mm ... aten.matmul now").
+    Bitwise plain autograd's gradients on three calls."""
+    W = leaf(4, 4, dtype=f32)
+
+    def f(x):
+        return torch.tanh(x @ W).exp()
+
+    p = {"offload": policies.offload_to_cpu(min_bytes=0), "budget": policies.memory_budget(0.5),
+         "debug": "save-nothing"}.get(policy, policy)
+    g = remat(f, policy=p, debug=policy == "debug")
+    x = leaf(3, 4, dtype=f32, seed=1)
+    for _ in range(3):
+        outs = []
+        for fn in (f, g):
+            loss = fn(x).sum()
+            with torch.inference_mode():
+                outs.append(torch.autograd.grad(loss, (x, W)))
+        assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 # ---- the tensor the recompute hands back is the one the node saved --------------------------------------------------
 
 

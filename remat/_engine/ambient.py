@@ -49,13 +49,18 @@ class AmbientFlags:
          lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1])),
         (lambda: torch.backends.mkldnn.enabled, lambda v: setattr(torch.backends.mkldnn, "enabled", v)),
         (lambda: _TINY * _ONE == 0.0, _set_flush_denormal),  # (NOTE [flush denormal])
+        # the dtype a kernel gives a float result of integers or of a Python float (``i / 7``, ``i * 0.1``): the
+        # default one (steps that run under another, set inside the function, note theirs: ``Trace.dtypes``)
+        (torch.get_default_dtype, torch.set_default_dtype),
+        # a CPU kernel may pick its backend by the thread count (a 1x1 convolution takes oneDNN only with several)
+        (torch.get_num_threads, torch.set_num_threads),
         (lambda: torch.backends.cudnn.enabled, lambda v: setattr(torch.backends.cudnn, "enabled", v)),
         (lambda: torch.backends.cudnn.deterministic, lambda v: setattr(torch.backends.cudnn, "deterministic", v)),
         (lambda: torch.backends.cudnn.allow_tf32, lambda v: setattr(torch.backends.cudnn, "allow_tf32", v)),
         (lambda: torch.backends.cuda.matmul.allow_tf32, lambda v: setattr(torch.backends.cuda.matmul, "allow_tf32", v)),
     )
 
-    _CPU = 4  # (the first four: the rest change CUDA kernels only)
+    _CPU = 6  # (the first six: the rest change CUDA kernels only)
 
     def __init__(self) -> None:
         # (reading a flag costs up to 0.7 us; without CUDA initialised the call ran no CUDA kernel, and its replay runs

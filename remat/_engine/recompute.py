@@ -96,6 +96,8 @@ def _attempt(frame: Any, s: int, skip_unused: bool, forwarding: list[Any], detac
             es.enter_context(f.recorder.paused())
         es.enter_context(ti.saved_tensors_hooks_enabled())
         es.enter_context(ti.outside_legacy_vmap())
+        if torch.is_inference_mode_enabled():  # (a backward pass under inference_mode: its values track versions)
+            es.enter_context(torch.inference_mode(False))
         n = len(flat)
         vals, target = es.enter_context(
             replay(frame.levels, frame.decs + frame.state_decs, flat + frame.state.tensors, s))

@@ -155,6 +155,8 @@ def run(trace: Trace, steps: list[Step], frees: list[list[int]], wanted: set[int
     with contextlib.ExitStack() as es:
         es.enter_context(internal())
         es.enter_context(ti.outside_legacy_vmap())
+        if torch.is_inference_mode_enabled():  # (a backward pass under inference_mode: its values track versions)
+            es.enter_context(torch.inference_mode(False))
         if graph:
             es.enter_context(torch.enable_grad())
             es.enter_context(ti.saved_tensors_hooks_set_aside())
@@ -163,9 +165,14 @@ def run(trace: Trace, steps: list[Step], frees: list[list[int]], wanted: set[int
         for dev in ("cpu", "cuda"):
             if torch.is_autocast_enabled(dev):
                 es.enter_context(torch.autocast(dev, enabled=False))
+        dtypes, dtype_now = trace.dtypes, torch.get_default_dtype()
         undo = trace.flags.set()
         try:
             for k, step in enumerate(steps):
+                if dtypes:  # (a step that ran under a default dtype the function set: that one)
+                    want = dtypes.get(step, trace.dtype0)
+                    if want is not torch.get_default_dtype():
+                        torch.set_default_dtype(want)
                 args = list(step.args)
                 kwargs = step.kwargs
                 for key, j, s in step.refs:
@@ -234,6 +241,8 @@ def run(trace: Trace, steps: list[Step], frees: list[list[int]], wanted: set[int
         finally:
             for put, v in undo:
                 put(v)
+            if torch.get_default_dtype() is not dtype_now:
+                torch.set_default_dtype(dtype_now)
             for gen, state in gens.values():
                 gen.set_state(state)
     made: dict[int, Tensor] = {}

@@ -197,6 +197,9 @@ class _Schedule(_Transfers):
     # ---- backward --------------------------------------------------------------
     def fetch(self, o: Offloaded) -> torch.Tensor:
         """The tensor back on its source device; the current stream waits for its copy if still running."""
+        if torch.is_inference_mode_enabled():  # (a backward pass under inference_mode: the tensor tracks versions)
+            with torch.inference_mode(False):
+                return self.fetch(o)
         with self._lock, internal():  # (no torch.no_grad(): fresh tensors over remat's own bytes)
             c = o._copy or o
             orig = c.vsrc if c.vsrc is not None else o.orig()
