@@ -460,8 +460,9 @@ def is_compiling() -> bool:
 # With no mode pushed (in a mode's handler, where its own is popped, or under none) there is nothing to skip, and
 # the guard would cost more than the detach (1.0 against 0.4 us).
 # Grad mode on or off, now, as ``torch.set_grad_enabled(mode)`` called as a function does, without its Python object:
-# the replay engine's recompute turns it on around each replayed op that ran with it (below autograd, where it builds
-# no graph, a kernel may still read it: NOTE [replay] in ``_engine/replaying.py``), ~0.1 against ~1 us per op.
+# the replay engine's recompute runs its ops with grad mode on (below autograd, where it builds no graph, a kernel may
+# still read it: ``_engine/replaying.py``) and turns it off around each value it fetches (remat's own unpack hooks
+# read it), ~0.1 against ~1 us a time.
 set_grad_mode = torch._C._set_grad_enabled
 
 

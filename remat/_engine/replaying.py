@@ -111,6 +111,19 @@ def plan(trace: Trace, wanted: set[int], available: Container[int],
     return out, frees
 
 
+def _grad_off(source: Callable[[int], Tensor]) -> Callable[[int], Tensor]:
+    """``source`` run with grad mode off, as the backward pass that asked for the replay has it."""
+
+    def run(s: int) -> Tensor:
+        set_grad_mode(False)
+        try:
+            return source(s)
+        finally:
+            set_grad_mode(True)
+
+    return run
+
+
 def _stale(trace: Trace, wanted: set[int], available: Container[int]) -> set[int]:
     """The wanted slots available only as a copy taken before a write of the call changed them where no version
     counter shows (NOTE [quiet writes] in trace.py): made again, the write with them."""
@@ -157,11 +170,16 @@ def run(trace: Trace, steps: list[Step], frees: list[list[int]], wanted: set[int
         es.enter_context(ti.outside_legacy_vmap())
         if torch.is_inference_mode_enabled():  # (a backward pass under inference_mode: its values track versions)
             es.enter_context(torch.inference_mode(False))
+        # grad mode on, each step run with it as it had it, also below autograd, where it builds no graph: a kernel
+        # may read it (``mkldnn_rnn_layer``, float32 ``nn.LSTM`` on the CPU, makes the workspace its backward reads
+        # only with grad mode on, and the backward pass runs with it off)
+        es.enter_context(torch.enable_grad())
         if graph:
-            es.enter_context(torch.enable_grad())
             es.enter_context(ti.saved_tensors_hooks_set_aside())
         else:
             es.enter_context(ti.below_autograd())
+        # (remat's unpack hooks, which a source may run, read grad mode as a backward pass building a graph)
+        src = source if graph else _grad_off(source)
         for dev in ("cpu", "cuda"):
             if torch.is_autocast_enabled(dev):
                 es.enter_context(torch.autocast(dev, enabled=False))
@@ -178,7 +196,7 @@ def run(trace: Trace, steps: list[Step], frees: list[list[int]], wanted: set[int
                 for key, j, s in step.refs:
                     v = vals.get(s)
                     if v is None:
-                        v = vals[s] = source(s)
+                        v = vals[s] = src(s)
                     if j < 0:
                         if type(key) is int:
                             args[key] = v
@@ -212,19 +230,9 @@ def run(trace: Trace, steps: list[Step], frees: list[list[int]], wanted: set[int
                     if id(gen) not in gens:
                         gens[id(gen)] = (gen, gen.get_state())
                     gen.set_state(state)
-                if graph and step.grad != torch.is_grad_enabled():
-                    with torch.set_grad_enabled(step.grad):
+                if not step.grad:
+                    with torch.no_grad():
                         out = step.call(*args, **kwargs)
-                elif not graph and step.grad:
-                    # below autograd, grad mode as the step had it: a kernel may read it (``mkldnn_rnn_layer``, float32
-                    # ``nn.LSTM`` on the CPU, makes the workspace its backward reads only with grad mode on), and the
-                    # backward pass runs with it off; only around the op (remat's unpack hooks that ``source`` runs
-                    # read grad mode as whether the backward pass builds a graph)
-                    set_grad_mode(True)
-                    try:
-                        out = step.call(*args, **kwargs)
-                    finally:
-                        set_grad_mode(False)
                 else:
                     out = step.call(*args, **kwargs)
                 if moved is not None:
