@@ -14,7 +14,8 @@ NOTE [the trace]
       call's default dtype, each step that ran under another (set inside the function) under that one
       (``torch.set_default_dtype`` between the passes changes nothing, not even ``i / 7`` of integers);
     * each step notes whether grad mode was on (a ``torch.no_grad()`` block replays without a graph);
-    * the kernel flags of the call (matmul precision, deterministic mode, oneDNN/cuDNN switches, flush_denormal) are noted once
+    * the kernel flags of the call (matmul precision, deterministic mode, oneDNN/cuDNN switches, flush_denormal, the
+      default dtype, the thread count) are noted once
       per call and set for the replay (``AmbientFlags`` in ``ambient.py``, which every recompute sets).
 
     The policy is asked about every step as it runs; a step it keeps has its outputs held (weakly until a
