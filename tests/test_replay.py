@@ -305,10 +305,43 @@ def test_a_kernel_switch_flipped_between_the_passes_leaves_the_gradient_bitwise_
 
 
 @pytest.mark.parametrize("route", ["autograd", "debug", "budget"])
+def test_a_thread_count_set_inside_the_function_is_replayed_per_step(route: str) -> None:
+    """Twenty-eighth session's review: a block that asks for more threads around a 1x1 convolution with a bias
+    (oneDNN takes it only with several) and sets one thread again: each replayed step (and on a memory budget's
+    first call, each call of the program) runs under the thread count it ran under; bitwise plain autograd's
+    gradients on three calls (7.6e-6 off before)."""
+
+    def f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        torch.set_num_threads(2)
+        h = F.conv2d(torch.sin(x), w, b)
+        torch.set_num_threads(1)
+        return torch.tanh(h).pow(2).sum()
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 8, 16, 16), torch.randn(8, 8, 1, 1), torch.randn(8)
+
+    def grads(fn: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
+        xs = [t.clone().requires_grad_() for t in (x, w, b)]
+        return list(torch.autograd.grad(fn(*xs), xs))
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = grads(f)
+        policy = policies.memory_budget(0.5) if route == "budget" else "save-nothing"
+        g = remat.remat(f, policy=policy, debug=route == "debug")
+        for _ in range(3):
+            assert all(torch.equal(a, c) for a, c in zip(grads(g), ref))
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("route", ["autograd", "debug", "budget"])
 def test_a_default_dtype_set_inside_the_function_is_replayed_per_step(route: str) -> None:
     """Twenty-eighth session: integers divided under a default dtype the function set inside (``float64`` for one op,
     ``float32`` after) and the backward pass under another: each replayed step runs under the default dtype it ran
-    under (``Trace.dtypes``); bitwise plain autograd's gradient on three calls (the call's default alone: off)."""
+    under (``Trace.settings``); bitwise plain autograd's gradient on three calls (the call's default alone: off)."""
     idx = torch.arange(1, 7)
 
     def f(x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 
 from .._errors import RematError
 
-__all__ = ["AmbientFlags", "AmbientState", "no_accumulation"]
+__all__ = ["AmbientFlags", "AmbientState", "no_accumulation", "put_settings", "settings"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -37,6 +37,20 @@ def _set_flush_denormal(on: bool) -> None:
     torch.set_flush_denormal(on)
 
 
+def settings() -> tuple[torch.dtype, int]:
+    """The default dtype and the thread count, now: what a recorded step or call notes when the function set them
+    inside (they are also among the call's flags, ``AmbientFlags``, for the replay's start)."""
+    return torch.get_default_dtype(), torch.get_num_threads()
+
+
+def put_settings(s: tuple[torch.dtype, int]) -> None:
+    """Set the default dtype and the thread count of :func:`settings`, where they differ from now."""
+    if s[0] is not torch.get_default_dtype():
+        torch.set_default_dtype(s[0])
+    if s[1] != torch.get_num_threads():
+        torch.set_num_threads(s[1])
+
+
 class AmbientFlags:
     """Global switches that change what a kernel computes, noted once per call and set for its replay."""
 
@@ -50,7 +64,7 @@ class AmbientFlags:
         (lambda: torch.backends.mkldnn.enabled, lambda v: setattr(torch.backends.mkldnn, "enabled", v)),
         (lambda: _TINY * _ONE == 0.0, _set_flush_denormal),  # (NOTE [flush denormal])
         # the dtype a kernel gives a float result of integers or of a Python float (``i / 7``, ``i * 0.1``): the
-        # default one (steps that run under another, set inside the function, note theirs: ``Trace.dtypes``)
+        # default one (steps that run under another, set inside the function, note theirs: ``Trace.settings``)
         (torch.get_default_dtype, torch.set_default_dtype),
         # a CPU kernel may pick its backend by the thread count (a 1x1 convolution takes oneDNN only with several)
         (torch.get_num_threads, torch.set_num_threads),

@@ -14,7 +14,7 @@ NOTE [program replay]
     earlier call, or an outside tensor, held). The replay calls them in order on the rebuilt stack's values, so
     every Python decision of the forward pass stands: which tensor a call reads, a temperature, a random branch,
     ``torch.tensor(python_value)``, a list of experts reordered. Grad mode (a ``torch.no_grad()`` block), the
-    default dtype and a pending ``checkpoint_name`` are set as they were. The recompute's dispatch ``Replayer``
+    default dtype, the thread count and a pending ``checkpoint_name`` are set as they were. The recompute's dispatch ``Replayer``
     and ``Capture`` check what the program runs exactly as they checked a re-run, and the ``Replayer`` gives each
     random op the generator state it drew from in the forward pass (NOTE [random ops] in ``replay.py``: a seed set
     inside the function, a Megatron-style tracker, a user's generator).
@@ -59,6 +59,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _torch_internals as ti
 from .._context import INTERNAL, PENDING_NAME, active_context
+from .ambient import put_settings, settings
 
 __all__ = ["Program", "ProgramRecorder", "GAVE_WAY"]
 
@@ -69,17 +70,17 @@ GAVE_WAY = object()  # (Program.result: the program is not finished, a backward 
 class Call:
     """One torch function the forward pass called: ``func(*args, **kwargs)``, the tensors at ``refs`` from slots."""
 
-    __slots__ = ("func", "spec", "leaves", "refs", "outs", "grad", "dtype", "name")
+    __slots__ = ("func", "spec", "leaves", "refs", "outs", "grad", "settings", "name")
 
     def __init__(self, func: Any, spec: Any, leaves: list[Any], refs: list[tuple[int, int]], grad: bool,
-                 dtype: torch.dtype, name: str | None) -> None:
+                 settings: tuple[torch.dtype, int], name: str | None) -> None:
         self.func = func
         self.spec = spec  # the structure of (args, kwargs)
         self.leaves = leaves  # their leaves, tensors replaced by None
         self.refs = refs  # (leaf index, slot)
         self.outs: list[int] = []  # the slots of its tensor outputs, in order (-1: a leaf that is not a tensor)
         self.grad = grad
-        self.dtype = dtype
+        self.settings = settings  # the default dtype and thread count it ran under
         self.name = name  # a checkpoint_name pending around it
 
 
@@ -101,7 +102,6 @@ class Program:
         self.frame: Any = None
         self.level = -1
         self.grad0 = True
-        self.dtype0 = torch.float32
         self.autocast0: tuple[bool, bool] = (False, False)
         self.last_use: list[list[int]] | None = None
         self.nested = False  # a remat call inside another's forward pass (NOTE [nested programs]): its result is noted
@@ -115,7 +115,6 @@ class Program:
         top = ti.peek_interpreter()
         self.level = top.level() if top is not None else -1
         self.grad0 = torch.is_grad_enabled()
-        self.dtype0 = torch.get_default_dtype()
         self.autocast0 = _autocast()
         for i, a in enumerate(flat):
             if isinstance(a, Tensor):
@@ -252,7 +251,7 @@ class Program:
         leaves: list[Any]
         leaves, spec = optree.tree_flatten((tuple(flat), {}), none_is_leaf=True)  # type: ignore[arg-type]
         call = Call(func, spec, [None if isinstance(a, Tensor) else a for a in leaves], refs,
-                    torch.is_grad_enabled(), torch.get_default_dtype(), PENDING_NAME.get())
+                    torch.is_grad_enabled(), settings(), PENDING_NAME.get())
         self.running = True  # (its torch calls are its own program's, and noting its result is none of the call's)
         try:
             out = forward()
@@ -277,7 +276,7 @@ class Program:
             # a backward pass inside the forward pass (``torch.autograd.grad`` in the function, a gradient penalty):
             # the program is not finished, and its recorder still listens; the Python runs instead
             return None
-        dtype0 = torch.get_default_dtype()
+        settings0 = settings()
         grad0 = torch.is_grad_enabled()
         try:
             for k, c in enumerate(self.calls):
@@ -285,8 +284,7 @@ class Program:
                 for i, s in c.refs:
                     leaves[i] = v[s]
                 args, kwargs = optree.tree_unflatten(c.spec, leaves)
-                if c.dtype != torch.get_default_dtype():
-                    torch.set_default_dtype(c.dtype)
+                put_settings(c.settings)
                 grad = grad0 if c.grad == self.grad0 else c.grad  # (a no_grad block of the function)
                 tok = PENDING_NAME.set(c.name) if c.name is not None else None
                 try:
@@ -305,8 +303,7 @@ class Program:
                 for s in frees[k]:
                     v.pop(s, None)
         finally:
-            if torch.get_default_dtype() != dtype0:
-                torch.set_default_dtype(dtype0)
+            put_settings(settings0)
         return v
 
 
@@ -349,7 +346,7 @@ class ProgramRecorder(TorchFunctionMode):
             if isinstance(a, Tensor):
                 refs.append((i, p.read(a)))
                 leaves[i] = None
-        call = Call(func, spec, leaves, refs, torch.is_grad_enabled(), torch.get_default_dtype(), PENDING_NAME.get())
+        call = Call(func, spec, leaves, refs, torch.is_grad_enabled(), settings(), PENDING_NAME.get())
         p.running = True
         try:
             out = func(*args, **kwargs)

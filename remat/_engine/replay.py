@@ -49,17 +49,22 @@ from .wiring import Wiring, autocast_cast, cast_source, describe_difference, sam
 
 __all__ = ["Replayer"]
 
-def _written_to_a_copy(rec: OpRecord, func: Any, args: Any, kwargs: Any, out: Any) -> torch.Tensor | None:
+def _written_to_a_copy(rec: OpRecord, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
     """NOTE [written outside storages]: the tensor an op wrote whose write went to a copy, when the op returned the
     copy: it is read on (``A.add_(1); A.as_strided(...)``, ``torch.div(a, b, out=A); A @ B``: an ``out=`` op hands
-    its argument back above the modes) as the forward's op returned it, as that op's output."""
+    its argument back above the modes; ``torch.max(x, 1, out=(v, i))``: its outputs, in order) as the forward's op
+    returned it, as that op's output."""
     if rec.subst is None:
         return None
     info = op_info(func)
     if args and out is not args[0] and 0 in info.written:
         return args[0]  # type: ignore[no-any-return]
-    ws = [kwargs.get(k) for k in info.written_kw]
-    return ws[0] if len(ws) == 1 and isinstance(ws[0], torch.Tensor) and ws[0] is not out else None
+    ws = tuple(kwargs.get(k) for k in info.written_kw)
+    if not ws or not all(isinstance(w, torch.Tensor) for w in ws):
+        return None
+    if len(ws) == 1:
+        return ws[0] if ws[0] is not out else None
+    return ws if type(out) is not tuple or any(w is not o for w, o in zip(ws, out)) else None
 
 
 class Replayer(TorchDispatchMode):

@@ -34,6 +34,8 @@ import torch
 from .. import _torch_internals as ti
 from .._context import internal
 from .._errors import RematError
+from .ambient import put_settings
+from .ambient import settings as ambient_settings
 from .ops import op_info
 from .trace import FLAT, Step, Trace
 
@@ -183,14 +185,13 @@ def run(trace: Trace, steps: list[Step], frees: list[list[int]], wanted: set[int
         for dev in ("cpu", "cuda"):
             if torch.is_autocast_enabled(dev):
                 es.enter_context(torch.autocast(dev, enabled=False))
-        dtypes, dtype_now = trace.dtypes, torch.get_default_dtype()
+        settings, base = trace.settings, (trace.dtype0, trace.threads0)
+        now = ambient_settings()
         undo = trace.flags.set()
         try:
             for k, step in enumerate(steps):
-                if dtypes:  # (a step that ran under a default dtype the function set: that one)
-                    want = dtypes.get(step, trace.dtype0)
-                    if want is not torch.get_default_dtype():
-                        torch.set_default_dtype(want)
+                if settings:  # (a step that ran under a default dtype or thread count the function set: those)
+                    put_settings(settings.get(step, base))
                 args = list(step.args)
                 kwargs = step.kwargs
                 for key, j, s in step.refs:
@@ -249,8 +250,8 @@ def run(trace: Trace, steps: list[Step], frees: list[list[int]], wanted: set[int
         finally:
             for put, v in undo:
                 put(v)
-            if torch.get_default_dtype() is not dtype_now:
-                torch.set_default_dtype(dtype_now)
+            if settings:
+                put_settings(now)
             for gen, state in gens.values():
                 gen.set_state(state)
     made: dict[int, Tensor] = {}

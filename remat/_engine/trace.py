@@ -11,8 +11,9 @@ NOTE [the trace]
     * random steps note their generator's state before they draw (a seed set inside the function, a user's
       generator, a Megatron-style tracker's fork: whatever the state was, the replay draws the same numbers);
     * factory steps (no tensor argument) pin the dtype and device they produced, and the replay runs under the
-      call's default dtype, each step that ran under another (set inside the function) under that one
-      (``torch.set_default_dtype`` between the passes changes nothing, not even ``i / 7`` of integers);
+      call's default dtype, each step that ran under another (set inside the function) under that one, and so
+      for the thread count (``torch.set_default_dtype`` between the passes changes nothing, not even ``i / 7``
+      of integers);
     * each step notes whether grad mode was on (a ``torch.no_grad()`` block replays without a graph);
     * the kernel flags of the call (matmul precision, deterministic mode, oneDNN/cuDNN switches, flush_denormal, the
       default dtype, the thread count) are noted once
@@ -70,6 +71,7 @@ Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _grad_enabled = torch.is_grad_enabled
 _default_dtype = torch.get_default_dtype
+_num_threads = torch.get_num_threads
 
 
 FLAT = "flat"  # Step.spec of an op that returns a flat tuple of tensors
@@ -164,9 +166,10 @@ class Trace:
         self.written_keys: set[int] = set()  # storage keys some step wrote in place
         self.first_rng: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # generator -> state before its first draw
         self.flags = AmbientFlags()
-        # the steps that ran under another default dtype than the call's start, set inside the function: theirs
-        self.dtype0 = torch.get_default_dtype()
-        self.dtypes: dict[Step, torch.dtype] = {}
+        # the steps that ran under another default dtype or thread count than the call's start (set inside the
+        # function): theirs (the call's own are among its flags)
+        self.dtype0, self.threads0 = torch.get_default_dtype(), torch.get_num_threads()
+        self.settings: dict[Step, tuple[torch.dtype, int]] = {}
         self.external: Callable[[int, Tensor], Any] | None = None  # nested calls: an outside tensor the parent made
 
     # ---- slots ---------------------------------------------------------------
@@ -452,8 +455,8 @@ class Tracer(TorchDispatchMode):
             for _, _, r in refs:
                 if r in stash:
                     trace.read_by_replay(r)
-        if _default_dtype() is not trace.dtype0:
-            trace.dtypes[step] = _default_dtype()
+        if _default_dtype() is not trace.dtype0 or _num_threads() != trace.threads0:
+            trace.settings[step] = (_default_dtype(), _num_threads())
         trace.steps.append(step)
         return out
 
@@ -599,8 +602,8 @@ class Tracer(TorchDispatchMode):
         if decision is Recompute or info.mutable or info.random:
             for _, _, r in refs:
                 trace.read_by_replay(r)
-        if _default_dtype() is not trace.dtype0:
-            trace.dtypes[step] = _default_dtype()
+        if _default_dtype() is not trace.dtype0 or _num_threads() != trace.threads0:
+            trace.settings[step] = (_default_dtype(), _num_threads())
         trace.steps.append(step)
         return out
 
