@@ -593,3 +593,42 @@ def test_an_inner_call_writing_its_input_holds_only_its_copy_of_it() -> None:
     assert held <= 4 * act + act // 4, (held, plain, act)
     assert plain >= 8 * act, (held, plain)
     assert_tree_close(torch.autograd.grad(loss, [x, W]), want, **TOL)
+
+
+def _split_written(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """What ``nn.GRU``'s cell does in float64 on the CPU: a product split by ``unsafe_chunk`` (pieces with version
+    counters of their own) and a piece written in place."""
+    a, b = (x @ W).unsafe_chunk(2, 1)
+    return a.sigmoid_() * b.tanh()
+
+
+@pytest.mark.parametrize("outer_pol", ["save-nothing", "save-matmuls"])
+@pytest.mark.parametrize("case", ["unsafe_chunk", "nn.GRU"])
+def test_a_double_backward_through_an_inner_call_keeping_a_value_written_through_a_split_is_exact(
+        case: str, outer_pol: str) -> None:
+    """Review (twenty-eighth session): an inner save-matmuls call keeps the product, which a piece of an
+    ``unsafe_chunk`` writes in place, so it keeps a copy from before the write, routed through the outer call (NOTE
+    [nested replay]); a replay that builds a graph (``create_graph=True``) read that copy, which has no history: the
+    second-order gradients were off by up to 20 (``nn.GRU``), the first-order ones exact. Such a replay now makes the
+    inner call's kept values again, as a call on its own does. Three calls."""
+    torch.manual_seed(0)
+    if case == "nn.GRU":
+        gru = torch.nn.GRU(4, 4, batch_first=True, dtype=torch.float64)
+
+        def inner(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            return torch.func.functional_call(gru, {"weight_ih_l0": W}, (x,), strict=False)[0]
+
+        W0, x0 = gru.weight_ih_l0.detach().clone(), torch.randn(2, 5, 4, dtype=torch.float64)
+    else:
+        inner, W0, x0 = _split_written, torch.randn(4, 8, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+
+    def second_order(g_in: Callable[..., torch.Tensor], wrap: Callable[[Any], Any]) -> Any:
+        f = wrap(lambda W, x: g_in(W, x) * 2)
+        W, x = W0.clone().requires_grad_(), x0.clone().requires_grad_()
+        g1 = torch.autograd.grad(f(W, x).sin().sum(), (W, x), create_graph=True)
+        return g1, torch.autograd.grad(sum((g.cos() * g).sum() for g in g1), (W, x))
+
+    ref = second_order(inner, lambda f: f)
+    for _ in range(3):
+        got = second_order(remat(inner, policy="save-matmuls"), lambda f: remat(f, policy=outer_pol))
+        assert_tree_close(got, ref, rtol=1e-10, atol=1e-10)

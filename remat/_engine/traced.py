@@ -289,10 +289,11 @@ class _Serving(Half):
     def _available(self, graph: bool) -> set[int]:
         """The slots a replay reads rather than makes."""
         trace = self.trace
-        avail = set(trace.outside)
-        avail.update(self.routed)
+        avail = set(trace.outside)  # (with the parent's values routed through it: NOTE [nested replay])
         if graph:
+            # (a kept value routed through the parent, as one kept here, is a copy without history: made again)
             return avail
+        avail.update(self.routed)
         avail.update(self.replay_offloaded)
         versions = trace.stash_versions
         for s, v in trace.stash.items():
