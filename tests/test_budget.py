@@ -668,3 +668,24 @@ def test_a_view_made_under_no_grad_and_written_under_a_budget_is_exact() -> None
     g = remat.remat(f, policy=policies.memory_budget(0.3))
     for _ in range(3):
         assert_tree_close(torch.autograd.grad(g(x), [x, W]), want, **F64)
+
+
+@pytest.mark.parametrize("route", ["budget", "debug", "save-nothing"])
+def test_an_inference_mode_block_inside_the_function_is_exact_on_every_route(route: str) -> None:
+    """Review (twenty-eighth session): a mask made under ``torch.inference_mode()`` inside the function; its ops reach
+    the dispatch modes whole there (``aten.to.dtype``), so the re-run's program replay, which ran the call outside the
+    block (``aten._to_copy``), raised a false "diverged" on a memory budget's first call. Each recorded torch call now
+    runs under inference mode where it did. Plain autograd's gradients on three calls."""
+    W = torch.randn(6, 6, dtype=torch.float64, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            m = (x.detach() > 0).to(x.dtype)
+        return (torch.tanh(x @ W) + m).exp().sum()
+
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    ref = torch.autograd.grad(f(x), (x, W))
+    policy = policies.memory_budget(0.5) if route == "budget" else "save-nothing"
+    g = remat.remat(f, policy=policy, debug=route == "debug")
+    for _ in range(3):
+        assert_tree_close(torch.autograd.grad(g(x), (x, W)), ref, rtol=1e-10, atol=1e-10)

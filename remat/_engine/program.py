@@ -70,7 +70,7 @@ GAVE_WAY = object()  # (Program.result: the program is not finished, a backward 
 class Call:
     """One torch function the forward pass called: ``func(*args, **kwargs)``, the tensors at ``refs`` from slots."""
 
-    __slots__ = ("func", "spec", "leaves", "refs", "outs", "grad", "settings", "name")
+    __slots__ = ("func", "spec", "leaves", "refs", "outs", "grad", "inference", "settings", "name")
 
     def __init__(self, func: Any, spec: Any, leaves: list[Any], refs: list[tuple[int, int]], grad: bool,
                  settings: tuple[torch.dtype, int], name: str | None) -> None:
@@ -81,6 +81,7 @@ class Call:
         self.outs: list[int] = []  # the slots of its tensor outputs, in order (-1: a leaf that is not a tensor)
         self.grad = grad
         self.settings = settings  # the default dtype and thread count it ran under
+        self.inference = torch.is_inference_mode_enabled()  # (an inference_mode block: ops reach the modes whole)
         self.name = name  # a checkpoint_name pending around it
 
 
@@ -289,7 +290,11 @@ class Program:
                 tok = PENDING_NAME.set(c.name) if c.name is not None else None
                 try:
                     with torch.set_grad_enabled(grad):
-                        out = c.func(*args, **kwargs)
+                        if c.inference:
+                            with torch.inference_mode():
+                                out = c.func(*args, **kwargs)
+                        else:
+                            out = c.func(*args, **kwargs)
                 finally:
                     if tok is not None:
                         PENDING_NAME.reset(tok)
