@@ -452,13 +452,6 @@ def is_compiling() -> bool:
     return bool(torch.compiler.is_compiling())
 
 
-# A saved tensor held by remat must be detached (an output held with its graph would make a reference cycle
-# through its own node), and a pack hook runs while remat's own dispatch mode is on the stack: a public
-# detach takes a trip through that Python mode (~3x its cost; per saved tensor, on the pack hook's hot loop).
-# torch.utils._python_dispatch._disable_current_modes pops the stack in Python and costs more than the trip.
-# The C guard skips Python dispatch for the one call; only for plain tensors, whose detach no subclass defines.
-# With no mode pushed (in a mode's handler, where its own is popped, or under none) there is nothing to skip, and
-# the guard would cost more than the detach (1.0 against 0.4 us).
 # Grad mode on or off, now, as ``torch.set_grad_enabled(mode)`` called as a function does, without its Python object:
 # the replay engine's recompute runs its ops with grad mode on (below autograd, where it builds no graph, a kernel may
 # still read it: ``_engine/replaying.py``) and turns it off around each value it fetches (remat's own unpack hooks
@@ -486,6 +479,13 @@ def python_dispatch_off() -> contextlib.AbstractContextManager[Any]:
     return torch._C._DisableTorchDispatch()  # type: ignore[no-any-return]
 
 
+# A saved tensor held by remat must be detached (an output held with its graph would make a reference cycle
+# through its own node), and a pack hook runs while remat's own dispatch mode is on the stack: a public
+# detach takes a trip through that Python mode (~3x its cost; per saved tensor, on the pack hook's hot loop).
+# torch.utils._python_dispatch._disable_current_modes pops the stack in Python and costs more than the trip.
+# The C guard skips Python dispatch for the one call; only for plain tensors, whose detach no subclass defines.
+# With no mode pushed (in a mode's handler, where its own is popped, or under none) there is nothing to skip, and
+# the guard would cost more than the detach (1.0 against 0.4 us).
 def detach_below_modes(t: torch.Tensor) -> torch.Tensor:
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
         if no_modes_pushed():

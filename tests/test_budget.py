@@ -507,37 +507,28 @@ def test_a_measuring_call_over_an_embedding_that_renormalises_its_weight_is_exac
         assert_tree_close(step(m, call, k), step(ref_m, ref_m, k), rtol=1e-10, atol=1e-10)
 
 
-class _OutIntoBuffer(torch.nn.Module):
-    """A power iteration as ``spectral_norm``'s: ``out=`` into a buffer under ``no_grad``, the buffer read on."""
+class _OutIntoBuffers(torch.nn.Module):
+    """A power iteration as ``spectral_norm``'s: ``out=`` into a buffer under ``no_grad``, the buffer read on; with
+    ``two``, an ``out=`` op with two outputs (``torch.max(w, 1, out=(v, i))``) into buffers, read on."""
 
-    def __init__(self) -> None:
+    def __init__(self, two: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
+        self.two = two
         self.lin = torch.nn.Linear(8, 8, dtype=torch.float64)
         self.register_buffer("u", torch.randn(8, dtype=torch.float64))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            v = torch.mv(self.lin.weight, self.u)
-            torch.div(v, v.norm(), out=self.u)
-            w = torch.mv(self.lin.weight.t(), self.u)
-        return (self.lin(x) * w).tanh()
-
-
-class _MaxIntoBuffers(torch.nn.Module):
-    """An ``out=`` op with two outputs (``torch.max(w, 1, out=(v, i))``) into buffers, read on."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = torch.nn.Linear(8, 8, dtype=torch.float64)
-        self.register_buffer("v", torch.zeros(8, dtype=torch.float64))
         self.register_buffer("i", torch.zeros(8, dtype=torch.long))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            torch.max(self.lin.weight, 1, out=(self.v, self.i))
-        return (self.lin(x) * self.v + self.i).tanh()
+            if self.two:
+                torch.max(self.lin.weight, 1, out=(self.u, self.i))
+                w = self.u + self.i
+            else:
+                v = torch.mv(self.lin.weight, self.u)
+                torch.div(v, v.norm(), out=self.u)
+                w = torch.mv(self.lin.weight.t(), self.u)
+        return (self.lin(x) * w).tanh()
 
 
 def _spectral() -> torch.nn.Module:
@@ -555,7 +546,8 @@ def test_an_out_write_into_module_state_read_on_is_exact_on_the_re_run(model: st
     above the modes), so a memory budget's measuring call (each signature's first) and ``debug=True`` raised a
     false "diverged" (an ``out=`` with two outputs, a review later that session). Gradients and buffers equal plain
     autograd's on three calls."""
-    make = {"spectral_norm": _spectral, "out= into a buffer": _OutIntoBuffer}.get(model, _MaxIntoBuffers)
+    make = {"spectral_norm": _spectral, "out= into a buffer": _OutIntoBuffers,
+            "out= with two outputs": lambda: _OutIntoBuffers(two=True)}[model]
     ref, m = make(), make()
     policy = policies.memory_budget(0.5) if route == "budget" else policies.nothing_saveable
     call = remat.remat_module(m, policy=policy, debug=route == "debug")
