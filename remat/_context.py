@@ -92,7 +92,8 @@ class Caches:
     * ``devices``: device name -> its measured :class:`~remat.DeviceModel` (``DeviceModel.probe``).
     * ``wrappers``: object (a module, a bound method's instance) -> remat's wrappers that ``remat.checkpoint``'s
       call form made for it, per settings (``_api/checkpoint.py``).
-    * ``torch_policies``: a ``context_fn`` -> the remat policy it was translated to (``_api/checkpoint.py``).
+    * ``torch_policies``: a ``context_fn``'s policy function (its id) or set of ops -> the remat policy it was
+      translated to, held weakly (``_api/checkpoint.py``).
     * ``answers``: a policy whose answer depends on the op alone (``policies.core.op_only``) -> id(op) -> (the op,
       its decision), asked once (``_engine/trace.py``'s tracer).
     """
@@ -104,7 +105,7 @@ class Caches:
         self.slots: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self.devices: dict[str, Any] = {}
         self.wrappers: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
-        self.torch_policies: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self.torch_policies: weakref.WeakValueDictionary[Any, Any] = weakref.WeakValueDictionary()
         self.answers: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
 
 

@@ -299,9 +299,62 @@ def test_bad_policies_raise_at_the_call() -> None:
     def wrong(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> str:
         return "save"
 
-    with pytest.raises(RematError, match="returned 'save'.*CheckpointPolicy"):
+    with pytest.raises(RematError, match="returned 'save'.*CheckpointPolicy") as info:
         remat.checkpoint(_block(), X.requires_grad_(), use_reentrant=False, context_fn=functools.partial(
             create_selective_checkpoint_contexts, wrong))
+    # every answer remat takes, the offload ones where torch has them; the error is its own, not chained to itself
+    for member in CheckpointPolicy:
+        assert member.name in str(info.value)
+    assert info.value.__cause__ is None
+
+
+def test_a_context_fn_made_anew_each_step_finds_its_wrapper_again() -> None:
+    """torch's docs write ``context_fn=functools.partial(create_selective_checkpoint_contexts, policy_fn)`` inline in
+    the training step: a new partial every step around the same function (or list of ops) is one policy, and remat's
+    wrapper for the module is found again, not added to every step (an unbounded cache before); a remat policy made
+    anew every step (``save_only_these_names("h")`` inside the loop) keeps at most a few."""
+    from remat._context import CACHES
+
+    cache = CACHES.get().wrappers
+    block = _block()
+
+    def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in MM else CheckpointPolicy.PREFER_RECOMPUTE
+
+    want = _grads(lambda b, x: b(x), block, X)
+    for how in (policy_fn, [torch.ops.aten.addmm.default]):
+        for _ in range(5):
+            got = _grads(lambda b, x, how=how: remat.checkpoint(b, x, use_reentrant=False, context_fn=functools.partial(
+                create_selective_checkpoint_contexts, how)), block, X)
+            _close(got, want)
+    assert len(cache[block]) == 2
+    for _ in range(30):
+        with remat.route_torch_checkpoint(policy=remat.policies.save_only_these_names("h")):
+            got = _grads(lambda b, x: torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False), block, X)
+        _close(got, want)
+    assert len(cache[block]) <= 8
+
+
+def test_a_module_first_imported_inside_the_routing_gets_torchs_checkpoint_back(tmp_path: Any,
+                                                                               monkeypatch: Any) -> None:
+    """A module imported for the first time inside ``route_torch_checkpoint`` that binds ``checkpoint`` by name (as
+    ``transformers.modeling_utils`` does) got the routed function; after the block it kept it, so a model enabled
+    later, outside any block, checkpointed on remat with the old block's policy. On exit it gets torch's back."""
+    import importlib
+    import sys
+
+    import torch.utils.checkpoint as tc
+
+    (tmp_path / "late_ckpt_user.py").write_text("from torch.utils.checkpoint import checkpoint, checkpoint_sequential\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "late_ckpt_user", raising=False)
+    torch_fns = (tc.checkpoint, tc.checkpoint_sequential)
+    with remat.route_torch_checkpoint():
+        late = importlib.import_module("late_ckpt_user")
+        assert (late.checkpoint, late.checkpoint_sequential) == (tc.checkpoint, tc.checkpoint_sequential)
+        assert late.checkpoint is not torch_fns[0]
+    assert (late.checkpoint, late.checkpoint_sequential) == torch_fns
+    assert (tc.checkpoint, tc.checkpoint_sequential) == torch_fns
 
 
 # ---- ported from torch (restated, run against remat) ---------------------------------------------------------

@@ -327,6 +327,23 @@ def test_input_modified_in_place_before_the_backward():
     plain_autograd_still_works()
 
 
+def test_a_saved_output_written_in_the_forward_pass_names_the_version_it_moved_to():
+    """``tanh_`` saves its output, which ``add_`` then writes: the message gives the versions as plain autograd
+    would see them (it said "1 -> -1" once the tensor was gone, -1 being remat's own placeholder)."""
+    W = leaf(4, 4)
+
+    def f(x):
+        h = x @ W
+        h.tanh_()
+        h.add_(1)
+        return h.sin()
+
+    out = remat(f)(leaf(2, 4))
+    with pytest.raises(RematError, match=r"modified a tensor \(shape \[2, 4\].*\(version 1 -> 2\)"):
+        out.sum().backward()
+    plain_autograd_still_works()
+
+
 def test_kept_input_modified_in_place_before_the_backward():
     x = leaf(3)
     inp = x * 1

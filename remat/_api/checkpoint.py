@@ -99,7 +99,7 @@ class TorchPolicy:
             raise RematError(
                 f"remat.checkpoint: the selective-checkpointing policy {getattr(self.fn, '__name__', self.fn)!r} "
                 f"returned {answer!r} for {op}; it must return a torch.utils.checkpoint.CheckpointPolicy "
-                "(MUST_SAVE, PREFER_SAVE, MUST_RECOMPUTE, PREFER_RECOMPUTE)."
+                f"({', '.join(m.name for m in self._map)}), or a bool (True saves)."
             )
         return decision
 
@@ -153,8 +153,16 @@ def _call(fn: Callable[..., Any], policy: Any, static_argnums: Any, preserve_rng
         per_obj = {}
     hit = per_obj.get(key)
     if hit is None or hit[0] is not policy:  # (the policy is held with it: its id stays its own)
+        per_obj.pop(key, None)
+        while len(per_obj) >= _WRAPPERS_PER_OBJECT:
+            # (a policy made anew per call, ``save_only_these_names("h")`` inside the training loop: the oldest
+            # wrapper goes, or the cache grows by one every step)
+            del per_obj[next(iter(per_obj))]
         hit = per_obj[key] = (policy, remat(func, policy=policy, preserve_rng_state=preserve_rng_state, debug=debug))
     return hit[1](obj, *args, **kwargs)
+
+
+_WRAPPERS_PER_OBJECT = 8  # remat.checkpoint's wrappers held per module (per policy and settings: a few in practice)
 
 
 _TORCH_KEYWORDS = frozenset({"use_reentrant", "context_fn", "determinism_check", "debug", "early_stop",
@@ -247,11 +255,19 @@ def checkpoint_call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], use_
 
 
 def _policy_cache(context_fn: functools.partial[Any], translated: TorchPolicy) -> TorchPolicy:
-    """One TorchPolicy per context_fn object (a training loop passes the same partial every step)."""
-    try:
-        return CACHES.get().torch_policies.setdefault(context_fn, translated)  # type: ignore[no-any-return]
-    except TypeError:
-        return translated
+    """One TorchPolicy per policy function (or set of ops): a training loop passes the same partial every step, or
+    makes a new one each step around the same function (as torch's docs write it inline); either way the wrappers
+    ``_call`` caches per module and policy are found again, and nothing grows per step."""
+    # (held weakly, by the function's id or the set of ops: the wrappers that use a policy keep it alive, and a
+    # function made anew per step, which no wrapper finds again, lets go of its entry with its wrapper)
+    fn, ops = translated.fn, translated.ops
+    key: Any = id(fn) if fn is not None else ops
+    cache = CACHES.get().torch_policies
+    hit = cache.get(key)
+    if hit is not None and hit.fn is fn and hit.ops == ops:
+        return hit  # type: ignore[no-any-return]
+    cache[key] = translated
+    return translated
 
 
 def checkpoint_sequential(functions: torch.nn.Sequential | Iterable[Callable[..., Any]], segments: int, input: Any,
@@ -316,7 +332,8 @@ class route_torch_checkpoint:
         of a ``with`` block. It sets the two functions on ``torch.utils.checkpoint`` and every global that a loaded
         module bound to them by name (``from torch.utils.checkpoint import checkpoint`` in a module imported
         earlier, as ``transformers.modeling_utils`` does; remat's own modules excepted: under ``torch.compile`` remat
-        lowers to torch's checkpoint), and puts each back on exit, exceptions included. What a
+        lowers to torch's checkpoint), and puts each back on exit, exceptions included; on exit a module first
+        imported inside the block that bound the routed function by name gets torch's back as well. What a
         call made inside the block keeps is remat's for good: ``model.gradient_checkpointing_enable()`` inside it
         stores a partial of the routed function in the model's layers, so the model keeps checkpointing with remat
         after the block. A call with its own ``context_fn`` (torch's selective checkpointing) keeps that policy;
@@ -342,6 +359,7 @@ class route_torch_checkpoint:
             resolve_policy(policy)  # (a misspelt policy says so here, not at the first routed call of a training step)
         self.policy = policy
         self._undo: list[tuple[Any, str, Any]] = []
+        self._installed: dict[int, tuple[Any, Any]] = {}
 
     def _routed_checkpoint(self, function: Any, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("use_reentrant") is True:
@@ -361,30 +379,41 @@ class route_torch_checkpoint:
         return checkpoint_sequential(functions, segments, input, use_reentrant=False, **kwargs)
 
     def __enter__(self) -> route_torch_checkpoint:
-        import sys
-
         if self._undo:
             raise RuntimeError("remat.route_torch_checkpoint: this routing is active already; nest a new one")
         swaps = {id(tc.checkpoint): (tc.checkpoint, self._routed_checkpoint),
                  id(tc.checkpoint_sequential): (tc.checkpoint_sequential, self._routed_sequential)}
+        # (the routed functions -> torch's: on exit, a module first imported inside the block, which bound the
+        # routed function by name, gets torch's back too)
+        self._installed = {id(routed): (routed, torch_fn) for torch_fn, routed in swaps.values()}
         try:
-            for mod_name, mod in list(sys.modules.items()):
-                if mod_name == "remat" or mod_name.startswith("remat."):
-                    continue  # (remat's own use of torch's checkpoint: the torch.compile route)
-                d = getattr(mod, "__dict__", None)
-                if not isinstance(d, dict):
-                    continue
-                for name, value in list(d.items()):
-                    hit = swaps.get(id(value))
-                    if hit is not None and value is hit[0]:
-                        self._undo.append((mod, name, value))
-                        setattr(mod, name, hit[1])
+            self._swap(swaps)
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
+    def _swap(self, swaps: dict[int, tuple[Any, Any]]) -> None:
+        """Set every loaded module's global that is a key of ``swaps`` (by identity) to its replacement."""
+        import sys
+
+        for mod_name, mod in list(sys.modules.items()):
+            if mod_name == "remat" or mod_name.startswith("remat."):
+                continue  # (remat's own use of torch's checkpoint: the torch.compile route)
+            d = getattr(mod, "__dict__", None)
+            if not isinstance(d, dict):
+                continue
+            for name, value in list(d.items()):
+                hit = swaps.get(id(value))
+                if hit is not None and value is hit[0]:
+                    self._undo.append((mod, name, value))
+                    setattr(mod, name, hit[1])
+
     def __exit__(self, *exc: Any) -> None:
         for mod, name, value in reversed(self._undo):
             setattr(mod, name, value)
         self._undo = []
+        installed, self._installed = self._installed, {}
+        if installed:
+            self._swap(installed)
+            self._undo = []

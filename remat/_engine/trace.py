@@ -46,7 +46,7 @@ import optree
 import torch
 
 from .._context import CACHES, INTERNAL, PENDING_NAME, internal
-from .._errors import inference_tensor
+from .._errors import RematError, inference_tensor
 from .._policies.core import (
     Decision,
     Offloadable,
@@ -155,8 +155,8 @@ class Trace:
         self.quiet_written: set[int] = set()
         self.copied: set[int] = set()  # kept slots copied (or offloaded) before a write: a replay may read the copy
         # (slot, version when saved) of the dropped tensors' saves a write in the forward pass made stale -> (shape,
-        # dtype) then (NOTE [dropped packs] in traced.py)
-        self.moved: dict[tuple[int, int], tuple[Any, Any]] = {}
+        # dtype, version) after the write (NOTE [dropped packs] in traced.py)
+        self.moved: dict[tuple[int, int], tuple[Any, Any, int]] = {}
         # the frame's packs of dropped (and offloaded) tensors, in the order saved; by storage key, those indexed so far
         # (at the call's first write in place: a call that writes nothing pays nothing per save)
         self.drops: list[Any] = []
@@ -347,11 +347,11 @@ class Trace:
         for p, t, ws in self.pending:
             if type(p) is tuple:  # (a dropped tensor's pack: NOTE [dropped packs] in traced.py)
                 if t._version != p[1]:
-                    self.moved[(p[0], p[1])] = (t.shape, t.dtype)
+                    self.moved[(p[0], p[1])] = (t.shape, t.dtype, t._version)
                 elif p[0] in self.copied and ws and self._overlaps(ws, t):
                     self.quiet_written.add(p[0])  # NOTE [quiet writes] (only a copy can be stale)
             elif t._version != p.version:
-                p.version, p.meta = -1, (t.shape, t.dtype)
+                p.meta = (t.shape, t.dtype, t._version)
             elif ws and self._overlaps(ws, t):
                 self.quiet_written.add(p.slot)  # NOTE [quiet writes]
                 if self.on_quiet_write is not None:
@@ -430,6 +430,8 @@ class Tracer(TorchDispatchMode):
             try:
                 answer = self.policy(func, *args, **kwargs) if self.with_output is None else \
                     self.with_output(out, func, *args, **kwargs)
+            except RematError:
+                raise  # (a policy of remat's own that says what is wrong: as it is)
             except Exception as e:  # noqa: BLE001 (the policy's error, never the user's op's)
                 raise policy_failed(self.policy, func, kwargs, e) from e
             decision = (Recompute if answer is False or answer is Recompute else Saveable if answer is True

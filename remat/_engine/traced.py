@@ -212,7 +212,7 @@ class _Serving(Half):
 
     def _check_written(self, slot: int, version: int, ref: Any, aliases: Any, meta: Any, kind: str) -> None:
         """Raise if the saved tensor (or one of its ``aliases``) was written in place since it was saved at
-        ``version``; ``meta``: its (shape, dtype) when a write in the forward pass made it stale already."""
+        ``version``; ``meta``: its (shape, dtype, version) after a write in the forward pass made it stale already."""
         if ref is None:
             return
         t = ref()
@@ -223,7 +223,7 @@ class _Serving(Half):
                 moved, t = True, a if t is None else t
         if not moved:
             return
-        shape, dtype = (t.shape, t.dtype) if t is not None else meta
+        shape, dtype, now = (t.shape, t.dtype, t._version) if t is not None else meta
         if kind == OFFLOAD:
             raise RematError(
                 f"remat: a tensor of shape {list(shape)} that {self.fn_name} offloaded for the backward pass was "
@@ -233,7 +233,7 @@ class _Serving(Half):
             )
         # written in place since it was saved (in the forward pass: NOTE [outside writes] in trace.py)
         shown = t if t is not None else torch.empty(shape, dtype=dtype)
-        raise saved_written_after_save(self.fn_name, slot, shown, max(version, 0), -1 if t is None else t._version)
+        raise saved_written_after_save(self.fn_name, slot, shown, version, now)
 
     def _written(self, p: _Pack, t: Tensor) -> None:
         raise RematError(
@@ -454,7 +454,7 @@ class _Saving(Half):
             if p.kind == KEEP:
                 held = p.payload  # (a detached alias: it shares the tensor's version counter)
                 if held._version != p.version:  # written since it was saved: stale already (as Trace.settle notes)
-                    p.version, p.meta = -1, (held.shape, held.dtype)
+                    p.meta = (held.shape, held.dtype, held._version)
                 # watched as a dropped tensor is from now on (a write before the backward pass raises at the unpack,
                 # as plain autograd's check of the saved tensor would): its slot's weak reference, and among the
                 # call's drops (a write in the forward pass moving it, its views and base when the forward pass ends)

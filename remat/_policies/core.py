@@ -156,6 +156,8 @@ def decide_explicit(policy: Policy, op: Any, args: tuple[Any, ...], kwargs: dict
     """
     try:
         out = ask(policy, output, op, *args, **kwargs)
+    except RematError:
+        raise  # (a policy of remat's own that says what is wrong: as it is, not chained to itself)
     except Exception as e:  # noqa: BLE001 (re-raised as the policy's error, never as the user's op)
         raise policy_failed(policy, op, kwargs, e) from e
     if out is Recompute:
@@ -166,8 +168,6 @@ def decide_explicit(policy: Policy, op: Any, args: tuple[Any, ...], kwargs: dict
 def policy_failed(policy: Policy, op: Any, kwargs: dict[str, Any], e: BaseException) -> RematError:
     """The error for a policy that raised when asked about ``op``: the policy's, naming it and the op, not an error
     of the user's line that ran the op."""
-    if isinstance(e, RematError):
-        return e
     return RematError(
         f"remat: policy {_describe(policy)} raised {type(e).__name__}: {e} when asked about {_op_name(op, kwargs)}. "
         "A policy is called as policy(op, *args, **kwargs) for every ATen op of the function (args: the op's "
