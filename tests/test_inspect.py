@@ -247,3 +247,8 @@ def test_saved_residuals_and_memory_report_reject_bad_arguments():
         remat.memory_report(lambda wrap: _outer(wrap(block)), W.detach(), x, steps=1)
     with pytest.raises(ValueError, match="unknown policy"):
         remat.memory_report(lambda wrap: _outer(wrap(block)), W, x, policies=["save-some"], steps=1)
+    # the loss function itself where make_loss goes (a user's first try): what make_loss is, not the loss's TypeError
+    with pytest.raises(TypeError, match=r"make_loss\(wrap\) raised TypeError.*make_loss is a function of one argument"):
+        remat.memory_report(lambda W, x: block(W, x).sum(), W, x, steps=1)
+    with pytest.raises(TypeError, match=r"make_loss\(wrap\) returned Tensor, not a function"):
+        remat.memory_report(lambda wrap: W.sum(), W, x, steps=1)

@@ -483,15 +483,30 @@ def memory_report(make_loss: Callable[[Callable[..., Any]], Callable[..., Any]],
         raise TypeError(f"memory_report: make_loss must be a function of wrap, got {make_loss!r}")
     if isinstance(policies, str) or callable(policies) or _is_labelled(policies):
         policies = [policies]
-    configs = [Config("no remat", make_loss(lambda f: f))]
+    configs = [Config("no remat", _loss_of(make_loss, lambda f: f))]
     for p in policies:
         if _is_labelled(p):
             label, wrap = p
         else:
             label = p if isinstance(p, str) else _fn_name(p)
             wrap = _remat_wrap(remat, p)
-        configs.append(Config(label, make_loss(wrap)))
+        configs.append(Config(label, _loss_of(make_loss, wrap)))
     return MemoryReport(measure(configs, args, steps=steps, warmup=warmup))
+
+
+_MAKE_LOSS = ("make_loss is a function of one argument, wrap, that returns the loss function: def make_loss(wrap): "
+              "block = wrap(my_block); return lambda w, x: block(w, x).sum(); then memory_report(make_loss, w, x)")
+
+
+def _loss_of(make_loss: Callable[[Callable[..., Any]], Any], wrap: Callable[..., Any]) -> Callable[..., Any]:
+    """``make_loss(wrap)``, with an error that says what ``make_loss`` is when it is the loss function itself."""
+    try:
+        loss = make_loss(wrap)
+    except TypeError as e:
+        raise TypeError(f"memory_report: make_loss(wrap) raised TypeError: {e}. {_MAKE_LOSS}.") from e
+    if not callable(loss):
+        raise TypeError(f"memory_report: make_loss(wrap) returned {type(loss).__name__}, not a function. {_MAKE_LOSS}.")
+    return loss  # type: ignore[no-any-return]
 
 
 def _is_labelled(p: Any) -> bool:
