@@ -300,7 +300,17 @@ class Trace:
                             self.shadowed[s] = (key, self.geometry0.get(s) or ox.geometry(o))
                         else:
                             self.snapshots[s] = o.detach().clone()
-        for s in self.stash_keys.pop(key, ()):
+        kept_here = self.stash_keys.pop(key, ())
+        if len(kept_here) > 1:
+            # several values the policy keeps on this storage (``unsafe_split``'s pieces and what they split, which
+            # no schema calls views): copies of each would not see a write into the others, which a later step
+            # reads through them; the replay makes them again instead, aliasing as in the forward pass
+            for s in kept_here:
+                self.stash.pop(s, None)
+                self.stash_versions.pop(s, None)
+                self.raw.discard(s)
+            kept_here = []
+        for s in kept_here:
             # a value the policy keeps, about to be written: keep its value before the write (the replay of a later
             # step reads that), copied, or handed to the offload engine now if the policy offloads it
             v = self.stash.pop(s, None)
