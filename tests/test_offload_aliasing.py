@@ -319,3 +319,32 @@ def test_an_unsafe_split_piece_keeps_a_copy_of_its_own(piece_first: bool) -> Non
             del p0
             with pytest.raises(RematError, match="modified in place after it was saved"):
                 torch.autograd.grad(loss, (x, w))
+
+
+@pytest.mark.parametrize("pieces", ["unbind", "chunk", "split", "unsafe_chunk"])
+@pytest.mark.parametrize("view_input", [False, True])
+def test_pieces_of_an_input_written_between_the_passes_raise(pieces: str, view_input: bool) -> None:
+    """The saved tensors are pieces of the input (``unbind``, ``chunk``, ``split``: views; ``unsafe_chunk``: aliases
+    with counters of their own); the caller writes into the input between the passes. Plain autograd refuses the
+    views' base written, and reads the written values through ``unsafe_chunk``'s pieces; the offload engine's copies
+    hold the values before the write, and gave a gradient from them (off by 0.5, or where plain autograd refuses).
+    Now remat refuses, as every other policy's replay, which reads the input, does."""
+    cut = {"unbind": lambda x: x.unbind(0)[1:3], "chunk": lambda x: x.chunk(4, 0)[1:3],
+           "split": lambda x: x.split(1, 0)[1:3], "unsafe_chunk": lambda x: x.unsafe_chunk(4, 0)[1:3]}[pieces]
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        a, b = cut(x)
+        return a * b
+
+    g = remat(f, policy=policies.offload_to_cpu(min_bytes=0))
+    for call in range(2):
+        B = torch.randn(5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(call)).requires_grad_()
+        x = B[:4] if view_input else B
+        out = g(x)
+        with torch.no_grad():
+            B.add_(0.5)
+        with pytest.raises(RematError, match=r"modified in place after (its|the) forward pass"):
+            torch.autograd.grad(out.sum(), B)
+    x = torch.randn(4, 6, dtype=torch.float64).requires_grad_()
+    assert torch.allclose(torch.autograd.grad(g(x).sum(), x)[0], torch.autograd.grad(f(x).sum(), x)[0],
+                          rtol=1e-10, atol=1e-10)

@@ -96,3 +96,30 @@ def test_in_place_write_into_a_promoted_offloaded_output_under_torch_func_raises
         grad(f)(x)
     with pytest.raises(RematError, match="writes in place into a tensor that its offload policy offloads"):
         grad(remat(f, policy=policies.offload_to_cpu(min_bytes=0)))(x)
+
+
+@pytest.mark.parametrize("fill", ["zero_", "fill_", "copy_"])
+@pytest.mark.parametrize("transform", ["vjp", "grad", "jacrev"])
+def test_a_fill_into_an_offloaded_output_in_the_forward_pass_is_no_write_after_saving(fill: str,
+                                                                                     transform: str) -> None:
+    """The clone of a saved value, offloaded for the recompute, then filled in place through a view by the forward
+    pass itself: the copy holds the clone as its op made it, which the recompute reads, and nothing is written after
+    the forward pass. It raised "offloaded for the backward pass was modified in place after it was saved (version 0
+    -> 1)" on every call under vjp; now plain torch.func's gradient, float64, every call."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        v5 = torch.sigmoid(x)
+        v6 = v5.clone()
+        piece = v6.view(6, 4)[::2]
+        {"zero_": lambda: piece.zero_(), "fill_": lambda: piece.fill_(2.0),
+         "copy_": lambda: piece.copy_(v5.view(6, 4)[1::2] * 3)}[fill]()
+        return v6
+
+    g = remat(f, policy=policies.offload_to_cpu(min_bytes=0))
+    ct = torch.arange(24, dtype=torch.float64).cos().view(4, 6)
+    run = {"vjp": lambda h, x: vjp(h, x)[1](ct)[0],
+           "grad": lambda h, x: grad(lambda t: (h(t) * ct).sum())(x),
+           "jacrev": lambda h, x: torch.func.jacrev(h)(x)}[transform]
+    for call in range(3):
+        x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(call))
+        assert_tree_close(run(g, x), run(f, x), rtol=1e-10, atol=1e-10)

@@ -158,6 +158,7 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
         self.on_write: Callable[[set[int]], None] | None = None  # storage keys an in-place op is about to write
         self.mutated_inplace = False
         self.offloaded_written: Any = None  # the op that wrote an output to offload in place (Frame.forward)
+        self.refilled: list[Any] = []  # offloaded outputs a fill of the forward pass wrote since (``seal``)
         self.keep_written_offloads = False  # under torch.func: NOTE [written before offloaded] in outside_writes.py
         self.written: set[int] = set()  # storage keys an in-place op wrote (over-approximated: all its args)
         self.input_keys: set[int] = set()  # storages of the call's inputs (set by the frame)

@@ -46,6 +46,7 @@ class StashLiveness(Half):
     _pending: dict[int, list[tuple[OpRecord, int, torch.Tensor]]]  # (set by Recorder.__init__, as all it reads)
     made_geometry: dict[int, tuple[Any, ...]]  # value -> its geometry before an in-place view op changed it
     shadows: dict[int, Any]
+    refilled: list[Any]  # offloaded outputs a fill of the forward pass wrote (outside_writes.py)
 
     def route_stash(self, route: Callable[[torch.Tensor], Any]) -> list[tuple[int, int]]:
         """Hand every output held for the replay to ``route`` (the enclosing call), in op order; returns where
@@ -174,6 +175,9 @@ class StashLiveness(Half):
             if rec.outside is not None:
                 self._settle_outside(rec)
         self._pending = {}
+        for o in self.refilled:
+            o.engine.rewatch(o)
+        self.refilled = []
         for shadow in self.shadows.values():
             if shadow.snap is not None:
                 shadow.snap.done()

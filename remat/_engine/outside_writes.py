@@ -239,6 +239,10 @@ class OutsideReads(Half):
                     elif cur is not None and cur.engine.shares_storage(cur, keys):
                         if partial:
                             self.offloaded_written = func
+                        else:
+                            # (a fill: the copy holds the value as its op made it, which the recompute reads; the
+                            # forward pass's own write is no write after saving: ``seal`` watches from after it)
+                            self.refilled.append(cur)
                         # offloaded: on CUDA the write must wait until its copy to the host ran
                         cur.engine.before_write(cur)
 

@@ -192,6 +192,8 @@ class _Serving(Half):
                     self._refuse_replaced(p.slot)
                 t = self.engine.fetch(p.payload)  # (which raises if the tensor it copied was written since)
                 self._check_unwritten(p)  # (or one of its aliases)
+                if self.trace.outside_keys:
+                    self._check_outside_storage(p.slot)
                 return t  # type: ignore[no-any-return]
             if kind == ROUTED:
                 assert self.parent is not None
@@ -333,17 +335,7 @@ class _Serving(Half):
                 if t is None:
                     raise RuntimeError(f"remat: internal error: outside slot {s} of {self.fn_name} was let go")
                 if t._version != v0:
-                    i = trace.inputs.get(s)
-                    if i is not None:
-                        raise input_written_before_backward(self.fn_name, i, t)
-                    label = self.describe(t)
-                    raise RematError(
-                        f"remat: a tensor that {self.fn_name} read from outside its arguments ("
-                        f"{label + ', ' if label else ''}shape "
-                        f"{list(t.shape)}) was modified in place after the forward pass read it (version {v0} -> "
-                        f"{t._version}); the recompute would read the new value. Plain autograd refuses this too "
-                        "when it saved the tensor. Modify it after the backward pass, or clone it first."
-                    )
+                    self._refuse_outside_written(s, t, v0)
                 return t
             if not graph:
                 v = trace.stash.get(s)
@@ -362,6 +354,31 @@ class _Serving(Half):
             raise RuntimeError(f"remat: internal error: the replay of {self.fn_name} has no value for slot {s}")
 
         return source
+
+    def _refuse_outside_written(self, s: int, t: Tensor, v0: int) -> None:
+        """Outside slot ``s``, ``t``, was written in place since the forward pass read it at version ``v0``."""
+        i = self.trace.inputs.get(s)
+        if i is not None:
+            raise input_written_before_backward(self.fn_name, i, t)
+        label = self.describe(t)
+        raise RematError(
+            f"remat: a tensor that {self.fn_name} read from outside its arguments ({label + ', ' if label else ''}"
+            f"shape {list(t.shape)}) was modified in place after the forward pass read it (version {v0} -> "
+            f"{t._version}); the recompute would read the new value. Plain autograd refuses this too "
+            "when it saved the tensor. Modify it after the backward pass, or clone it first."
+        )
+
+    def _check_outside_storage(self, s: int) -> None:
+        """Slot ``s`` (offloaded) lives on an outside tensor's storage (``unbind``'s or ``unsafe_chunk``'s pieces
+        of an input): raise if that tensor was written since the forward pass read it, as a replay reading it would
+        (the engine's copy holds the values before the write; plain autograd reads the new ones, or refuses)."""
+        trace = self.trace
+        for o in trace.outside_keys.get(trace.key_of.get(s, 0), ()):
+            if o in trace.shadowed or o in trace.snapshots:
+                continue  # (written by the call itself: NOTE [outside writes])
+            t, v0 = trace.outside[o]
+            if t is not None and t._version != v0:
+                self._refuse_outside_written(o, t, v0)
 
     def _release_later(self) -> Callable[[], None]:
         wself = weakref.ref(self)

@@ -183,6 +183,14 @@ class _Schedule(_Transfers):
             src = o.orig()
         return src is not None and int(src.untyped_storage().data_ptr()) in storage_keys
 
+    def rewatch(self, o: Offloaded) -> None:
+        """The forward pass itself wrote ``o``'s source after the copy (which holds the value its op made): a write
+        is one after saving only from the source's version now on."""
+        c = o._copy or o
+        src = c.vsrc if c.vsrc is not None else o.orig()
+        if src is not None:
+            o.version = src._version
+
     def before_write(self, o: Offloaded) -> None:
         """An op is about to write into ``o``'s source tensor: it must wait until the copy has read it."""
         c = o._copy or o
