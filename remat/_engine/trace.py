@@ -141,6 +141,7 @@ class Trace:
         self.shadows: dict[int, Any] = {}  # (ox.StorageSnapshot, or None for a wrapper subclass)
         self.shadowed: dict[int, tuple[int, tuple[Any, ...]]] = {}
         self.geometry0: dict[int, tuple[Any, ...]] = {}  # outside slot -> its geometry before an in-place view op
+        self.reshaped: set[int] = set()  # outside slots an in-place view op reshaped (t_, unsqueeze_)
         # op-made slot -> the geometry its op made, before an in-place view op (``t.t_()``) changed its tensor's:
         # a kept value is held at it (``made``), as the steps after its op read it
         self.made_geometry: dict[int, tuple[Any, ...]] = {}
@@ -255,6 +256,9 @@ class Trace:
                 # (a nested call's go to its parent, which must know the tensor itself: ``made`` when they come back)
                 self.stash[s] = t.detach() if self.external is not None else self.made(s, t.detach())
         self.raw.clear()
+        for s in self.reshaped:  # (an in-place view op moved the version, not the values: a write moves it further)
+            t = self.outside[s][0]
+            self.outside[s] = (t, t._version)
         # the versions a write after the forward pass would move (the forward's own writes copied the values
         # before them, and its squeeze_ & co. moved the counter without changing a value)
         for s, t in self.stash.items():
@@ -532,6 +536,7 @@ class Tracer(TorchDispatchMode):
             if r in trace.outside:
                 if r not in trace.geometry0:
                     trace.geometry0[r] = ox.geometry(args[0])  # (t_, unsqueeze_ on a global: replayed on the copy)
+                trace.reshaped.add(r)  # (its version moves, its values do not: ``seal`` notes the version after)
             elif r in trace.producer and r not in trace.made_geometry and r not in trace.copied:
                 trace.made_geometry[r] = ox.geometry(args[0])  # (t_ on a value the policy may keep)
         if info.mutable:

@@ -336,6 +336,10 @@ class _Serving(Half):
                     raise RuntimeError(f"remat: internal error: outside slot {s} of {self.fn_name} was let go")
                 if t._version != v0:
                     self._refuse_outside_written(s, t, v0)
+                g = trace.geometry0.get(s) if trace.geometry0 else None
+                if g is not None:  # (an in-place view op of the call reshaped it since: as the steps read it)
+                    with internal():
+                        return ox.at_geometry(t, g)
                 return t
             if not graph:
                 v = trace.stash.get(s)
