@@ -558,3 +558,33 @@ def test_a_measuring_call_that_writes_its_input_after_reading_it_names_its_route
     with pytest.raises(RematError, match="on a memory budget's first call, .* with a fixed policy"):
         remat(f, policy=policies.memory_budget(0.3))(w, leaf(4, 4).detach())
     plain_autograd_still_works()
+
+
+@pytest.mark.parametrize("how", ["budget", "debug"])
+@pytest.mark.parametrize("case", ["relu", "sigmoid", "as_strided"])
+def test_a_saved_result_written_between_the_passes_raises_on_the_re_run_too(how: str, case: str) -> None:
+    """A memory budget's first call and ``debug=True`` re-run the function; a result an op saved (``relu``'s,
+    ``sigmoid``'s, or ``relu_``'s through an ``as_strided`` view of the returned tensor), written by the caller
+    between the passes, gave a gradient from the values before the write there, where plain autograd refuses (and
+    the replay of later calls raised). Now every call raises, as plain autograd does."""
+    W = leaf(4, 6)
+
+    def f(x):
+        if case == "relu":
+            return torch.relu(x @ W)
+        if case == "sigmoid":
+            return (x @ W).sigmoid()
+        v = (x @ W).clone()
+        v.as_strided((2, 3), (6, 2), 1).relu_()
+        return v.view(-1)
+
+    g = remat(f, policy=policies.memory_budget(0.5)) if how == "budget" else remat(f, policy="save-nothing", debug=True)
+    for call in range(3):
+        x = leaf(4, 4, seed=call)
+        for fn in (f, g):
+            out = fn(x)
+            with torch.no_grad():
+                out.add_(1)
+            with pytest.raises(RuntimeError, match="modified (by an inplace operation|in place after)"):
+                torch.autograd.grad(out.sum(), x)
+    plain_autograd_still_works()

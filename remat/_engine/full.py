@@ -283,7 +283,11 @@ class _Saving(Half):
                 self.recorder.drop_value(phys)
         else:
             self.recorder.drop_value(phys)  # the recompute must make it again
-        return Packed(self, DROP, s, pos, None, 0, meta, rec)
+        # (no torch.func level: the tensor itself, weakly, with its version, so that a write between the passes into
+        # a saved result raises as plain autograd's check would; the recompute makes the value before the write)
+        # (a view is watched through its base, which shares its version counter and may outlive it)
+        watch = (weakref.ref(phys if phys._base is None else phys._base), phys._version) if not self.levels else None
+        return Packed(self, DROP, s, pos, watch, 0, meta, rec)
 
 
 
@@ -324,6 +328,10 @@ class _Serving(Half):
             assert self.parent is not None
             return self.parent.unpack(p.payload)
         s = p.height
+        if p.payload is not None:  # (a dropped tensor, watched: ``_drop``)
+            t = p.payload[0]()
+            if t is not None:
+                self._check_version(Packed(self, DROP, s, p.pos, None, p.payload[1], p.meta, None), t._version)
         cached = self.cache.get(s)
         if cached is None or p.pos not in cached:
             # not recomputed yet in this backward pass, or read once already (a second backward

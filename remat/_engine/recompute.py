@@ -55,10 +55,12 @@ def run_recompute(frame: Any, s: int, skip_unused: bool, forwarding: list[Any]) 
     for h in routed:
         h.value = h.fetch()
     try:
-        if sum(1 for lv in frame.levels if lv.kind == "grad") > 1:
-            # NOTE [dead ops] under two reverse levels (grad(grad), jacrev(grad), grad(vjp)): the outer level's
-            # backward pass walks the inner's, which saved the recompute's values where no capture hook sees a
-            # placeholder read (NaN gradients, an index of uninitialised memory); every op runs
+        if sum(1 for lv in frame.levels if lv.kind == "grad") > 1 and \
+                any(r.stash is not None for r in frame.recorder.ops):
+            # NOTE [dead ops] under two reverse levels (grad(grad), jacrev(grad), grad(vjp)) with outputs kept
+            # (NOTE [kept under higher-order grad]): the outer level's backward pass walks the inner's, which saved
+            # the recompute's values where no capture hook sees a placeholder read (NaN gradients, an index of
+            # uninitialised memory); every op runs
             return _attempt(frame, s, skip_unused, forwarding, detach, skip_dead=False)
         try:
             return _attempt(frame, s, skip_unused, forwarding, detach, skip_dead=True)
