@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.func import grad, vjp
+from torch.func import grad, jvp, vjp
 
 from remat import RematError, policies, remat
 from remat._context import internal
@@ -123,3 +123,27 @@ def test_a_fill_into_an_offloaded_output_in_the_forward_pass_is_no_write_after_s
     for call in range(3):
         x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(call))
         assert_tree_close(run(g, x), run(f, x), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd"])
+def test_forward_mode_alone_takes_an_in_place_write_into_an_offloaded_output(transform: str) -> None:
+    """Forward mode alone saves nothing a backward pass reads: ``h.relu_()`` into an offloaded product under ``jvp``
+    or ``jacfwd`` raised "writes in place into a tensor that its offload policy offloads ... under torch.func"
+    (the refusal guards a backward pass's replay). Now plain's values, every call; with plain autograd below the
+    level (a backward pass through the primal), it still refuses."""
+
+    def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = x @ w
+        h.relu_()
+        return h.sin()
+
+    g = remat(f, policy=policies.offload_to_cpu(min_bytes=0))
+    for call in range(3):
+        gen = torch.Generator().manual_seed(call)
+        w, x, t = (torch.randn(*s, dtype=torch.float64, generator=gen) for s in ((4, 4), (3, 4), (4, 4)))
+        run = (lambda h: jvp(lambda w: h(w, x), (w,), (t,))) if transform == "jvp" else \
+            (lambda h: torch.func.jacfwd(h)(w, x))
+        assert_tree_close(run(g), run(f), rtol=1e-10, atol=1e-10)
+    w = w.clone().requires_grad_()
+    with pytest.raises(RematError, match="offload policy offloads"):
+        jvp(lambda w: g(w, x), (w,), (t,))

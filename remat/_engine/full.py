@@ -372,6 +372,14 @@ class _Serving(Half):
         self._in_cache = None
         self._served = 0
 
+    def _reverse(self, flat: list[Any]) -> bool:
+        """Whether a backward pass may read this call's saves: a grad level, or plain autograd below the levels
+        (forward mode alone, ``jvp`` and ``jacfwd``, saves nothing a backward pass reads)."""
+        if any(lv.kind == "grad" for lv in self.levels):
+            return True
+        return torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and ti.unwrap_all(a).requires_grad for a in [*flat, *self.state.tensors])
+
     def _check_version(self, p: Packed, now: int) -> None:
         if now != p.version:
             raise RematError(
@@ -541,7 +549,7 @@ class Frame(_Saving, _Serving):
                     with internal():
                         key = storage_key(ti.unwrap_all(t))
                     self._outs.append((weakref.ref(t), key, None if ran is None else weakref.ref(ran), t._version))
-            if self.levels and self.recorder.offloaded_written is not None:
+            if self.levels and self.recorder.offloaded_written is not None and self._reverse(flat):
                 raise RematError(
                     f"remat: {self.fn_name} writes in place into a tensor that its offload policy offloads "
                     f"({self.recorder.offloaded_written}, in its code or in a torch function it calls, such as "
