@@ -141,9 +141,14 @@ def test_forward_mode_alone_takes_an_in_place_write_into_an_offloaded_output(tra
     for call in range(3):
         gen = torch.Generator().manual_seed(call)
         w, x, t = (torch.randn(*s, dtype=torch.float64, generator=gen) for s in ((4, 4), (3, 4), (4, 4)))
-        run = (lambda h: jvp(lambda w: h(w, x), (w,), (t,))) if transform == "jvp" else \
-            (lambda h: torch.func.jacfwd(h)(w, x))
-        assert_tree_close(run(g), run(f), rtol=1e-10, atol=1e-10)
+        assert_tree_close(_forward_mode(transform, g, w, x, t), _forward_mode(transform, f, w, x, t), rtol=1e-10,
+                          atol=1e-10)
     w = w.clone().requires_grad_()
     with pytest.raises(RematError, match="offload policy offloads"):
         jvp(lambda w: g(w, x), (w,), (t,))
+
+
+def _forward_mode(transform: str, h: Any, w: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> Any:
+    if transform == "jvp":
+        return jvp(lambda w: h(w, x), (w,), (t,))
+    return torch.func.jacfwd(h)(w, x)
