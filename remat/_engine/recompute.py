@@ -42,10 +42,16 @@ def run_recompute(frame: Any, s: int, skip_unused: bool, forwarding: list[Any]) 
     frame.recomputes += 1
     check_lower_levels(frame.levels, s, frame.fn_name)
     flat = frame._inputs()
+    read: set[int] | None = None  # the storages the call's ops read (an input none reads reaches nothing)
     for i, (a, v0) in enumerate(zip(flat, frame.versions)):
         if frame.routed and made_anew(frame.flat[i]):
             continue  # a copy from the parent (offloaded or recomputed there): the parent checked its source
         if isinstance(a, torch.Tensor) and v0 is not None and ti.unwrap_all(a)._version != v0:
+            if read is None:
+                read = {k for r in frame.recorder.ops for k in r.in_keys}
+            with internal():
+                if storage_key(ti.unwrap_all(a)) not in read:
+                    continue
             raise input_written_before_backward(frame.fn_name, i, a)
     if frame.fingerprints is not None:
         check_fingerprints(frame, flat)
