@@ -85,3 +85,44 @@ def saved_written_after_save(fn_name: str, pos: int, t: Any, v0: int, v1: int) -
         "modified value to the backward pass. Use the out-of-place op (x = x * 3, not x.mul_(3)), or clone the "
         "tensor before modifying it."
     )
+
+
+def data_replaced(fn_name: str, shape: list[int]) -> RematError:
+    """``t.data = ...`` replaced a saved tensor's data (NOTE [data replaced] in ``_engine/traced.py``)."""
+    return RematError(
+        f"remat: {fn_name} replaced the data of a tensor of shape {shape} with `t.data = ...` after "
+        "an op had saved it for the backward pass (NOTE [data replaced]). Plain autograd reads the new data where "
+        "the tensor was saved as an op's input and the old data where it was saved as its own op's output, which "
+        "remat cannot tell apart, so it cannot recompute or fetch the saved value. Rebind the name instead "
+        "(t = t * 2), or keep the tensor (a policy that saves the op that made it)."
+    )
+
+
+def offloaded_written_after_save(fn_name: str, shape: Any) -> RematError:
+    """A tensor the call offloaded was written in place after it was saved."""
+    return RematError(
+        f"remat: a tensor of shape {list(shape)} that {fn_name} offloaded for the backward pass was "
+        "modified in place after it was saved; plain autograd raises here too (\"one of the variables needed "
+        "for gradient computation has been modified by an inplace operation\"). Do not modify intermediate "
+        "results in place after an op has used them; clone them first."
+    )
+
+
+def kept_written_after_save(fn_name: str, t: Any, v0: int) -> RematError:
+    """A tensor the call kept (an input or a result) was written in place after it was saved at version ``v0``."""
+    return RematError(
+        f"remat: a tensor of shape {list(t.shape)} that {fn_name} saved for the backward pass was "
+        f"modified in place after it was saved (version {v0} -> {t._version}). Do not modify inputs "
+        "or results of a remat'd function in place before the backward pass; clone them first."
+    )
+
+
+def outside_written_before_backward(fn_name: str, label: str | None, t: Any, v0: int) -> RematError:
+    """A tensor from outside the call's arguments (``label``: the module attribute it is) was written in place
+    between the forward pass and the recompute, which reads it."""
+    return RematError(
+        f"remat: a tensor that {fn_name} read from outside its arguments ({label + ', ' if label else ''}"
+        f"shape {list(t.shape)}) was modified in place after the forward pass read it (version {v0} -> "
+        f"{t._version}); the recompute would read the new value. Plain autograd refuses this too "
+        "when it saved the tensor. Modify it after the backward pass, or clone it first."
+    )

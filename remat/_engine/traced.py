@@ -56,6 +56,7 @@ from typing import Any
 import optree
 import torch
 
+from .. import _errors as errors
 from .. import _torch_internals as ti
 from .._context import activated, active_context, internal
 from .._errors import RematError, input_written_before_backward, saved_written_after_save
@@ -201,13 +202,7 @@ class _Serving(Half):
             raise AssertionError(kind)
 
     def _refuse_replaced(self, s: int) -> None:
-        raise RematError(
-            f"remat: {self.fn_name} replaced the data of a tensor of shape {self.replaced[s]} with `t.data = ...` after "
-            "an op had saved it for the backward pass (NOTE [data replaced]). Plain autograd reads the new data where "
-            "the tensor was saved as an op's input and the old data where it was saved as its own op's output, which "
-            "remat cannot tell apart, so it cannot recompute or fetch the saved value. Rebind the name instead "
-            "(t = t * 2), or keep the tensor (a policy that saves the op that made it)."
-        )
+        raise errors.data_replaced(self.fn_name, self.replaced[s])
 
     def _check_unwritten(self, p: _Pack) -> None:
         self._check_written(p.slot, p.version, p.ref, p.aliases, p.meta, p.kind)
@@ -227,22 +222,13 @@ class _Serving(Half):
             return
         shape, dtype, now = (t.shape, t.dtype, t._version) if t is not None else meta
         if kind == OFFLOAD:
-            raise RematError(
-                f"remat: a tensor of shape {list(shape)} that {self.fn_name} offloaded for the backward pass was "
-                "modified in place after it was saved; plain autograd raises here too (\"one of the variables needed "
-                "for gradient computation has been modified by an inplace operation\"). Do not modify intermediate "
-                "results in place after an op has used them; clone them first."
-            )
+            raise errors.offloaded_written_after_save(self.fn_name, shape)
         # written in place since it was saved (in the forward pass: NOTE [outside writes] in trace.py)
         shown = t if t is not None else torch.empty(shape, dtype=dtype)
         raise saved_written_after_save(self.fn_name, slot, shown, version, now)
 
     def _written(self, p: _Pack, t: Tensor) -> None:
-        raise RematError(
-            f"remat: a tensor of shape {list(t.shape)} that {self.fn_name} saved for the backward pass was "
-            f"modified in place after it was saved (version {p.version} -> {t._version}). Do not modify inputs "
-            "or results of a remat'd function in place before the backward pass; clone them first."
-        )
+        raise errors.kept_written_after_save(self.fn_name, t, p.version)
 
     def _replay(self, graph: bool, full: bool = False) -> tuple[dict[int, Tensor], dict[int, int], dict[int, int]]:
         self.recomputes += 1
@@ -364,13 +350,7 @@ class _Serving(Half):
         i = self.trace.inputs.get(s)
         if i is not None:
             raise input_written_before_backward(self.fn_name, i, t)
-        label = self.describe(t)
-        raise RematError(
-            f"remat: a tensor that {self.fn_name} read from outside its arguments ({label + ', ' if label else ''}"
-            f"shape {list(t.shape)}) was modified in place after the forward pass read it (version {v0} -> "
-            f"{t._version}); the recompute would read the new value. Plain autograd refuses this too "
-            "when it saved the tensor. Modify it after the backward pass, or clone it first."
-        )
+        raise errors.outside_written_before_backward(self.fn_name, self.describe(t), t, v0)
 
     def _check_outside_storage(self, s: int) -> None:
         """Slot ``s`` (offloaded) lives on an outside tensor's storage (``unbind``'s or ``unsafe_chunk``'s pieces
