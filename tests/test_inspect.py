@@ -252,3 +252,5 @@ def test_saved_residuals_and_memory_report_reject_bad_arguments():
         remat.memory_report(lambda W, x: block(W, x).sum(), W, x, steps=1)
     with pytest.raises(TypeError, match=r"make_loss\(wrap\) returned Tensor, not a function"):
         remat.memory_report(lambda wrap: W.sum(), W, x, steps=1)
+    with pytest.raises(TypeError, match=r"make_loss\(wrap\) raised AttributeError.*make_loss is a function of one"):
+        remat.memory_report(lambda x: x.pow(2).sum(), x, steps=1)

@@ -305,7 +305,7 @@ class Trace:
                         else:
                             self.snapshots[s] = o.detach().clone()
         kept_here = self.stash_keys.pop(key, ())
-        if len(kept_here) > 1:
+        if len(kept_here) > 1 and sum(_alive(self.stash.get(s)) for s in kept_here) > 1:
             # several values the policy keeps on this storage (``unsafe_split``'s pieces and what they split, which
             # no schema calls views): copies of each would not see a write into the others, which a later step
             # reads through them; the replay makes them again instead, aliasing as in the forward pass
@@ -623,6 +623,12 @@ class Tracer(TorchDispatchMode):
             trace.settings[step] = (_default_dtype(), _num_threads())
         trace.steps.append(step)
         return out
+
+
+def _alive(v: Any) -> bool:
+    """Whether a stash entry still holds its value (a kept value that died may leave its slot under a storage key
+    the allocator has handed to another since)."""
+    return v is not None and (type(v) is not weakref.ref or v() is not None)
 
 
 def _arg_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:

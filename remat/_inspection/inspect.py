@@ -502,8 +502,8 @@ def _loss_of(make_loss: Callable[[Callable[..., Any]], Any], wrap: Callable[...,
     """``make_loss(wrap)``, with an error that says what ``make_loss`` is when it is the loss function itself."""
     try:
         loss = make_loss(wrap)
-    except TypeError as e:
-        raise TypeError(f"memory_report: make_loss(wrap) raised TypeError: {e}. {_MAKE_LOSS}.") from e
+    except (TypeError, AttributeError) as e:  # (the loss function itself, called with wrap: x.pow on a function)
+        raise TypeError(f"memory_report: make_loss(wrap) raised {type(e).__name__}: {e}. {_MAKE_LOSS}.") from e
     if not callable(loss):
         raise TypeError(f"memory_report: make_loss(wrap) returned {type(loss).__name__}, not a function. {_MAKE_LOSS}.")
     return loss  # type: ignore[no-any-return]
