@@ -668,7 +668,8 @@ class TraceFrame(_Saving, _Serving):
                 if (t is not None and s not in snaps and s not in trace.shadowed and s not in trace.inputs
                         and not t.requires_grad
                         and ox.nbytes(t) <= ox.SMALL):
-                    snaps[s] = ti.detach_below_modes(t).clone()
+                    g = trace.geometry0.get(s)  # (reshaped in place since the call read it: as it read it)
+                    snaps[s] = (ti.detach_below_modes(t) if g is None else ox.at_geometry(t.detach(), g)).clone()
         drops = trace.drops
         for p in drops:
             ds, dref = (p[0], p[2]) if type(p) is tuple else (p.slot, p.ref)
