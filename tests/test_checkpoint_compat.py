@@ -321,13 +321,18 @@ def test_a_context_fn_made_anew_each_step_finds_its_wrapper_again() -> None:
     def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if op in MM else CheckpointPolicy.PREFER_RECOMPUTE
 
+    class Owner:
+        def policy_fn(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            return policy_fn(ctx, op, *args, **kwargs)
+
+    owner = Owner()
     want = _grads(lambda b, x: b(x), block, X)
-    for how in (policy_fn, [torch.ops.aten.addmm.default]):
-        for _ in range(5):
-            got = _grads(lambda b, x, how=how: remat.checkpoint(b, x, use_reentrant=False, context_fn=functools.partial(
+    for make in (lambda: policy_fn, lambda: [torch.ops.aten.addmm.default], lambda: owner.policy_fn):
+        for _ in range(5):  # (a bound method is made anew at each access, as a list is)
+            got = _grads(lambda b, x, how=make(): remat.checkpoint(b, x, use_reentrant=False, context_fn=functools.partial(
                 create_selective_checkpoint_contexts, how)), block, X)
             _close(got, want)
-    assert len(cache[block]) == 2
+    assert len(cache[block]) == 3
     for _ in range(30):
         with remat.route_torch_checkpoint(policy=remat.policies.save_only_these_names("h")):
             got = _grads(lambda b, x: torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False), block, X)

@@ -261,10 +261,11 @@ def _policy_cache(context_fn: functools.partial[Any], translated: TorchPolicy) -
     # (held weakly, by the function's id or the set of ops: the wrappers that use a policy keep it alive, and a
     # function made anew per step, which no wrapper finds again, lets go of its entry with its wrapper)
     fn, ops = translated.fn, translated.ops
-    key: Any = id(fn) if fn is not None else ops
+    # (a bound method, ``self.policy_fn``, is made anew at each access: by its function and object)
+    key: Any = ops if fn is None else (id(fn.__func__), id(fn.__self__)) if isinstance(fn, types.MethodType) else id(fn)
     cache = CACHES.get().torch_policies
     hit = cache.get(key)
-    if hit is not None and hit.fn is fn and hit.ops == ops:
+    if hit is not None and (hit.fn is fn or (fn is not None and hit.fn == fn)) and hit.ops == ops:
         return hit  # type: ignore[no-any-return]
     cache[key] = translated
     return translated
@@ -333,7 +334,9 @@ class route_torch_checkpoint:
         module bound to them by name (``from torch.utils.checkpoint import checkpoint`` in a module imported
         earlier, as ``transformers.modeling_utils`` does; remat's own modules excepted: under ``torch.compile`` remat
         lowers to torch's checkpoint), and puts each back on exit, exceptions included; on exit a module first
-        imported inside the block that bound the routed function by name gets torch's back as well. What a
+        imported inside the block that bound the routed function by name gets torch's back as well. The routing is
+        process-wide: blocks nest, but two threads' blocks must not overlap (the later one would put back the
+        earlier one's routed functions on exit). What a
         call made inside the block keeps is remat's for good: ``model.gradient_checkpointing_enable()`` inside it
         stores a partial of the routed function in the model's layers, so the model keeps checkpointing with remat
         after the block. A call with its own ``context_fn`` (torch's selective checkpointing) keeps that policy;
