@@ -126,3 +126,13 @@ def outside_written_before_backward(fn_name: str, label: str | None, t: Any, v0:
         f"{t._version}); the recompute would read the new value. Plain autograd refuses this too "
         "when it saved the tensor. Modify it after the backward pass, or clone it first."
     )
+
+
+def hooks_disabled(fn_name: str, message: str) -> RematError:
+    """The call runs where saved-tensor hooks are disabled (``torch.autograd.graph.disable_saved_tensors_hooks``)."""
+    return RematError(
+        f"remat: {fn_name} is called where saved-tensor hooks are disabled "
+        f"(torch.autograd.graph.disable_saved_tensors_hooks: {message!r}); remat needs them to drop, keep or "
+        "offload what its forward pass saves. Call it outside that block, or call the function without remat "
+        "there (remat.unremat_module for a module)."
+    )

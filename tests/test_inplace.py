@@ -89,7 +89,8 @@ def test_result_kept_for_the_replay_unchanged_is_fine():
 
 @pytest.mark.parametrize("through", ["name", "view_of_name", "base"])
 @pytest.mark.parametrize("policy", [policies.save_only_these_names("h"), policies.save_anything_except_these_names("h"),
-                                    policies.dots_saveable, policies.everything_saveable], ids=repr)
+                                    policies.dots_saveable, policies.everything_saveable],
+                         ids=["only-h", "all-but-h", "dots", "everything"])
 def test_write_through_a_checkpoint_name_alias(through: str, policy: Any) -> None:
     """A write through the alias checkpoint_name returns reaches the named tensor in the replay too: the alias is
     run again from its replayed base, never replayed from a copy of its own (which the write would miss)."""

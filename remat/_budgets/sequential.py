@@ -229,9 +229,11 @@ class Sequential:
                 found = plan.schedule
         if found is None:
             least = cost(nested_segments(n, 2, max(1, math.ceil(math.log2(n)))), act, inp, flops)[0]
-            raise ValueError(
+            tried = ("; offloading blocks to host memory (offload=) does not fit it either" if self.offload is not None
+                     else "; with offload=remat.DeviceModel(...) blocks may also go to host memory")
+            raise RematError(
                 f"remat.sequential: no schedule of these {n} blocks fits budget={self.budget!r} ({budget} bytes); "
-                f"nested halves down to single blocks need {least} bytes by the cost model. "
+                f"nested halves down to single blocks need {least} bytes by the cost model{tried}. "
                 "Raise the budget, or split the blocks finer."
             )
         self._schedules[key] = found

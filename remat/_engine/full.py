@@ -318,7 +318,7 @@ class _Serving(Half):
 
     def _unpack(self, p: Packed) -> torch.Tensor:
         if p.kind == KEEP:
-            self._check_version(p, ti.unwrap_all(p.payload)._version)
+            self._check_version(p.version, p.meta, ti.unwrap_all(p.payload)._version)
             return p.payload  # type: ignore[no-any-return]
         if p.kind == OFFLOAD:
             return self.engine.fetch(p.payload)  # type: ignore[no-any-return]
@@ -331,7 +331,7 @@ class _Serving(Half):
         if p.payload is not None:  # (a dropped tensor, watched: ``_drop``)
             t = p.payload[0]()
             if t is not None:
-                self._check_version(Packed(self, DROP, s, p.pos, None, p.payload[1], p.meta, None), t._version)
+                self._check_version(p.payload[1], p.meta, t._version)
         cached = self.cache.get(s)
         if cached is None or p.pos not in cached:
             # not recomputed yet in this backward pass, or read once already (a second backward
@@ -380,11 +380,11 @@ class _Serving(Half):
         return torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and ti.unwrap_all(a).requires_grad for a in [*flat, *self.state.tensors])
 
-    def _check_version(self, p: Packed, now: int) -> None:
-        if now != p.version:
+    def _check_version(self, version: int, meta: Any, now: int) -> None:
+        if now != version:
             raise RematError(
-                f"remat: a tensor of shape {list(p.meta[0])} that {self.fn_name} saved for the backward "
-                f"pass was modified in place after it was saved (version {p.version} -> {now}). "
+                f"remat: a tensor of shape {list(meta[0])} that {self.fn_name} saved for the backward "
+                f"pass was modified in place after it was saved (version {version} -> {now}). "
                 "Do not modify it in place before the backward pass (an input or result of the call, or a "
                 "tensor from outside it such as a buffer or cache); write a clone instead."
             )

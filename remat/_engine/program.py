@@ -49,6 +49,7 @@ NOTE [program replay]
 
 from __future__ import annotations
 
+import collections
 import collections.abc
 import weakref
 from typing import Any
@@ -316,6 +317,22 @@ def _autocast() -> tuple[bool, bool]:
     return torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda")
 
 
+# Torch functions that register autograd hooks (``x.register_hook(scale)`` inside the function): a side effect of
+# the forward pass, never part of a recompute (replayed or re-run, a hook on an input or parameter would run twice,
+# and stay registered after the call)
+HOOK_REGISTRATIONS = frozenset({Tensor.register_hook, Tensor.register_post_accumulate_grad_hook, Tensor.retain_grad})
+
+
+class NoHookRegistration(TorchFunctionMode):
+    """Around a recompute that runs the function's Python again: its hook registrations do nothing (a handle whose
+    ``remove`` does nothing), as a replay's (``HOOK_REGISTRATIONS``)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in HOOK_REGISTRATIONS:
+            return None if func is Tensor.retain_grad else torch.utils.hooks.RemovableHandle(collections.OrderedDict())
+        return func(*args, **(kwargs or {}))
+
+
 class ProgramRecorder(TorchFunctionMode):
     """The forward pass's torch-function mode: record each call of the function's own level (NOTE [program
     replay])."""
@@ -327,8 +344,8 @@ class ProgramRecorder(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         p = self.program
-        if p.spoiled is not None or INTERNAL.get() or p.running:
-            return func(*args, **kwargs)
+        if p.spoiled is not None or INTERNAL.get() or p.running or func in HOOK_REGISTRATIONS:
+            return func(*args, **kwargs)  # (a hook registered: once, in the forward pass, as in plain autograd)
         if active_context() is not p.frame:
             p.spoil("another remat call ran inside it")
             return func(*args, **kwargs)

@@ -28,7 +28,7 @@ from .dispatch import OpTap
 from .functorch import below_all_levels, check_lower_levels, replay
 from .ops import DeadRead, storage_key
 from .packed import Made, ParentHandle, made_anew
-from .program import GAVE_WAY
+from .program import GAVE_WAY, NoHookRegistration
 from .replay import Replayer
 from .wiring import known_tokens
 
@@ -137,7 +137,8 @@ def _attempt(frame: Any, s: int, skip_unused: bool, forwarding: list[Any], detac
             program = frame.program
             # NOTE [program replay]: the forward's calls, not its Python
             if program is None or program.spoiled is not None or not program.replay(vals, state_vals):
-                frame.run(vals)
+                with NoHookRegistration():
+                    frame.run(vals)
             replayer.finish()
         except StopRecompute:
             pass

@@ -34,7 +34,7 @@ import torch
 from .. import _torch_internals as ti
 from .._budgets.budget_policy import MemoryBudget
 from .._context import INSPECTOR, active_context, internal
-from .._errors import RematError, inference_tensor
+from .._errors import RematError, hooks_disabled, inference_tensor
 from .._offload import default_engine
 from .._policies.core import nothing_saveable
 from .frame import CallFrame
@@ -101,6 +101,8 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
               and traceable(flat, state.tensors, state.modules))
     if in_trace and not traced:
         return run(flat)  # inside a traced call that this call cannot join: the enclosing trace records it
+    if (msg := ti.saved_tensors_hooks_disabled_message()) is not None and not ti.interpreter_stack():
+        raise hooks_disabled(name, msg)  # (under torch.func, the transform's own: remat's hooks are safe there)
     frame: CallFrame | None = None
     budget, measuring, call_policy = None, None, policy
     if isinstance(policy, MemoryBudget):  # NOTE [budget plans] in _budgets/budget_policy.py: decided per signature

@@ -339,7 +339,13 @@ def _module_slots(root: nn.Module) -> tuple[_Mods, list[weakref.ref[nn.Module]]]
     dicts: list[Any] = []
     out: _Mods = []
     label = type(root).__name__
+    scripted: list[str] = []  # (a TorchScript module's tensors are read as outside tensors: its C++ dicts cannot swap)
     for prefix, m in root.named_modules(remove_duplicate=False):
+        if any(prefix == p or prefix.startswith(p + ".") for p in scripted):
+            continue
+        if isinstance(m, torch.jit.ScriptModule):
+            scripted.append(prefix)
+            continue
         where = f"{label}.{prefix}" if prefix else label
         slots = [_Slot(getattr(m, kind), kind, name, f"{where}.{name}") for kind in ("_parameters", "_buffers")
                  for name in getattr(m, kind)]

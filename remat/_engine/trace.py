@@ -109,9 +109,10 @@ class Step:
 
 def _storage_key(t: Tensor) -> int:
     """The address of ``t``'s storage (which its views share), without making the storage's Python object (which
-    costs more than the rest of recording an op)."""
+    costs more than the rest of recording an op); an empty storage, which has no address (a QAT observer's
+    ``torch.tensor([])`` that an ``out=`` op resizes), is its tensor's own: ``-id(t)``."""
     try:
-        return int(t.data_ptr() - t.storage_offset() * t.itemsize)
+        return int(t.data_ptr() - t.storage_offset() * t.itemsize) or -id(t)
     except (RuntimeError, NotImplementedError):
         return 0
 
@@ -211,7 +212,7 @@ class Trace:
         self.producer[s] = step
         try:
             # (_storage_key, inline; an offset is a SymInt only on a fake tensor, whose data_ptr raises first)
-            self.key_of[s] = t.data_ptr() - t.storage_offset() * t.itemsize  # type: ignore[assignment]
+            self.key_of[s] = t.data_ptr() - t.storage_offset() * t.itemsize or -id(t)  # type: ignore[assignment]
         except (RuntimeError, NotImplementedError):
             pass
         return s

@@ -36,6 +36,7 @@ from .. import _torch_internals as ti
 from .. import policies
 from .._api.transform import remat
 from .._budgets.sequential import sequential
+from .._errors import RematError
 from .configs import COMPILED, CONFIGS, NAMES, applies, default_configs, label, make_wrap
 from .measure import Config, MiB, format_table, measure, pareto_front, plot, ties, time_better
 from .models import SIZES, make_model
@@ -228,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         chain = sequential([functools.partial(block, blk) for blk in params], budget=f)
         try:
             chain(x)  # the first call measures the blocks and solves the schedule
-        except ValueError as e:
+        except RematError as e:
             say(f"note: budget {f:.0%} left out: {e}")
         else:
             say(f"budget {f:.0%}: {chain.schedule(x)}")

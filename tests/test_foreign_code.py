@@ -1,0 +1,139 @@
+"""Code from torch's own library that a model pulls in, as a new user's would: quantization-aware training's
+observers (empty buffers an ``out=`` op resizes on the first step), TorchScript submodules, a library that
+disables saved-tensor hooks around its code. Each against the plain model, on the first call and later ones."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat import RematError, policies
+
+POLICIES: dict[str, dict[str, Any]] = {
+    "save-nothing": {"policy": "save-nothing"},
+    "save-matmuls": {"policy": "save-matmuls"},
+    "save-everything": {"policy": "save-everything"},
+    "offload": {"policy": policies.offload_to_cpu(min_bytes=0)},
+}
+
+
+def _sorted_into(x: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    torch.sort(x.detach(), dim=1, out=(vals, idx))  # (two outside tensors an out= op writes, and resizes if empty)
+    return ((x * vals).sum(1) + x.sin().sum(1) * idx.to(x.dtype).sum(1)).sum()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(0,), (3, 5)], ids=["empty", "sized"])
+def test_outside_tensors_an_out_op_fills(policy: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """Two empty tensors have no storage address: they were one storage to the trace, and the replay made the
+    values of one from the other's (a gradient off by 2e10 in float32)."""
+    x0 = torch.randn(3, 5, dtype=dtype, generator=torch.Generator().manual_seed(0))
+
+    def grads(f: Any) -> torch.Tensor:
+        x = x0.clone().requires_grad_()
+        f(x, torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=torch.long)).backward()
+        assert x.grad is not None
+        return x.grad
+
+    ref = grads(_sorted_into)
+    g = remat.remat(_sorted_into, **POLICIES[policy])
+    for _ in range(3):
+        torch.testing.assert_close(grads(g), ref, rtol=0, atol=0)
+
+
+def _qat_model() -> nn.Module:
+    import torch.ao.quantization as tq
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    m.train()
+    m.qconfig = tq.get_default_qat_qconfig("fbgemm")  # (per-channel weight observers: empty buffers at first)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch.ao's deprecation notes)
+        return tq.prepare_qat(m)
+
+
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", "save-everything"])
+def test_quantization_aware_training_from_the_first_step(policy: str) -> None:
+    """torch.ao's fake-quant modules start their observers' statistics as ``torch.tensor([])`` and resize them on
+    the first step: that step's gradients were wrong (a weight's gradient 0 where plain gives 2.75)."""
+    plain = _qat_model()
+    model = copy.deepcopy(plain)
+    assert remat.remat_modules(model, nn.Linear, policy=policy) == ["0", "2"]  # (torch.ao's qat.Linear)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(6, 4, generator=g)
+        outs = []
+        for m in (plain, model):
+            xx = x.clone().requires_grad_()
+            m(xx).pow(2).sum().backward()
+            outs.append([xx.grad] + [p.grad for p in m.parameters()] + list(m.buffers()))
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"step {step}")
+        for m in (plain, model):
+            m.zero_grad()
+
+
+class _WithScript(nn.Module):
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.l = nn.Linear(16, 32, dtype=dtype)
+        self.s = torch.jit.script(nn.Sequential(nn.Linear(32, 32, dtype=dtype), nn.Tanh()))
+        self.register_buffer("scale", torch.full((32,), 0.5, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.s(self.l(x)) * self.scale).sin()
+
+
+@pytest.mark.parametrize("wrap", [*POLICIES, "debug", "budget"])
+def test_a_torchscript_submodule(wrap: str) -> None:
+    """A ``torch.jit.script`` submodule: remat's walk of the module tree read its C++ parameter dict as a Python
+    one (a TypeError on every call, every policy); its tensors are read as outside tensors now. (In float64:
+    TorchScript's executor switches to its own differentiated graph after a few runs, whose float32 rounding
+    differs from eager autograd's, with remat or without.)"""
+    kw = {"debug": {"debug": True}, "budget": {"policy": policies.memory_budget(0.3)}}.get(wrap) or POLICIES[wrap]
+    torch.manual_seed(0)
+    plain = _WithScript(torch.float64)
+    model = remat.remat_module(copy.deepcopy(plain), **kw)
+    x0 = torch.randn(8, 16, dtype=torch.float64)
+    for _ in range(3):
+        got, ref = (torch.autograd.grad(m(x := x0.clone().requires_grad_()).pow(2).sum(), [x, *m.parameters()])
+                    for m in (model, plain))
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    f = remat.remat(lambda mod, x: mod(x).sin(), policy="save-nothing")  # (as an argument)
+    x = x0.clone().requires_grad_()
+    (got,) = torch.autograd.grad(f(plain.s, plain.l(x)).sum(), x)
+    (ref,) = torch.autograd.grad(plain.s(plain.l(x)).sin().sum(), x)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-14)
+
+
+def test_a_torchscript_submodule_drops_its_activations() -> None:
+    model = remat.remat_module(_WithScript(), policy="save-nothing")
+    res = remat.saved_residuals(model, torch.randn(8, 16, requires_grad=True))
+    acts = [r for r in res if r.shape[0] == 8 and r.argument is None]  # (the input is kept, as an input)
+    assert acts and all(r.decision == "recomputed" for r in acts), [(r.shape, r.decision) for r in res]
+
+
+def test_saved_tensor_hooks_disabled_by_a_library() -> None:
+    """Under ``disable_saved_tensors_hooks`` remat cannot drop anything: a RematError that says so, not torch's
+    RuntimeError carrying the library's own message; torch.func's own disabling (remat's hooks are safe there)
+    still works, and nothing is left installed."""
+    f = remat.remat(lambda x, W: torch.tanh(x @ W).sum())
+    x, W = torch.randn(5, 4, requires_grad=True), torch.randn(4, 6, requires_grad=True)
+    with torch.autograd.graph.disable_saved_tensors_hooks("this library disabled hooks"):
+        with pytest.raises(RematError, match="saved-tensor hooks are disabled.*this library disabled hooks"):
+            f(x, W)
+    assert torch._C._autograd._saved_tensors_hooks_is_enabled()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+    f(x, W).backward()
+    xd = x.detach()
+    torch.testing.assert_close(torch.func.grad(f, argnums=1)(xd, W.detach()),
+                               torch.func.grad(lambda x, W: torch.tanh(x @ W).sum(), argnums=1)(xd, W.detach()))
