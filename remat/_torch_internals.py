@@ -298,6 +298,12 @@ def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
     return torch._C._autograd._top_saved_tensors_default_hooks(True)  # type: ignore[no-any-return]
 
 
+# torch.autograd.graph.allow_mutation_on_saved_tensors() has no public "is it on": its flag is the module's global.
+# remat's messages read it (a write into a saved tensor is legal there, and remat's hooks replace the context's).
+def mutation_on_saved_allowed() -> bool:
+    return bool(getattr(torch.autograd.graph, "_allow_mutation_on_saved_tensors_enabled", False))
+
+
 def saved_tensors_hooks_disabled_message() -> str | None:
     return torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
 

@@ -588,3 +588,25 @@ def test_a_saved_result_written_between_the_passes_raises_on_the_re_run_too(how:
             with pytest.raises(RuntimeError, match="modified (by an inplace operation|in place after)"):
                 torch.autograd.grad(out.sum(), x)
     plain_autograd_still_works()
+
+
+@pytest.mark.parametrize("wrap", [{"policy": "save-nothing"}, {"policy": "save-everything"}, {"debug": True},
+                                  {"policy": "save-matmuls"}])
+def test_a_write_allowed_by_allow_mutation_on_saved_tensors_is_named(wrap: dict) -> None:
+    """Under ``torch.autograd.graph.allow_mutation_on_saved_tensors()`` a write into a saved tensor is legal (the
+    context clones it first, through saved-tensor hooks that remat's replace): remat refuses it, saying so, not
+    "plain autograd raises here too"; without the context the message is the usual one."""
+    def f(x: torch.Tensor, W1: torch.Tensor, W2: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ W1)
+        y = h @ W2
+        h.mul_(3)
+        return y.sin() + h.sum()
+
+    args = [torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in [(5, 4), (4, 6), (6, 3)]]
+    with torch.autograd.graph.allow_mutation_on_saved_tensors():
+        f(*args).pow(2).sum().backward()  # (plain autograd: legal)
+        with pytest.raises(RematError, match="allow_mutation_on_saved_tensors.*Clone it before writing it"):
+            remat(f, **wrap)(*args).pow(2).sum().backward()
+    with pytest.raises((RematError, RuntimeError)) as e:
+        remat(f, **wrap)(*args).pow(2).sum().backward()
+    assert "allow_mutation_on_saved_tensors" not in str(e.value)

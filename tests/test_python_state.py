@@ -517,3 +517,35 @@ def test_modes_and_hooks_alone_never_raise(wrap: str, monkeypatch: pytest.Monkey
             for k, v in fuzz.run_program(seed, policy, wrap, calls=6).items():
                 total[k] = total.get(k, 0) + v
     assert total.get("silent", 0) == 0 and total.get("raised", 0) == 0 and total["equal"] > 300, total
+
+
+def _inner_autocast(w: torch.Tensor, w2: torch.Tensor, x: torch.Tensor, inner: torch.dtype) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=inner):
+        h = torch.nn.functional.layer_norm(torch.relu(x @ w), (4,))
+        y = h @ w2
+    return y.float().sum(-1) + x.sum(-1)
+
+
+@pytest.mark.parametrize("wrap", [{"policy": remat.policies.memory_budget(0.3)}, {"debug": True},
+                                  {"policy": "save-nothing"}])
+@pytest.mark.parametrize("inner,outer", [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)])
+@pytest.mark.parametrize("transform", ["backward"])  # (under torch.func: RematError, docs/how-it-works.md)
+def test_an_autocast_region_of_another_dtype_inside_the_function(wrap: dict[str, Any], inner: torch.dtype,
+                                                                  outer: torch.dtype, transform: str) -> None:
+    """The call inside autocast to one dtype, the function opening a region of another: a memory budget's first
+    call (whose recompute replays the torch calls the forward pass made) replayed them under the outer dtype
+    ("diverged ... float16 in the recompute but bfloat16 in the forward pass")."""
+    g = torch.Generator().manual_seed(0)
+    w, w2, x = (torch.randn(4, 4, generator=g) for _ in range(3))
+
+    def run(f: Callable[..., torch.Tensor]) -> Any:
+        with torch.autocast("cpu", dtype=outer):
+            if transform == "grad":
+                return torch.func.grad(lambda *a: f(*a, inner).sum(), argnums=(0, 1, 2))(w, w2, x)
+            a = [t.clone().requires_grad_() for t in (w, w2, x)]
+            return torch.autograd.grad(f(*a, inner).sum(), a)
+
+    ref = run(_inner_autocast)
+    h = remat.remat(_inner_autocast, static_argnums=(3,), **wrap)
+    for _ in range(3):
+        assert_tree_close(run(h), ref, rtol=0, atol=0)

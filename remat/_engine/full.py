@@ -116,7 +116,7 @@ import torch
 
 from .. import _torch_internals as ti
 from .._context import INSPECTOR, activated, active_context, internal
-from .._errors import RematError, input_written_in_forward
+from .._errors import RematError, input_written_in_forward, mutation_allowed
 from .._policies.core import Offloadable, Recompute
 from .._torch_internals import saved_tensors_hooks
 from .ambient import AmbientState, no_accumulation
@@ -382,7 +382,7 @@ class _Serving(Half):
 
     def _check_version(self, version: int, meta: Any, now: int) -> None:
         if now != version:
-            raise RematError(
+            raise mutation_allowed(self.fn_name, f"shape {list(meta[0])}") or RematError(
                 f"remat: a tensor of shape {list(meta[0])} that {self.fn_name} saved for the backward "
                 f"pass was modified in place after it was saved (version {version} -> {now}). "
                 "Do not modify it in place before the backward pass (an input or result of the call, or a "

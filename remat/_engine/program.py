@@ -104,7 +104,7 @@ class Program:
         self.frame: Any = None
         self.level = -1
         self.grad0 = True
-        self.autocast0: tuple[bool, bool] = (False, False)
+        self.autocast0: tuple[Any, ...] = (None, None)
         self.last_use: list[list[int]] | None = None
         self.nested = False  # a remat call inside another's forward pass (NOTE [nested programs]): its result is noted
         self.out_spec: Any = None
@@ -313,8 +313,15 @@ class Program:
         return v
 
 
-def _autocast() -> tuple[bool, bool]:
-    return torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda")
+def _autocast() -> tuple[Any, ...]:
+    """Autocast's state on each device: off (None) or its dtype (an inner region of another dtype switches it)."""
+    cpu, cuda = torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda")
+    if not cpu and not cuda:
+        return _OFF
+    return (torch.get_autocast_dtype("cpu") if cpu else None, torch.get_autocast_dtype("cuda") if cuda else None)
+
+
+_OFF = (None, None)
 
 
 # Torch functions that register autograd hooks (``x.register_hook(scale)`` inside the function): a side effect of

@@ -176,6 +176,9 @@ class Replayer(TorchDispatchMode):
         else:
             wiring.note(i, out)
             w = _written_to_a_copy(rec, func, args, kwargs, out)
+            if w is None and args and out is not args[0] and isinstance(args[0], torch.Tensor) \
+                    and 0 in op_info(func).written:
+                w = args[0]  # (a dead in-place op skipped, its placeholder returned: its argument is read on as its output)
             if w is not None:
                 wiring.note(i, w)
         return out
