@@ -74,14 +74,10 @@ def saved_shape_differs(fn_name: str, t: Any, meta: tuple[Any, ...], pos: int) -
     )
 
 
-def mutation_allowed(fn_name: str, what: str) -> RematError | None:
+def mutation_allowed(fn_name: str, what: str) -> RematError:
     """Under ``torch.autograd.graph.allow_mutation_on_saved_tensors()`` a write into a saved tensor is legal (the
     context clones it first, through saved-tensor hooks remat's own take the place of): say that, not "plain
     autograd raises here too"."""
-    from ._torch_internals import mutation_on_saved_allowed
-
-    if not mutation_on_saved_allowed():
-        return None
     return RematError(
         f"remat: {fn_name} saved a tensor ({what}) that was modified in place after it was saved, under "
         "torch.autograd.graph.allow_mutation_on_saved_tensors(), which remat does not support: remat's saved-tensor "
@@ -90,10 +86,10 @@ def mutation_allowed(fn_name: str, what: str) -> RematError | None:
     )
 
 
-def saved_written_after_save(fn_name: str, pos: int, t: Any, v0: int, v1: int) -> RematError:
+def saved_written_after_save(fn_name: str, pos: int, t: Any, v0: int, v1: int, allowed: bool = False) -> RematError:
     """The function wrote a tensor in place after saving it for the backward pass (seen when the recompute replays
-    the write after making the tensor at position ``pos``)."""
-    return mutation_allowed(fn_name, _shape(t)) or RematError(
+    the write after making the tensor at position ``pos``); ``allowed``: under ``allow_mutation_on_saved_tensors``."""
+    return mutation_allowed(fn_name, _shape(t)) if allowed else RematError(
         f"remat: {fn_name} modified a tensor ({_shape(t)}, saved tensor #{pos}) in place after an op saved it for "
         f"the backward pass (version {v0} -> {v1}); plain autograd raises here too (\"one of the variables needed "
         "for gradient computation has been modified by an inplace operation\"; torch.func's transforms do not "
@@ -124,9 +120,9 @@ def offloaded_written_after_save(fn_name: str, shape: Any) -> RematError:
     )
 
 
-def kept_written_after_save(fn_name: str, t: Any, v0: int) -> RematError:
+def kept_written_after_save(fn_name: str, t: Any, v0: int, allowed: bool = False) -> RematError:
     """A tensor the call kept (an input or a result) was written in place after it was saved at version ``v0``."""
-    return mutation_allowed(fn_name, _shape(t)) or RematError(
+    return mutation_allowed(fn_name, _shape(t)) if allowed else RematError(
         f"remat: a tensor of shape {list(t.shape)} that {fn_name} saved for the backward pass was "
         f"modified in place after it was saved (version {v0} -> {t._version}). Do not modify inputs "
         "or results of a remat'd function in place before the backward pass; clone them first."

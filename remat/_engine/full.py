@@ -382,7 +382,9 @@ class _Serving(Half):
 
     def _check_version(self, version: int, meta: Any, now: int) -> None:
         if now != version:
-            raise mutation_allowed(self.fn_name, f"shape {list(meta[0])}") or RematError(
+            if ti.mutation_on_saved_allowed():
+                raise mutation_allowed(self.fn_name, f"shape {list(meta[0])}")
+            raise RematError(
                 f"remat: a tensor of shape {list(meta[0])} that {self.fn_name} saved for the backward "
                 f"pass was modified in place after it was saved (version {version} -> {now}). "
                 "Do not modify it in place before the backward pass (an input or result of the call, or a "

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from .. import _torch_internals as ti
-from .._errors import internal_error, saved_written_after_save
+from .._errors import RematError, internal_error, kept_written_after_save, saved_written_after_save
 
 __all__ = ["KEEP", "OFFLOAD", "DROP", "INPUT", "ROUTED", "Packed", "Nested", "ParentHandle", "made_anew",
-           "Made"]
+           "Made", "saved_written", "kept_written"]
 
 KEEP, OFFLOAD, DROP, INPUT = "kept", "offloaded", "recomputed", "input"
 ROUTED = "routed"  # a routed frame's kept tensor, saved through the parent frame (NOTE [nested remat])
@@ -115,5 +115,15 @@ class Made(dict):  # type: ignore[type-arg]
         if v0 is not None:
             now = ti.unwrap_all(t)._version
             if now != v0:
-                raise saved_written_after_save(fn_name, pos, t, v0, now)
+                raise saved_written(fn_name, pos, t, v0, now)
         return t
+
+
+def saved_written(fn_name: str, pos: int, t: Any, v0: int, v1: int) -> RematError:
+    """``saved_written_after_save``, naming ``allow_mutation_on_saved_tensors()`` where it is on."""
+    return saved_written_after_save(fn_name, pos, t, v0, v1, ti.mutation_on_saved_allowed())
+
+
+def kept_written(fn_name: str, t: Any, v0: int) -> RematError:
+    """``kept_written_after_save``, the same."""
+    return kept_written_after_save(fn_name, t, v0, ti.mutation_on_saved_allowed())

@@ -53,12 +53,13 @@ def _written_to_a_copy(rec: OpRecord, func: Any, args: Any, kwargs: Any, out: An
     """NOTE [written outside storages]: the tensor an op wrote whose write went to a copy, when the op returned the
     copy: it is read on (``A.add_(1); A.as_strided(...)``, ``torch.div(a, b, out=A); A @ B``: an ``out=`` op hands
     its argument back above the modes; ``torch.max(x, 1, out=(v, i))``: its outputs, in order) as the forward's op
-    returned it, as that op's output."""
+    returned it, as that op's output. So too a dead in-place op the recompute skipped (its placeholder returned,
+    ``dropout``'s ``bernoulli_``): its argument is read on as its output."""
+    if args and out is not args[0] and isinstance(args[0], torch.Tensor) and 0 in op_info(func).written:
+        return args[0]  # type: ignore[no-any-return]
     if rec.subst is None:
         return None
     info = op_info(func)
-    if args and out is not args[0] and 0 in info.written:
-        return args[0]  # type: ignore[no-any-return]
     ws = tuple(kwargs.get(k) for k in info.written_kw)
     if not ws or not all(isinstance(w, torch.Tensor) for w in ws):
         return None
@@ -176,9 +177,6 @@ class Replayer(TorchDispatchMode):
         else:
             wiring.note(i, out)
             w = _written_to_a_copy(rec, func, args, kwargs, out)
-            if w is None and args and out is not args[0] and isinstance(args[0], torch.Tensor) \
-                    and 0 in op_info(func).written:
-                w = args[0]  # (a dead in-place op skipped, its placeholder returned: its argument is read on as its output)
             if w is not None:
                 wiring.note(i, w)
         return out

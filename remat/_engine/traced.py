@@ -59,13 +59,13 @@ import torch
 from .. import _errors as errors
 from .. import _torch_internals as ti
 from .._context import activated, active_context, internal
-from .._errors import RematError, input_written_before_backward, saved_written_after_save
+from .._errors import RematError, input_written_before_backward
 from .._policies.core import Offloadable, Recompute
 from .._torch_internals import saved_tensors_hooks
 from . import outside as ox
 from .capture import holdable
 from .ops import Half
-from .packed import DROP, INPUT, KEEP, OFFLOAD, ROUTED
+from .packed import DROP, INPUT, KEEP, OFFLOAD, ROUTED, kept_written, saved_written
 from .region import NeedsRegion, forward_pass
 from .replaying import ancestors, plan, run
 from .trace import Trace, Tracer
@@ -166,7 +166,7 @@ class _Serving(Half):
                                              and self.made_roots[r]._version != versions[r]):
                 # a backward node wrote it (or the value it is a view of: the replay's views share no version
                 # counter) in place and another reads it now: plain autograd refuses this too
-                raise saved_written_after_save(self.fn_name, s, t, versions[s], t._version)
+                raise saved_written(self.fn_name, s, t, versions[s], t._version)
             n = left[s] - 1
             if n > 0:
                 left[s] = n
@@ -225,10 +225,10 @@ class _Serving(Half):
             raise errors.offloaded_written_after_save(self.fn_name, shape)
         # written in place since it was saved (in the forward pass: NOTE [outside writes] in trace.py)
         shown = t if t is not None else torch.empty(shape, dtype=dtype)
-        raise saved_written_after_save(self.fn_name, slot, shown, version, now)
+        raise saved_written(self.fn_name, slot, shown, version, now)
 
     def _written(self, p: _Pack, t: Tensor) -> None:
-        raise errors.kept_written_after_save(self.fn_name, t, p.version)
+        raise kept_written(self.fn_name, t, p.version)
 
     def _replay(self, graph: bool, full: bool = False) -> tuple[dict[int, Tensor], dict[int, int], dict[int, int]]:
         self.recomputes += 1
