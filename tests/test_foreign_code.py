@@ -137,3 +137,42 @@ def test_saved_tensor_hooks_disabled_by_a_library() -> None:
     xd = x.detach()
     torch.testing.assert_close(torch.func.grad(f, argnums=1)(xd, W.detach()),
                                torch.func.grad(lambda x, W: torch.tanh(x @ W).sum(), argnums=1)(xd, W.detach()))
+
+
+G: dict[str, torch.Tensor] = {}
+
+
+def _fills_a_global(x: torch.Tensor) -> torch.Tensor:
+    torch.sin(x.detach(), out=G["B"])  # (an empty global: the out= op resizes it)
+    y = x.exp() + G["B"]
+    torch.cos(x.detach(), out=G["B"])  # (overwritten later in the call: the recompute must not read this)
+    return (y.tanh() * y).sum()
+
+
+@pytest.mark.parametrize("route", ["debug", "budget", "grad", "save-nothing"])
+def test_an_empty_global_an_out_op_fills_on_the_re_run_routes(route: str) -> None:
+    """On the re-run routes (and under torch.func) an empty tensor has no storage address to copy apart by: the
+    recompute read the global's last value (a wrong gradient, silently). Exact where the replay serves, a
+    RematError that says what to do on the others, and exact once the global has its final shape."""
+    x = torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def run(f: Any, empty: bool) -> torch.Tensor:
+        G["B"] = torch.empty(0 if empty else 4, dtype=torch.float64)
+        if route == "grad":
+            return torch.func.grad(f)(x)
+        xx = x.clone().requires_grad_()
+        f(xx).backward()
+        assert xx.grad is not None
+        return xx.grad
+
+    kw = {"debug": {"debug": True}, "budget": {"policy": policies.memory_budget(0.3)},
+          "grad": {}, "save-nothing": {"policy": "save-nothing"}}[route]
+    g = remat.remat(_fills_a_global, **kw)
+    for empty in (True, False):
+        ref = run(_fills_a_global, empty)
+        for _ in range(2):
+            if empty and route != "save-nothing":
+                with pytest.raises(RematError, match="writes in place into an empty tensor it did not make"):
+                    run(g, empty)
+            else:
+                torch.testing.assert_close(run(g, empty), ref, rtol=1e-12, atol=0)

@@ -134,3 +134,25 @@ def test_a_post_accumulate_grad_hook_runs_once(wrap: str) -> None:
         seen.clear()
         g(x, W).backward()
         assert len(seen) == 1, (step, len(seen))
+
+
+@pytest.mark.parametrize("wrap", WRAPS)
+def test_a_registration_torch_refuses_is_refused_in_the_recompute_too(wrap: str) -> None:
+    """A re-run's hook registrations do nothing, except one torch refuses (a tensor that needs no gradient): it
+    raises there too, so a function that catches it takes the same branch ("diverged: 2.0 in the recompute but
+    3.0 in the forward pass" when the re-run registered it)."""
+    def f(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        c = torch.ones(())  # (needs no gradient)
+        try:
+            c.register_hook(lambda g: g)
+            scale = 2.0
+        except RuntimeError:
+            scale = 3.0
+        return torch.tanh(x @ W).mul(scale).sin().sum()
+
+    x, W = _data()
+    ref = _backward(f, x, W)
+    g = remat(f, **WRAPS[wrap])
+    for _ in range(3):
+        for got, want in zip(_backward(g, x, W), ref):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=0)

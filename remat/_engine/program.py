@@ -335,7 +335,11 @@ class NoHookRegistration(TorchFunctionMode):
     ``remove`` does nothing), as a replay's (``HOOK_REGISTRATIONS``)."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in HOOK_REGISTRATIONS:
+        t = args[0] if args else None
+        # (one torch refuses, on a tensor that needs no gradient or a non-leaf's post-accumulate hook: it raises, as
+        # in the forward pass, whose Python may have caught it)
+        if func in HOOK_REGISTRATIONS and isinstance(t, Tensor) and t.requires_grad and not (
+                func is Tensor.register_post_accumulate_grad_hook and t.grad_fn is not None):
             return None if func is Tensor.retain_grad else torch.utils.hooks.RemovableHandle(collections.OrderedDict())
         return func(*args, **(kwargs or {}))
 
