@@ -176,3 +176,34 @@ def test_an_empty_global_an_out_op_fills_on_the_re_run_routes(route: str) -> Non
                     run(g, empty)
             else:
                 torch.testing.assert_close(run(g, empty), ref, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("wrap", ["save-nothing", "save-matmuls", "debug", "budget"])
+def test_lazy_modules_before_their_first_forward_pass(wrap: str) -> None:
+    """``nn.LazyLinear`` makes its parameters in its first forward pass: remat's first call raised ("modified in
+    place after it was saved", or on a memory budget on every call "Can't access the shape of an uninitialized
+    parameter"). That call runs without remat now, saying so; the calls after it are remat'd and exact."""
+    kw = {"debug": {"debug": True}, "budget": {"policy": policies.memory_budget(0.3)}}.get(wrap) or {"policy": wrap}
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.LazyLinear(16, dtype=torch.float64), nn.GELU(), nn.LazyLinear(3, dtype=torch.float64))
+
+    plain, model = make(), remat.remat_module(make(), **kw)
+    x0 = torch.randn(5, 4, dtype=torch.float64)
+    for step in range(3):
+        grads = []
+        for m in (plain, model):
+            x = x0.clone().requires_grad_()
+            torch.manual_seed(1)  # (the lazy modules draw their initial values in the first forward pass)
+            if m is model and step == 0:
+                with pytest.warns(UserWarning, match="lazy module .* runs without remat"):
+                    out = m(x)
+            else:
+                out = m(x)
+            grads.append(torch.autograd.grad(out.pow(2).sum(), [x, *m.parameters()]))
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
+    if wrap == "save-nothing":
+        res = remat.saved_residuals(model, x0.clone().requires_grad_())
+        assert any(r.decision == "recomputed" for r in res), res

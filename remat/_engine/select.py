@@ -25,6 +25,7 @@ call.
 from __future__ import annotations
 
 import collections.abc
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -89,6 +90,11 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
         return call_nested_replay(ctx, run, flat)
     # NOTE [state is an input]: what fn reads besides its arguments, held like them
     state = snapshot(fn, [a for a in flat if not isinstance(a, torch.Tensor)] + list(static_vals.values()))
+    if state.lazy:
+        warnings.warn(f"remat: {name} reaches a lazy module (nn.LazyLinear & co.) whose parameters are not made yet: "
+                      "this call, which makes them, runs without remat (it keeps what plain autograd keeps); the "
+                      "calls after it are remat'd.", stacklevel=3)
+        return run(flat)
     with internal():  # (is_inference is a torch function: an enclosing call's program must not record it)
         for i, a in enumerate(flat):
             if isinstance(a, torch.Tensor) and ti.unwrap_all(a).is_inference():

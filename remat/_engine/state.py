@@ -107,9 +107,10 @@ class _Slot:
 class Snapshot:
     """The state one call read: slots, and per slot the value (a tensor, or a pytree of them for a cell)."""
 
-    __slots__ = ("slots", "values", "specs", "tensors", "modules", "children")
+    __slots__ = ("slots", "values", "specs", "tensors", "modules", "children", "lazy")
 
     def __init__(self) -> None:
+        self.lazy = False  # a lazy module's parameters are not made yet (its first forward pass makes them)
         self.modules: list[nn.Module] = []  # every module walked (their training flags are part of the signature)
         # per module with submodules, its submodules at the forward pass (put back for the recompute)
         self.children: list[tuple[nn.Module, tuple[tuple[str, Any], ...]]] = []
@@ -296,7 +297,8 @@ def _walk_attrs(obj: Any, snap: Snapshot, seen: set[int], label: str, depth: int
 
 def _walk_module(root: nn.Module, snap: Snapshot, seen: set[int]) -> None:
     slots, values, specs, tensors = snap.slots, snap.values, snap.specs, snap.tensors
-    mods, sharded = _module_slots(root)
+    mods, sharded, lazy = _module_slots(root)
+    snap.lazy = snap.lazy or lazy
     # NOTE [FSDP's hooks] in _engine/dispatch.py: a parameter FSDP2 holds sharded between calls is not the call's state: its
     # hooks, inside the call, register the gathered one, which the forward pass reads and FSDP2 gathers again for the
     # recompute (each read checked by identity and version: NOTE [outside tensors])
@@ -326,13 +328,14 @@ def _walk_module(root: nn.Module, snap: Snapshot, seen: set[int]) -> None:
 _Mods = list[tuple[weakref.ref[nn.Module], list[_Slot]]]  # (weakly: the cache must not keep its key alive)
 
 
-def _module_slots(root: nn.Module) -> tuple[_Mods, list[weakref.ref[nn.Module]]]:
-    """The slots of every module in the tree, and the modules of it sharded by FSDP2 (weakly)."""
+def _module_slots(root: nn.Module) -> tuple[_Mods, list[weakref.ref[nn.Module]], bool]:
+    """The slots of every module in the tree, the modules of it sharded by FSDP2 (weakly), and whether a lazy module
+    (``nn.LazyLinear``) has not made its parameters yet (then nothing is cached: its first forward pass makes them)."""
     cache = CACHES.get().slots  # (Caches.slots: keyed weakly by the root module)
     cached = cache.get(root)
     if cached is not None and [len(d) for d in cached[0]] == cached[1] and all(
             a is b for a, b in zip(_children(cached[2]), cached[4])):
-        return cached[2], cached[3]
+        return cached[2], cached[3], False
     fsdp = sys.modules.get("torch.distributed.fsdp")  # nothing is sharded unless FSDP was imported
     fsdp_module = getattr(fsdp, "FSDPModule", None)
     sharded: list[weakref.ref[nn.Module]] = []
@@ -353,8 +356,10 @@ def _module_slots(root: nn.Module) -> tuple[_Mods, list[weakref.ref[nn.Module]]]
         dicts += [m._parameters, m._buffers, m._modules]
         if fsdp_module is not None and isinstance(m, fsdp_module):
             sharded.append(weakref.ref(m))
+    if any(nn.parameter.is_lazy(s.owner[s.name]) for _, slots in out for s in slots):
+        return out, sharded, True
     cache[root] = (dicts, [len(d) for d in dicts], out, sharded, _children(out))
-    return out, sharded
+    return out, sharded, False
 
 
 def _children(mods: _Mods) -> list[Any]:
