@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import grad, jacrev, vjp, vmap
 
-from remat import policies, remat
+from remat import policies, remat, remat_module
 
 WRAPS: dict[str, dict[str, Any]] = {
     "save-nothing": {"policy": "save-nothing"},
@@ -156,3 +156,39 @@ def test_a_registration_torch_refuses_is_refused_in_the_recompute_too(wrap: str)
     for _ in range(3):
         for got, want in zip(_backward(g, x, W), ref):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+class _Watched(torch.nn.Module):
+    """A block whose inner Linear has a full backward hook (a gradient monitor that also scales)."""
+
+    def __init__(self, seen: list[int]) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(4, 8, dtype=torch.float64)
+        self.down = torch.nn.Linear(8, 4, dtype=torch.float64)
+        self.down.register_full_backward_hook(
+            lambda mod, gin, gout: (seen.append(1), tuple(None if g is None else g * 2 for g in gin))[1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x))).sin()
+
+
+@pytest.mark.parametrize("wrap", WRAPS)
+def test_a_full_backward_hook_inside_the_block(wrap: str) -> None:
+    """A memory budget's first call replays the torch calls of the forward pass; the hook's Function made its
+    input with grad mode off, so the replayed linear saved one tensor less ("the recompute saved 4 tensors where
+    its forward pass saved 5"). The hook runs once per backward pass, as in plain autograd."""
+    seen: list[int] = []
+    torch.manual_seed(0)
+    plain, model = _Watched(seen), _Watched(seen)
+    model.load_state_dict(plain.state_dict())
+    remat_module(model, **WRAPS[wrap])
+    x0 = torch.randn(3, 4, dtype=torch.float64)
+    for _ in range(3):
+        grads = []
+        for m in (plain, model):
+            seen.clear()
+            x = x0.clone().requires_grad_()
+            grads.append(torch.autograd.grad(m(x).pow(2).sum(), [x, *m.parameters()]))
+            assert len(seen) == 1
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=0)

@@ -210,6 +210,15 @@ class Program:
                 # returning what a call inside it made (Bloom's GeLUFunction) saved what the replay cannot rebuild
                 self.spoil("an autograd.Function returned a tensor that a call inside it made (a custom "
                            "autograd.Function, a module's full backward hook)")
+            elif id(node) != e[2] and type(node).__name__ == "BackwardHookFunctionBackward":
+                # (a plain tensor through a submodule's full backward hook, made by the view_as autograd runs inside
+                # the hook's Function: replayed with grad mode on, it needs a gradient as the Function's output did,
+                # and the ops after it save what they saved; the hook itself has nothing to do in a recompute)
+                self._nograd.discard(e[1])
+                for c in reversed(self.calls):
+                    if e[1] in c.outs:
+                        c.grad = True
+                        break
         return e[1]
 
     def read(self, t: Tensor) -> int:
