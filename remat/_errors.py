@@ -148,3 +148,13 @@ def hooks_disabled(fn_name: str, message: str) -> RematError:
         "offload what its forward pass saves. Call it outside that block, or call the function without remat "
         "there (remat.unremat_module for a module)."
     )
+
+
+def empty_written(fn_name: str, t: Any, func: Any) -> RematError:
+    """On the re-run routes, an op resizes an empty tensor the call did not make (no storage address to copy by)."""
+    return RematError(
+        f"remat: {fn_name} writes in place into an empty tensor it did not make ({_shape(t)}, {func}: an out= op "
+        "or resize_ that resizes it); on this route (debug=True, a memory budget's first call, torch.func) the "
+        "recompute cannot tell its storage apart and would read its last value. Allocate it at its final shape "
+        "before the call, or make it inside."
+    )

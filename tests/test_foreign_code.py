@@ -131,6 +131,8 @@ def test_saved_tensor_hooks_disabled_by_a_library() -> None:
     with torch.autograd.graph.disable_saved_tensors_hooks("this library disabled hooks"):
         with pytest.raises(RematError, match="saved-tensor hooks are disabled.*this library disabled hooks"):
             f(x, W)
+    with torch.autograd.graph.disable_saved_tensors_hooks("this library disabled hooks"):
+        torch.testing.assert_close(f(x.detach(), W.detach()), torch.tanh(x @ W).sum().detach())  # (nothing to save)
     assert torch._C._autograd._saved_tensors_hooks_is_enabled()
     assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
     f(x, W).backward()

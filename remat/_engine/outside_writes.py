@@ -27,7 +27,7 @@ import torch
 
 from .. import _torch_internals as ti
 from .._context import internal
-from .._errors import RematError, _shape, inference_tensor
+from .._errors import RematError, empty_written, inference_tensor
 from .._policies.core import Offloadable, Saveable
 from . import outside as ox
 from .ops import LIFTS, OVERWRITES, DeadRead, Half, OpRecord, arg_tensors, storage_key, tensor_leaves
@@ -130,12 +130,7 @@ class OutsideReads(Half):
                 t = ins[j]
                 k = storage_key(t)
                 if k == 0 and self.known_vid(t) is None and t.device.type != "meta":
-                    raise RematError(
-                        f"remat: {self.fn_name} writes in place into an empty tensor it did not make ({_shape(t)}, "
-                        f"{func}: an out= op or resize_ that resizes it); on this route (debug=True, a memory "
-                        "budget's first call, torch.func) the recompute cannot tell its storage apart and would "
-                        "read its last value. Allocate it at its final shape before the call, or make it inside."
-                    )
+                    raise empty_written(self.fn_name, t, func)
                 if self.is_outside(k, t):
                     # NOTE [written outside storages]: the reads of this storage since its last write, and the
                     # write itself, read and write the recompute's own copy of it

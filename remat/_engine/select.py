@@ -108,7 +108,10 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
     if in_trace and not traced:
         return run(flat)  # inside a traced call that this call cannot join: the enclosing trace records it
     if (msg := ti.saved_tensors_hooks_disabled_message()) is not None and not ti.interpreter_stack():
-        raise hooks_disabled(name, msg)  # (under torch.func, the transform's own: remat's hooks are safe there)
+        # (under torch.func, the transform's own: remat's hooks are safe there)
+        if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in (*flat, *state.tensors)):
+            return run(flat)  # nothing needs a gradient: nothing will be saved
+        raise hooks_disabled(name, msg)
     frame: CallFrame | None = None
     budget, measuring, call_policy = None, None, policy
     if isinstance(policy, MemoryBudget):  # NOTE [budget plans] in _budgets/budget_policy.py: decided per signature
