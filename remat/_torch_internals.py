@@ -292,6 +292,19 @@ def tracing_with_make_fx() -> bool:
     return _get_proxy_mode() is not None
 
 
+# torch's selective checkpointing keeps a context_fn's policy inside the forward context that
+# create_selective_checkpoint_contexts returns (``_CachingTorchDispatchMode.policy_fn``); a context_fn that makes the
+# contexts itself (torchtitan's ``selective_checkpointing_context_fn``) hands over nothing else to read it from, and no
+# public API reads it.
+def selective_policy_of(contexts: Any) -> Callable[..., Any] | None:
+    """The policy of the contexts a torch ``context_fn`` returned, when torch's selective checkpointing made them."""
+    caching = getattr(torch.utils.checkpoint, "_CachingTorchDispatchMode", None)
+    if isinstance(contexts, tuple) and len(contexts) == 2 and caching is not None and type(contexts[0]) is caching:
+        fn = getattr(contexts[0], "policy_fn", None)
+        return fn if callable(fn) else None
+    return None
+
+
 def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
     """The (pack, unpack) pair on top of the stack: a full-engine call's program notes whether the function pushed
     hooks of its own (``torch.utils.checkpoint``, ``save_on_cpu`` inside it: ``_engine/program.py``)."""

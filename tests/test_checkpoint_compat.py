@@ -484,3 +484,113 @@ def test_a_function_of_no_arguments_is_called_as_torch_calls_it(kw: dict[str, An
 def test_checkpoint_sequential_with_more_segments_than_functions_says_so() -> None:
     with pytest.raises(ValueError, match="segments=5 is more than the 3 functions"):
         remat.checkpoint_sequential(nn.Sequential(nn.Tanh(), nn.Tanh(), nn.Tanh()), 5, X.requires_grad_())
+
+
+def test_a_context_fn_that_makes_torchs_contexts_itself_is_translated() -> None:
+    """torchtitan's pattern: ``context_fn`` is a function that returns ``create_selective_checkpoint_contexts(policy)``
+    with a policy of per-call state (every other matmul saved). Called once per call, as torch calls it; the policy
+    decides (the matmuls it kept are not replayed, counted from outside) and the gradient is plain autograd's, on the
+    first call and later ones."""
+    W = torch.randn(6, 6, dtype=f64, requires_grad=True)
+    made = [0]
+
+    def context_fn() -> Any:
+        made[0] += 1
+        count = [0]
+
+        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            assert ctx.is_recompute is False
+            if op is torch.ops.aten.mm.default:
+                count[0] += 1
+                return CheckpointPolicy.MUST_SAVE if count[0] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(4):
+            x = torch.sin(x @ W)
+        return x
+
+    x = torch.randn(3, 6, dtype=f64)
+    want = torch.autograd.grad(fn(x).sum(), W)[0]
+    for call in range(3):
+        y = remat.checkpoint(fn, x, use_reentrant=False, context_fn=context_fn)
+        assert made[0] == call + 1
+        with OpCounter({torch.ops.aten.mm.default}) as mm:
+            (g,) = torch.autograd.grad(y.sum(), W)
+        torch.testing.assert_close(g, want, **TOL)
+        assert mm.count == 7 + 2  # the backward pass's own 7, and the 2 products the policy let go, replayed
+    y = remat.checkpoint(fn, x, use_reentrant=False)
+    with OpCounter({torch.ops.aten.mm.default}) as mm:
+        torch.autograd.grad(y.sum(), W)
+    assert mm.count == 7 + 4  # (save-nothing: the 4 products the sines read, replayed)
+
+
+def test_a_list_of_ops_context_fn_under_torch_compile() -> None:
+    """A list of ops in torch's ``context_fn`` under ``torch.compile`` (Dynamo rebuilds the translated policy after a
+    graph break: it failed on a frozenset of ops): the gradient is plain autograd's."""
+    block = _block()
+    cf = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.addmm.default])
+    torch._dynamo.reset()
+    try:
+        f = torch.compile(lambda x: remat.checkpoint(block, x, use_reentrant=False, context_fn=cf), backend="eager")
+        _close(_grads(lambda b, x: f(x), block, X), _grads(lambda b, x: b(x), block, X))
+    finally:
+        torch._dynamo.reset()
+
+
+class _Layer(nn.Module):
+    """A layer that calls the checkpoint function it stores, as Hugging Face's layers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _block()
+        self.ckpt: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ckpt(self.block, x)
+
+
+def test_a_model_routed_inside_the_block_is_copied_and_saved_there() -> None:
+    """What Hugging Face's ``gradient_checkpointing_enable()`` stores inside the block (a partial of the routed
+    checkpoint) is copied and pickled inside the block too (an EMA model copied after enabling; ``torch.save``): the
+    copies keep checkpointing with remat, with plain autograd's gradient."""
+    import copy
+    import io
+
+    import torch.utils.checkpoint as tc
+
+    m = _Layer()
+    want = _grads(lambda b, x: b.block(x), m, X)
+    with remat.route_torch_checkpoint(policy="save-matmuls"):
+        m.ckpt = functools.partial(tc.checkpoint, use_reentrant=False)
+        copied = copy.deepcopy(m)
+        buf = io.BytesIO()
+        torch.save(m, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert tc.checkpoint is not m.ckpt.func  # (torch's again outside the block; the layers keep remat's)
+    for model in (m, copied, loaded):
+        assert "remat" in repr(model.ckpt.func)
+        _close(_grads(lambda b, x: b(x), model, X), want)
+
+
+def test_routing_blocks_closed_out_of_order_put_torchs_checkpoint_back() -> None:
+    """Two routing blocks closed in the order they were entered (``a``, ``b``, then ``a`` closed, ``b`` closed): ``b``'s
+    functions stay in place until it closes, and then torch's come back, not ``a``'s."""
+    import torch.utils.checkpoint as tc
+    import transformers.modeling_utils as mu
+
+    before = (tc.checkpoint, tc.checkpoint_sequential, mu.checkpoint)
+    a, b = remat.route_torch_checkpoint(policy="save-matmuls"), remat.route_torch_checkpoint(policy="save-nothing")
+    a.__enter__()
+    b.__enter__()
+    routed_b = tc.checkpoint
+    a.__exit__(None, None, None)
+    assert tc.checkpoint is routed_b and mu.checkpoint is routed_b
+    b.__exit__(None, None, None)
+    assert (tc.checkpoint, tc.checkpoint_sequential, mu.checkpoint) == before
+    with remat.route_torch_checkpoint():  # (and blocks opened after work as before)
+        assert tc.checkpoint is not before[0]
+    assert (tc.checkpoint, tc.checkpoint_sequential, mu.checkpoint) == before

@@ -426,3 +426,28 @@ def test_an_unused_output_made_by_in_place_random_ops(wrap: dict, double: bool) 
             (gw,) = torch.autograd.grad(m.sin().sum(), W, create_graph=double)
             grads.append(torch.autograd.grad(gw.pow(2).sum(), x)[0] if double else gw)
         torch.testing.assert_close(grads[1], grads[0], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("route", ["debug", "budget", "torch.func"])
+def test_a_dead_random_op_on_a_dead_factory_draws_on_valid_values(route: str) -> None:
+    """``torch.multinomial`` over weights a factory made, whose sample the backward pass does not need: the re-run
+    skips the factory (NOTE [dead ops]) and still runs the random op, on a stand-in for its weights; stand-ins of zeros
+    are no distribution ("invalid multinomial distribution"): plain autograd's gradient."""
+    import remat
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        r = torch.multinomial(torch.ones(4), 2).sum()
+        return torch.nn.functional.dropout(x, 0.5).sin() * 2 + r
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    torch.manual_seed(0)
+    if route == "torch.func":
+        want = torch.func.grad(lambda x: f(x).sum())(x)
+        torch.manual_seed(0)
+        got = torch.func.grad(lambda x: remat.remat(f)(x).sum())(x)
+    else:
+        want = torch.autograd.grad(f(x.requires_grad_()).sum(), x)[0]
+        r = remat.remat(f, debug=True) if route == "debug" else remat.remat(f, policy=remat.policies.memory_budget(0.3))
+        torch.manual_seed(0)
+        got = torch.autograd.grad(r(x).sum(), x)[0]
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

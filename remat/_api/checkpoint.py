@@ -10,8 +10,10 @@ NOTE [torch's policies]
     them to host memory. remat asks its policy the same question with ``(op, *args, **kwargs)``; the translation
     passes a ``SelectiveCheckpointContext`` with ``is_recompute=False`` (remat asks in the forward pass only, as
     torch does) and ``op_output``, what the op returned (the engines hand it to a policy with a ``with_output``
-    method: ``_policies.core.ask``), and maps the answer. A list of ops keeps those ops' outputs, as torch's does. A ``context_fn`` that is not torch's
-    selective-checkpointing factory cannot be translated: it raises, saying what to pass instead.
+    method: ``_policies.core.ask``), and maps the answer. A list of ops keeps those ops' outputs, as torch's does. A ``context_fn`` that makes the
+    contexts itself (torchtitan's, whose policy counts the matmuls of each call) is called once per call, as torch
+    calls it, and its policy read from the forward context it returns; any other ``context_fn`` cannot be
+    translated: it raises, saying what to pass instead.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ class TorchPolicy:
                 if not isinstance(op, (ti.OpOverload, ti.HigherOrderOperator)):
                     raise ValueError(f"remat.checkpoint: the list of ops to save holds {op!r}, which is not an ATen "
                                      "op overload such as torch.ops.aten.mm.default")
-            self.ops: frozenset[Any] | None = frozenset(ops)
+            # (a tuple, not a frozenset: Dynamo cannot rebuild a frozenset of ops after a graph break)
+            self.ops: tuple[Any, ...] | None = tuple(dict.fromkeys(ops))
             self.fn: Callable[..., Any] | None = None
         elif callable(policy_fn_or_list):
             self.ops, self.fn = None, policy_fn_or_list
@@ -113,18 +116,26 @@ def _context(output: Any) -> Any:
 
 
 def from_torch_policy(context_fn: Any) -> Callable[..., Any] | None:
-    """The remat policy a torch ``context_fn`` stands for (None: plain checkpointing, torch's ``noop_context_fn``);
-    raises if it is not torch's selective-checkpointing factory (NOTE [torch's policies])."""
+    """The remat policy a torch ``context_fn`` stands for (None: plain checkpointing, torch's ``noop_context_fn``):
+    torch's selective-checkpointing factory, or a function that returns what it makes; raises for any other
+    (NOTE [torch's policies])."""
     if context_fn is None or context_fn is tc.noop_context_fn:
         return None
     if isinstance(context_fn, functools.partial) and context_fn.func is tc.create_selective_checkpoint_contexts:
         given = context_fn.args[0] if context_fn.args else context_fn.keywords.get("policy_fn_or_list")
         return TorchPolicy(given)
+    if callable(context_fn):
+        # a function that makes torch's contexts itself (torchtitan's, with a policy of per-call state): called once
+        # per checkpoint call, as torch does, and its policy read from what it made
+        fn = ti.selective_policy_of(context_fn())
+        if fn is not None:
+            return TorchPolicy(fn)
     raise RematError(
-        f"remat.checkpoint: context_fn={context_fn!r} is not torch's selective-checkpointing factory, and remat "
-        "cannot run arbitrary contexts around its forward pass and recompute (it replays the recorded ops instead of "
-        "running the function again). Pass context_fn=functools.partial(create_selective_checkpoint_contexts, "
-        "policy_fn_or_list), or remat's own policy: remat.checkpoint(fn, *args, policy=...)."
+        f"remat.checkpoint: context_fn={context_fn!r} does not make torch's selective-checkpointing contexts, and "
+        "remat cannot run arbitrary contexts around its forward pass and recompute (it replays the recorded ops "
+        "instead of running the function again). Pass context_fn=functools.partial(create_selective_checkpoint_"
+        "contexts, policy_fn_or_list) (or a function returning create_selective_checkpoint_contexts(...)), or "
+        "remat's own policy: remat.checkpoint(fn, *args, policy=...)."
     )
 
 
@@ -335,11 +346,12 @@ class route_torch_checkpoint:
         earlier, as ``transformers.modeling_utils`` does; remat's own modules excepted: under ``torch.compile`` remat
         lowers to torch's checkpoint), and puts each back on exit, exceptions included; on exit a module first
         imported inside the block that bound the routed function by name gets torch's back as well. The routing is
-        process-wide: blocks nest, but two threads' blocks must not overlap (the later one would put back the
+        process-wide: blocks nest (and may close in any order), but two threads' blocks must not overlap (the later one would put back the
         earlier one's routed functions on exit). What a
         call made inside the block keeps is remat's for good: ``model.gradient_checkpointing_enable()`` inside it
         stores a partial of the routed function in the model's layers, so the model keeps checkpointing with remat
-        after the block. A call with its own ``context_fn`` (torch's selective checkpointing) keeps that policy;
+        after the block (and its copies: the routed function holds the policy alone, so a model is copied and saved
+        inside the block as outside it). A call with its own ``context_fn`` (torch's selective checkpointing) keeps that policy;
         ``use_reentrant=True``, which existing code passes, runs on remat's hooks like ``False``.
 
     Args:
@@ -364,36 +376,20 @@ class route_torch_checkpoint:
         self._undo: list[tuple[Any, str, Any]] = []
         self._installed: dict[int, tuple[Any, Any]] = {}
 
-    def _routed_checkpoint(self, function: Any, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("use_reentrant") is True:
-            kwargs["use_reentrant"] = False
-        cf = kwargs.get("context_fn")
-        own = cf is not None and cf is not tc.noop_context_fn
-        fn_kw = {k: v for k, v in kwargs.items() if k not in _TORCH_KEYWORDS}
-        torch_kw = {k: v for k, v in kwargs.items() if k in _TORCH_KEYWORDS}
-        # (always the call: torch's checkpoint(closure) runs the closure, where remat.checkpoint(closure, policy=...)
-        # would be the decorator)
-        return checkpoint_call(function, args, fn_kw, **torch_kw) if own else \
-            checkpoint_call(function, args, fn_kw, policy=self.policy, **torch_kw)
-
-    def _routed_sequential(self, functions: Any, segments: int, input: Any, use_reentrant: Any = None,
-                           **kwargs: Any) -> Any:
-        kwargs.setdefault("policy", self.policy)
-        return checkpoint_sequential(functions, segments, input, use_reentrant=False, **kwargs)
-
     def __enter__(self) -> route_torch_checkpoint:
         if self._undo:
             raise RuntimeError("remat.route_torch_checkpoint: this routing is active already; nest a new one")
-        swaps = {id(tc.checkpoint): (tc.checkpoint, self._routed_checkpoint),
-                 id(tc.checkpoint_sequential): (tc.checkpoint_sequential, self._routed_sequential)}
-        # (the routed functions -> torch's: on exit, a module first imported inside the block, which bound the
-        # routed function by name, gets torch's back too)
+        swaps = {id(tc.checkpoint): (tc.checkpoint, _Routed(self.policy, sequential=False)),
+                 id(tc.checkpoint_sequential): (tc.checkpoint_sequential, _Routed(self.policy, sequential=True))}
+        # (the routed functions -> what they replaced: on exit, a module first imported inside the block, which bound
+        # the routed function by name, gets torch's back too)
         self._installed = {id(routed): (routed, torch_fn) for torch_fn, routed in swaps.values()}
         try:
             self._swap(swaps)
         except BaseException:
             self.__exit__(None, None, None)
             raise
+        _ACTIVE.append(self)
         return self
 
     def _swap(self, swaps: dict[int, tuple[Any, Any]]) -> None:
@@ -413,6 +409,12 @@ class route_torch_checkpoint:
                     setattr(mod, name, hit[1])
 
     def __exit__(self, *exc: Any) -> None:
+        i = next((k for k, r in enumerate(_ACTIVE) if r is self), None)
+        if i is not None:
+            del _ACTIVE[i]
+            if i < len(_ACTIVE):
+                self._leave_early(_ACTIVE[i:])
+                return
         for mod, name, value in reversed(self._undo):
             setattr(mod, name, value)
         self._undo = []
@@ -420,3 +422,65 @@ class route_torch_checkpoint:
         if installed:
             self._swap(installed)
             self._undo = []
+
+    def _leave_early(self, later: list[route_torch_checkpoint]) -> None:
+        """This block closes before blocks entered after it (``a`` entered, ``b`` entered, ``a`` closed): their
+        functions stay in place until they close, and then put back what this block replaced, not this block's
+        routed functions."""
+        replaced = {k: prev for k, (_, prev) in self._installed.items()}
+
+        def before(v: Any) -> Any:
+            hit = self._installed.get(id(v))
+            return replaced[id(v)] if hit is not None and hit[0] is v else v
+
+        for r in later:
+            r._undo = [(mod, name, before(value)) for mod, name, value in r._undo]
+            r._installed = {k: (routed, before(prev)) for k, (routed, prev) in r._installed.items()}
+        self._undo = []
+        self._installed = {}
+
+
+_ACTIVE: list[route_torch_checkpoint] = []  # the routing blocks open now, in the order they were entered
+
+
+class _Routed:
+    """What a routing block puts in place of torch's ``checkpoint`` (or ``checkpoint_sequential``): torch's call on
+    remat with the block's policy. It holds the policy alone, so a model that stored it
+    (``gradient_checkpointing_enable()`` inside the block) is copied (``copy.deepcopy``: the same object) and saved
+    (``torch.save``: by its policy) as with torch's function."""
+
+    __slots__ = ("policy", "sequential")
+
+    def __init__(self, policy: Any, sequential: bool) -> None:
+        self.policy = policy
+        self.sequential = sequential
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return (self._sequential if self.sequential else self._checkpoint)(*args, **kwargs)
+
+    def _checkpoint(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("use_reentrant") is True:
+            kwargs["use_reentrant"] = False
+        cf = kwargs.get("context_fn")
+        own = cf is not None and cf is not tc.noop_context_fn
+        fn_kw = {k: v for k, v in kwargs.items() if k not in _TORCH_KEYWORDS}
+        torch_kw = {k: v for k, v in kwargs.items() if k in _TORCH_KEYWORDS}
+        # (always the call: torch's checkpoint(closure) runs the closure, where remat.checkpoint(closure, policy=...)
+        # would be the decorator)
+        return checkpoint_call(function, args, fn_kw, **torch_kw) if own else \
+            checkpoint_call(function, args, fn_kw, policy=self.policy, **torch_kw)
+
+    def _sequential(self, functions: Any, segments: int, input: Any, use_reentrant: Any = None,
+                    **kwargs: Any) -> Any:
+        kwargs.setdefault("policy", self.policy)
+        return checkpoint_sequential(functions, segments, input, use_reentrant=False, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Routed:
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Routed, (self.policy, self.sequential))
+
+    def __repr__(self) -> str:
+        name = "checkpoint_sequential" if self.sequential else "checkpoint"
+        return f"<torch.utils.checkpoint.{name} routed to remat, policy={self.policy!r}>"

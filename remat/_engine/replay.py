@@ -256,10 +256,11 @@ class Replayer(TorchDispatchMode):
 
     def _no_placeholders(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """A random op reading a placeholder (NOTE [unused outputs]) must still draw its numbers, on valid values
-        (a NaN probability is an error): zeros of the same shape stand in; its outputs are placeholders too."""
+        (a NaN probability is an error): ones of the same shape stand in (valid where zeros are not: ``multinomial``'s
+        weights, ``_standard_gamma``'s concentration); its outputs are placeholders too."""
         with internal():
             ins = arg_tensors(args, kwargs)
-            new = {j: torch.zeros_like(t) for j, t in enumerate(ins) if storage_key(t) in self.unused_keys
+            new = {j: torch.ones_like(t) for j, t in enumerate(ins) if storage_key(t) in self.unused_keys
                    or (self.tainted and is_tainted(self.tainted, t))}  # (a dead op's placeholder: NOTE [dead ops])
             if not new:
                 return args, kwargs
