@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["INTERNAL", "HOOK_RANGE", "PENDING_NAME", "INSPECTOR", "COMPILED_REGIONS", "ACTIVE", "internal",
+__all__ = ["INTERNAL", "HOOK_RANGE", "PENDING_NAME", "INSPECTOR", "COMPILED_REGIONS", "ACTIVE", "ROUTES", "internal",
            "active_context", "activated", "CACHES", "Caches", "own_caches"]
 
 INTERNAL: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_internal", default=False)
@@ -43,22 +43,26 @@ INSPECTOR: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_inspector
 COMPILED_REGIONS: list[int] = [0]
 # the innermost remat context of this thread (active_context(); read as is on hot paths, a frame less)
 ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_active", default=None)
+# the remat.route_torch_checkpoint blocks open now, in the order they were entered (process-wide, as the routing is:
+# NOTE [routing torch's checkpoint] in _api/checkpoint.py)
+ROUTES: list[Any] = []
 
 
 class _Flag:
     """Context manager: a boolean context variable is True for the body (a class: entered on hot paths)."""
 
-    __slots__ = ("var", "value", "tok")
+    __slots__ = ("var", "value", "was")
 
     def __init__(self, var: contextvars.ContextVar[Any], value: Any = True) -> None:
         self.var = var
         self.value = value
 
     def __enter__(self) -> None:
-        self.tok = self.var.set(self.value)
+        self.was = self.var.get()
+        self.var.set(self.value)
 
     def __exit__(self, *exc: object) -> None:
-        self.var.reset(self.tok)
+        self.var.set(self.was)
 
 
 def internal() -> _Flag:
@@ -73,12 +77,15 @@ def active_context() -> Any:
 
 @contextlib.contextmanager
 def activated(ctx: Any) -> Iterator[None]:
-    """Make ``ctx`` the active context for the body."""
-    tok = ACTIVE.set(ctx)
+    """Make ``ctx`` the active context for the body. (Set inside the ``try``, as every context variable of the library
+    is: a ``KeyboardInterrupt`` between a set and its ``try`` would leave it set for the rest of the thread, and
+    every later remat call would take a dead call for its enclosing one.)"""
+    was = ACTIVE.get()
     try:
+        ACTIVE.set(ctx)
         yield
     finally:
-        ACTIVE.reset(tok)
+        ACTIVE.set(was)
 
 
 class Caches:
@@ -119,8 +126,9 @@ CACHES: contextvars.ContextVar[Caches] = contextvars.ContextVar("remat_caches", 
 def own_caches() -> Iterator[Caches]:
     """A fresh, empty set of caches for the body (and the remat'd functions made in it: they keep theirs)."""
     caches = Caches()
-    tok = CACHES.set(caches)
+    was = CACHES.get()
     try:
+        CACHES.set(caches)
         yield caches
     finally:
-        CACHES.reset(tok)
+        CACHES.set(was)

@@ -522,8 +522,14 @@ class _Block(torch.nn.Module):
      r"policy=Linear\(\.\.\.\) is a module, not a policy"),
     (lambda: api.checkpoint(lambda x: x.sin(), leaf(2), use_reentrant="no"), TypeError,
      r"use_reentrant must be False \(or left out\), got 'no'"),
+    (lambda: policies.save_and_offload_only_these_names(names_which_can_be_saved="attn"), TypeError,
+     r"names_which_can_be_saved='attn' is one string; pass a list of names: names_which_can_be_saved=\['attn'\]"),
+    (lambda: policies.save_from_both_policies(policies.save_only_these_names, policies.dots_saveable), TypeError,
+     r"policy=remat\.policies\.save_only_these_names is a policy factory, not a policy: call it"),
+    (lambda: policies.Offloadable("cpu", "meta"), ValueError, r"dst='meta' holds no data.*offload to 'cpu'"),
 ], ids=["remat_modules-function", "remat_modules-instance", "sequential-module", "checkpoint_sequential-module",
-        "memory_budget-uncalled", "route-unknown-policy", "route-module-policy", "checkpoint-use_reentrant"])
+        "memory_budget-uncalled", "route-unknown-policy", "route-module-policy", "checkpoint-use_reentrant",
+        "names-one-string", "both-uncalled-factory", "offload-to-meta"])
 def test_a_misused_helper_says_what_to_pass(call, error, message):
     """Each was a raw error from deep inside (AttributeError, the block's own forward signature, "object is not
     iterable"), or came at the first training step (routing), or gave a wrong hint (memory_budget), before the
@@ -610,3 +616,94 @@ def test_a_write_allowed_by_allow_mutation_on_saved_tensors_is_named(wrap: dict)
     with pytest.raises((RematError, RuntimeError)) as e:
         remat(f, **wrap)(*args).pow(2).sum().backward()
     assert "allow_mutation_on_saved_tensors" not in str(e.value)
+
+
+def test_a_policy_combination_takes_shortcuts_by_name():
+    """``save_from_both_policies`` resolves its sides as ``remat(policy=...)`` does: a shortcut is its policy."""
+    both = policies.save_from_both_policies("save-matmuls", policies.save_only_these_names("h"))
+    assert both.left is policies.dots_saveable
+    assert both(torch.ops.aten.mm.default) is policies.Saveable
+
+
+@pytest.mark.parametrize("how", ["callable object", "function"])
+def test_a_call_that_returns_a_generator_is_refused(how):
+    """A callable object whose ``__call__`` is a generator function, or a function that returns a generator, is not
+    known for one before the call: its ops would run when the caller iterates, outside remat."""
+
+    class Stream:
+        def __call__(self, w, x):
+            for _ in range(3):
+                x = (x @ w).tanh()
+                yield x
+
+    def returns_gen(w, x):
+        return Stream()(w, x)
+
+    f = remat(Stream() if how == "callable object" else returns_gen)
+    with pytest.raises(TypeError, match="returned a generator: its body runs when it is iterated"):
+        f(leaf(4, 4), leaf(2, 4).detach())
+    plain_autograd_still_works()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a process that sees no CUDA device")
+def test_an_offload_to_cuda_without_cuda_says_so():
+    """A policy written for a GPU machine, offloading to it, on a CPU-only process: a bare "Torch not compiled with
+    CUDA enabled" before."""
+    f = remat(lambda w, x: torch.sin(x @ w).sum(), policy=policies.offload_dot_with_no_batch_dims("cpu", "cuda"))
+    with pytest.raises(RematError, match=r"to 'cuda', but this process sees no CUDA device.*offload to 'cpu'"):
+        f(leaf(4, 4), leaf(3, 4).detach()).backward()
+    plain_autograd_still_works()
+
+
+def test_meta_inputs_with_debug():
+    """Meta tensors under ``debug=True``: the re-run's fingerprint of a tensor built from data copied a meta tensor's
+    bytes ("Cannot copy out of meta tensor"); plain autograd runs, and so does every route now."""
+    m = torch.randn(3, 3, device="meta", requires_grad=True)
+    for kw in ({}, {"debug": True}):
+        out = remat(lambda x: (x @ x.T).tanh().sum(), policy="save-matmuls", **kw)(m)
+        out.backward()
+        assert out.device.type == "meta" and m.grad.shape == (3, 3)
+        m.grad = None
+
+
+@pytest.mark.parametrize("line", [0, 1, 2, 3])
+def test_an_interrupt_entering_a_call_leaves_no_active_call(line):
+    """A KeyboardInterrupt may land between a context variable's set and its ``try`` (CPython checks for signals after
+    a C call returns): simulated at each line of ``activated`` up to its body, the next remat calls of any function
+    work (before: every later call took the dead call for its enclosing one, "saved a tensor of shape ...")."""
+    import sys
+
+    import remat._context as rc
+
+    code = rc.activated.__wrapped__.__code__
+    seen = [0]
+
+    def inject(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line":
+                if seen[0] == line:
+                    sys.settrace(None)
+                    raise KeyboardInterrupt("simulated")
+                seen[0] += 1
+            return local
+
+        return local
+
+    w = leaf(4, 4)
+    sys.settrace(inject)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            remat(lambda w: torch.sin(torch.tanh(w) @ w).sum())(w).backward()
+    finally:
+        sys.settrace(None)
+    assert rc.ACTIVE.get() is None
+    x = torch.randn(3, 4, dtype=torch.float64)
+    w64 = leaf(4, 4).double()
+    want = torch.autograd.grad((torch.tanh(x @ w64) @ w64).sum(), w64)[0]
+    for policy in ("save-nothing", "save-matmuls"):
+        got = torch.autograd.grad(remat(lambda w, x: (torch.tanh(x @ w) @ w).sum(), policy=policy)(w64, x), w64)[0]
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    plain_autograd_still_works()

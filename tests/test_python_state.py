@@ -549,3 +549,96 @@ def test_an_autocast_region_of_another_dtype_inside_the_function(wrap: dict[str,
     h = remat.remat(_inner_autocast, static_argnums=(3,), **wrap)
     for _ in range(3):
         assert_tree_close(run(h), ref, rtol=0, atol=0)
+
+
+class _RegionBlock(nn.Module):
+    """A block that enters ``torch.func.grad`` itself (an inner gradient penalty): remat runs it as a reentrant region,
+    which re-runs its Python in the backward pass. ``flag`` picks which weight the first product reads; ``temperature``
+    scales a value a policy may keep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.W = nn.Parameter(torch.randn(4, 4, dtype=torch.float64, generator=g))
+        self.V = nn.Parameter(torch.randn(4, 4, dtype=torch.float64, generator=g))
+        self.flag = True
+        self.temperature = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ (self.W if self.flag else self.V)) / self.temperature
+        gx = torch.func.grad(lambda z: torch.sin(z @ self.W).sum())(h)
+        return (gx * h).pow(2).sum()
+
+
+_REGION_POLICIES = {"save-nothing": "save-nothing", "save-matmuls": "save-matmuls", "save-everything": "save-everything",
+                    "offload": remat.policies.offload_to_cpu(min_bytes=0)}
+
+
+@pytest.mark.filterwarnings("ignore:remat. an offload policy moves tensors from cpu to cpu")
+@pytest.mark.parametrize("change", ["nothing", "which weight", "temperature"])
+@pytest.mark.parametrize("policy", list(_REGION_POLICIES))
+@pytest.mark.parametrize("debug", [False, True], ids=["replay", "debug"])
+def test_a_region_whose_python_state_changes_between_the_passes(change: str, policy: str, debug: bool) -> None:
+    """A region's recompute builds the graph its vjp runs, so which tensor each op reads and the numbers it passes
+    are its backward formulas': a weight picked by a flag flipped between the passes, or a temperature changed, gave
+    the gradient of another function, silently, where the policy kept the value (save-everything, offload,
+    save-matmuls for the weight), since no op was checked against the forward pass's wiring. They raise now; with
+    nothing changed, plain autograd's gradient on the first call and later ones."""
+    x = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def step(m: nn.Module) -> list[torch.Tensor]:
+        m.flag, m.temperature = True, 1.0
+        out = m(x)
+        if change == "which weight":
+            m.flag = False
+        elif change == "temperature":
+            m.temperature = 0.5
+        grads = torch.autograd.grad(out, [m.W, m.V], allow_unused=True)
+        return [torch.zeros_like(p) if g is None else g for g, p in zip(grads, (m.W, m.V))]
+
+    want = step(_RegionBlock())
+    m = remat.remat_module(_RegionBlock(), policy=_REGION_POLICIES[policy], debug=debug)
+    for _ in range(3):
+        if change == "nothing":
+            assert_tree_close(step(m), want, rtol=1e-10, atol=1e-12)
+        else:
+            with pytest.raises(RematError, match="diverged from its forward pass: op #.* read other values"):
+                step(m)
+
+
+def test_a_region_that_updates_a_batchnorm_says_what_to_do() -> None:
+    """A region runs its function under ``torch.func.vjp``, which refuses a write into an integer buffer (a
+    BatchNorm's ``num_batches_tracked`` in training mode): torch's bare functorch error on every call after the first
+    before, and the first call's advice (move the inner transform first) led to the same error."""
+    bn = nn.BatchNorm1d(4).double()
+
+    def body(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        gx = torch.func.grad(lambda z: torch.sin(z @ W).sum())(x)
+        return (gx * bn(torch.tanh(x @ W))).pow(2).sum()
+
+    W = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    body(W, x).backward()  # (plain autograd runs it)
+    f = remat.remat(body, policy="save-matmuls")
+    for _ in range(3):
+        with pytest.raises(RematError, match="Remat the parts on either side of the inner transform"):
+            f(W, x).backward()
+
+
+def test_a_region_input_written_before_the_backward_pass_is_named() -> None:
+    """An input a region read, written in place before the backward pass: refused, as on every route, naming the input
+    (before: autograd's "one of the variables needed for gradient computation has been modified")."""
+
+    def body(W: torch.Tensor, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ W + m)
+        gx = torch.func.grad(lambda z: torch.sin(z @ W).sum())(h)
+        return (gx * h).pow(2).sum()
+
+    f = remat.remat(body, policy="save-matmuls")
+    for _ in range(2):
+        W = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+        m = torch.randn(6, 4, dtype=torch.float64)
+        out = f(W, torch.randn(6, 4, dtype=torch.float64), m)
+        m.add_(1)
+        with pytest.raises(RematError, match=r"input #2 \(shape \[6, 4\], float64\) of body was modified in place"):
+            out.backward()

@@ -27,7 +27,7 @@ import torch
 import torch.utils.checkpoint as tc
 
 from .. import _torch_internals as ti
-from .._context import CACHES
+from .._context import CACHES, ROUTES
 from .._errors import RematError
 from .._policies.core import Decision, Offloadable, Recompute, Saveable, resolve_policy
 from .transform import remat
@@ -389,7 +389,7 @@ class route_torch_checkpoint:
         except BaseException:
             self.__exit__(None, None, None)
             raise
-        _ACTIVE.append(self)
+        ROUTES.append(self)
         return self
 
     def _swap(self, swaps: dict[int, tuple[Any, Any]]) -> None:
@@ -409,11 +409,11 @@ class route_torch_checkpoint:
                     setattr(mod, name, hit[1])
 
     def __exit__(self, *exc: Any) -> None:
-        i = next((k for k, r in enumerate(_ACTIVE) if r is self), None)
+        i = next((k for k, r in enumerate(ROUTES) if r is self), None)
         if i is not None:
-            del _ACTIVE[i]
-            if i < len(_ACTIVE):
-                self._leave_early(_ACTIVE[i:])
+            del ROUTES[i]
+            if i < len(ROUTES):
+                self._leave_early(ROUTES[i:])
                 return
         for mod, name, value in reversed(self._undo):
             setattr(mod, name, value)
@@ -439,8 +439,6 @@ class route_torch_checkpoint:
         self._undo = []
         self._installed = {}
 
-
-_ACTIVE: list[route_torch_checkpoint] = []  # the routing blocks open now, in the order they were entered
 
 
 class _Routed:

@@ -182,7 +182,16 @@ class Rematted:
             statics = tuple(i + n if i >= 0 else i for i in statics)
             args, kwargs = (*target.args, *args), {**target.keywords, **kwargs}
             target = target.func
-        return call(target, self._name, self.policy, statics, self.preserve_rng_state, args, kwargs, self)
+        out = call(target, self._name, self.policy, statics, self.preserve_rng_state, args, kwargs, self)
+        if isinstance(out, (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)):
+            # (a callable object whose __call__ is a generator function, a function returning one: not known before)
+            getattr(out, "close", lambda: None)()  # (an async generator has aclose: unstarted, nothing to do)
+            raise TypeError(
+                f"remat: {self._name} returned a {type(out).__name__}: its body runs when it is iterated, after the "
+                "call, outside remat, and nothing of it would be rematerialized. Return the values (a list) instead, "
+                "or remat the function that computes each value (the body of the loop)."
+            )
+        return out
 
     def _call_module(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``remat(module)(x)``: the module's hooks run once, outside the remat'd region, as under

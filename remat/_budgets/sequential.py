@@ -200,12 +200,13 @@ class Sequential:
         for i in range(n):
             inp.append(_nbytes(x))
             kept = _Kept(x, carried)
-            tok = INSPECTOR.set(kept)
+            was = INSPECTOR.get()
             try:
+                INSPECTOR.set(kept)
                 with FlopCount() as w:
                     x = self._run(i, i + 1)(x)
             finally:
-                INSPECTOR.reset(tok)
+                INSPECTOR.set(was)
             act.append(kept.bytes)
             # the block's output, if it kept it, is counted: the next block must not count it again
             carried = {p for p in (_ptr(t) for t in optree.tree_leaves(x, none_is_leaf=True)

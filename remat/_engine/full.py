@@ -187,11 +187,12 @@ class _Saving(Half):
                 # forward pass (NOTE [nested remat]); the parent's recompute re-saves this position
                 assert self.parent is not None
                 self.nested.routed.add(pos)
-                tok = INSPECTOR.set(None)  # listed below, in this call's scope, with the parent's decision
+                was = INSPECTOR.get()  # listed below, in this call's scope, with the parent's decision
                 try:
+                    INSPECTOR.set(None)
                     handle = self.parent.pack(t)
                 finally:
-                    INSPECTOR.reset(tok)
+                    INSPECTOR.set(was)
                 p = Packed(self, ROUTED, s, pos, handle, phys._version, meta, rec)
             else:  # an input or parameter held by reference, or a saved op output
                 p = Packed(self, KEEP, s, pos, holdable(t), phys._version, meta, rec)

@@ -100,6 +100,8 @@ def fingerprint(t: torch.Tensor) -> tuple[Any, ...]:
     A tensor built from Python data inside the call (``torch.tensor(...)``, ``torch.from_numpy``) is made
     afresh by the recompute; remat keeps only this, not the tensor, to check the recompute built the same.
     """
+    if t.is_meta:
+        return (tuple(t.shape), t.dtype, "meta")  # (no values: its shape and dtype are all there is)
     b = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().contiguous()
     data = ctypes.string_at(b.data_ptr(), b.numel()) if b.numel() else b""  # (numpy is not a dependency)
     return (tuple(t.shape), t.dtype, hashlib.blake2b(data, digest_size=32).hexdigest())

@@ -297,8 +297,10 @@ class Program:
                 args, kwargs = optree.tree_unflatten(c.spec, leaves)
                 put_settings(c.settings)
                 grad = grad0 if c.grad == self.grad0 else c.grad  # (a no_grad block of the function)
-                tok = PENDING_NAME.set(c.name) if c.name is not None else None
+                was = PENDING_NAME.get()
                 try:
+                    if c.name is not None:
+                        PENDING_NAME.set(c.name)
                     with torch.set_grad_enabled(grad):
                         if c.inference:
                             with torch.inference_mode():
@@ -306,8 +308,7 @@ class Program:
                         else:
                             out = c.func(*args, **kwargs)
                 finally:
-                    if tok is not None:
-                        PENDING_NAME.reset(tok)
+                    PENDING_NAME.set(was)
                 if c.outs:
                     if len(c.outs) == 1 and isinstance(out, Tensor):
                         v[c.outs[0]] = out

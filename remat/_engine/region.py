@@ -46,12 +46,13 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _torch_internals as ti
 from .._context import internal
-from .._errors import RematError
+from .._errors import RematError, input_written_before_backward
 from .ambient import AmbientState
 from .dispatch import Recorder
 from .ops import storage_key
 from .replay import Replayer
 from .state import Snapshot
+from .wiring import Wiring, known_tokens
 
 __all__ = ["NeedsRegion", "run_region", "enclosed", "forward_pass", "rewind_attempt"]
 
@@ -71,11 +72,12 @@ def enclosed() -> bool:
 
 @contextlib.contextmanager
 def forward_pass() -> Iterator[None]:
-    tok = _FORWARDS.set(_FORWARDS.get() + 1)
+    was = _FORWARDS.get()
     try:
+        _FORWARDS.set(_FORWARDS.get() + 1)
         yield
     finally:
-        _FORWARDS.reset(tok)
+        _FORWARDS.set(was)
 
 
 class NeedsRegion(Exception):
@@ -118,6 +120,7 @@ class _Call:
         # (torch.autograd.Function's rule): _Captured refuses it
         self.under_func = bool(ti.interpreter_stack())
         self.out_spec: Any = None
+        self.versions: list[int] = []
         self.out_consts: list[Any] = []
         self.n_float = 0  # the outputs are the differentiable ones, then the others
 
@@ -148,6 +151,10 @@ class _Call:
         with internal():
             keys = {storage_key(ti.unwrap_all(t)) for t in tensors}
             rec.input_keys = keys
+        # NOTE [same reads] in _engine/wiring.py: module state is an input of a region, so which tensor each op reads
+        # is a position the recompute must read too (``src = self.W if self.flag else self.V``: its vjp's graph would
+        # send the gradient to the other one)
+        rec.wiring = Wiring(known_tokens(list(tensors), ti.unwrap_all), loose=True)
         diff = [i for i, t in enumerate(tensors) if _differentiable(t)]
         # Under torch.func.vjp, as in the recompute: the ops a torch.func transform inside runs depend on the
         # grad mode; the graph this builds dies here (only the outputs are kept)
@@ -157,7 +164,13 @@ class _Call:
             if self.under_func:
                 es.enter_context(_Captured(rec, self.fn_name))
             es.enter_context(rec)
-            floats = torch.func.vjp(self._fn(list(tensors), diff), *[tensors[i] for i in diff])[0]
+            try:
+                floats = torch.func.vjp(self._fn(list(tensors), diff), *[tensors[i] for i in diff])[0]
+            except RuntimeError as e:
+                if "mutate a captured Tensor" in str(e):
+                    raise _captured_write(self.fn_name) from e
+                raise
+        self.versions = [t._version for t in tensors]  # (their writes before the backward pass: refused, named)
         with internal():
             rec.seal()
             for r in rec.ops:
@@ -176,9 +189,24 @@ class _Call:
         """Undo what a forward pass cut short by a :class:`NeedsRegion` did, so that the call can run again."""
         rewind_attempt(self.recorder, self.ambient, self.fn_name)
 
+    def written(self) -> None:
+        """Refuse, naming it, an input or a tensor of module state written in place since the forward pass (autograd
+        would refuse its saved input with a message that names neither remat nor the tensor)."""
+        for i, (t, v) in enumerate(zip(self.tensors, self.versions)):
+            if t._version != v:
+                if i < self.n_inputs:
+                    raise input_written_before_backward(self.fn_name, self.slots[i], t)
+                raise RematError(
+                    f"remat: a tensor of {self.fn_name}'s module state or closure (shape {list(t.shape)}) was "
+                    "modified in place after its forward pass and before its backward pass; the recompute would "
+                    "read the new value. Run the backward pass first, or update it out of place."
+                )
+
     def backward(self, saved: tuple[torch.Tensor, ...], grads: tuple[Any, ...]) -> tuple[Any, ...]:
         diff = [i for i, t in enumerate(saved) if _differentiable(t)]
         replayer = Replayer(self.recorder)
+        if replayer.wiring is not None:  # (this pass's inputs, by position as the forward pass's)
+            replayer.wiring.known = known_tokens(list(saved), ti.unwrap_all)
         with contextlib.ExitStack() as es:
             es.enter_context(ti.saved_tensors_hooks_set_aside())
             es.enter_context(self.ambient.restored())
@@ -201,8 +229,9 @@ def rewind_attempt(recorder: Recorder, ambient: AmbientState, fn_name: str) -> N
         raise RematError(
             f"remat: {fn_name} (or a remat'd function it calls) enters torch.func.grad, vjp, jacrev or hessian, so "
             "remat runs it again as one region (NOTE [reentrant region]), but the first attempt already updated a "
-            "buffer in place (a BatchNorm's running statistics) and running it again would update it twice. Move "
-            "the inner transform before the in-place update, or remat the parts on either side of it."
+            "buffer in place (a BatchNorm's running statistics) and running it again would update it twice. Remat "
+            "the parts on either side of the inner transform, so that the part that updates the buffer does not "
+            "enter it (or run that BatchNorm in eval mode)."
         )
     if ambient.cpu_rng is not None:
         ambient.rewind()
@@ -212,6 +241,16 @@ def rewind_attempt(recorder: Recorder, ambient: AmbientState, fn_name: str) -> N
             "remat runs it again as one region (NOTE [reentrant region]), but it drew random numbers before and "
             "preserve_rng_state=False: the second run would draw others. Pass preserve_rng_state=True."
         )
+
+
+def _captured_write(fn_name: str) -> RematError:
+    return RematError(
+        f"remat: {fn_name} enters a torch.func reverse transform, so remat runs it as one region under "
+        "torch.func.vjp (NOTE [reentrant region]), and it writes in place into a tensor torch.func cannot take as an "
+        "input (an integer buffer, such as a BatchNorm's num_batches_tracked in training mode), which torch.func "
+        "refuses. Remat the parts on either side of the inner transform, so that the part that updates the buffer "
+        "does not enter it (or run that BatchNorm in eval mode)."
+    )
 
 
 def _lost(fn_name: str, shape: list[int], label: str) -> RematError:
@@ -262,6 +301,7 @@ class _Region(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
         call: _Call = ctx.call
+        call.written()
         return (None, *call.backward(ctx.saved_tensors, grads))
 
 

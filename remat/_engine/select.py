@@ -138,11 +138,12 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
             frame = Frame(run, flat, name, call_policy, preserve_rng, default_engine(), state)
             outer = _with_program(frame, ctx, owner)  # NOTE [program replay]: its recompute replays too
             measuring.frame = frame
-            tok = INSPECTOR.set(measuring)
+            was = INSPECTOR.get()
             try:
+                INSPECTOR.set(measuring)
                 out = _forward(frame, outer, run, flat, state.tensors)
             finally:
-                INSPECTOR.reset(tok)
+                INSPECTOR.set(was)
             assert budget is not None
             budget.learn(bkey, call_policy, measuring, frame.recorder.ops)
             return out

@@ -288,8 +288,9 @@ def _run(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], p
         insp.on_save(t, "kept", None)
         return holdable(t)  # never the tensor itself: a saved output would make a reference cycle
 
-    tok = INSPECTOR.set(insp)
+    was = INSPECTOR.get()
     try:
+        INSPECTOR.set(insp)
         with contextlib.ExitStack() as es:
             es.enter_context(allocs)
             if plain_hooks:
@@ -299,7 +300,7 @@ def _run(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], p
         del out
         insp.collect_stashes()
     finally:
-        INSPECTOR.reset(tok)
+        INSPECTOR.set(was)
     return insp.residuals()
 
 

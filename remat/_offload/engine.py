@@ -76,11 +76,12 @@ def use_engine(engine: OffloadEngine) -> Iterator[OffloadEngine]:
     """
     if not isinstance(engine, OffloadEngine):
         raise TypeError(f"use_engine: expected an OffloadEngine, got {engine!r} ({type(engine).__name__})")
-    tok = _ENGINE.set(engine)
+    was = _ENGINE.get()
     try:
+        _ENGINE.set(engine)
         yield engine
     finally:
-        _ENGINE.reset(tok)
+        _ENGINE.set(was)
 
 
 _new_object = object.__new__
@@ -139,11 +140,10 @@ class OffloadEngine(_Schedule):
 
     def __init__(self, pin_memory: bool = True, max_inflight_bytes: int = 8 << 30, max_pinned_bytes: int | None = None,
                  prefetch: bool = True, trace: bool = False, keep_last: int = 1) -> None:
-        self._warned_same_device = False  # an offload to the device the tensor is on was said (once)
+        self._dsts: set[str] = set()  # the destinations offloaded to: checked (and warned about) once each
         _check_settings(max_inflight_bytes, max_pinned_bytes, keep_last)
         super().__init__(pin_memory, max_inflight_bytes, max_pinned_bytes, prefetch, trace, keep_last)
-        # the solo handles made since stats was last read, and their bytes (NOTE [solo handles]: two attributes
-        # counted, ~0.4 us less per saved tensor than three counters of the dict, which stats adds them to)
+        # the solo handles made since stats was last read, and their bytes (NOTE [solo handles]: ~0.4 us less each)
         self._solos = self._solo_bytes = 0
 
     @property
@@ -217,7 +217,8 @@ class OffloadEngine(_Schedule):
         if nbytes < decision.min_bytes:
             return None
         dst = decision.dst
-        self._warned_same_device = self._warned_same_device or _same_device(t, dst)
+        if dst not in self._dsts:
+            _first_offload_to(t, dst, self._dsts)
         with self._lock:
             try:
                 storage = t.untyped_storage()
@@ -292,7 +293,8 @@ class OffloadEngine(_Schedule):
                 "pinned-buffer pool are host-side work a graph cannot replay. Capture with a save or "
                 "recompute policy, or offload outside the captured region."
             )
-        self._warned_same_device = self._warned_same_device or _same_device(t, dst)
+        if dst not in self._dsts:
+            _first_offload_to(t, dst, self._dsts)
         # (t's facts are its detached alias's: t is detached only where a copy needs it, _copy_out)
         storage = t.untyped_storage()
         grp = group if type(group) is _Group else self._group(group)
@@ -351,17 +353,25 @@ class OffloadEngine(_Schedule):
         return Offloaded(self, copy, t, offset, version)
 
 
-def _same_device(t: torch.Tensor, dst: str) -> bool:
-    """An offload to the device type ``t`` is on frees no memory: said once per engine (a policy written for a GPU,
-    run on a CPU-only machine, would otherwise offload nothing useful without a word); whether it said so."""
-    if t.device.type != torch.device(dst).type:
-        return False
-    warnings.warn(
-        f"remat: an offload policy moves tensors from {t.device.type} to {dst}, the device they are on: the copy "
-        "frees no memory (the policy exists for tensors on a GPU). On a CPU-only run, save memory with "
-        "policy=\"save-nothing\" or \"save-matmuls\" instead; this is said once per offload engine.",
-        UserWarning, stacklevel=4)
-    return True
+def _first_offload_to(t: torch.Tensor, dst: str, dsts: set[str]) -> None:
+    """The first offload of an engine to ``dst`` (then noted in ``dsts``): a device this process has none of raises,
+    saying so (a policy written for a GPU machine on a CPU-only one: torch's bare "Torch not compiled with CUDA
+    enabled" otherwise); one to the device type ``t`` is on frees no memory, which is said (a policy written for a
+    GPU, run on a CPU-only machine, would otherwise offload nothing useful without a word)."""
+    kind = torch.device(dst).type
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise RematError(
+            f"remat: an offload policy moves a tensor of shape {list(t.shape)} from {t.device.type} to {dst!r}, but "
+            "this process sees no CUDA device (torch.cuda.is_available() is False): offload to 'cpu' "
+            "(Offloadable(src, 'cpu'), offload_to_cpu()), or save memory with policy=\"save-nothing\" instead."
+        )
+    dsts.add(dst)
+    if t.device.type == kind:
+        warnings.warn(
+            f"remat: an offload policy moves tensors from {t.device.type} to {dst}, the device they are on: the copy "
+            "frees no memory (the policy exists for tensors on a GPU). On a CPU-only run, save memory with "
+            "policy=\"save-nothing\" or \"save-matmuls\" instead; this is said once per offload engine.",
+            UserWarning, stacklevel=4)
 
 
 def _check_settings(max_inflight_bytes: Any, max_pinned_bytes: Any, keep_last: Any) -> None:

@@ -123,6 +123,9 @@ class Offloadable(Decision):
                 torch.device(dev)
             except RuntimeError as e:
                 raise ValueError(f"Offloadable: {what}={dev!r} is not a device: {e}") from None
+        if torch.device(self.dst).type == "meta":
+            raise ValueError("Offloadable: dst='meta' holds no data, so nothing could be copied back for the backward "
+                             "pass; offload to 'cpu' (dst='cpu').")
 
 
 Policy = Callable[..., Any]
@@ -456,12 +459,15 @@ class save_from_both_policies:
     right: Policy
 
     def __post_init__(self) -> None:
-        for p in (self.left, self.right):
-            if not callable(p):
+        for side in ("left", "right"):
+            p = getattr(self, side)
+            if not callable(p) and not isinstance(p, str):
                 raise TypeError(
                     f"save_from_both_policies: {p!r} is not a policy; pass callables such as "
                     "remat.policies.dots_saveable."
                 )
+            # (a factory not called, a misspelt shortcut: said as at remat(policy=...); a shortcut is its policy)
+            object.__setattr__(self, side, resolve_policy(p))
 
     def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Decision | bool:
         a, a_explicit = decide_explicit(self.left, op, args, kwargs)
@@ -540,6 +546,10 @@ class save_and_offload_only_these_names:
     def __init__(self, *, names_which_can_be_saved: Any = (), names_which_can_be_offloaded: Any = (),
                  offload_src: str | None = "cuda", offload_dst: str = "cpu") -> None:
         f = "save_and_offload_only_these_names"
+        for arg, given in (("names_which_can_be_saved", names_which_can_be_saved),
+                           ("names_which_can_be_offloaded", names_which_can_be_offloaded)):
+            if isinstance(given, str):  # (a string is an iterable of its letters)
+                raise TypeError(f"{f}: {arg}={given!r} is one string; pass a list of names: {arg}=[{given!r}].")
         saved = _check_names(f, tuple(names_which_can_be_saved))
         off = _check_names(f, tuple(names_which_can_be_offloaded))
         both = saved & off

@@ -70,11 +70,12 @@ def _tag(name: str, leaf: Any) -> Any:
     (``n.t_()``, ``n.unsqueeze_(0)``, ``n.detach_()``) changes the tensor it named, as in plain code."""
     if not isinstance(leaf, torch.Tensor):
         return leaf
-    tok = PENDING_NAME.set(name)
+    was = PENDING_NAME.get()
     try:
+        PENDING_NAME.set(name)
         _ALIAS(leaf)
     finally:
-        PENDING_NAME.reset(tok)
+        PENDING_NAME.set(was)
     return leaf
 
 
