@@ -594,3 +594,22 @@ def test_routing_blocks_closed_out_of_order_put_torchs_checkpoint_back() -> None
     with remat.route_torch_checkpoint():  # (and blocks opened after work as before)
         assert tc.checkpoint is not before[0]
     assert (tc.checkpoint, tc.checkpoint_sequential, mu.checkpoint) == before
+
+
+def test_the_routed_function_looks_like_torchs() -> None:
+    """Code that names or inspects what it wraps (``__name__``, ``inspect.signature``) sees torch's function's, inside
+    the block; a ``context_fn`` that takes arguments is not torch's kind, and says so."""
+    import inspect
+
+    import torch.utils.checkpoint as tc
+
+    want = inspect.signature(tc.checkpoint)
+    with remat.route_torch_checkpoint():
+        assert tc.checkpoint.__name__ == "checkpoint" and tc.checkpoint_sequential.__name__ == "checkpoint_sequential"
+        assert inspect.signature(tc.checkpoint) == want
+
+    def needs_an_argument(extra: Any) -> Any:
+        return create_selective_checkpoint_contexts([torch.ops.aten.mm.default])
+
+    with pytest.raises(RematError, match="does not make torch's selective-checkpointing contexts"):
+        remat.checkpoint(_block(), X, use_reentrant=False, context_fn=needs_an_argument)

@@ -254,8 +254,11 @@ def test_save_from_both_policies_nests_and_normalises_bools():
 
 
 def test_save_from_both_policies_validation():
-    with pytest.raises(TypeError, match=r"save_from_both_policies: 'dots' is not a policy; pass callables"):
+    # (a string is a shortcut's name, as at remat(policy=...): a misspelt one says which there are)
+    with pytest.raises(ValueError, match=r"unknown policy 'dots'; use one of 'save-nothing'"):
         policies.save_from_both_policies("dots", policies.dots_saveable)
+    with pytest.raises(TypeError, match=r"save_from_both_policies: 3 is not a policy; pass callables"):
+        policies.save_from_both_policies(3, policies.dots_saveable)
     with pytest.raises(TypeError, match="is not a policy"):
         policies.save_from_both_policies(policies.dots_saveable, None)
 

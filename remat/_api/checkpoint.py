@@ -19,6 +19,7 @@ NOTE [torch's policies]
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -34,6 +35,8 @@ from .transform import remat
 
 __all__ = ["checkpoint", "checkpoint_sequential", "from_torch_policy", "route_torch_checkpoint"]
 
+# torch's own functions (a routing block replaces the names on torch.utils.checkpoint, never remat's own globals)
+_TORCH_CHECKPOINT, _TORCH_SEQUENTIAL = tc.checkpoint, tc.checkpoint_sequential
 _TORCH_ONLY = ("use_reentrant", "context_fn", "determinism_check", "early_stop")
 _REMAT_OWN = ("policy", "static_argnums")
 _UNSET: Any = object()
@@ -127,10 +130,18 @@ def from_torch_policy(context_fn: Any) -> Callable[..., Any] | None:
     if callable(context_fn):
         # a function that makes torch's contexts itself (torchtitan's, with a policy of per-call state): called once
         # per checkpoint call, as torch does, and its policy read from what it made
-        fn = ti.selective_policy_of(context_fn())
+        try:
+            made = context_fn()
+        except TypeError as e:  # (one that takes arguments: not torch's kind)
+            raise _untranslatable(context_fn) from e
+        fn = ti.selective_policy_of(made)
         if fn is not None:
             return TorchPolicy(fn)
-    raise RematError(
+    raise _untranslatable(context_fn)
+
+
+def _untranslatable(context_fn: Any) -> RematError:
+    return RematError(
         f"remat.checkpoint: context_fn={context_fn!r} does not make torch's selective-checkpointing contexts, and "
         "remat cannot run arbitrary contexts around its forward pass and recompute (it replays the recorded ops "
         "instead of running the function again). Pass context_fn=functools.partial(create_selective_checkpoint_"
@@ -472,6 +483,14 @@ class _Routed:
                     **kwargs: Any) -> Any:
         kwargs.setdefault("policy", self.policy)
         return checkpoint_sequential(functions, segments, input, use_reentrant=False, **kwargs)
+
+    @property
+    def __name__(self) -> str:  # (as torch's function's, for code that names what it wraps)
+        return "checkpoint_sequential" if self.sequential else "checkpoint"
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(_TORCH_SEQUENTIAL if self.sequential else _TORCH_CHECKPOINT)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Routed:
         return self

@@ -255,8 +255,10 @@ class OutsideReads(Half):
             if rec.subst is not None and j in rec.subst:
                 continue  # served from a copy taken before a write overwrote what it read
             written = storage_key(t) in self.written_outside
-            if not written and (t.requires_grad or ox.nbytes(t) > ox.SMALL):
-                keep.append((j, t, version))  # checked by the recompute: the same tensor, unmodified
+            if not written and (t.requires_grad or ox.nbytes(t) > ox.SMALL or self.region):
+                # checked by the recompute: the same tensor, unmodified (in a reentrant region, a small one too: the
+                # vjp's graph its recompute builds reads the tensor the Python passed, whatever a copy below says)
+                keep.append((j, t, version))
                 continue
             # read after the call's last write into it: the recompute's copy (NOTE [written outside storages]);
             # or a buffer or constant that needs no gradient and is small (running statistics, a tensor built

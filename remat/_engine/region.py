@@ -14,7 +14,10 @@ NOTE [reentrant region]
     saved tensor will say what the backward pass reads). Its backward pass runs the
     function again under ``torch.func.vjp`` and the :class:`~remat._engine.dispatch.Replayer`
     (saved outputs handed back, random numbers and autocast as in the forward pass)
-    and applies the vjp. So it works under plain autograd (double backward too) and
+    and applies the vjp. That graph's backward formulas read what the re-run passed, so
+    every op, one whose output is handed back included, is checked against the forward
+    pass's: its numbers and which input or value of the call each tensor is (NOTE [same
+    reads]; module state is an input of a region, so a parameter too). So it works under plain autograd (double backward too) and
     under torch.func transforms. Module state the function reads (NOTE [state is an
     input]) are inputs of the region, so their gradients flow; a tensor read from
     somewhere remat does not look that requires grad (plain autograd: seen at the
@@ -170,7 +173,7 @@ class _Call:
                 if "mutate a captured Tensor" in str(e):
                     raise _captured_write(self.fn_name) from e
                 raise
-        self.versions = [t._version for t in tensors]  # (their writes before the backward pass: refused, named)
+        self.versions = [_version(t) for t in self.tensors]  # (written before the backward pass: refused, named)
         with internal():
             rec.seal()
             for r in rec.ops:
@@ -193,7 +196,7 @@ class _Call:
         """Refuse, naming it, an input or a tensor of module state written in place since the forward pass (autograd
         would refuse its saved input with a message that names neither remat nor the tensor)."""
         for i, (t, v) in enumerate(zip(self.tensors, self.versions)):
-            if t._version != v:
+            if _version(t) != v:
                 if i < self.n_inputs:
                     raise input_written_before_backward(self.fn_name, self.slots[i], t)
                 raise RematError(
@@ -231,7 +234,7 @@ def rewind_attempt(recorder: Recorder, ambient: AmbientState, fn_name: str) -> N
             "remat runs it again as one region (NOTE [reentrant region]), but the first attempt already updated a "
             "buffer in place (a BatchNorm's running statistics) and running it again would update it twice. Remat "
             "the parts on either side of the inner transform, so that the part that updates the buffer does not "
-            "enter it (or run that BatchNorm in eval mode)."
+            "enter it."
         )
     if ambient.cpu_rng is not None:
         ambient.rewind()
@@ -243,13 +246,18 @@ def rewind_attempt(recorder: Recorder, ambient: AmbientState, fn_name: str) -> N
         )
 
 
+def _version(t: torch.Tensor) -> int:
+    """``t``'s version (an inference tensor has none: -1, never written as far as this check can tell)."""
+    return -1 if t.is_inference() else t._version
+
+
 def _captured_write(fn_name: str) -> RematError:
     return RematError(
         f"remat: {fn_name} enters a torch.func reverse transform, so remat runs it as one region under "
-        "torch.func.vjp (NOTE [reentrant region]), and it writes in place into a tensor torch.func cannot take as an "
-        "input (an integer buffer, such as a BatchNorm's num_batches_tracked in training mode), which torch.func "
-        "refuses. Remat the parts on either side of the inner transform, so that the part that updates the buffer "
-        "does not enter it (or run that BatchNorm in eval mode)."
+        "torch.func.vjp (NOTE [reentrant region]), and it writes in place into a tensor that is not an input of "
+        "that vjp (a global or closed-over accumulator, or an integer buffer such as a BatchNorm's "
+        "num_batches_tracked in training mode), which torch.func refuses. Remat the parts on either side of the "
+        "inner transform, so that the part that writes it does not enter it."
     )
 
 

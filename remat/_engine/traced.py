@@ -621,8 +621,8 @@ class TraceFrame(_Saving, _Serving):
                 f"remat: {self.fn_name} (or a remat'd function it calls) enters torch.func.grad, vjp, jacrev or "
                 "hessian, so remat runs it again as one region (NOTE [reentrant region]), but the first attempt "
                 "already wrote a tensor from outside in place (a BatchNorm's running statistics) and running it "
-                "again would write it twice. Move the inner transform before the in-place update, or remat the "
-                "parts on either side of it."
+                "again would write it twice. Remat the parts on either side of the inner transform, so that the "
+                "part that writes it does not enter it."
             )
         with internal():
             for gen, state in self.trace.first_rng.values():
