@@ -574,6 +574,15 @@ def test_a_model_routed_inside_the_block_is_copied_and_saved_there() -> None:
     for model in (m, copied, loaded):
         assert "remat" in repr(model.ckpt.func)
         _close(_grads(lambda b, x: b(x), model, X), want)
+        # remat's save-matmuls runs, counted from outside: its backward pass computes no product of the forward pass
+        # again, where torch's checkpoint (which a copy holding torch's function would run) computes both again
+        y = model(X.detach().requires_grad_())
+        with OpCounter({torch.ops.aten.addmm.default}) as again:
+            y.sum().backward()
+        assert again.count == 0
+    with OpCounter({torch.ops.aten.addmm.default}) as torchs:
+        tc.checkpoint(m.block, X.detach().requires_grad_(), use_reentrant=False).sum().backward()
+    assert torchs.count >= 2  # (the check above can fail: torch's checkpoint computes the products again)
 
 
 def test_routing_blocks_closed_out_of_order_put_torchs_checkpoint_back() -> None:

@@ -10,10 +10,10 @@ NOTE [torch's policies]
     them to host memory. remat asks its policy the same question with ``(op, *args, **kwargs)``; the translation
     passes a ``SelectiveCheckpointContext`` with ``is_recompute=False`` (remat asks in the forward pass only, as
     torch does) and ``op_output``, what the op returned (the engines hand it to a policy with a ``with_output``
-    method: ``_policies.core.ask``), and maps the answer. A list of ops keeps those ops' outputs, as torch's does. A ``context_fn`` that makes the
-    contexts itself (torchtitan's, whose policy counts the matmuls of each call) is called once per call, as torch
-    calls it, and its policy read from the forward context it returns; any other ``context_fn`` cannot be
-    translated: it raises, saying what to pass instead.
+    method: ``_policies.core.ask``), and maps the answer. A list of ops keeps those ops' outputs, as torch's does.
+    A ``context_fn`` that makes the contexts itself (torchtitan's, whose policy counts the matmuls of each call) is
+    called once per call, as torch calls it, and its policy read from the forward context it returns; any other
+    ``context_fn`` cannot be translated: it raises, saying what to pass instead.
 """
 
 from __future__ import annotations
@@ -357,13 +357,13 @@ class route_torch_checkpoint:
         earlier, as ``transformers.modeling_utils`` does; remat's own modules excepted: under ``torch.compile`` remat
         lowers to torch's checkpoint), and puts each back on exit, exceptions included; on exit a module first
         imported inside the block that bound the routed function by name gets torch's back as well. The routing is
-        process-wide: blocks nest (and may close in any order), but two threads' blocks must not overlap (the later one would put back the
-        earlier one's routed functions on exit). What a
-        call made inside the block keeps is remat's for good: ``model.gradient_checkpointing_enable()`` inside it
-        stores a partial of the routed function in the model's layers, so the model keeps checkpointing with remat
-        after the block (and its copies: the routed function holds the policy alone, so a model is copied and saved
-        inside the block as outside it). A call with its own ``context_fn`` (torch's selective checkpointing) keeps that policy;
-        ``use_reentrant=True``, which existing code passes, runs on remat's hooks like ``False``.
+        process-wide: blocks nest (and may close in any order), but two threads' blocks must not overlap (the later
+        one would put back the earlier one's routed functions on exit). What a call made inside the block keeps is
+        remat's for good: ``model.gradient_checkpointing_enable()`` inside it stores a partial of the routed function
+        in the model's layers, so the model keeps checkpointing with remat after the block (and its copies: the
+        routed function holds the policy alone, so a model is copied and saved inside the block as outside it). A
+        call with its own ``context_fn`` (torch's selective checkpointing) keeps that policy; ``use_reentrant=True``,
+        which existing code passes, runs on remat's hooks like ``False``.
 
     Args:
         policy: the remat policy of the routed calls (default: save nothing, as torch's checkpoint).
@@ -438,18 +438,15 @@ class route_torch_checkpoint:
         """This block closes before blocks entered after it (``a`` entered, ``b`` entered, ``a`` closed): their
         functions stay in place until they close, and then put back what this block replaced, not this block's
         routed functions."""
-        replaced = {k: prev for k, (_, prev) in self._installed.items()}
-
         def before(v: Any) -> Any:
-            hit = self._installed.get(id(v))
-            return replaced[id(v)] if hit is not None and hit[0] is v else v
+            hit = self._installed.get(id(v))  # (routed -> what it replaced)
+            return hit[1] if hit is not None and hit[0] is v else v
 
         for r in later:
             r._undo = [(mod, name, before(value)) for mod, name, value in r._undo]
             r._installed = {k: (routed, before(prev)) for k, (routed, prev) in r._installed.items()}
         self._undo = []
         self._installed = {}
-
 
 
 class _Routed:
@@ -499,5 +496,4 @@ class _Routed:
         return (_Routed, (self.policy, self.sequential))
 
     def __repr__(self) -> str:
-        name = "checkpoint_sequential" if self.sequential else "checkpoint"
-        return f"<torch.utils.checkpoint.{name} routed to remat, policy={self.policy!r}>"
+        return f"<torch.utils.checkpoint.{self.__name__} routed to remat, policy={self.policy!r}>"

@@ -17,8 +17,9 @@ NOTE [reentrant region]
     and applies the vjp. That graph's backward formulas read what the re-run passed, so
     every op, one whose output is handed back included, is checked against the forward
     pass's: its numbers and which input or value of the call each tensor is (NOTE [same
-    reads]; module state is an input of a region, so a parameter too). So it works under plain autograd (double backward too) and
-    under torch.func transforms. Module state the function reads (NOTE [state is an
+    reads]; module state is an input of a region, so a parameter too), and a tensor from
+    outside is the very one at its version, however small. So it works under plain
+    autograd (double backward too) and under torch.func transforms. Module state the function reads (NOTE [state is an
     input]) are inputs of the region, so their gradients flow; a tensor read from
     somewhere remat does not look that requires grad (plain autograd: seen at the
     dispatch level) or is a torch.func wrapper (``_Captured``: a storage that is
@@ -77,7 +78,7 @@ def enclosed() -> bool:
 def forward_pass() -> Iterator[None]:
     was = _FORWARDS.get()
     try:
-        _FORWARDS.set(_FORWARDS.get() + 1)
+        _FORWARDS.set(was + 1)
         yield
     finally:
         _FORWARDS.set(was)
