@@ -725,3 +725,44 @@ def test_a_region_of_parameters_written_before_the_call_is_exact() -> None:
     remat.remat_module(block)
     for _ in range(2):  # a region under torch.func.grad
         assert_tree_close(torch.func.grad(loss)(params, block), want_p, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("seeding", ["a seed counter", "a fixed seed", "none"])
+def test_a_regions_first_call_reruns_from_the_same_random_state(seeding: str) -> None:
+    """A function that enters ``torch.func.grad`` finds out on its first call, which runs again from the top as a
+    region with the random state put back. A seed counter advanced by the first attempt
+    (``torch.manual_seed(self.seed); self.seed += 1``) made the second run draw the next seed's mask: the first
+    call's output and gradient were another function's (off by 14), no error. It raises now; a fixed seed, or none,
+    is plain autograd's on the first call and later ones."""
+    state = {"seed": 5}
+
+    def f(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if seeding == "a seed counter":
+            torch.manual_seed(state["seed"])
+            state["seed"] += 1
+        elif seeding == "a fixed seed":
+            torch.manual_seed(3)
+        h = torch.nn.functional.dropout(torch.tanh(x @ W), 0.3, training=True)
+        g = torch.func.grad(lambda z: torch.sin(z @ W).sum())(h)
+        return (g * h).pow(2).sum()
+
+    gen = torch.Generator().manual_seed(0)
+    W0 = torch.randn(4, 4, dtype=torch.float64, generator=gen)
+    x = torch.randn(6, 4, dtype=torch.float64, generator=gen)
+
+    def grads(fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+        state["seed"] = 5
+        torch.manual_seed(11)
+        W = W0.clone().requires_grad_()
+        return torch.autograd.grad(fn(W, x), W)[0]
+
+    want = grads(f)
+    for policy in ("save-nothing", "save-everything"):
+        r = remat.remat(f, policy=policy)
+        if seeding == "a seed counter":
+            with pytest.raises(RematError, match="drew random numbers from another state than the first attempt"):
+                grads(r)
+            assert_tree_close(grads(r), want, rtol=1e-10, atol=1e-12)  # (later calls: a region from the start)
+        else:
+            for _ in range(3):
+                assert_tree_close(grads(r), want, rtol=1e-10, atol=1e-12)

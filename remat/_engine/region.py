@@ -125,6 +125,7 @@ class _Call:
         self.under_func = bool(ti.interpreter_stack())
         self.out_spec: Any = None
         self.versions: list[int] = []
+        self.draws: list[tuple[Any, torch.Tensor]] | None = None  # (run_region's)
         self.out_consts: list[Any] = []
         self.n_float = 0  # the outputs are the differentiable ones, then the others
 
@@ -175,6 +176,8 @@ class _Call:
                     raise _captured_write(self.fn_name) from e
                 raise
         self.versions = [_version(t) for t in self.tensors]  # (written before the backward pass: refused, named)
+        if self.draws:
+            _same_draws(self.fn_name, self.draws, [r.rng for r in rec.ops if r.rng is not None])
         with internal():
             rec.seal()
             for r in rec.ops:
@@ -247,6 +250,31 @@ def rewind_attempt(recorder: Recorder, ambient: AmbientState, fn_name: str) -> N
         )
 
 
+def _same_draws(fn_name: str, first: list[tuple[Any, torch.Tensor]], now: list[tuple[Any, torch.Tensor]]) -> None:
+    """The region that runs a call again from the top (its first attempt found the inner transform) must start each
+    generator's draws where that attempt did (the random state was put back): another state means the first attempt
+    changed Python state the draws depend on (``torch.manual_seed(self.seed); self.seed += 1``), and this run would
+    compute another function. (Each generator's first draw only: under ``torch.func.vjp`` a random op may run as
+    another overload, ``bernoulli.p`` for ``bernoulli_.float``, and the draws after it need not line up.)"""
+    then: dict[int, torch.Tensor] = {}
+    for gen, state in first:
+        then.setdefault(id(gen), state)
+    seen: set[int] = set()
+    for gen, state in now:
+        if id(gen) in seen:
+            continue
+        seen.add(id(gen))
+        s0 = then.get(id(gen))
+        if s0 is not None and not torch.equal(s0, state):
+            raise RematError(
+                f"remat: {fn_name} enters a torch.func reverse transform, so its first call runs again from the top as "
+                "one region (NOTE [reentrant region]), and that run drew random numbers from another state than the "
+                "first attempt: the first attempt changed Python state the draws depend on (a seed counter: "
+                "torch.manual_seed(self.seed); self.seed += 1), and the second run would compute another function. "
+                "Remat the parts on either side of the inner transform, or seed outside the function."
+            )
+
+
 def _version(t: torch.Tensor) -> int:
     """``t``'s version (an inference tensor has none: -1, never written as far as this check can tell)."""
     return -1 if t.is_inference() else t._version
@@ -315,9 +343,11 @@ class _Region(torch.autograd.Function):
 
 
 def run_region(run: Callable[[list[Any]], Any], flat: list[Any], fn_name: str, policy: Callable[..., Any],
-               preserve_rng: bool, state: Snapshot) -> Any:
-    """Run one call of a remat'd function as a reentrant region (NOTE [reentrant region])."""
+               preserve_rng: bool, state: Snapshot, draws: list[tuple[Any, torch.Tensor]] | None = None) -> Any:
+    """Run one call of a remat'd function as a reentrant region (NOTE [reentrant region]); ``draws``: on the call that
+    found out, the generators its first attempt drew from and their states, in order (``_same_draws``)."""
     call = _Call(run, flat, fn_name, policy, preserve_rng, state)
+    call.draws = draws
     try:
         outs = _Region.apply(call, *call.tensors)
     except NeedsRegion as e:  # a remat'd function inside found out: the outermost call runs again

@@ -62,7 +62,7 @@ _ENGINES: tuple[type[CallFrame], ...] = (Frame, TraceFrame)  # (mypy checks that
 
 def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics: tuple[int, ...],
          preserve_rng: bool, args: tuple[Any, ...], kwargs: dict[str, Any], owner: Any = None,
-         attempt: int = 0) -> Any:
+         attempt: int = 0, draws: list[tuple[Any, torch.Tensor]] | None = None) -> Any:
     """Run one call of ``fn`` under ``policy`` on the engine the route table picks (``owner``: its ``Rematted``,
     which holds what is learnt about the function: whether it is a region)."""
     flat, run, static_vals = _flatten(fn, name, statics, args, kwargs)
@@ -132,7 +132,7 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
     try:
         # 3. the function enters a torch.func reverse transform
         if region:
-            return run_region(run, flat, name, call_policy, preserve_rng, state)
+            return run_region(run, flat, name, call_policy, preserve_rng, state, draws)
         # 4. a memory budget measuring this signature
         if measuring is not None:
             frame = Frame(run, flat, name, call_policy, preserve_rng, default_engine(), state)
@@ -166,6 +166,7 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
         if not outermost:
             raise  # the enclosing calls recorded the attempt: the outermost remat call runs again
         if frame is not None:
+            draws = _draws(frame) if e.origin is frame else None
             frame.rewind()
         elif e.rewind is not None:
             e.rewind()
@@ -175,7 +176,15 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
             "running it again as one region (NOTE [reentrant region]) did not settle after 3 attempts; this is a "
             "bug in remat, please report it. Meanwhile, remat the parts on either side of the inner transform."
         )
-    return call(fn, name, policy, statics, preserve_rng, args, kwargs, owner, attempt + 1)
+    return call(fn, name, policy, statics, preserve_rng, args, kwargs, owner, attempt + 1, draws)
+
+
+def _draws(frame: CallFrame) -> list[tuple[Any, torch.Tensor]]:
+    """The generators a forward pass cut short drew from, with their states before each draw, in order."""
+    if isinstance(frame, TraceFrame):
+        return [s.rng for s in frame.trace.steps if s.rng is not None]
+    assert isinstance(frame, Frame)
+    return [r.rng for r in frame.recorder.ops if r.rng is not None]
 
 
 def _with_program(frame: Frame, ctx: Any, owner: Any) -> Program | None:
