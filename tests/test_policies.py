@@ -408,3 +408,34 @@ def test_einsum_contractions_are_classified_by_their_batch_dims(eq, shapes, batc
         got = torch.autograd.grad(remat(f, policy=pol)(*args), args)
         for a, b in zip(got, want):
             assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian", "vmap(grad)"])
+def test_a_policy_that_reads_its_arguments_values_is_exact_under_forward_ad(transform):
+    """A policy may read what it is handed (keep an op's output when its input is large). Under forward AD
+    (``jvp``, ``jacfwd``, ``hessian``) torch runs internal checks on "efficient zero tensors", which have no storage;
+    handed one, such a policy crashed the process (a segmentation fault). Those ops, whose outputs are meta tensors,
+    are not the policy's: the policy's answers on the function's ops, and the gradients, are plain's."""
+    asked = []
+
+    def reads_values(op, *args, **kwargs):
+        for t in args:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0:
+                asked.append(op)
+                return bool(t.abs().sum() > 10)
+        return False
+
+    def f(x):
+        return (x * x.detach()).sin().sum(-1)
+
+    x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    F = torch.func
+    run = {
+        "jvp": lambda g: F.jvp(g, (x,), (x,))[1],
+        "jacfwd": lambda g: F.jacfwd(g)(x),
+        "hessian": lambda g: F.hessian(lambda y: g(y).sum())(x),
+        "vmap(grad)": lambda g: F.vmap(F.grad(lambda y: g(y).sum()))(x),
+    }[transform]
+    for _ in range(2):
+        assert torch.allclose(run(remat(f, policy=reads_values)), run(f), rtol=1e-10, atol=1e-10)
+    assert asked and torch.ops.aten.sin.default in asked

@@ -154,6 +154,30 @@ def test_a_large_constant_whose_data_changed_before_the_backward_is_exact_or_rai
         loss.backward()
 
 
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls"])
+def test_a_large_numpy_array_lifted_inside_and_written_before_the_backward_is_exact(policy: str) -> None:
+    """``torch.as_tensor(array)`` inside the function shares the array's memory; NumPy writes it in place between
+    the passes, which no version counter shows. Plain autograd does not save it (``add``), so its gradient is the
+    forward pass's; the replay reads a copy taken when the forward pass ended, of any size (a small outside tensor's
+    copy alone gave the written values to one over 64 KiB: off by 148)."""
+    state = {}
+
+    def f(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ W + torch.as_tensor(state["arr"]))
+
+    def run(fn):
+        state["arr"] = np.arange(130 * 130).reshape(130, 130) % 7 * 0.01  # 135 KB
+        W = (seeded_randn(130, 130) * 0.1).requires_grad_()
+        out = fn(W, torch.ones(130, 130, dtype=torch.float64))
+        state["arr"] += 1.0  # in place, through NumPy
+        (g,) = torch.autograd.grad(out.pow(2).sum(), W)
+        return g
+
+    want = run(f)
+    got = run(remat(f, policy=policy))
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-10)
+
+
 # ---- values that depend on no differentiated input follow the policy, as in JAX ----------------------------
 
 

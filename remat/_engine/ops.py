@@ -387,7 +387,7 @@ class OpInfo:
         # an offset from the storage's first byte (as_strided): a copy of an outside storage must be whole
         self.absolute = func.overloadpacket.__name__ in ox.ABSOLUTE
         self.simple = (not other and not self.mutable and not self.random and bool(tpos) and self.trusted
-                       and func is not ALIAS and not self.inplace_view and not self.absolute)
+                       and func is not ALIAS and not self.inplace_view and not self.absolute and func not in LIFTS)
 
 
 def _tensor_kind(t: Any) -> int:

@@ -25,7 +25,10 @@ call.
 from __future__ import annotations
 
 import collections.abc
+import copy
+import dataclasses
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -223,14 +226,74 @@ def _flatten(fn: Callable[..., Any], name: str, statics: tuple[int, ...], args: 
     dyn = tuple(_STATIC if i in static_pos else a for i, a in enumerate(args))
     flat: list[Any]
     flat, spec = optree.tree_flatten((dyn, kwargs), none_is_leaf=True)  # type: ignore[arg-type]
+    flat, collapse = _dataclass_fields(flat)
 
     # run must not close over args: the frame holds run until the backward pass, and the
     # tensors in args (which a nested call hands to its parent to drop) would stay alive
     static_vals = {i: args[i] for i in static_pos}
 
     def run(leaves: list[Any]) -> Any:
-        dargs, kw = optree.tree_unflatten(spec, leaves)
+        dargs, kw = optree.tree_unflatten(spec, leaves if collapse is None else collapse(leaves))
         full = tuple(static_vals[i] if i in static_vals else a for i, a in enumerate(dargs))
         return fn(*full, **kw)
 
     return flat, run, static_vals
+
+
+def _is_dataclass(a: Any) -> bool:
+    # (a ModelOutput is a dataclass and a mapping whose items mirror its fields: a leaf, as optree has it)
+    return dataclasses.is_dataclass(a) and not isinstance(a, (type, torch.Tensor, collections.abc.Mapping))
+
+
+def _dataclass_fields(leaves: list[Any]) -> tuple[list[Any], Callable[[list[Any]], list[Any]] | None]:
+    """Dataclass instances among optree's leaves (one registered with torch's pytree for ``torch.func``, or none) give
+    their fields' leaves, so that their tensors are the call's inputs as a dict's are (under ``torch.func``, the
+    recompute's tensors at the rebuilt levels); and the function that puts the instances back: the instance itself
+    while its fields' leaves are those it has, else a copy with the leaves given (the frame holds that function until
+    the backward pass: it holds the instance weakly, and an empty copy of it, never its tensors)."""
+    if not any(_is_dataclass(a) for a in leaves):
+        return leaves, None
+    out: list[Any] = []
+    parts: list[Any] = []
+    for a in leaves:
+        if not _is_dataclass(a):
+            parts.append(None)
+            out.append(a)
+            continue
+        names = tuple(f.name for f in dataclasses.fields(a))
+        sub: list[Any]
+        sub, spec = optree.tree_flatten(tuple(getattr(a, k) for k in names), none_is_leaf=True)  # type: ignore[arg-type]
+        sub, inner = _dataclass_fields(sub)
+        empty = copy.copy(a)
+        for k in names:
+            object.__setattr__(empty, k, None)
+        try:
+            ref: Any = weakref.ref(a)
+        except TypeError:  # (``slots=True``: always a copy)
+            ref = None
+        parts.append((ref, tuple(map(id, sub)), empty, names, spec, len(sub), inner))
+        out.extend(sub)
+
+    def collapse(flat: list[Any]) -> list[Any]:
+        res: list[Any] = []
+        i = 0
+        for p in parts:
+            if p is None:
+                res.append(flat[i])
+                i += 1
+                continue
+            ref, ids, empty, names, spec, n, inner = p
+            sub = flat[i:i + n]
+            i += n
+            a = ref() if ref is not None else None
+            if a is not None and all(id(x) == k for x, k in zip(sub, ids)):
+                res.append(a)
+                continue
+            a = copy.copy(empty)
+            for k, v in zip(names, optree.tree_unflatten(spec, sub if inner is None else inner(sub))):
+                object.__setattr__(a, k, v)
+            res.append(a)
+        return res
+
+    return out, collapse
+

@@ -63,7 +63,7 @@ from .._policies.naming import checkpoint_name
 from .._torch_internals import TorchDispatchMode
 from . import outside as ox
 from .ambient import AmbientFlags
-from .ops import ALIAS, RANGE_OPS, OpInfo, generator_for, op_info, profiler_op
+from .ops import ALIAS, LIFTS, RANGE_OPS, OpInfo, generator_for, op_info, profiler_op
 
 __all__ = ["Step", "Trace", "Tracer"]
 
@@ -128,15 +128,15 @@ class Trace:
         self.producer: dict[int, Step] = {}  # op-made slot -> its step
         self.refs: dict[int, weakref.ref[Tensor]] = {}  # op-made slot -> its tensor, weakly
         self.on_demote: Callable[[int], None] | None = None  # a name dropped a kept slot (the frame re-packs it)
-        # an offloaded slot a replayed step reads: the frame hands it to the offload engine (True: it did)
         self.on_write: Callable[[int], None] | None = None  # a storage about to be written (the offload engine)
         self.on_quiet_write: Callable[[Any], None] | None = None  # an offloaded save written, its version unmoved
         self.root: dict[int, int] = {}  # a view's slot -> the slot it is a view of, transitively (its version counter)
-        self.offload: Callable[[int, Tensor, Any], bool] | None = None
+        self.offload: Callable[[int, Tensor, Any], bool] | None = None  # hands a kept slot to the offload engine (True: it did)
         self.outside: dict[int, tuple[Tensor, int]] = {}  # outside slot -> (tensor, version when first read)
         self.outside_keys: dict[int, list[int]] = {}  # storage key -> outside slots living there
         self.inputs: dict[int, int] = {}  # outside slot -> which input of the call (set by the frame)
         self.snapshots: dict[int, Tensor] = {}  # outside slot -> a copy of its value (small ones: ``_prune``)
+        self.lifted: set[int] = set()  # outside slots Python data was lifted from (``torch.as_tensor(array)``)
         # NOTE [outside writes]: storage key -> the storage before the call first wrote it; the outside slots on it
         # -> (key, geometry): every replay reads and writes views of one fresh copy of that storage
         self.shadows: dict[int, Any] = {}  # (ox.StorageSnapshot, or None for a wrapper subclass)
@@ -529,6 +529,8 @@ class Tracer(TorchDispatchMode):
                 tkw[k] = None
         step = Step(func, info.call, targs, tkw, refs)
         step.inplace_view = info.inplace_view
+        if func in LIFTS and refs and refs[0][2] in trace.outside:
+            trace.lifted.add(refs[0][2])  # (a NumPy array's memory, which a write no version shows may change)
         if info.absolute:  # (as_strided of a tensor from outside: the replay's copy of its storage is whole)
             for _, _, r in refs:
                 trace.whole(trace.key_of.get(r, 0))

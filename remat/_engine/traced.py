@@ -660,14 +660,14 @@ class TraceFrame(_Saving, _Serving):
             t, v = trace.outside[s]
             trace.outside[s] = (None, v)  # type: ignore[assignment]  # (the parent holds it)
         if self.counts:
-            # NOTE [outside tensors]: a small one that needs no gradient (running statistics, a mask, a constant from
-            # torch.tensor) is copied now: the replay reads the forward's value whatever happens to it next, even a
-            # write no version counter shows (a batch norm's, outside the call)
+            # NOTE [outside tensors]: a small one that needs no gradient (running statistics, a mask, torch.tensor's
+            # constant), or any lifted inside the call (``torch.as_tensor(array)``), is copied now: the replay reads the
+            # forward's value whatever happens to it next, even a write no version shows (NumPy's, a batch norm's)
             snaps = trace.snapshots
             for s, (t, _) in trace.outside.items():
                 if (t is not None and s not in snaps and s not in trace.shadowed and s not in trace.inputs
                         and not t.requires_grad
-                        and ox.nbytes(t) <= ox.SMALL):
+                        and (ox.nbytes(t) <= ox.SMALL or s in trace.lifted)):
                     g = trace.geometry0.get(s)  # (reshaped in place since the call read it: as it read it)
                     snaps[s] = (ti.detach_below_modes(t) if g is None else ox.at_geometry(t.detach(), g)).clone()
         drops = trace.drops
