@@ -328,3 +328,80 @@ def test_inner_backward_with_batch_norm_called_twice(policy: str) -> None:
         return [*grads, bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone()]
 
     assert_tree_close(run(remat(f, policy=POLICIES[policy])), run(f))
+
+
+@pytest.mark.parametrize("transform", ["grad", "jacrev", "vmap(grad)"])
+@pytest.mark.parametrize("policy", ["everything", "dots", "keep-tanh"])
+def test_inner_backward_under_torch_func_with_a_policy_that_keeps(policy: str, transform: str) -> None:
+    """``torch.autograd.grad(..., create_graph=True)`` inside the function (a force ``-dE/dx``, a penalty on
+    ``dE/dW``) under a reverse ``torch.func`` transform, where the policy keeps what the inner backward pass reads:
+    the kept values were held without their history at the transform's level, so the inner graph missed the paths
+    through them (off by 3.2 and by 200 with save-everything, silently). While the forward pass runs, a kept value
+    is read as the tensor itself. A policy that drops something is exact or raises (NOTE [backward inside the forward
+    pass]); save-everything is exact."""
+    pol = (lambda op, *a, **k: op is torch.ops.aten.tanh.default) if policy == "keep-tanh" else POLICIES[policy]
+
+    def force(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            xr = x if x.requires_grad else x.detach().requires_grad_()
+            e = (torch.tanh(xr @ W) ** 2).sum()
+            (g,) = torch.autograd.grad(e, xr, create_graph=True)
+        return (g * x).exp() * 0.1
+
+    def penalty_on_w(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            e = (torch.tanh(x @ W) ** 2).sum()
+            (gW,) = torch.autograd.grad(e, W, create_graph=True)
+        return x @ gW
+
+    W, x = seeded_randn(6, 6) * 0.5, seeded_randn(4, 6, seed=1)
+    F = torch.func
+    for f in (force, penalty_on_w):
+        def loss(g):  # noqa: ANN001, ANN202
+            return lambda W, x: (g(W, x) ** 2).sum()
+
+        run = {
+            "grad": lambda g: F.grad(loss(g), argnums=(0, 1))(W, x),
+            "jacrev": lambda g: F.jacrev(loss(g), argnums=(0, 1))(W, x),
+            "vmap(grad)": lambda g: F.vmap(F.grad(loss(g), argnums=(0, 1)), in_dims=(None, 0))(W, x[:, None]),
+        }[transform]
+        for _ in range(2):
+            try:
+                got = run(remat(f, policy=pol))
+            except RematError:
+                assert policy != "everything"  # (one that drops something the inner pass or the recompute reads)
+                continue
+            assert_tree_close(got, run(f), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian", "jacrev-random"])
+def test_a_region_under_forward_mode_or_random_under_jacrev_raises_what_to_do(transform: str) -> None:
+    """A function that enters ``torch.func.vjp`` itself runs as a region (NOTE [reentrant region]), which has no
+    forward-mode rule, and runs its Python again in the backward pass, where ``jacrev``'s vmap refuses a random draw:
+    torch's ``NotImplementedError`` and ``RuntimeError`` before, ``RematError`` saying what to use now. Plain
+    ``torch.func`` runs these; the region under ``jacrev`` without a draw stays exact."""
+    W = seeded_randn(6, 6) * 0.5
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        if transform == "jacrev-random":
+            x = torch.nn.functional.dropout(x, 0.3)
+        o, fn = torch.func.vjp(lambda y: torch.tanh(y @ W), x)
+        return (fn(torch.ones_like(o))[0] * x).sum(-1)
+
+    x, t = seeded_randn(4, 6, seed=1), seeded_randn(4, 6, seed=2)
+    F = torch.func
+    run = {
+        "jvp": lambda g: F.jvp(g, (x,), (t,))[1],
+        "jacfwd": lambda g: F.jacfwd(g)(x),
+        "hessian": lambda g: F.hessian(lambda y: g(y).sum())(x),
+        "jacrev-random": lambda g: F.jacrev(g)(x),
+    }[transform]
+    if transform != "jacrev-random":
+        run(f)  # (plain runs it)
+    want = "randomness" if transform == "jacrev-random" else "forward-mode transform"
+    with pytest.raises(RematError, match=want):
+        run(remat(f, policy="save-nothing"))
+    g = remat(lambda y: (torch.func.vjp(lambda z: torch.tanh(z @ W), y)[1](torch.ones(4, 6, dtype=y.dtype))[0] * y)
+              .sum(-1))
+    assert_tree_close(F.jacrev(g)(x), F.jacrev(lambda y: (torch.func.vjp(lambda z: torch.tanh(z @ W), y)[1](
+        torch.ones(4, 6, dtype=y.dtype))[0] * y).sum(-1))(x), rtol=1e-10, atol=1e-10)

@@ -147,6 +147,7 @@ class _Saving(Half):
     route it to the enclosing call, as the policy decided for the op that made it; a half of ``Frame``."""
 
     _tangents_todo: list[tuple[torch.Tensor, int]]  # (set by Frame.__init__, as every attribute this half reads)
+    _live: dict[Packed, torch.Tensor]
 
     def pack(self, t: torch.Tensor) -> Packed:
         with internal():
@@ -195,7 +196,13 @@ class _Saving(Half):
                     INSPECTOR.set(was)
                 p = Packed(self, ROUTED, s, pos, handle, phys._version, meta, rec)
             else:  # an input or parameter held by reference, or a saved op output
-                p = Packed(self, KEEP, s, pos, holdable(t), phys._version, meta, rec)
+                held = holdable(t)
+                p = Packed(self, KEEP, s, pos, held, phys._version, meta, rec)
+                if held is not t:
+                    # a backward pass inside the forward pass that builds a graph (a gradient penalty's
+                    # create_graph=True) reads it with its history, which the held alias lacks: the tensor itself
+                    # until the forward pass ends (the cycle through its node ends then)
+                    self._live[p] = t
                 if rec is not None:
                     self._kept.setdefault(storage_key(phys), []).append((p, self.recorder.vid(phys)))
                 if rec is not None and rec.stash is not None and any(lv.kind == "grad" for lv in self.levels[:s]):
@@ -298,6 +305,7 @@ class _Serving(Half):
     of ``Frame``."""
 
     _in_cache: list[Any] | None  # (set by Frame.__init__, as every attribute this half reads)
+    _live: dict[Packed, torch.Tensor]
     _served: int
 
     def unpack(self, p: Packed) -> torch.Tensor:
@@ -320,7 +328,7 @@ class _Serving(Half):
     def _unpack(self, p: Packed) -> torch.Tensor:
         if p.kind == KEEP:
             self._check_version(p.version, p.meta, ti.unwrap_all(p.payload)._version)
-            return p.payload  # type: ignore[no-any-return]
+            return p.payload if not self._live else self._live.get(p, p.payload)  # type: ignore[no-any-return]
         if p.kind == OFFLOAD:
             return self.engine.fetch(p.payload)  # type: ignore[no-any-return]
         if p.kind == INPUT:
@@ -461,6 +469,7 @@ class Frame(_Saving, _Serving):
         self.recorder.describe_tensor = state.label_of
         self.recorder.keep_written_offloads = h > 0  # NOTE [written before offloaded] in _engine/outside_writes.py
         self._kept: dict[int, list[tuple[Packed, int]]] = {}  # storage key -> kept packs made here, vid
+        self._live: dict[Packed, torch.Tensor] = {}  # kept packs -> their tensors, during the forward pass
         with internal():
             tensors = [a for a in flat if isinstance(a, torch.Tensor)]
             self.ambient = AmbientState.capture(tensors, preserve_rng)
@@ -600,6 +609,7 @@ class Frame(_Saving, _Serving):
                 self.program.finish()
             self.needed_vids = set()
             self._kept = {}
+            self._live = {}
             self._mixed = []
             self._tangents_todo = []
             self.input_ids = {}

@@ -218,7 +218,18 @@ class _Call:
             es.enter_context(ti.saved_tensors_hooks_set_aside())
             es.enter_context(self.ambient.restored())
             es.enter_context(replayer)
-            res = torch.func.vjp(self._fn(list(saved), diff), *[saved[i] for i in diff])
+            try:
+                res = torch.func.vjp(self._fn(list(saved), diff), *[saved[i] for i in diff])
+            except RuntimeError as e:
+                if "randomness" not in str(e):
+                    raise
+                raise RematError(
+                    f"remat: {self.fn_name} enters a torch.func reverse transform itself and draws random numbers, "
+                    "under a torch.func.vmap whose randomness is 'error' (jacrev, jacfwd and hessian vmap with it): "
+                    "remat runs its Python again in the backward pass (NOTE [reentrant region]), where the draw "
+                    "raises. Pass randomness='same' or 'different' to an explicit vmap (vmap(vjp_fn, randomness="
+                    "'different')), or call the function without remat there."
+                ) from e
             floats, vjp_fn = res[0], res[1]
             replayer.finish()
         float_grads = [g for g, is_f in zip(grads, self._order) if is_f]
@@ -346,6 +357,14 @@ def run_region(run: Callable[[list[Any]], Any], flat: list[Any], fn_name: str, p
                preserve_rng: bool, state: Snapshot, draws: list[tuple[Any, torch.Tensor]] | None = None) -> Any:
     """Run one call of a remat'd function as a reentrant region (NOTE [reentrant region]); ``draws``: on the call that
     found out, the generators its first attempt drew from and their states, in order (``_same_draws``)."""
+    if any(i.key() == ti.TransformType.Jvp for i in ti.interpreter_stack()):
+        raise RematError(
+            f"remat: {fn_name} enters a torch.func reverse transform itself (torch.func.grad, vjp or "
+            "torch.autograd.grad under one), and it is called under a forward-mode transform (torch.func.jvp, jacfwd, "
+            "hessian): remat runs such a function as a region of its own, which has no forward-mode rule. Call it "
+            "without remat under forward mode, or take the outer derivative with a reverse transform (jacrev, "
+            "jacrev(jacrev) for a hessian)."
+        )
     call = _Call(run, flat, fn_name, policy, preserve_rng, state)
     call.draws = draws
     try:
