@@ -11,6 +11,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import pytest
 import torch
 
@@ -348,3 +349,34 @@ def test_pieces_of_an_input_written_between_the_passes_raise(pieces: str, view_i
     x = torch.randn(4, 6, dtype=torch.float64).requires_grad_()
     assert torch.allclose(torch.autograd.grad(g(x).sum(), x)[0], torch.autograd.grad(f(x).sum(), x)[0],
                           rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("route", ["eager", "debug", "vjp", "vmap_grad"])
+def test_unsafe_view_of_offloaded_product_shares_its_copy(route: str) -> None:
+    """3-D ``x @ W`` is ``mm`` then ``_unsafe_view``: the product, copied when the view read it, dies at once, and the
+    view saved later (gelu's input, W's gradient below the levels) shared no copy with it: each offloaded product
+    was copied twice (twice the host bytes on the full engine)."""
+    import torch.nn.functional as F
+    from torch.func import grad, vjp, vmap
+
+    W1 = torch.randn(8, 32, requires_grad=True)
+    W2 = torch.randn(32, 8, requires_grad=True)
+    x = torch.randn(2, 4, 8)
+    f = lambda W1, W2, x: torch.sin(F.gelu(x @ W1) @ W2).sum()  # noqa: E731
+    pol = lambda op, *a, **k: (policies.Offloadable("cpu", "cpu", min_bytes=0)  # noqa: E731
+                               if op is torch.ops.aten.mm.default else policies.Recompute)
+    g = remat(f, policy=pol, debug=route == "debug")
+    eng = OffloadEngine()
+    with use_engine(eng), pytest.warns(UserWarning, match="cpu to cpu"):
+        if route == "vjp":
+            _, fn = vjp(g, W1, W2, x)
+            got, want = fn(torch.ones(())), vjp(f, W1, W2, x)[1](torch.ones(()))
+        elif route == "vmap_grad":
+            got = vmap(grad(lambda W, xx: g(W, W2, xx)), in_dims=(None, 0))(W1, x)
+            want = vmap(grad(lambda W, xx: f(W, W2, xx)), in_dims=(None, 0))(W1, x)
+        else:
+            got = torch.autograd.grad(g(W1, W2, x), (W1, W2))
+            want = torch.autograd.grad(f(W1, W2, x), (W1, W2))
+    assert eng.stats["copies"] == 2, eng.stats
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)):
+        assert torch.equal(a, b)

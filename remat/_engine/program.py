@@ -234,7 +234,8 @@ class Program:
         # forward pass read, whatever happens to the name it was read through (a global rebound, a queue popped);
         # held weakly, one that died made the Python run again, its side effects twice (a review, the
         # twenty-seventh session)
-        self.outside[s] = t
+        if self.spoiled is None:  # (a spoiled program replays nothing: holding what spoiled it kept it alive)
+            self.outside[s] = t
         return s
 
     # ---- replay ----------------------------------------------------------------------

@@ -221,7 +221,15 @@ class _Group:
         # counter than the copied tensor's is the recorder's or the tap's to report: storage_written. Of another
         # counter, only a copy that has read its bytes: a kept one's write check watches the copied tensor's counter)
         r = rref()
-        if r is None or r._version != ver:
+        if r is None:
+            # the tensor copied died, its storage lives on in an alias (matmul's 2-D product, copied when a later op
+            # read it, saved as its 3-D ``_unsafe_view``, which has a counter of its own): its counter, if it lives,
+            # is its aliases' (vsrc, a .detach()), so share only with a tensor at the version it was copied at, as
+            # below for another counter (a copy of its own doubled the host bytes)
+            r = c.vsrc
+            if r is None:
+                return c if version == ver else None
+        if r._version != ver:
             return None
         if r is root or c.vsrc is None:
             return c
