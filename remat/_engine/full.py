@@ -576,7 +576,9 @@ class Frame(_Saving, _Serving):
                 self._replay_kept_above_grad()
                 self._promote_tangents()
                 with below_all_levels():  # promoting detaches (and may offload) plain tensors
-                    if any(lv.kind == "jvp" for lv in self.levels) or (
+                    if not self.drops and not self.routed:
+                        self.recorder.release_stash()  # (nothing dropped: no recompute, no tangents to make)
+                    elif any(lv.kind == "jvp" for lv in self.levels) or (
                             self.levels and self.recorder.mutated_inplace
                             and any(isinstance(r.decision, Offloadable) for r in self.recorder.ops)):
                         # under jvp the recompute must also produce tangents, which the saved
