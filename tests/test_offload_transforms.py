@@ -130,7 +130,8 @@ def test_forward_mode_alone_takes_an_in_place_write_into_an_offloaded_output(tra
     """Forward mode alone saves nothing a backward pass reads: ``h.relu_()`` into an offloaded product under ``jvp``
     or ``jacfwd`` raised "writes in place into a tensor that its offload policy offloads ... under torch.func"
     (the refusal guards a backward pass's replay). Now plain's values, every call; with plain autograd below the
-    level (a backward pass through the primal), it still refuses."""
+    level, the jvp too (it raised there, with parameters that require a gradient, as a module's do), and a backward
+    pass through the primal refuses."""
 
     def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         h = x @ w
@@ -144,8 +145,11 @@ def test_forward_mode_alone_takes_an_in_place_write_into_an_offloaded_output(tra
         assert_tree_close(_forward_mode(transform, g, w, x, t), _forward_mode(transform, f, w, x, t), rtol=1e-10,
                           atol=1e-10)
     w = w.clone().requires_grad_()
+    out, tangent = jvp(lambda w: g(w, x), (w,), (t,))
+    assert_tree_close((out, tangent), jvp(lambda w: f(w, x), (w,), (t,)), rtol=1e-10, atol=1e-10)
+    assert out.grad_fn is not None
     with pytest.raises(RematError, match="offload policy offloads"):
-        jvp(lambda w: g(w, x), (w,), (t,))
+        out.sum().backward()
 
 
 def _forward_mode(transform: str, h: Any, w: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> Any:

@@ -306,6 +306,7 @@ class _Serving(Half):
 
     _in_cache: list[Any] | None  # (set by Frame.__init__, as every attribute this half reads)
     _live: dict[Packed, torch.Tensor]
+    _refused: RematError | None
     _served: int
 
     def unpack(self, p: Packed) -> torch.Tensor:
@@ -315,6 +316,8 @@ class _Serving(Half):
             return self._unpack_counted(p)
 
     def _unpack_counted(self, p: Packed) -> torch.Tensor:
+        if self._refused is not None:
+            raise self._refused
         out = self._unpack(p)
         _note_unpacked(out)  # NOTE [backward inside the forward pass]
         if self.routed:
@@ -470,6 +473,7 @@ class Frame(_Saving, _Serving):
         self.recorder.keep_written_offloads = h > 0  # NOTE [written before offloaded] in _engine/outside_writes.py
         self._kept: dict[int, list[tuple[Packed, int]]] = {}  # storage key -> kept packs made here, vid
         self._live: dict[Packed, torch.Tensor] = {}  # kept packs -> their tensors, during the forward pass
+        self._refused: RematError | None = None  # what a backward pass that reads the saves raises
         with internal():
             tensors = [a for a in flat if isinstance(a, torch.Tensor)]
             self.ambient = AmbientState.capture(tensors, preserve_rng)
@@ -562,13 +566,16 @@ class Frame(_Saving, _Serving):
                         key = storage_key(ti.unwrap_all(t))
                     self._outs.append((weakref.ref(t), key, None if ran is None else weakref.ref(ran), t._version))
             if self.levels and self.recorder.offloaded_written is not None and self._reverse(flat):
-                raise RematError(
+                self._refused = RematError(
                     f"remat: {self.fn_name} writes in place into a tensor that its offload policy offloads "
                     f"({self.recorder.offloaded_written}, in its code or in a torch function it calls, such as "
                     "cross_entropy with label_smoothing), under torch.func; remat does not support that yet (its replay could "
                     "give wrong gradients). Make the write out of place (h = h * 2 instead of h.mul_(2)), keep "
                     "that op's output out of the offload policy, or use a save or recompute policy under torch.func."
                 )
+                if any(lv.kind == "grad" for lv in self.levels):
+                    raise self._refused
+                # (forward mode alone, plain autograd below it: only a backward pass that reads the saves is refused)
             self.forwarding = False
             self._release_all()  # what a backward pass inside the forward pass recomputed (partial)
             with internal():
