@@ -110,6 +110,17 @@ def data_replaced(fn_name: str, shape: list[int]) -> RematError:
     )
 
 
+def lifted_changed(fn_name: str, t: Any) -> RematError:
+    """Python data of over 16 MiB lifted inside the call (``torch.as_tensor(array)``) changed before the replay."""
+    return RematError(
+        f"remat: {fn_name} built a tensor of shape {list(t.shape)} from Python data inside the call "
+        "(torch.as_tensor of a NumPy array, or torch.tensor), and its values changed between the forward and the "
+        "backward pass (a write through NumPy, which no version counter shows); the recompute would read the new "
+        "values. Remat copies such data up to 16 MiB and checks a hash of larger data. Write the array after the "
+        "backward pass, or pass the tensor to the function as an argument."
+    )
+
+
 def offloaded_written_after_save(fn_name: str, shape: Any) -> RematError:
     """A tensor the call offloaded was written in place after it was saved."""
     return RematError(

@@ -138,3 +138,92 @@ def test_the_function_gets_the_callers_own_instance_and_the_frame_holds_none_of_
     gc.collect()
     assert ref() is None  # (the frame holds it weakly)
     loss.backward()
+
+
+@dataclasses.dataclass(slots=True)
+class _SlottedState:
+    w: torch.Tensor
+    calls: int = 0
+    cache: Any = None
+
+
+_GLOBAL: list[Any] = []
+
+
+def test_a_slots_dataclass_is_the_callers_own_in_the_forward_pass() -> None:
+    """A ``slots=True`` instance cannot be held weakly: held then (as a leaf was), so that the function still gets the
+    caller's own object (before: a copy; what it set was lost and ``s is GLOBAL`` flipped, silently)."""
+
+    def f(s: _SlottedState, x: torch.Tensor) -> torch.Tensor:
+        s.calls += 1
+        s.cache = h = torch.sin(x @ s.w)
+        return h.sum() * (2.0 if s is _GLOBAL[0] else 1.0)
+
+    _GLOBAL[:] = [_SlottedState(seeded_randn(4, 4).requires_grad_())]
+    s, x = _GLOBAL[0], seeded_randn(3, 4, seed=1)
+    want = torch.autograd.grad(f(s, x), s.w)
+    got = torch.autograd.grad(remat(f)(s, x), s.w)
+    assert s.calls == 2 and s.cache is not None
+    _same(got, want, f64)
+
+
+@dataclasses.dataclass
+class _Lazy:
+    w: torch.Tensor
+    cache: torch.Tensor = dataclasses.field(init=False)  # (not set until the function sets it)
+
+
+@dataclasses.dataclass
+class _Node:
+    w: torch.Tensor
+    parent: Any = None
+    it: Any = None
+
+
+@pytest.mark.parametrize("kind", ["init-false-unset", "cycle", "iterator-field", "uncopyable"])
+def test_a_dataclass_that_cannot_be_taken_apart_stays_a_leaf(kind: str) -> None:
+    """A field not set yet, an instance that refers to itself, an iterator among its fields or one that cannot be
+    copied: a leaf, as before the fields became inputs (those raised AttributeError, RecursionError, TypeError)."""
+
+    class NoCopy(_Node):
+        def __copy__(self) -> Any:
+            raise TypeError("no copies")
+
+    def make() -> Any:
+        w = seeded_randn(4, 4).requires_grad_()
+        if kind == "init-false-unset":
+            return _Lazy(w)
+        n = (NoCopy if kind == "uncopyable" else _Node)(w)
+        if kind == "cycle":
+            n.parent = n
+        if kind == "iterator-field":
+            n.it = iter([1, 2])
+        return n
+
+    def f(p: Any, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ p.w).pow(2).sum()
+
+    x = seeded_randn(3, 4, seed=1)
+    p = make()
+    want = torch.autograd.grad(f(p, x), p.w)
+    p = make()
+    _same(torch.autograd.grad(remat(f)(p, x), p.w), want, f64)
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["replay", "re-run"])
+def test_a_field_rebound_between_the_passes_is_read_as_the_forward_pass_read_it(debug: bool) -> None:
+    """The caller rebinds a field between the passes (``p.b = p.b + 1``), as it may a dict's entry: the recompute
+    reads the leaves of the forward pass (a re-run is handed a copy holding them; it was handed the caller's instance,
+    whose new field made it diverge)."""
+
+    def f(p: Params, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.sin(x @ p.w) + p.b).pow(2).sum()
+
+    def run(F: Any) -> Any:
+        p, x = _params(f64)
+        p.w.requires_grad_()
+        out = F(p, x)
+        p.b = p.b + 1
+        return torch.autograd.grad(out, p.w)
+
+    _same(run(remat(f, debug=debug)), run(f), f64)

@@ -178,6 +178,25 @@ def test_a_large_numpy_array_lifted_inside_and_written_before_the_backward_is_ex
     assert torch.allclose(got, want, rtol=1e-10, atol=1e-10)
 
 
+def test_a_lifted_array_over_16_mib_is_hashed_not_copied_and_a_write_raises() -> None:
+    """Past 16 MiB the copy would hold a whole table per call (a memory-mapped one read into memory): the replay
+    checks a hash of it instead. Unwritten, exact; written through NumPy between the passes, ``RematError``."""
+    arr = np.ones((1100, 2000))  # 17.6 MB
+
+    def f(W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ W + torch.as_tensor(arr)[:4, :3]).sum()
+
+    W, x = seeded_randn(3, 3).requires_grad_(), seeded_randn(4, 3, seed=1)
+    g = remat(f)
+    (want,) = torch.autograd.grad(f(W, x), W)
+    (got,) = torch.autograd.grad(g(W, x), W)
+    assert torch.equal(got, want)
+    loss = g(W, x)
+    arr[0, 0] = 5.0
+    with pytest.raises(RematError, match="from Python data inside the call"):
+        loss.backward()
+
+
 # ---- values that depend on no differentiated input follow the policy, as in JAX ----------------------------
 
 

@@ -75,6 +75,7 @@ def replace_tensors(args: tuple[Any, ...], kwargs: dict[str, Any],
 
 
 SMALL = 64 * 1024  # bytes: outside tensors up to this size that need no gradient are copied, not checked
+LIFTED_COPIED = 16 << 20  # bytes: Python data lifted inside a call up to this size is copied; above, hashed
 
 
 def nbytes(t: torch.Tensor) -> int:

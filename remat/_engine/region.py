@@ -357,14 +357,6 @@ def run_region(run: Callable[[list[Any]], Any], flat: list[Any], fn_name: str, p
                preserve_rng: bool, state: Snapshot, draws: list[tuple[Any, torch.Tensor]] | None = None) -> Any:
     """Run one call of a remat'd function as a reentrant region (NOTE [reentrant region]); ``draws``: on the call that
     found out, the generators its first attempt drew from and their states, in order (``_same_draws``)."""
-    if any(i.key() == ti.TransformType.Jvp for i in ti.interpreter_stack()):
-        raise RematError(
-            f"remat: {fn_name} enters a torch.func reverse transform itself (torch.func.grad, vjp or "
-            "torch.autograd.grad under one), and it is called under a forward-mode transform (torch.func.jvp, jacfwd, "
-            "hessian): remat runs such a function as a region of its own, which has no forward-mode rule. Call it "
-            "without remat under forward mode, or take the outer derivative with a reverse transform (jacrev, "
-            "jacrev(jacrev) for a hessian)."
-        )
     call = _Call(run, flat, fn_name, policy, preserve_rng, state)
     call.draws = draws
     try:
@@ -372,6 +364,16 @@ def run_region(run: Callable[[list[Any]], Any], flat: list[Any], fn_name: str, p
     except NeedsRegion as e:  # a remat'd function inside found out: the outermost call runs again
         e.rewind = call.rewind
         raise
+    except NotImplementedError as e:  # (forward AD reached the region: a tangent flows into it)
+        if "jvp function" not in str(e):
+            raise
+        raise RematError(
+            f"remat: {fn_name} enters a torch.func reverse transform itself (torch.func.grad, vjp or "
+            "torch.autograd.grad under one), and a tangent of a forward-mode transform (torch.func.jvp, jacfwd, "
+            "hessian) flows into it: remat runs such a function as a region of its own, which has no forward-mode "
+            "rule. Call it without remat under forward mode, or take the outer derivative with a reverse transform "
+            "(jacrev, jacrev(jacrev) for a hessian)."
+        ) from e
     if isinstance(outs, torch.Tensor):
         outs = (outs,)
     it = iter(outs)

@@ -45,6 +45,8 @@ from typing import Any
 import optree
 import torch
 
+from .. import _errors as errors
+from .. import _torch_internals as ti
 from .._context import CACHES, INTERNAL, PENDING_NAME, internal
 from .._errors import RematError, inference_tensor
 from .._policies.core import (
@@ -136,7 +138,7 @@ class Trace:
         self.outside_keys: dict[int, list[int]] = {}  # storage key -> outside slots living there
         self.inputs: dict[int, int] = {}  # outside slot -> which input of the call (set by the frame)
         self.snapshots: dict[int, Tensor] = {}  # outside slot -> a copy of its value (small ones: ``_prune``)
-        self.lifted: set[int] = set()  # outside slots Python data was lifted from (``torch.as_tensor(array)``)
+        self.lifted: dict[int, Any] = {}  # outside slots Python data was lifted from -> a hash of a large one's value
         # NOTE [outside writes]: storage key -> the storage before the call first wrote it; the outside slots on it
         # -> (key, geometry): every replay reads and writes views of one fresh copy of that storage
         self.shadows: dict[int, Any] = {}  # (ox.StorageSnapshot, or None for a wrapper subclass)
@@ -530,7 +532,7 @@ class Tracer(TorchDispatchMode):
         step = Step(func, info.call, targs, tkw, refs)
         step.inplace_view = info.inplace_view
         if func in LIFTS and refs and refs[0][2] in trace.outside:
-            trace.lifted.add(refs[0][2])  # (a NumPy array's memory, which a write no version shows may change)
+            trace.lifted[refs[0][2]] = None  # (a NumPy array's memory, which a write no version shows may change)
         if info.absolute:  # (as_strided of a tensor from outside: the replay's copy of its storage is whole)
             for _, _, r in refs:
                 trace.whole(trace.key_of.get(r, 0))
@@ -678,3 +680,26 @@ def _name_decides(trace: Trace, s: int, decision: Decision) -> None:
             if o not in trace.stash and t is not None:
                 trace.keep(o, t)
             trace.read_by_replay(o)  # it may have been saved as dropped before the name was known
+
+
+def copy_outside(trace: Trace) -> None:
+    """NOTE [outside tensors]: when the forward pass ends, a small outside tensor that needs no gradient (running
+    statistics, a mask, torch.tensor's constant), or one lifted inside the call (``torch.as_tensor(array)``) up to
+    16 MiB, is copied: the replay reads the forward's value whatever happens to it next, even a write no version shows
+    (NumPy's, a batch norm's); a larger lifted one is hashed (``check_lifted``, as the full engine does)."""
+    snaps = trace.snapshots
+    for s, (t, _) in trace.outside.items():
+        if t is not None and s in trace.lifted and ox.nbytes(t) > ox.LIFTED_COPIED:
+            with internal():
+                trace.lifted[s] = ox.fingerprint(t)
+        elif (t is not None and s not in snaps and s not in trace.shadowed and s not in trace.inputs
+                and not t.requires_grad and (ox.nbytes(t) <= ox.SMALL or s in trace.lifted)):
+            g = trace.geometry0.get(s)  # (reshaped in place since the call read it: as it read it)
+            snaps[s] = (ti.detach_below_modes(t) if g is None else ox.at_geometry(t.detach(), g)).clone()
+
+
+def check_lifted(trace: Trace, s: int, t: Tensor) -> None:
+    """The replay reads lifted slot ``s``, ``t``, hashed when the forward pass ended: raise if its values changed."""
+    with internal():
+        if ox.fingerprint(t) != trace.lifted[s]:
+            raise errors.lifted_changed(trace.fn_name, t)

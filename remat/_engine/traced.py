@@ -68,7 +68,7 @@ from .ops import Half
 from .packed import DROP, INPUT, KEEP, OFFLOAD, ROUTED, kept_written, saved_written
 from .region import NeedsRegion, forward_pass
 from .replaying import ancestors, plan, run
-from .trace import Trace, Tracer
+from .trace import Trace, Tracer, check_lifted, copy_outside
 
 __all__ = ["TraceFrame", "traceable"]
 
@@ -322,6 +322,8 @@ class _Serving(Half):
                     raise RuntimeError(f"remat: internal error: outside slot {s} of {self.fn_name} was let go")
                 if t._version != v0:
                     self._refuse_outside_written(s, t, v0)
+                if trace.lifted and trace.lifted.get(s) is not None:
+                    check_lifted(trace, s, t)
                 g = trace.geometry0.get(s) if trace.geometry0 else None
                 if g is not None:  # (an in-place view op of the call reshaped it since: as the steps read it)
                     with internal():
@@ -660,16 +662,7 @@ class TraceFrame(_Saving, _Serving):
             t, v = trace.outside[s]
             trace.outside[s] = (None, v)  # type: ignore[assignment]  # (the parent holds it)
         if self.counts:
-            # NOTE [outside tensors]: a small one that needs no gradient (running statistics, a mask, torch.tensor's
-            # constant), or any lifted inside the call (``torch.as_tensor(array)``), is copied now: the replay reads the
-            # forward's value whatever happens to it next, even a write no version shows (NumPy's, a batch norm's)
-            snaps = trace.snapshots
-            for s, (t, _) in trace.outside.items():
-                if (t is not None and s not in snaps and s not in trace.shadowed and s not in trace.inputs
-                        and not t.requires_grad
-                        and (ox.nbytes(t) <= ox.SMALL or s in trace.lifted)):
-                    g = trace.geometry0.get(s)  # (reshaped in place since the call read it: as it read it)
-                    snaps[s] = (ti.detach_below_modes(t) if g is None else ox.at_geometry(t.detach(), g)).clone()
+            copy_outside(trace)  # NOTE [outside tensors]
         drops = trace.drops
         for p in drops:
             ds, dref = (p[0], p[2]) if type(p) is tuple else (p.slot, p.ref)
