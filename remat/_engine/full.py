@@ -203,6 +203,9 @@ class _Saving(Half):
                     # create_graph=True) reads it with its history, which the held alias lacks: the tensor itself
                     # until the forward pass ends (the cycle through its node ends then)
                     self._live[p] = t
+                    if ti.is_dead_wrapper(held):  # NOTE [kept wrappers revived]
+                        p.level = next((lv for lv in self.levels if lv.kind == "grad"
+                                        and lv.level == ti.maybe_level(t)), None)
                 if rec is not None:
                     self._kept.setdefault(storage_key(phys), []).append((p, self.recorder.vid(phys)))
                 if rec is not None and rec.stash is not None and any(lv.kind == "grad" for lv in self.levels[:s]):
@@ -331,7 +334,14 @@ class _Serving(Half):
     def _unpack(self, p: Packed) -> torch.Tensor:
         if p.kind == KEEP:
             self._check_version(p.version, p.meta, ti.unwrap_all(p.payload)._version)
-            return p.payload if not self._live else self._live.get(p, p.payload)  # type: ignore[no-any-return]
+            if self._live and p in self._live:
+                return self._live[p]
+            lv = p.level
+            if lv is not None and torch.is_grad_enabled() and not ti.is_dead_wrapper(lv.sentinel):
+                top = ti.peek_interpreter()  # (the level that saved it, alive, and on top: NOTE [kept wrappers revived])
+                if top is not None and int(top.level()) == lv.level:
+                    return ti.wrap_for_grad(ti.unwrap_one(p.payload), lv.level)
+            return p.payload  # type: ignore[no-any-return]
         if p.kind == OFFLOAD:
             return self.engine.fetch(p.payload)  # type: ignore[no-any-return]
         if p.kind == INPUT:

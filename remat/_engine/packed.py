@@ -25,7 +25,7 @@ ROUTED = "routed"  # a routed frame's kept tensor, saved through the parent fram
 class Packed:
     """What autograd holds for one saved tensor of a remat call."""
 
-    __slots__ = ("frame", "kind", "height", "pos", "payload", "version", "meta", "record")
+    __slots__ = ("frame", "kind", "height", "pos", "payload", "version", "meta", "record", "level")
 
     def __init__(self, frame: Any, kind: str, height: int, pos: int, payload: Any, version: int,
                  meta: tuple[Any, ...], record: Any) -> None:
@@ -37,6 +37,7 @@ class Packed:
         self.version = version
         self.meta = meta
         self.record = record  # the OpRecord that produced it (None: an input), for inspection
+        self.level: Any = None  # a kept wrapper's grad level (functorch.Level), whose history the held alias lacks
 
 
 class Nested:
