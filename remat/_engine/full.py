@@ -93,6 +93,15 @@ NOTE [offload under torch.func]
     up with the forward pass) and runs under pass-through hooks: its own saved
     tensors come from its own frame, recomputed when the backward pass reaches it.
 
+NOTE [kept wrappers revived]
+    A kept output at a grad level is held as a dead wrapper of its value below the level (``holdable``: the
+    wrapper itself would make a cycle through its node). Read while that level lives and is on top (its own backward
+    pass, or a gradient penalty's ``torch.autograd.grad(..., create_graph=True)`` under ``torch.func.grad``, inside
+    the call or after it), it is handed back as a live wrapper of the level, to which autograd gives the saved
+    tensor's history, as plain autograd's saved variable has it: the dead wrapper, which the level sees through,
+    dropped the paths through it from a graph the level differentiates again (off by 3 to 200, silently). The level is
+    told by its sentinel (``Level.alive``), not by its number, which functorch hands out again.
+
 NOTE [kept under higher-order grad]
     Under ``grad(grad(f))`` (or ``jacrev(jacrev)``) the tensors a level saves carry
     the history of the grad levels below it, which the outer backward pass walks.
@@ -147,7 +156,6 @@ class _Saving(Half):
     route it to the enclosing call, as the policy decided for the op that made it; a half of ``Frame``."""
 
     _tangents_todo: list[tuple[torch.Tensor, int]]  # (set by Frame.__init__, as every attribute this half reads)
-    _live: dict[Packed, torch.Tensor]
 
     def pack(self, t: torch.Tensor) -> Packed:
         with internal():
@@ -198,14 +206,9 @@ class _Saving(Half):
             else:  # an input or parameter held by reference, or a saved op output
                 held = holdable(t)
                 p = Packed(self, KEEP, s, pos, held, phys._version, meta, rec)
-                if held is not t:
-                    # a backward pass inside the forward pass that builds a graph (a gradient penalty's
-                    # create_graph=True) reads it with its history, which the held alias lacks: the tensor itself
-                    # until the forward pass ends (the cycle through its node ends then)
-                    self._live[p] = t
-                    if ti.is_dead_wrapper(held):  # NOTE [kept wrappers revived]
-                        p.level = next((lv for lv in self.levels if lv.kind == "grad"
-                                        and lv.level == ti.maybe_level(t)), None)
+                if held is not t and ti.is_dead_wrapper(held):  # NOTE [kept wrappers revived]
+                    p.level = next((lv for lv in self.levels if lv.kind == "grad" and lv.level == ti.maybe_level(t)),
+                                   None)
                 if rec is not None:
                     self._kept.setdefault(storage_key(phys), []).append((p, self.recorder.vid(phys)))
                 if rec is not None and rec.stash is not None and any(lv.kind == "grad" for lv in self.levels[:s]):
@@ -308,7 +311,6 @@ class _Serving(Half):
     of ``Frame``."""
 
     _in_cache: list[Any] | None  # (set by Frame.__init__, as every attribute this half reads)
-    _live: dict[Packed, torch.Tensor]
     _refused: RematError | None
     _served: int
 
@@ -334,10 +336,8 @@ class _Serving(Half):
     def _unpack(self, p: Packed) -> torch.Tensor:
         if p.kind == KEEP:
             self._check_version(p.version, p.meta, ti.unwrap_all(p.payload)._version)
-            if self._live and p in self._live:
-                return self._live[p]
             lv = p.level
-            if lv is not None and torch.is_grad_enabled() and not ti.is_dead_wrapper(lv.sentinel):
+            if lv is not None and torch.is_grad_enabled() and lv.alive():
                 top = ti.peek_interpreter()  # (the level that saved it, alive, and on top: NOTE [kept wrappers revived])
                 if top is not None and int(top.level()) == lv.level:
                     return ti.wrap_for_grad(ti.unwrap_one(p.payload), lv.level)
@@ -482,7 +482,6 @@ class Frame(_Saving, _Serving):
         self.recorder.describe_tensor = state.label_of
         self.recorder.keep_written_offloads = h > 0  # NOTE [written before offloaded] in _engine/outside_writes.py
         self._kept: dict[int, list[tuple[Packed, int]]] = {}  # storage key -> kept packs made here, vid
-        self._live: dict[Packed, torch.Tensor] = {}  # kept packs -> their tensors, during the forward pass
         self._refused: RematError | None = None  # what a backward pass that reads the saves raises
         with internal():
             tensors = [a for a in flat if isinstance(a, torch.Tensor)]
@@ -628,7 +627,6 @@ class Frame(_Saving, _Serving):
                 self.program.finish()
             self.needed_vids = set()
             self._kept = {}
-            self._live = {}
             self._mixed = []
             self._tangents_todo = []
             self.input_ids = {}
