@@ -169,3 +169,13 @@ def empty_written(fn_name: str, t: Any, func: Any) -> RematError:
         "recompute cannot tell its storage apart and would read its last value. Allocate it at its final shape "
         "before the call, or make it inside."
     )
+
+
+def draw_raced(fn_name: str, op: Any) -> RematError:
+    """NOTE [draws in threads] in _engine/ambient.py."""
+    return RematError(
+        f"remat: the replay of {op} ({fn_name}'s random op) did not draw the numbers its forward pass drew: another "
+        "thread drew from the same torch generator while the forward pass's op drew, so which numbers it drew (a "
+        "dropout mask) cannot be known, and the gradient would be wrong. Give the other thread a generator of its own "
+        "(torch.rand(..., generator=torch.Generator())), or run its draws and this forward pass under one lock."
+    )

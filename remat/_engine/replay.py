@@ -23,6 +23,7 @@ from .._context import INTERNAL, internal
 from .._errors import RematError
 from .._torch_internals import TorchDispatchMode
 from . import outside as ox
+from .ambient import draw_as_recorded
 from .dispatch import Recorder
 from .ops import (
     DETACH,
@@ -188,7 +189,7 @@ class Replayer(TorchDispatchMode):
                 dead = [dead_value(m) for m in rec.out_meta]
                 self.unused_keys.update(storage_key(t) for t in dead)
                 return rec.rebuild(dead)
-        if rec.stash is not None and not rec.random and (self.skip_dead or all(
+        if rec.stash is not None and (not rec.random or rec.held) and (self.skip_dead or all(
                 x is not None and not (isinstance(x, weakref.ref) and x() is None) for x in rec.stash)):
             return self._replay(rec, func, args, kwargs)
         if not rec.live and rec.skippable and self.skip_dead:
@@ -216,7 +217,6 @@ class Replayer(TorchDispatchMode):
             with internal():
                 if id(gen) not in self.generators:
                     self.generators[id(gen)] = (gen, gen.get_state())
-                gen.set_state(state)
         if rec.lifted is not None:
             with internal():
                 now = ox.fingerprint(arg_tensors(args, kwargs)[0])
@@ -227,7 +227,10 @@ class Replayer(TorchDispatchMode):
                     f"of shape {list(now[0])} whose value differs from the forward pass's (data read from "
                     "state that changed in between)"
                 )
-        out = func(*args, **kwargs)
+        if rec.rng is not None:
+            out = draw_as_recorded(*rec.rng, rec.drew, func, func, args, kwargs, self.rec.fn_name)
+        else:
+            out = func(*args, **kwargs)
         outs = tensor_leaves(out)
         if self.unused_keys:
             # an op that ran on a placeholder (a random op, a write) made a placeholder too (NOTE [unused outputs])

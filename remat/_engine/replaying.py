@@ -34,7 +34,7 @@ import torch
 from .. import _torch_internals as ti
 from .._context import internal
 from .._errors import RematError
-from .ambient import put_settings
+from .ambient import draw_as_recorded, put_settings
 from .ambient import settings as ambient_settings
 from .ops import op_info
 from .trace import FLAT, Step, Trace
@@ -230,8 +230,10 @@ def run(trace: Trace, steps: list[Step], frees: list[list[int]], wanted: set[int
                     gen, state = step.rng
                     if id(gen) not in gens:
                         gens[id(gen)] = (gen, gen.get_state())
-                    gen.set_state(state)
-                if not step.grad:
+                    with torch.set_grad_enabled(step.grad):  # NOTE [draws in threads] in ambient.py
+                        out = draw_as_recorded(gen, state, trace.drew.get(step), step.op, step.call, args, kwargs,
+                                               trace.fn_name)
+                elif not step.grad:
                     with torch.no_grad():
                         out = step.call(*args, **kwargs)
                 else:

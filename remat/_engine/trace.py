@@ -64,7 +64,7 @@ from .._policies.core import (
 from .._policies.naming import checkpoint_name
 from .._torch_internals import TorchDispatchMode
 from . import outside as ox
-from .ambient import AmbientFlags
+from .ambient import AmbientFlags, draw_first
 from .ops import ALIAS, LIFTS, RANGE_OPS, OpInfo, generator_for, op_info, profiler_op
 
 __all__ = ["Step", "Trace", "Tracer"]
@@ -174,6 +174,7 @@ class Trace:
         # function): theirs (the call's own are among its flags)
         self.dtype0, self.threads0 = torch.get_default_dtype(), torch.get_num_threads()
         self.settings: dict[Step, tuple[torch.dtype, int]] = {}
+        self.drew: dict[Step, torch.Tensor] = {}  # a random step: its generator's state after it drew
         self.external: Callable[[int, Tensor], Any] | None = None  # nested calls: an outside tensor the parent made
 
     # ---- slots ---------------------------------------------------------------
@@ -560,21 +561,22 @@ class Tracer(TorchDispatchMode):
             step.writes = tuple(keys)
             if not any(a.requires_grad for a in _arg_tensors(args, kwargs)):
                 step.quiet = tuple(written)  # (autograd records nothing of this write)
-        if info.random:
-            gen = generator_for(args, kwargs)
-            if gen is None:
-                replayable = False
-            else:
-                with internal():
-                    state = gen.get_state()
-                step.rng = (gen, state)
-                trace.first_rng.setdefault(id(gen), (gen, state))
         versions = None
         if not info.trusted and not info.mutable:
             # NOTE [outside writes]: a write no schema declares shows as a version that moved
             versions = [(x, x._version) for x in _outside_args(trace, refs, args, kwargs)]
         step.grad = grad = _grad_enabled()
-        out = info.call(*args, **kwargs)
+        gen = generator_for(args, kwargs) if info.random else None
+        if gen is not None:
+            out, state, drew, held = draw_first(gen, func, info.call, args, kwargs)  # NOTE [draws in threads]
+            if drew is not None:
+                trace.drew[step] = drew
+            replayable = replayable and not held
+            step.rng = (gen, state)
+            trace.first_rng.setdefault(id(gen), (gen, state))
+        else:
+            replayable = replayable and not info.random
+            out = info.call(*args, **kwargs)
         if step.writes and trace.drops:
             trace.after_write(step.writes, wrote)
         elif info.inplace_view and trace.drops and args and isinstance(args[0], Tensor):
