@@ -439,3 +439,36 @@ def test_a_policy_that_reads_its_arguments_values_is_exact_under_forward_ad(tran
     for _ in range(2):
         assert torch.allclose(run(remat(f, policy=reads_values)), run(f), rtol=1e-10, atol=1e-10)
     assert asked and torch.ops.aten.sin.default in asked
+
+
+@pytest.mark.parametrize("duals", ["x", "W", "both"])
+def test_a_policy_that_reads_its_arguments_values_is_exact_under_forward_ad_duals(duals):
+    """The same under ``torch.autograd.forward_ad`` dual tensors, which take the replay engine's route (plain
+    autograd's) rather than the full engine's: the policy was handed forward AD's meta-tensor checks there too, and
+    the process crashed (a segmentation fault; a policy that skipped meta tensors raised on ``prims.mul``). The
+    primal and the tangent are plain's, on three calls."""
+    import torch.autograd.forward_ad as fwAD
+
+    def reads_values(op, *args, **kwargs):
+        for t in args:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0 and t.dim() >= 1:
+                return bool(t.detach().abs().sum() > 3.0)
+        return False
+
+    def f(W, x):
+        return torch.tanh((x * 1.5) @ W)
+
+    g = remat(f, policy=reads_values)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        W = torch.randn(4, 4, dtype=torch.float64, generator=gen)
+        x = torch.randn(3, 4, dtype=torch.float64, generator=gen)
+        res = []
+        for fn in (f, g):
+            with fwAD.dual_level():
+                a = fwAD.make_dual(W, torch.full_like(W, 0.2)) if duals in ("W", "both") else W
+                b = fwAD.make_dual(x, torch.full_like(x, 0.3)) if duals in ("x", "both") else x
+                p, t = fwAD.unpack_dual(fn(a, b))
+                res.append((p.clone(), t.clone()))
+        assert torch.allclose(res[0][0], res[1][0], rtol=1e-10, atol=1e-12)
+        assert torch.allclose(res[0][1], res[1][1], rtol=1e-10, atol=1e-12)

@@ -552,3 +552,25 @@ def test_an_inner_remat_made_on_every_call_that_enters_torch_func_grad() -> None
     for _ in range(3):
         got = torch.autograd.grad(remat.remat(outer)(W, x), W)[0]
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", policies.save_only_these_names("h")])
+def test_an_empty_index_the_function_returns_is_not_taken_for_replaced_data(policy) -> None:
+    """``torch.nonzero`` that selects nothing (an expert no token is routed to) makes an empty tensor, whose storage
+    has no address: its view that indexing saves and the tensor itself were keyed apart, and a call that returned
+    the index raised "replaced the data of a tensor of shape [0, 2] with t.data = ..." where plain is exact."""
+
+    def f(x):
+        h = checkpoint_name(torch.tanh(x), "h")
+        nz = torch.nonzero(h > 0)
+        return h[nz[:, 0]].sin().sum(), nz
+
+    g = remat.remat(f, policy=policy)
+    gen = torch.Generator().manual_seed(0)
+    for sign in (-1, 1, -1, 0):
+        x0 = torch.randn(3, 4, dtype=f64, generator=gen) if sign == 0 else sign * (torch.rand(3, 4, dtype=f64, generator=gen) + 0.1)
+        x1, x2 = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+        want = torch.autograd.grad(f(x1)[0], x1)[0]
+        out, nz = g(x2)
+        assert torch.equal(nz, f(x0)[1])
+        torch.testing.assert_close(torch.autograd.grad(out, x2)[0], want, rtol=1e-10, atol=1e-12)

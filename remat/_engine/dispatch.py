@@ -122,6 +122,7 @@ from .ops import (
     generator_for,
     identity_alias,
     ignored,
+    not_the_policys,
     op_meta,
     profiler_op,
     storage_key,
@@ -251,10 +252,7 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
         explicit = False
         if name is not None:
             decision, explicit = decide_explicit(self.policy, checkpoint_name, args, {"name": name})
-        elif (outs and all(t.is_meta for t in outs)) or any(ti.is_zero_tensor(t) for t in ins):
-            # (forward AD's internal checks under jvp: ``to(device='meta')`` of an efficient zero tensor, which has
-            # no storage, and ops on meta tensors: nothing to keep, and a policy reading the zero tensor's values
-            # would crash the process)
+        elif not_the_policys(ins, outs):  # (forward AD's internal checks under jvp)
             decision = Recompute
         else:
             decision = decide(self.policy, func, args, kwargs, out)

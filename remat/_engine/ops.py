@@ -46,6 +46,13 @@ def tensor_leaves(tree: Any) -> list[torch.Tensor]:
     return [x for x in optree.tree_leaves(tree, none_is_leaf=True) if isinstance(x, torch.Tensor)]
 
 
+def not_the_policys(ins: list[torch.Tensor], out: Any) -> bool:
+    """Forward AD's internal ops (``to(device='meta')`` of an efficient zero tensor, which has no storage; ops on meta
+    tensors): nothing to keep, and a policy that reads the zero tensor's values would crash the process: not asked."""
+    outs = tensor_leaves(out)
+    return (bool(outs) and all(t.is_meta for t in outs)) or any(ti.is_zero_tensor(t) for t in ins)
+
+
 def arg_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors among an ATen op's arguments (a tensor, or a list of them, per argument)."""
     out = []

@@ -65,7 +65,7 @@ from .._policies.naming import checkpoint_name
 from .._torch_internals import TorchDispatchMode
 from . import outside as ox
 from .ambient import AmbientFlags, draw_first
-from .ops import ALIAS, LIFTS, RANGE_OPS, OpInfo, generator_for, op_info, profiler_op
+from .ops import ALIAS, LIFTS, RANGE_OPS, OpInfo, generator_for, not_the_policys, op_info, profiler_op
 
 __all__ = ["Step", "Trace", "Tracer"]
 
@@ -224,7 +224,8 @@ class Trace:
         """NOTE [data replaced] in traced.py: whether ``t``'s storage is no longer the one slot ``s``'s op made."""
         k = self.key_of.get(s)
         now = _storage_key(t)  # (0: a tensor without a data pointer)
-        return k is not None and now != 0 and now != k
+        # (an empty storage's key is its tensor's own: a view of one, or its base, has another, and nothing to replace)
+        return k is not None and now != 0 and now != k and not (k < 0 and now < 0)
 
     # ---- what the replay may read instead of running a step ----------------------
     def keep(self, s: int, t: Tensor) -> None:
@@ -443,6 +444,8 @@ class Tracer(TorchDispatchMode):
             decision = Recompute
         elif self.answers is not None and (known := self.answers.get(id(func))) is not None and known[0] is func:
             step.decision = decision = known[1]
+        elif not_the_policys(_arg_tensors(args, kwargs), out):  # (forward AD's internal checks: forward_ad)
+            decision = Recompute
         else:
             # (decide's work, inline: the answers most policies give)
             try:
@@ -594,6 +597,8 @@ class Tracer(TorchDispatchMode):
         explicit = False
         if name is not None:
             decision, explicit = decide_explicit(self.policy, checkpoint_name, args, {"name": name})
+        elif not_the_policys(_arg_tensors(args, kwargs), out):  # (forward AD's internal checks: forward_ad)
+            decision = Recompute
         else:
             decision = decide(self.policy, func, args, kwargs, out)
         step.decision = decision

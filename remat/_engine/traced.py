@@ -407,7 +407,7 @@ class _Saving(Half):
             k = trace.key_of.get(s)
             if k is not None:
                 try:  # (Trace.data_replaced, inline: -0.3 us an op, measured with benchmarks/ab.py)
-                    if (t.data_ptr() - t.storage_offset() * t.itemsize or -id(t)) != k:
+                    if (t.data_ptr() - t.storage_offset() * t.itemsize or -id(t)) != k and trace.data_replaced(s, t):
                         return self._data_replaced(t, s)  # NOTE [data replaced]
                 except (RuntimeError, NotImplementedError):
                     pass
