@@ -164,3 +164,47 @@ def test_a_write_the_data_aims_at_a_dead_ops_kept_output_is_not_handed_back_writ
     assert_tree_close(grads(g, (W, x0), (W, x0)), grads(f, (W, x0), (W, x0)))  # the write is scratch's
     for _ in range(3):
         assert_tree_close(grads(g, (W, x1), (W, x1)), grads(f, (W, x1), (W, x1)), rtol=0, atol=0)
+
+
+_KEEP_TANH_AND_BN = ("aten.tanh.default", "aten.native_batch_norm.default")
+
+
+def _keep_tanh_and_bn(op, *args, **kwargs):
+    return str(op) in _KEEP_TANH_AND_BN
+
+
+def _all_but_factories(op, *args, **kwargs):
+    return not any(s in str(op) for s in ("zeros", "ones", "empty"))
+
+
+@pytest.mark.parametrize("policy", [_keep_tanh_and_bn, _all_but_factories, "save-nothing"],
+                         ids=["keep tanh and bn", "all but factories", "save-nothing"])
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "debug"])
+def test_a_write_its_schema_hides_keeps_its_op_live(policy, transform):
+    """Batch norm statistics the function makes itself (``torch.zeros``/``ones``), written by a training-mode batch norm
+    (a write its schema hides) and read and saved by an eval-mode one, with a policy that keeps the batch norms'
+    outputs but not the factories': the full engine's liveness walk took the writing batch norm for dead (nothing
+    reads its outputs) and the value it reads for a placeholder, so the statistics the backward pass read were NaN:
+    every gradient NaN under ``torch.func.grad``, ``vjp`` and ``jacrev``, without an error (NOTE [dead ops])."""
+
+    def f(w, x):
+        h = torch.tanh(x @ w)
+        rm = torch.zeros(4, dtype=h.dtype)
+        rv = torch.ones(4, dtype=h.dtype)
+        F.batch_norm(h, rm, rv, training=True, momentum=0.5)
+        b = F.batch_norm(h, rm, rv, training=False)
+        return (b * b).sum()
+
+    g = remat(f, policy=policy, debug=transform == "debug")
+    func = torch.func
+    run = {
+        "grad": lambda fn, w, x: func.grad(fn)(w, x),
+        "debug": lambda fn, w, x: func.grad(fn)(w, x),
+        "vjp": lambda fn, w, x: func.vjp(fn, w, x)[1](torch.tensor(1.0, dtype=torch.float64))[0],
+        "jacrev": lambda fn, w, x: func.jacrev(fn)(w, x),
+    }[transform]
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 4, dtype=torch.float64, generator=gen)
+    for _ in range(3):
+        x = torch.randn(3, 4, dtype=torch.float64, generator=gen)
+        torch.testing.assert_close(run(g, w, x), run(f, w, x), rtol=1e-10, atol=1e-12)

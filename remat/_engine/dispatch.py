@@ -297,7 +297,7 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
             rec.outside, rec.subst, rec.scalars, rec.lifted = outside, subst, scalars, lifted
             leaf = autocast_cast(func, args, kwargs)
             rec.cast_leaf = None if leaf is None else weakref.ref(leaf)
-            rec.rng, rec.drew, rec.held = rng, drew, held
+            rec.rng, rec.drew, rec.held, rec.writes = rng, drew, held, mutable
             for j, t, _ in outside or ():  # reads a later write in this call would invalidate
                 self._pending.setdefault(storage_key(t), []).append((rec, j, t))
             idx = len(self.ops)

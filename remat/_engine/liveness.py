@@ -244,7 +244,8 @@ class StashLiveness(Half):
         # copied before a write (cow).
         needed = set(needed_vids)
         for rec in reversed(self.ops):
-            is_live = (any(v in needed for v in rec.out_vids) or not rec.out_vids
+            # (a write its schema hides, such as batch norm's into its running statistics, too)
+            is_live = (any(v in needed for v in rec.out_vids) or not rec.out_vids or rec.writes
                        or (hasattr(rec.func, "_schema") and traits(rec.func)[0]))
             rec.live = is_live
             replayed = rec.stash is not None

@@ -266,6 +266,7 @@ class OpRecord:
     # where the function seeds inside: NOTE [random ops] in _engine/replay.py)
     rng: tuple[torch.Generator, torch.Tensor] | None = None
     drew: torch.Tensor | None = None  # and its state after (NOTE [draws in threads] in _engine/ambient.py)
+    writes: bool = False  # writes an argument in place, its schema saying so or not (batch norm's statistics)
     held: bool = False  # drawn while another thread was alive, from a generator it cannot be handed: held (same NOTE)
 
     def rebuild(self, tensors: list[Any]) -> Any:
