@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 __all__ = ["RematError", "internal_error", "input_written_in_forward", "input_written_before_backward",
            "saved_shape_differs", "saved_written_after_save"]
 
@@ -179,3 +181,13 @@ def draw_raced(fn_name: str, op: Any) -> RematError:
         "dropout mask) cannot be known, and the gradient would be wrong. Give the other thread a generator of its own "
         "(torch.rand(..., generator=torch.Generator())), or run its draws and this forward pass under one lock."
     )
+
+
+def brief_repr(obj: Any) -> str:
+    """``obj`` for an error message, with its type: a tensor by its shape and dtype (not its values), anything else by
+    its repr cut at 80 characters."""
+    if isinstance(obj, torch.Tensor):
+        return f"a {obj.dtype} tensor of shape {list(obj.shape)} ({type(obj).__name__})"
+    r = repr(obj)
+    r = r if len(r) <= 80 and "\n" not in r else r.replace("\n", " ")[:77] + "..."
+    return f"{r} ({type(obj).__name__})"

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import remat as api
-from remat import RematError, checkpoint_name, policies, remat
+from remat import RematError, checkpoint_name, policies, remat, saved_residuals
 
 from .conftest import CLEAN, ambient_state
 from .helpers import Counted, OpCounter, leaf
@@ -707,3 +707,50 @@ def test_an_interrupt_entering_a_call_leaves_no_active_call(line):
         got = torch.autograd.grad(remat(lambda w, x: (torch.tanh(x @ w) @ w).sum(), policy=policy)(w64, x), w64)[0]
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     plain_autograd_still_works()
+
+
+@pytest.mark.parametrize("pol", [policies.dots_saveable, policies.nothing_saveable,
+                                 policies.save_only_these_names("h"), policies.offload_to_cpu(),
+                                 policies.memory_budget(0.5)], ids=lambda p: type(p).__name__)
+def test_a_policy_passed_where_the_function_goes_is_refused(pol) -> None:
+    """``remat(policies.dots_saveable)`` (meaning ``remat(policy=...)``) wrapped the policy as the function: calling it
+    returned False, and ``@remat(policies.dots_saveable)`` turned the decorated function into False."""
+    with pytest.raises(TypeError, match="is a policy, passed where the function to wrap goes"):
+        remat(pol)
+
+
+def test_the_policy_set_on_a_remat_function_is_resolved_as_remat_resolves_it() -> None:
+    """``f.policy = "save-matmuls"`` is what ``remat(f, policy="save-matmuls")`` is; a bad one says so when set."""
+    W = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 4, dtype=torch.float64)
+
+    def body(W, x):
+        return torch.tanh(x @ W).sum()
+
+    f = remat(body)
+    f.policy = "save-matmuls"
+    assert f.policy is policies.dots_saveable
+    kept = [r.op for r in saved_residuals(f, W, x) if r.decision == "kept" and r.op]
+    assert kept == ["aten.mm.default"]
+    torch.testing.assert_close(torch.autograd.grad(f(W, x), W)[0], torch.autograd.grad(body(W, x), W)[0])
+    with pytest.raises(ValueError, match="unknown policy 'bogus'"):
+        f.policy = "bogus"
+    with pytest.raises(TypeError, match="got 3 \\(int\\)"):
+        f.policy = 3
+
+
+def test_errors_show_a_tensor_by_its_shape_not_its_values() -> None:
+    with pytest.raises(TypeError, match=r"got a torch.float32 tensor of shape \[1000, 1000\] \(Tensor\)") as e:
+        remat(policy="save-matmuls")(torch.zeros(1000, 1000))
+    assert len(str(e.value)) < 300
+
+
+def test_a_policy_answering_torchs_checkpoint_policy_is_told_what_remat_expects() -> None:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def sac_style(op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE
+
+    W = torch.randn(4, 4, requires_grad=True)
+    with pytest.raises(RematError, match="That is torch's CheckpointPolicy.*create_selective_checkpoint_contexts"):
+        remat(lambda W: torch.tanh(W @ W).sum(), policy=sac_style)(W)

@@ -254,3 +254,27 @@ def test_saved_residuals_and_memory_report_reject_bad_arguments():
         remat.memory_report(lambda wrap: W.sum(), W, x, steps=1)
     with pytest.raises(TypeError, match=r"make_loss\(wrap\) raised AttributeError.*make_loss is a function of one"):
         remat.memory_report(lambda x: x.pow(2).sum(), x, steps=1)
+
+
+def test_a_modules_parameters_are_not_held_besides_the_arguments() -> None:
+    """A module's parameters are held by the module anyway: ``saved_residuals(module, x)`` named them and counted
+    them as "held besides the arguments" (1 MiB for a 512 x 512 weight a save-nothing block keeps by reference),
+    where the same function with its parameters as arguments counted 0 B."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Linear(512, 512))
+    remat.remat_module(mlp)
+    x = torch.randn(8, 512)
+    for f in (mlp, mlp.forward):
+        rows = remat.saved_residuals(f, x)
+        weights = [r for r in rows if r.shape == (512, 512)]
+        assert weights and all(r.argument in ("Sequential.0.weight", "Sequential.2.weight") for r in weights)
+        assert remat.format_saved_residuals(rows).endswith("held besides the arguments: 0 B")
+
+
+def test_print_saved_residuals_names_a_module_by_its_class(capsys) -> None:
+    """Not by its repr, which runs over many lines."""
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    remat.remat_module(mlp)
+    remat.print_saved_residuals(mlp, torch.randn(2, 8))
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "Sequential" in first and "Linear" not in first

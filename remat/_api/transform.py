@@ -16,7 +16,8 @@ from .._engine.compiled import compiled_call, context_fn
 from .._engine.select import call
 from .._engine.signature import learnt_for
 from .._engine.state import brief_name
-from .._policies.core import resolve_policy
+from .._errors import brief_repr
+from .._policies.core import is_remat_policy, resolve_policy
 
 __all__ = ["remat", "Rematted"]
 
@@ -107,8 +108,13 @@ def remat(fn: Any = None, *, policy: Any = None, static_argnums: int | Sequence[
         )
     if not callable(fn):
         raise TypeError(
-            f"remat: expected a function to wrap, got {fn!r} ({type(fn).__name__}); write "
+            f"remat: expected a function to wrap, got {brief_repr(fn)}; write "
             "remat(f, policy=...) or use @remat(policy=...) as a decorator."
+        )
+    if is_remat_policy(fn):
+        raise TypeError(
+            f"remat: {brief_repr(fn)} is a policy, passed where the function to wrap goes: name it, "
+            "remat(f, policy=...) or @remat(policy=...) as a decorator."
         )
     if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
         raise TypeError(
@@ -158,7 +164,7 @@ class Rematted:
     def __init__(self, fn: Callable[..., Any], policy: Callable[..., Any], statics: tuple[int, ...],
                  preserve_rng_state: bool, debug: bool = False) -> None:
         self.__remat_target__ = fn
-        self.policy = policy
+        self._policy = policy
         self.static_argnums = statics
         self.preserve_rng_state = preserve_rng_state
         self.debug = debug
@@ -168,6 +174,17 @@ class Rematted:
         self._learnt: dict[str, Any] = learnt_for(fn, (policy, statics))
         self._context_fn = context_fn(policy)  # under torch.compile (NOTE [compiled remat] in _engine/compiled.py)
         functools.update_wrapper(self, fn, updated=())
+
+    @property
+    def policy(self) -> Callable[..., Any]:
+        """The policy: set it as ``remat(..., policy=)`` takes it (a string shortcut, a callable, None)."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: Any) -> None:
+        self._policy = resolve_policy(policy)
+        self._learnt = learnt_for(self.__remat_target__, (self._policy, self.static_argnums))
+        self._context_fn = context_fn(self._policy)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         target = self.__remat_target__

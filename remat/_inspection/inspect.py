@@ -282,7 +282,7 @@ def saved_residuals(f: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Sa
 
 def _run(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], plain_hooks: bool) -> list[SavedResidual]:
     allocs = _Allocations()
-    insp = _Inspector(allocs, _argument_paths(args, kwargs))
+    insp = _Inspector(allocs, _argument_paths(args, kwargs, f))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         insp.on_save(t, "kept", None)
@@ -304,8 +304,18 @@ def _run(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], p
     return insp.residuals()
 
 
-def _argument_paths(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, str]:
+def _argument_paths(args: tuple[Any, ...], kwargs: dict[str, Any], f: Any = None) -> dict[int, str]:
+    """Storage -> where the caller holds it: an argument's path, or a parameter's or buffer's name when ``f`` is a
+    module or a method of one (held by the module anyway: not "held besides the arguments")."""
     paths: dict[int, str] = {}
+    target = getattr(f, "__remat_target__", f)
+    module = f if isinstance(f, torch.nn.Module) else getattr(target, "__self__", None)
+    if isinstance(module, torch.nn.Module):
+        with internal():
+            for name, t in (*module.named_parameters(), *module.named_buffers()):
+                k = storage_key(ti.unwrap_all(t))
+                if k and k not in paths:
+                    paths[k] = f"{type(module).__name__}.{name}"
     with internal():
         trees: list[tuple[str, Any]] = [("args", args), ("kwargs", kwargs)]
         for root, tree in trees:
@@ -394,7 +404,8 @@ def _short(source: str) -> str:
 
 
 def _fn_name(f: Any) -> str:
-    return getattr(f, "__qualname__", None) or getattr(f, "__name__", None) or repr(f)
+    name = getattr(f, "__qualname__", None) or getattr(f, "__name__", None)
+    return name if isinstance(name, str) else type(f).__name__  # (a module: its class, not its many-line repr)
 
 
 def _op_name(func: Any) -> str:

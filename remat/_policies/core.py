@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .._errors import RematError
+from .._errors import RematError, brief_repr
 from .naming import checkpoint_name
 
 __all__ = [
@@ -190,10 +190,22 @@ def _normalize(policy: Policy, op: Any, kwargs: dict[str, Any], out: Any) -> Dec
         return Recompute
     if isinstance(out, Decision):
         return out
+    torchs = type(out).__name__ == "CheckpointPolicy"
     raise RematError(
-        f"remat: policy {_describe(policy)} returned {out!r} for {_op_name(op, kwargs)}; return True, False, "
-        "remat.policies.Saveable, remat.policies.Recompute or remat.policies.Offloadable(src, dst)."
+        f"remat: policy {_describe(policy)} returned {out!r:.80} for {_op_name(op, kwargs)}; return True, "
+        "False, remat.policies.Saveable, remat.policies.Recompute or remat.policies.Offloadable(src, dst)."
+        + (" That is torch's CheckpointPolicy: a remat policy answers True to keep the op's outputs and False to "
+           "recompute them; a torch selective-checkpointing policy_fn(ctx, op, *args) takes a context first, which "
+           "remat does not pass: use it through torch's call, remat.checkpoint(fn, *args, use_reentrant=False, "
+           "context_fn=functools.partial(create_selective_checkpoint_contexts, policy_fn))." if torchs else "")
     )
+
+
+def is_remat_policy(obj: Any) -> bool:
+    """Whether ``obj`` is one of remat's own policies (a function of its policy modules, or one of their classes'
+    instances): what ``remat(policies.dots_saveable)``, meaning ``remat(policy=...)``, passed as the function."""
+    mod = getattr(obj, "__module__", None) if inspect.isfunction(obj) else type(obj).__module__
+    return isinstance(mod, str) and mod.startswith(("remat._policies", "remat._budgets", "remat.policies"))
 
 
 def _op_name(op: Any, kwargs: dict[str, Any]) -> str:
@@ -627,7 +639,7 @@ def resolve_policy(policy: Any) -> Policy:
     if not callable(policy):
         raise TypeError(
             f"remat: policy must be a callable policy(op, *args, **kwargs) or a string, got "
-            f"{policy!r} ({type(policy).__name__}); for example policy=remat.policies.dots_saveable."
+            f"{brief_repr(policy)}; for example policy=remat.policies.dots_saveable."
         )
     if isinstance(policy, torch.nn.Module):
         raise TypeError(
