@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -374,3 +375,21 @@ def census() -> Iterator[StorageCensus]:
             yield c
     finally:
         c.close()
+
+
+def heap_in_use() -> int | None:
+    """glibc's heap bytes in use (``mallinfo2``: torch's CPU allocator goes through it), or None elsewhere."""
+    import ctypes
+
+    class _MI2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MI2
+    except (OSError, AttributeError):
+        return None
+    gc.collect()
+    m = libc.mallinfo2()
+    return int(m.uordblks + m.hblkhd)

@@ -36,7 +36,7 @@ from remat import checkpoint_name, policies, remat
 from remat._engine.full import Frame
 from remat._engine.traced import TraceFrame
 
-from .helpers import Counted, OpCounter, OpLog, StorageCensus
+from .helpers import Counted, OpCounter, OpLog, StorageCensus, heap_in_use
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -450,3 +450,37 @@ def test_a_call_that_drops_nothing_under_forward_over_reverse_holds_what_plain_h
             assert got_bytes <= plain * 1.1, (got_bytes, plain)
     finally:
         census.close()
+
+
+def test_a_scan_over_views_of_one_tensor_holds_less_than_plain() -> None:
+    """Mamba's and RWKV's slow paths read the n steps of one tensor as n views (``A[:, i]``), each saved by the step's
+    product: the pack of each dropped view held its own list of weak references to every view of that tensor, n lists
+    of n, so save-nothing held 19 MiB where plain holds 3.5 (n = 1024; 70 against 7 at 2048; Mamba at length 1024
+    held more than plain). Heap bytes in use between the passes (glibc's, outside remat), calls 1-3."""
+    if heap_in_use() is None:
+        pytest.skip("no glibc mallinfo2 here")
+
+    def scan(w, x):
+        A = torch.exp(x * w)
+        s = torch.zeros_like(A[:, 0])
+        outs = []
+        for i in range(A.shape[1]):
+            s = A[:, i] * s + A[:, i]
+            outs.append(s)
+        return torch.stack(outs, 1).sum()
+
+    g = remat(scan)
+    w = torch.randn(8, requires_grad=True)
+    x = torch.randn(2, 1024, 8) * 0.01  # (A near 1: the scan stays finite)
+    held = {}
+    for name, f in (("plain", scan), ("remat", g)):
+        f(w, x).backward()
+        for _ in range(3):
+            before = heap_in_use()
+            loss = f(w, x)
+            held[name] = heap_in_use() - before  # type: ignore[operator]
+            loss.backward()
+            del loss
+    assert held["remat"] < held["plain"], held
+    torch.testing.assert_close(torch.autograd.grad(g(w, x), w)[0], torch.autograd.grad(scan(w, x), w)[0],
+                               rtol=0, atol=0)

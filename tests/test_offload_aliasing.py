@@ -18,7 +18,7 @@ import torch
 from remat import RematError, policies, remat
 from remat.offload import OffloadEngine, use_engine
 
-from .helpers import CallKey, keeping_engine
+from .helpers import CallKey, heap_in_use, keeping_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -382,24 +382,6 @@ def test_unsafe_view_of_offloaded_product_shares_its_copy(route: str) -> None:
         assert torch.equal(a, b)
 
 
-def _heap_in_use() -> int | None:
-    """glibc's heap bytes in use (``mallinfo2``: torch's CPU allocator goes through it), or None elsewhere."""
-    import ctypes
-
-    class _MI2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = _MI2
-    except (OSError, AttributeError):
-        return None
-    gc.collect()
-    m = libc.mallinfo2()
-    return int(m.uordblks + m.hblkhd)
-
-
 @pytest.mark.parametrize("debug", [False, True], ids=["vjp", "debug"])
 def test_one_host_copy_of_a_3d_product_measured_by_the_heap(debug: bool) -> None:
     """The same, measured outside remat's bookkeeping: the heap bytes a call holds between the passes, offloading
@@ -408,7 +390,7 @@ def test_one_host_copy_of_a_3d_product_measured_by_the_heap(debug: bool) -> None
     import torch.nn.functional as F
     from torch.func import vjp
 
-    if _heap_in_use() is None:
+    if heap_in_use() is None:
         pytest.skip("no glibc mallinfo2 here")
     g = torch.Generator().manual_seed(0)
     W1 = torch.randn(512, 2048, generator=g).requires_grad_()  # (plain autograd below the vjp: as a module's)
@@ -420,15 +402,15 @@ def test_one_host_copy_of_a_3d_product_measured_by_the_heap(debug: bool) -> None
     r = remat(f, policy=pol, debug=debug)
     with use_engine(OffloadEngine()), pytest.warns(UserWarning, match="cpu to cpu"):
         for call in range(3):
-            before = _heap_in_use()
+            before = heap_in_use()
             if debug:
                 out = r(W1, W2, x)
-                held = _heap_in_use() - before  # type: ignore[operator]
+                held = heap_in_use() - before  # type: ignore[operator]
                 out.backward()
                 W1.grad = W2.grad = None
             else:
                 out, fn = vjp(r, W1, W2, x)
-                held = _heap_in_use() - before  # type: ignore[operator]
+                held = heap_in_use() - before  # type: ignore[operator]
                 del out, fn
             if call:  # (the first call's one-off allocations aside)
                 assert held < 7.5 * (1 << 20), held / (1 << 20)
