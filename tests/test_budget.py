@@ -681,3 +681,52 @@ def test_an_inference_mode_block_inside_the_function_is_exact_on_every_route(rou
     g = remat.remat(f, policy=policy, debug=route == "debug")
     for _ in range(3):
         assert_tree_close(torch.autograd.grad(g(x), (x, W)), ref, rtol=1e-10, atol=1e-10)
+
+
+def test_an_object_made_anew_each_call_is_one_signature() -> None:
+    """A key/value cache, a mask object: an argument that is neither a tensor nor a number, made anew on every call,
+    was keyed by its identity, so every call was a new signature that measured again (and raised again where the
+    measuring call's engine cannot serve: GPT-2 with ``past_key_values`` raised on every call, 14 model families).
+    By its type, the plan learnt on the first call serves the next ones."""
+
+    class Cache:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+    def block(W, x, cache):
+        return torch.tanh(x @ W + cache.t).sin()
+
+    budget = policies.memory_budget(0.5)
+    f = remat.remat(block, policy=budget)
+    W = torch.randn(16, 16, dtype=torch.float64, requires_grad=True)
+    for _ in range(4):
+        x = torch.randn(8, 16, dtype=torch.float64)
+        c = Cache(torch.randn(16, dtype=torch.float64))
+        got = torch.autograd.grad(f(W, x, c).sum(), W)[0]
+        torch.testing.assert_close(got, torch.autograd.grad(block(W, x, c).sum(), W)[0], rtol=1e-10, atol=1e-12)
+    assert budget.solves == 1 and len(budget.plans) == 1
+
+
+def test_a_measuring_call_that_raises_leaves_a_signature_that_saves_nothing() -> None:
+    """The measuring call's engine refuses an input written in place (``x.mul_(2)`` on a non-leaf, which plain autograd
+    and the replay engine accept): it raised on every call, as no plan was ever learnt. It raises once; the next
+    calls save nothing, exactly."""
+
+    def block(W, x):
+        x.mul_(2)
+        return torch.tanh(x @ W).sin()
+
+    budget = policies.memory_budget(0.3)
+    f = remat.remat(block, policy=budget)
+    W = torch.randn(6, 6, dtype=torch.float64, requires_grad=True)
+    errors = 0
+    for _ in range(3):
+        xl = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+        try:
+            got = torch.autograd.grad(f(W, xl * 1).sum(), W)[0]
+        except RematError as e:
+            assert "modified its input #1" in str(e)
+            errors += 1
+            continue
+        torch.testing.assert_close(got, torch.autograd.grad(block(W, xl * 1).sum(), W)[0], rtol=1e-10, atol=1e-12)
+    assert errors == 1 and list(budget.plans.values()) == [None]

@@ -289,6 +289,13 @@ class MemoryBudget:
             return _nothing, None
         return _Planned(plan.decisions), None  # type: ignore[union-attr]
 
+    def give_up(self, key: Any) -> None:
+        """Signature ``key``'s measuring call raised (its engine refused what the replay serves): it saves nothing
+        from now on, which fits any budget, rather than measure and raise on every call."""
+        if len(self.plans) >= MAX_SIGNATURES:
+            self.plans.pop(next(iter(self.plans)))
+        self.plans[key] = None
+
     def learn(self, key: Any, policy: Any, saved: _Saved, ops: Sequence[Any]) -> None:
         """Solve for signature ``key`` from the measuring call's records."""
         if len(self.plans) >= MAX_SIGNATURES:

@@ -41,7 +41,7 @@ def learnt_for(fn: Any, key: Any) -> dict[str, Any]:
 
 def signature(flat: list[Any], statics: dict[int, Any], state: Snapshot) -> tuple[Any, ...] | None:
     """The call's pytree leaves (a tensor by shape, dtype, device and requires_grad; a number by value; anything
-    else by identity), its static arguments, the shapes of the module state it reads, the modules' ``training``
+    else by its type), its static arguments, the shapes of the module state it reads, the modules' ``training``
     flags and the autocast state; None for an input of a tensor subclass."""
     parts: list[Any] = []
     for a in flat:
@@ -66,7 +66,11 @@ _VALUE_TYPES = (int, float, bool, complex, str, bytes, type(None), torch.dtype, 
 
 
 def _leaf_key(a: Any) -> Any:
-    """A value by value; anything else (a module, a function) by identity, never held."""
+    """A value by value; anything else by its type, never held: an object made anew on every call (a key/value cache,
+    a mask object) is the same signature each call, which an identity would make a new one each time (a budget then
+    measured every call, and its measuring call's re-run raised on every call where it could not serve). A plan
+    followed where another object of the type makes other ops keeps nothing from the first op it does not know
+    (``_Planned``): less, never more."""
     if isinstance(a, _VALUE_TYPES) or (type(a) is tuple and all(isinstance(x, _VALUE_TYPES) for x in a)):
         return (type(a), a)
-    return ("id", id(a))
+    return ("type", type(a))

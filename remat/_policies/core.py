@@ -205,7 +205,7 @@ def is_remat_policy(obj: Any) -> bool:
     """Whether ``obj`` is one of remat's own policies (a function of its policy modules, or one of their classes'
     instances): what ``remat(policies.dots_saveable)``, meaning ``remat(policy=...)``, passed as the function."""
     mod = getattr(obj, "__module__", None) if inspect.isfunction(obj) else type(obj).__module__
-    return isinstance(mod, str) and mod.startswith(("remat._policies", "remat._budgets", "remat.policies"))
+    return isinstance(mod, str) and mod.startswith(("remat._policies", "remat._budgets.budget_policy"))
 
 
 def _op_name(op: Any, kwargs: dict[str, Any]) -> str:
