@@ -16,8 +16,7 @@ import torch
 
 import remat
 from remat import RematError, policies
-from remat._engine.ambient import draw_as_recorded
-from remat._engine.ops import with_generator
+from remat._engine.ambient import draw_as_recorded, with_generator
 
 N = 4096
 CALLS = 150

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -22,7 +23,6 @@ import torch
 from .. import _errors as errors
 from .._context import internal
 from .._errors import RematError
-from .ops import with_generator
 
 __all__ = ["AmbientFlags", "AmbientState", "no_accumulation", "put_settings", "settings"]
 
@@ -233,6 +233,22 @@ def no_accumulation(fn_name: str, tensors: Iterable[Any]) -> Iterator[None]:
 #     and its replay, which draws from the shared generator, draws again while it does not end there, and raises if
 #     it never does (a thread started since the forward pass).
 _ATTEMPTS = 8
+
+
+@functools.cache
+def with_generator(func: Any) -> Any:
+    """A random op itself if it takes its generator as an argument, else the overload of its name that takes the same
+    arguments and a generator (``rand.generator`` for ``rand.default``), else None (NOTE [draws in threads])."""
+    names = [a.name for a in func._schema.arguments]
+    if "generator" in names:
+        return func
+    packet = func.overloadpacket
+    for name in packet.overloads():
+        o = getattr(packet, name)
+        theirs = [a.name for a in o._schema.arguments]
+        if "generator" in theirs and [n for n in theirs if n != "generator"] == names:
+            return o
+    return None
 
 
 def draw_own(gen: torch.Generator, state: torch.Tensor, op: Any, args: Any, kwargs: Any) -> tuple[Any, torch.Generator]:

@@ -89,23 +89,6 @@ RANGE_OPS = frozenset({_RANGE_ENTER, _RANGE_EXIT})
 _HOOK_RANGES = ("FSDP::",)  # the profiler ranges FSDP2 runs its hooks in (pre/post forward, all-gather, reshard)
 
 
-@functools.cache
-def with_generator(func: Any) -> Any:
-    """A random op itself if it takes its generator as an argument, else the overload of its name that takes the same
-    arguments and a generator (``rand.generator`` for ``rand.default``), else None (NOTE [draws in threads] in
-    ambient.py)."""
-    names = [a.name for a in func._schema.arguments]
-    if "generator" in names:
-        return func
-    packet = func.overloadpacket
-    for name in packet.overloads():
-        o = getattr(packet, name)
-        theirs = [a.name for a in o._schema.arguments]
-        if "generator" in theirs and [n for n in theirs if n != "generator"] == names:
-            return o
-    return None
-
-
 def generator_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Generator | None:
     """The generator a random op draws from (None: one the trace does not know)."""
     gen = kwargs.get("generator")

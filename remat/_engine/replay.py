@@ -210,13 +210,11 @@ class Replayer(TorchDispatchMode):
             args, kwargs = outside_args(self, i, rec, args, kwargs)
         if rec.random and (self.unused_keys or tainted):
             args, kwargs = self._no_placeholders(args, kwargs)
-        if rec.rng is not None:
-            # NOTE [random ops]: the state the forward pass drew from, whatever the function set since (a seed
-            # set inside it, a tracker's fork); every generator is put back when the recompute ends
-            gen, state = rec.rng
+        if rec.rng is not None and id(rec.rng[0]) not in self.generators:
+            # NOTE [random ops]: the state the forward pass drew from, whatever the function set since (a seed set
+            # inside it, a tracker's fork: ``draw_as_recorded`` below); each generator put back when the recompute ends
             with internal():
-                if id(gen) not in self.generators:
-                    self.generators[id(gen)] = (gen, gen.get_state())
+                self.generators[id(rec.rng[0])] = (rec.rng[0], rec.rng[0].get_state())
         if rec.lifted is not None:
             with internal():
                 now = ox.fingerprint(arg_tensors(args, kwargs)[0])
@@ -227,10 +225,8 @@ class Replayer(TorchDispatchMode):
                     f"of shape {list(now[0])} whose value differs from the forward pass's (data read from "
                     "state that changed in between)"
                 )
-        if rec.rng is not None:
-            out = draw_as_recorded(*rec.rng, rec.drew, func, func, args, kwargs, self.rec.fn_name)
-        else:
-            out = func(*args, **kwargs)
+        out = func(*args, **kwargs) if rec.rng is None else \
+            draw_as_recorded(*rec.rng, rec.drew, func, func, args, kwargs, self.rec.fn_name)
         outs = tensor_leaves(out)
         if self.unused_keys:
             # an op that ran on a placeholder (a random op, a write) made a placeholder too (NOTE [unused outputs])

@@ -170,11 +170,10 @@ class Trace:
         self.written_keys: set[int] = set()  # storage keys some step wrote in place
         self.first_rng: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # generator -> state before its first draw
         self.flags = AmbientFlags()
-        # the steps that ran under another default dtype or thread count than the call's start (set inside the
-        # function): theirs (the call's own are among its flags)
+        # the steps that ran under another default dtype or thread count than the call's start (set inside): theirs
         self.dtype0, self.threads0 = torch.get_default_dtype(), torch.get_num_threads()
         self.settings: dict[Step, tuple[torch.dtype, int]] = {}
-        self.drew: dict[Step, torch.Tensor] = {}  # a random step: its generator's state after it drew
+        self.drew: dict[Step, torch.Tensor | None] = {}  # a random step: its generator's state after it drew
         self.external: Callable[[int, Tensor], Any] | None = None  # nested calls: an outside tensor the parent made
 
     # ---- slots ---------------------------------------------------------------
@@ -221,10 +220,9 @@ class Trace:
         return s
 
     def data_replaced(self, s: int, t: Tensor) -> bool:
-        """NOTE [data replaced] in traced.py: whether ``t``'s storage is no longer the one slot ``s``'s op made."""
-        k = self.key_of.get(s)
-        now = _storage_key(t)  # (0: a tensor without a data pointer)
-        # (an empty storage's key is its tensor's own: a view of one, or its base, has another, and nothing to replace)
+        """NOTE [data replaced] in traced.py: whether ``t``'s storage is no longer the one slot ``s``'s op made (an
+        empty one's key is its tensor's, not its view's or base's: nothing to replace; 0: no data pointer)."""
+        k, now = self.key_of.get(s), _storage_key(t)
         return k is not None and now != 0 and now != k and not (k < 0 and now < 0)
 
     # ---- what the replay may read instead of running a step ----------------------
@@ -571,15 +569,11 @@ class Tracer(TorchDispatchMode):
         step.grad = grad = _grad_enabled()
         gen = generator_for(args, kwargs) if info.random else None
         if gen is not None:
-            out, state, drew, held = draw_first(gen, func, info.call, args, kwargs)  # NOTE [draws in threads]
-            if drew is not None:
-                trace.drew[step] = drew
-            replayable = replayable and not held
-            step.rng = (gen, state)
+            out, state, trace.drew[step], held = draw_first(gen, func, info.call, args, kwargs)  # NOTE [draws in threads]
+            replayable, step.rng = replayable and not held, (gen, state)
             trace.first_rng.setdefault(id(gen), (gen, state))
         else:
-            replayable = replayable and not info.random
-            out = info.call(*args, **kwargs)
+            replayable, out = replayable and not info.random, info.call(*args, **kwargs)
         if step.writes and trace.drops:
             trace.after_write(step.writes, wrote)
         elif info.inplace_view and trace.drops and args and isinstance(args[0], Tensor):

@@ -214,9 +214,7 @@ class _Serving(Half):
             return
         t = ref()
         moved = meta is not None or (t is not None and t._version != version)
-        if t is None:
-            # (its views and its base share its version counter: the first one alive tells; n views of one tensor
-            # saved n times checked n each, 1 s of a 2048-step scan's backward pass)
+        if t is None:  # (its views and base share its version counter: the first alive tells; n checked n each before)
             for r in aliases:
                 a = r()
                 if a is not None:
@@ -688,12 +686,8 @@ class TraceFrame(_Saving, _Serving):
                 r = trace.root.get(slot, slot)
                 refs = by_root.get(r)
                 if refs or r != slot:
-                    aliases = shared.get(r)
-                    if aliases is None:
-                        base = trace.refs.get(r)
-                        # (the live ones: one dead now is never written again)
-                        aliases = shared[r] = [a for a in (*(() if base is None else (base,)), *(refs or ()))
-                                               if a() is not None]
+                    if (aliases := shared.get(r)) is None:  # (the live ones: one dead now is never written again)
+                        aliases = shared[r] = [a for a in (trace.refs.get(r), *(refs or ())) if a is not None and a() is not None]
                     if type(p) is tuple:
                         self.alias_refs[slot] = aliases
                     else:
