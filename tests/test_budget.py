@@ -709,8 +709,8 @@ def test_an_object_made_anew_each_call_is_one_signature() -> None:
 
 def test_a_measuring_call_that_raises_leaves_a_signature_that_saves_nothing() -> None:
     """The measuring call's engine refuses an input written in place (``x.mul_(2)`` on a non-leaf, which plain autograd
-    and the replay engine accept): it raised on every call, as no plan was ever learnt. It raises once; the next
-    calls save nothing, exactly."""
+    and the replay engine accept): it raised on every call, as no plan was ever learnt. It raises on the first two
+    (the second measures again: a first call may warm a cache up); the next calls save nothing, exactly."""
 
     def block(W, x):
         x.mul_(2)
@@ -720,7 +720,7 @@ def test_a_measuring_call_that_raises_leaves_a_signature_that_saves_nothing() ->
     f = remat.remat(block, policy=budget)
     W = torch.randn(6, 6, dtype=torch.float64, requires_grad=True)
     errors = 0
-    for _ in range(3):
+    for _ in range(4):
         xl = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
         try:
             got = torch.autograd.grad(f(W, xl * 1).sum(), W)[0]
@@ -729,4 +729,4 @@ def test_a_measuring_call_that_raises_leaves_a_signature_that_saves_nothing() ->
             errors += 1
             continue
         torch.testing.assert_close(got, torch.autograd.grad(block(W, xl * 1).sum(), W)[0], rtol=1e-10, atol=1e-12)
-    assert errors == 1 and list(budget.plans.values()) == [None]
+    assert errors == 2 and list(budget.plans.values()) == [None]

@@ -754,3 +754,15 @@ def test_a_policy_answering_torchs_checkpoint_policy_is_told_what_remat_expects(
     W = torch.randn(4, 4, requires_grad=True)
     with pytest.raises(RematError, match="That is torch's CheckpointPolicy.*create_selective_checkpoint_contexts"):
         remat(lambda W: torch.tanh(W @ W).sum(), policy=sac_style)(W)
+
+
+def test_the_policy_set_on_remat_of_a_module_after_a_call_is_the_one_used() -> None:
+    """``remat(module)`` keeps the call it makes of the module's forward: setting ``.policy`` after a call left that
+    call's policy in force, silently."""
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    r = remat(m)
+    x = torch.randn(4, 8)
+    r(x).sum().backward()
+    assert [row.decision for row in saved_residuals(r, x) if row.op] == ["recomputed"]
+    r.policy = "save-everything"
+    assert [row.decision for row in saved_residuals(r, x) if row.op] == ["kept"]

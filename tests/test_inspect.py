@@ -264,7 +264,7 @@ def test_a_modules_parameters_are_not_held_besides_the_arguments() -> None:
     mlp = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Linear(512, 512))
     remat.remat_module(mlp)
     x = torch.randn(8, 512)
-    for f in (mlp, mlp.forward):
+    for f in (mlp, mlp.forward, remat.remat(torch.nn.Sequential(*mlp))):
         rows = remat.saved_residuals(f, x)
         weights = [r for r in rows if r.shape == (512, 512)]
         assert weights and all(r.argument in ("Sequential.0.weight", "Sequential.2.weight") for r in weights)

@@ -90,13 +90,14 @@ def _with_drawers(fn, transform: str) -> tuple[list[float], list[str]]:
 def test_draws_of_other_threads_leave_the_gradient_exact(body, policy) -> None:
     fn = remat.remat(body, debug=True) if policy == "debug" else remat.remat(body, policy=policy)
     wrong, errors = _with_drawers(fn, "backward")
-    assert wrong == [] and errors == []
+    # (an op no generator can be handed to checks its replay's draw instead: a raced one raises, never silent)
+    assert wrong == [] and (errors == [] or body is _native)
 
 
 @pytest.mark.parametrize("body", [_dropout, _rand, _native], ids=["dropout", "rand", "native_dropout"])
 def test_draws_of_other_threads_under_torch_func(body) -> None:
     wrong, errors = _with_drawers(remat.remat(body), "grad")
-    assert wrong == [] and errors == []
+    assert wrong == [] and (errors == [] or body is _native)
 
 
 def test_alone_the_draws_are_the_shared_generators() -> None:
@@ -137,3 +138,87 @@ def test_a_draw_that_never_ends_where_the_forward_pass_did_raises() -> None:
     gen.set_state(state)
     out = draw_as_recorded(gen, state, None, op, op, (torch.ones(8), 0.5, True), {}, "f")
     assert out[0].shape == (8,)
+
+
+def _with_idle_thread(run):
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait)
+    t.start()
+    try:
+        return run()
+    finally:
+        stop.set()
+        t.join()
+
+
+@pytest.mark.parametrize("outer", ["save-nothing", "debug", "grad"])
+def test_a_nested_call_draws_where_the_enclosing_one_sees_it(outer) -> None:
+    """With another thread alive (an idle one), an inner call handed its random op a generator of its own, which the
+    enclosing call recorded as an argument: its recompute raised "has 2 arguments in the recompute but 3 in the
+    forward pass" (the review: 27 of 100 nested cases). A draw another remat mode would see is not handed a
+    generator; its replay checks where the draw ended instead."""
+    inner = remat.remat(lambda h: torch.nn.functional.dropout(torch.tanh(h), 0.5, training=True))
+    body = lambda w, x: inner(x * w).sin().sum()  # noqa: E731
+    f = remat.remat(body, debug=outer == "debug")
+    w = torch.randn(N, dtype=torch.float64)
+    x = torch.randn(N, dtype=torch.float64)
+
+    def run():
+        out = []
+        for fn in (body, f):
+            torch.manual_seed(5)
+            if outer == "grad":
+                out.append(torch.func.grad(fn)(w, x))
+            else:
+                ww = w.clone().requires_grad_()
+                out.append(torch.autograd.grad(fn(ww, x), ww)[0])
+        return out
+
+    for _ in range(3):
+        want, got = _with_idle_thread(run)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("op", ["poisson", "binomial"])
+def test_a_generator_passed_positionally(op) -> None:
+    """``torch.poisson(rates, generator=g)`` takes its generator as a positional argument of the ATen op: the trace
+    noted the default generator's state (a wrong gradient, silent, off by 3.2) and then handed the op a second
+    generator (torch's "expected at most 2 argument(s)")."""
+    g = torch.Generator().manual_seed(0)
+
+    def body(w, x):
+        rates = torch.exp(x * w).detach() * 3
+        draw = torch.poisson(rates, generator=g) if op == "poisson" else \
+            torch.binomial(torch.full_like(rates, 10.0), torch.sigmoid(rates), generator=g)
+        return (torch.tanh(x * w) * draw).sum()
+
+    w = torch.randn(N, dtype=torch.float64)
+    x = torch.randn(N, dtype=torch.float64)
+    f = remat.remat(body)
+    for _ in range(3):
+        state = g.get_state()
+        ww = w.clone().requires_grad_()
+        want = torch.autograd.grad(body(ww, x), ww)[0]
+        after = g.get_state()
+        g.set_state(state)
+        ww = w.clone().requires_grad_()
+        got = torch.autograd.grad(f(ww, x), ww)[0]
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        assert torch.equal(g.get_state(), after)
+
+
+def test_an_idle_thread_keeps_nothing_more() -> None:
+    """An op no generator can be handed to (CUDA's dropout) was held whenever another thread was alive, even an idle
+    one (a pin-memory thread, a logger's): save-nothing kept 2.5 MiB of eight dropouts. It checks its draw instead."""
+    from remat import saved_residuals
+
+    def body(x):
+        for _ in range(4):
+            x = torch.ops.aten.native_dropout(torch.tanh(x), 0.5, True)[0]
+        return x.sum()
+
+    x = torch.randn(64, 256, requires_grad=True)
+    alone = [r.nbytes for r in saved_residuals(remat.remat(body), x) if r.decision == "kept" and r.argument is None]
+    threaded = _with_idle_thread(
+        lambda: [r.nbytes for r in saved_residuals(remat.remat(body), x) if r.decision == "kept" and r.argument is None])
+    assert alone == threaded == []

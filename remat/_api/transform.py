@@ -185,6 +185,7 @@ class Rematted:
         self._policy = resolve_policy(policy)
         self._learnt = learnt_for(self.__remat_target__, (self._policy, self.static_argnums))
         self._context_fn = context_fn(self._policy)
+        self.__dict__.pop("_inner", None)  # (remat(module)'s call of its forward, made with the policy before)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         target = self.__remat_target__

@@ -270,6 +270,7 @@ class MemoryBudget:
         # functions' code objects, which do not pickle, and the copy solves again on its first call per signature)
         state = dict(self.__dict__)
         state["plans"] = {}
+        state.pop("_failed", None)
         return state
 
     def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -290,11 +291,17 @@ class MemoryBudget:
         return _Planned(plan.decisions), None  # type: ignore[union-attr]
 
     def give_up(self, key: Any) -> None:
-        """Signature ``key``'s measuring call raised (its engine refused what the replay serves): it saves nothing
-        from now on, which fits any budget, rather than measure and raise on every call."""
+        """Signature ``key``'s measuring call raised (its engine refused what the replay serves): the next call
+        measures again (a first call that warms a cache up); after a second refusal the signature saves nothing,
+        which fits any budget, rather than measure and raise on every call."""
+        failed = self.__dict__.setdefault("_failed", {})
+        failed[key] = failed.get(key, 0) + 1
+        if failed[key] < 2:
+            return
         if len(self.plans) >= MAX_SIGNATURES:
             self.plans.pop(next(iter(self.plans)))
         self.plans[key] = None
+        del failed[key]
 
     def learn(self, key: Any, policy: Any, saved: _Saved, ops: Sequence[Any]) -> None:
         """Solve for signature ``key`` from the measuring call's records."""

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .. import _errors as errors
+from .. import _torch_internals as ti
 from .._context import internal
 from .._errors import RematError
 
@@ -221,17 +222,18 @@ def no_accumulation(fn_name: str, tensors: Iterable[Any]) -> Iterator[None]:
 #     a random op's generator state and the op's own draw (the forward pass), or between the replay's putting that state
 #     back and its draw (the backward pass), moves the numbers the op draws: the replay would make another dropout mask
 #     than the forward pass's, and the gradient would be wrong without an error (torch checkpoint's is, in 268 of 400
-#     calls of the review's threads). A check of the generator's state after the draw cannot tell: another thread's
-#     draw of the same size in the replay's window ends where the forward's did. So a random op that can be handed a
-#     generator (``bernoulli_``, ``normal``, dropout on the CPU; ``rand`` through ``rand.generator``) draws, whenever
-#     another Python thread is alive, from a generator of the call's own put at the state it noted, and the shared one
-#     is then moved to where that one ended: the op drew the numbers of the state noted, whatever another thread drew
-#     meanwhile (which may then draw the same numbers, as with torch checkpoint's replays). Its replay always draws
-#     from a generator of its own: another thread neither moves its draws nor sees the shared generator put back. One
-#     that cannot be handed a generator (``native_dropout`` on CUDA, ``rand_like``) is held, as a step the replay
-#     cannot run, when another thread is alive in the forward pass; with none, it notes the state after its draw too,
-#     and its replay, which draws from the shared generator, draws again while it does not end there, and raises if
-#     it never does (a thread started since the forward pass).
+#     calls of the review's threads). So a random op that can be handed a generator (``bernoulli_``, ``normal``,
+#     dropout on the CPU; ``rand`` through ``rand.generator``) draws, when another Python thread is alive and no other
+#     dispatch mode would see the generator handed to it (another remat call's, recording the same op), from a
+#     generator of the call's own put at the state it noted, and the shared one is then moved to where that one ended:
+#     the op drew the numbers of the noted state, whatever another thread drew meanwhile (which may then draw the same
+#     numbers, as with torch checkpoint's replays). Its replay always draws from a generator of its own: another thread
+#     neither moves its draws nor sees the shared generator put back. Any other draw (an op no generator can be handed,
+#     CUDA's ``native_dropout``; a nested call's with another thread alive) notes the state after it too, and its
+#     replay checks that it ended there: a replay that raced another thread draws again; one that cannot end there
+#     (the forward pass's draw raced) raises: an error, never a wrong gradient (also, rarely, where another thread drew
+#     just after the forward's op). Holding such ops' outputs instead would keep every CUDA dropout of a run that has
+#     an idle thread (a pin-memory thread, a logger's).
 _ATTEMPTS = 8
 
 
@@ -257,15 +259,25 @@ def draw_own(gen: torch.Generator, state: torch.Tensor, op: Any, args: Any, kwar
     with internal():
         own = torch.Generator(device=gen.device)
         own.set_state(state)
-    return with_generator(op)(*args, **{**kwargs, "generator": own}), own
+    o = with_generator(op)
+    pos = [a.name for a in o._schema.arguments if not a.kwarg_only]
+    if "generator" in pos and pos.index("generator") < len(args):  # (poisson, binomial: a positional generator)
+        i = pos.index("generator")
+        return o(*args[:i], own, *args[i + 1:], **kwargs), own
+    return o(*args, **{**kwargs, "generator": own}), own
 
 
 def draw_as_recorded(gen: torch.Generator, state: torch.Tensor, drew: torch.Tensor | None, op: Any, call: Any,
                      args: Any, kwargs: Any, fn_name: str) -> Any:
     """The replay's draw of random op ``op`` (``call(*args, **kwargs)``) as the forward pass drew from ``gen`` at
-    ``state``, ``drew`` the state after it if the op cannot be handed a generator (NOTE [draws in threads])."""
+    ``state``; ``drew``: the state after the forward's draw, where it was not drawn from a generator of the call's
+    own (NOTE [draws in threads])."""
     if with_generator(op) is not None:
-        return draw_own(gen, state, op, args, kwargs)[0]
+        out, own = draw_own(gen, state, op, args, kwargs)
+        with internal():
+            if drew is None or torch.equal(own.get_state(), drew):
+                return out
+        raise errors.draw_raced(fn_name, op)
     again = getattr(op, "_overloadpacket", None) is not torch.ops.aten.rrelu_with_noise_  # (reads what it writes)
     for _ in range(_ATTEMPTS if again else 1):
         with internal():
@@ -278,22 +290,18 @@ def draw_as_recorded(gen: torch.Generator, state: torch.Tensor, drew: torch.Tens
 
 
 def draw_first(gen: torch.Generator, op: Any, call: Any, args: Any, kwargs: Any) -> tuple[Any, torch.Tensor,
-                                                                                          torch.Tensor | None, bool]:
+                                                                                          torch.Tensor | None]:
     """The forward pass's draw of random op ``op`` (``call(*args, **kwargs)``) from ``gen`` (NOTE [draws in threads]):
-    its output, the state it drew from, the state after it (an op that cannot be handed a generator, drawn with no
-    other thread alive), and whether its outputs must be held (one that cannot, drawn with another thread alive)."""
-    alone = threading.active_count() == 1
+    its output, the state it drew from, and the state after it where it did not draw from a generator of its own."""
     with internal():
         state = gen.get_state()
-    if with_generator(op) is None:
-        out = call(*args, **kwargs)
-        if not alone:
-            return out, state, None, True
+    if with_generator(op) is not None and ti.no_modes_pushed():
+        if threading.active_count() == 1:
+            return call(*args, **kwargs), state, None
+        out, own = draw_own(gen, state, op, args, kwargs)
         with internal():
-            return out, state, gen.get_state(), False
-    if alone:
-        return call(*args, **kwargs), state, None, False
-    out, own = draw_own(gen, state, op, args, kwargs)
+            gen.set_state(own.get_state())
+        return out, state, None
+    out = call(*args, **kwargs)
     with internal():
-        gen.set_state(own.get_state())
-    return out, state, None, False
+        return out, state, gen.get_state()

@@ -94,6 +94,9 @@ def generator_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Genera
     gen = kwargs.get("generator")
     if gen is not None:
         return gen  # type: ignore[no-any-return]
+    for a in args:
+        if isinstance(a, torch.Generator):
+            return a  # (poisson, binomial: a positional generator)
     dev: Any = None
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -250,7 +253,6 @@ class OpRecord:
     rng: tuple[torch.Generator, torch.Tensor] | None = None
     drew: torch.Tensor | None = None  # and its state after (NOTE [draws in threads] in _engine/ambient.py)
     writes: bool = False  # writes an argument in place, its schema saying so or not (batch norm's statistics)
-    held: bool = False  # drawn while another thread was alive, from a generator it cannot be handed: held (same NOTE)
 
     def rebuild(self, tensors: list[Any]) -> Any:
         """The op's output, its tensors replaced by ``tensors`` (its numbers as the forward pass returned them)."""

@@ -189,7 +189,7 @@ class Replayer(TorchDispatchMode):
                 dead = [dead_value(m) for m in rec.out_meta]
                 self.unused_keys.update(storage_key(t) for t in dead)
                 return rec.rebuild(dead)
-        if rec.stash is not None and (not rec.random or rec.held) and (self.skip_dead or all(
+        if rec.stash is not None and not rec.random and (self.skip_dead or all(
                 x is not None and not (isinstance(x, weakref.ref) and x() is None) for x in rec.stash)):
             return self._replay(rec, func, args, kwargs)
         if not rec.live and rec.skippable and self.skip_dead:

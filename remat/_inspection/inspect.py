@@ -309,7 +309,7 @@ def _argument_paths(args: tuple[Any, ...], kwargs: dict[str, Any], f: Any = None
     module or a method of one (held by the module anyway: not "held besides the arguments")."""
     paths: dict[int, str] = {}
     target = getattr(f, "__remat_target__", f)
-    module = f if isinstance(f, torch.nn.Module) else getattr(target, "__self__", None)
+    module = target if isinstance(target, torch.nn.Module) else getattr(target, "__self__", None)
     if isinstance(module, torch.nn.Module):
         with internal():
             for name, t in (*module.named_parameters(), *module.named_buffers()):
@@ -404,6 +404,9 @@ def _short(source: str) -> str:
 
 
 def _fn_name(f: Any) -> str:
+    target = getattr(f, "__remat_target__", f)
+    if isinstance(target, torch.nn.Module):
+        return type(target).__name__  # (a module, or remat(module): its class, not its many-line repr)
     name = getattr(f, "__qualname__", None) or getattr(f, "__name__", None)
     return name if isinstance(name, str) else type(f).__name__  # (a module: its class, not its many-line repr)
 
