@@ -766,3 +766,20 @@ def test_the_policy_set_on_remat_of_a_module_after_a_call_is_the_one_used() -> N
     assert [row.decision for row in saved_residuals(r, x) if row.op] == ["recomputed"]
     r.policy = "save-everything"
     assert [row.decision for row in saved_residuals(r, x) if row.op] == ["kept"]
+
+
+def test_debug_set_on_remat_of_a_module_after_a_call_is_the_one_used() -> None:
+    runs = []
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            runs.append(1)
+            return torch.tanh(x).sum()
+
+    r = remat(M())
+    x = torch.randn(4, requires_grad=True)
+    r(x).backward()
+    r.debug = True  # (the re-run engine: the Python runs again in the backward pass)
+    runs.clear()
+    r(x).backward()
+    assert len(runs) == 2

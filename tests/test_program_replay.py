@@ -517,38 +517,3 @@ def test_a_tensor_read_from_outside_that_dies_before_the_backward_pass_is_replay
     for a, b in zip(got, want):
         for u, v in zip(torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)):
             torch.testing.assert_close(u, v, **TOL)
-
-
-def _linear_inside(w, x):
-    lin = nn.Linear(4, 4, dtype=w.dtype)  # (its parameters made where no torch function sees, then initialised in place)
-    return torch.tanh(lin(x @ w)).sum()
-
-
-def _parameter_filled_inside(w, x):
-    p = nn.Parameter(torch.empty(4, dtype=w.dtype))
-    with torch.no_grad():
-        p.fill_(1.5)
-    return (torch.tanh(x @ w) * p).sum()
-
-
-@pytest.mark.parametrize("fn", [_linear_inside, _parameter_filled_inside], ids=["nn.Linear", "Parameter"])
-@pytest.mark.parametrize("transform", ["vjp", "jacrev", "grad"])
-def test_a_module_built_inside_the_function(fn, transform) -> None:
-    """A module (or parameter) built inside the function under ``vjp`` or ``jacrev``: the program replayed
-    ``kaiming_uniform_`` on the forward pass's parameter, which no recorded call made, captured at the recompute's
-    level: torch's "mutate a captured Tensor" on every call, every policy. A program whose call writes in place into
-    such a tensor gives way to the re-run, whose draws are the forward pass's."""
-    g = remat.remat(fn)
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(4, 4, dtype=torch.float64, generator=gen)
-    run = {
-        "vjp": lambda f, x: vjp(f, w, x)[1](torch.tensor(1.0, dtype=torch.float64))[0],
-        "jacrev": lambda f, x: jacrev(f)(w, x),
-        "grad": lambda f, x: grad(f)(w, x),
-    }[transform]
-    for k in range(3):
-        x = torch.randn(3, 4, dtype=torch.float64, generator=gen)
-        torch.manual_seed(k)
-        want = run(fn, x)
-        torch.manual_seed(k)
-        torch.testing.assert_close(run(g, x), want, rtol=1e-10, atol=1e-12)

@@ -187,6 +187,11 @@ class Rematted:
         self._context_fn = context_fn(self._policy)
         self.__dict__.pop("_inner", None)  # (remat(module)'s call of its forward, made with the policy before)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in ("debug", "preserve_rng_state", "static_argnums"):
+            self.__dict__.pop("_inner", None)  # (remat(module)'s call of its forward, made with the settings before)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         target = self.__remat_target__
         if ti.is_compiling():  # Dynamo is tracing this call: torch's checkpoint region, with this policy

@@ -228,12 +228,15 @@ def no_accumulation(fn_name: str, tensors: Iterable[Any]) -> Iterator[None]:
 #     generator of the call's own put at the state it noted, and the shared one is then moved to where that one ended:
 #     the op drew the numbers of the noted state, whatever another thread drew meanwhile (which may then draw the same
 #     numbers, as with torch checkpoint's replays). Its replay always draws from a generator of its own: another thread
-#     neither moves its draws nor sees the shared generator put back. Any other draw (an op no generator can be handed,
-#     CUDA's ``native_dropout``; a nested call's with another thread alive) notes the state after it too, and its
-#     replay checks that it ended there: a replay that raced another thread draws again; one that cannot end there
-#     (the forward pass's draw raced) raises: an error, never a wrong gradient (also, rarely, where another thread drew
-#     just after the forward's op). Holding such ops' outputs instead would keep every CUDA dropout of a run that has
-#     an idle thread (a pin-memory thread, a logger's).
+#     neither moves its draws nor sees the shared generator put back. A draw whose generator another dispatch mode would see handed
+#     to it (a nested call's: the enclosing call's mode records the op) draws from the shared generator and notes the
+#     state after it; its replay, from a generator of its own, raises if it does not end there (the forward's draw
+#     raced another thread: an error, never a wrong gradient; rarely also where the other thread drew just after). An
+#     op no generator can be handed (CUDA's ``native_dropout``) is held when another thread is alive: its replay
+#     draws from the shared generator, where a check of the state its draw ends at can be fooled (another thread's
+#     draw of the same size during the forward's draw and again during the replay's: a wrong gradient in the review's
+#     threads); with no other thread alive it notes the state after its draw, and its replay draws again while it does
+#     not end there (a thread started since), and raises if it never does.
 _ATTEMPTS = 8
 
 
@@ -290,18 +293,22 @@ def draw_as_recorded(gen: torch.Generator, state: torch.Tensor, drew: torch.Tens
 
 
 def draw_first(gen: torch.Generator, op: Any, call: Any, args: Any, kwargs: Any) -> tuple[Any, torch.Tensor,
-                                                                                          torch.Tensor | None]:
+                                                                                          torch.Tensor | None, bool]:
     """The forward pass's draw of random op ``op`` (``call(*args, **kwargs)``) from ``gen`` (NOTE [draws in threads]):
-    its output, the state it drew from, and the state after it where it did not draw from a generator of its own."""
+    its output, the state it drew from, the state after it where it drew alone from the shared generator, and
+    whether its outputs must be held (drawn from the shared generator with another thread alive)."""
+    alone = threading.active_count() == 1
     with internal():
         state = gen.get_state()
-    if with_generator(op) is not None and ti.no_modes_pushed():
-        if threading.active_count() == 1:
-            return call(*args, **kwargs), state, None
+    if with_generator(op) is not None and not alone and ti.no_modes_pushed():
         out, own = draw_own(gen, state, op, args, kwargs)
         with internal():
             gen.set_state(own.get_state())
-        return out, state, None
+        return out, state, None, False
     out = call(*args, **kwargs)
+    if alone and with_generator(op) is not None:
+        return out, state, None, False
+    if not alone and with_generator(op) is None:
+        return out, state, None, True
     with internal():
-        return out, state, gen.get_state()
+        return out, state, gen.get_state(), False

@@ -102,7 +102,7 @@ import torch
 
 from .. import _torch_internals as ti
 from .._context import INTERNAL, PENDING_NAME, internal
-from .._policies.core import Decision, Offloadable, Recompute, decide, decide_explicit
+from .._policies.core import Decision, Offloadable, Recompute, Saveable, decide, decide_explicit
 from .._policies.naming import checkpoint_name
 from .._torch_internals import TorchDispatchMode
 from . import outside as ox
@@ -230,6 +230,7 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
         mutable = ox.mutates(func, args, mutable)
         subst = self._before_mutation(func, args, kwargs, ins) if mutable else None
         rng = drew = g = None
+        held = False
         if random:
             with internal():
                 g = generator_for(args, kwargs)  # NOTE [random ops] in _engine/replay.py
@@ -240,7 +241,7 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
             with internal():
                 self.generators[id(gen)] = (gen, gen.get_state())
         if random and g is not None:
-            out, state, drew = draw_first(g, func, func, args, kwargs)  # NOTE [draws in threads] in ambient.py
+            out, state, drew, held = draw_first(g, func, func, args, kwargs)  # NOTE [draws in threads] in ambient.py
             rng = (g, state)
         else:
             out = func(*args, **kwargs)
@@ -257,6 +258,8 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
             decision = Recompute
         else:
             decision = decide(self.policy, func, args, kwargs, out)
+        if held:
+            decision = Saveable  # (drawn from a shared generator with another thread alive: NOTE [draws in threads])
         with internal():
             keys = [storage_key(t) for t in ins]
             in_keys = set(keys)
@@ -296,7 +299,7 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
             rec.outside, rec.subst, rec.scalars, rec.lifted = outside, subst, scalars, lifted
             leaf = autocast_cast(func, args, kwargs)
             rec.cast_leaf = None if leaf is None else weakref.ref(leaf)
-            rec.rng, rec.drew, rec.writes = rng, drew, mutable
+            rec.rng, rec.drew, rec.writes, rec.held = rng, drew, mutable, held
             for j, t, _ in outside or ():  # reads a later write in this call would invalidate
                 self._pending.setdefault(storage_key(t), []).append((rec, j, t))
             idx = len(self.ops)
@@ -342,7 +345,7 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
             # NOTE [dead ops]: an op whose outputs nothing live reads need not run in the recompute
             rec.skippable = (not random and not mutable and not zero and bool(outs) and rec.out_spec is not None
                              and all(storage_key(t) not in in_keys for t in outs))
-            stashable = not random and not mutable and not zero and bool(outs) and rec.out_spec is not None
+            stashable = (not random or held) and not mutable and not zero and bool(outs) and rec.out_spec is not None
             if any(k in in_keys for k in rec.out_keys):
                 # a view (a checkpoint_name alias too) held for the replay would be copied before a write through it,
                 # apart from its base's copy, and its replay would hand back that copy, not a view of the base: the

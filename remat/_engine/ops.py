@@ -253,6 +253,7 @@ class OpRecord:
     rng: tuple[torch.Generator, torch.Tensor] | None = None
     drew: torch.Tensor | None = None  # and its state after (NOTE [draws in threads] in _engine/ambient.py)
     writes: bool = False  # writes an argument in place, its schema saying so or not (batch norm's statistics)
+    held: bool = False  # drawn from a shared generator with another thread alive: held (NOTE [draws in threads])
 
     def rebuild(self, tensors: list[Any]) -> Any:
         """The op's output, its tensors replaced by ``tensors`` (its numbers as the forward pass returned them)."""

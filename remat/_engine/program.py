@@ -324,16 +324,6 @@ class Program:
         return v
 
 
-_IN_PLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
-                               "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"})
-
-
-def _in_place(func: Any) -> bool:
-    """Whether torch function ``func`` writes its first argument in place (``add_``, ``kaiming_uniform_``, ``x[i] = v``)."""
-    name = getattr(func, "__name__", "")
-    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
-
-
 def _autocast() -> tuple[Any, ...]:
     """Autocast's state on each device: off (None) or its dtype (an inner region of another dtype switches it)."""
     cpu, cuda = torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda")
@@ -400,11 +390,6 @@ class ProgramRecorder(TorchFunctionMode):
             if isinstance(a, Tensor):
                 refs.append((i, p.read(a)))
                 leaves[i] = None
-        if p.level >= 0 and refs and refs[0][1] in p.outside and _in_place(func):
-            # (a tensor made inside the level where no torch function sees, such as a parameter of a module built in
-            # the function, written in place: the replay would write the forward pass's tensor, captured there)
-            p.spoil("it writes in place into a tensor that no torch function of the call made")
-            return func(*args, **kwargs)
         call = Call(func, spec, leaves, refs, torch.is_grad_enabled(), settings(), PENDING_NAME.get())
         p.running = True
         try:

@@ -189,7 +189,7 @@ class Replayer(TorchDispatchMode):
                 dead = [dead_value(m) for m in rec.out_meta]
                 self.unused_keys.update(storage_key(t) for t in dead)
                 return rec.rebuild(dead)
-        if rec.stash is not None and not rec.random and (self.skip_dead or all(
+        if rec.stash is not None and (not rec.random or rec.held) and (self.skip_dead or all(
                 x is not None and not (isinstance(x, weakref.ref) and x() is None) for x in rec.stash)):
             return self._replay(rec, func, args, kwargs)
         if not rec.live and rec.skippable and self.skip_dead:
@@ -208,7 +208,8 @@ class Replayer(TorchDispatchMode):
                 )
         if rec.outside is not None or rec.subst is not None:
             args, kwargs = outside_args(self, i, rec, args, kwargs)
-        if rec.random and (self.unused_keys or tainted):
+        stand_in = rec.random and bool(self.unused_keys or tainted)
+        if stand_in:
             args, kwargs = self._no_placeholders(args, kwargs)
         if rec.rng is not None and id(rec.rng[0]) not in self.generators:
             # NOTE [random ops]: the state the forward pass drew from, whatever the function set since (a seed set
@@ -225,8 +226,8 @@ class Replayer(TorchDispatchMode):
                     f"of shape {list(now[0])} whose value differs from the forward pass's (data read from "
                     "state that changed in between)"
                 )
-        out = func(*args, **kwargs) if rec.rng is None else \
-            draw_as_recorded(*rec.rng, rec.drew, func, func, args, kwargs, self.rec.fn_name)
+        out = func(*args, **kwargs) if rec.rng is None else draw_as_recorded(  # (on stand-in values, a poisson draws
+            *rec.rng, None if stand_in else rec.drew, func, func, args, kwargs, self.rec.fn_name)  # as many as it will)
         outs = tensor_leaves(out)
         if self.unused_keys:
             # an op that ran on a placeholder (a random op, a write) made a placeholder too (NOTE [unused outputs])

@@ -569,8 +569,8 @@ class Tracer(TorchDispatchMode):
         step.grad = grad = _grad_enabled()
         gen = generator_for(args, kwargs) if info.random else None
         if gen is not None:
-            out, state, trace.drew[step] = draw_first(gen, func, info.call, args, kwargs)  # NOTE [draws in threads]
-            step.rng = (gen, state)
+            out, state, trace.drew[step], held = draw_first(gen, func, info.call, args, kwargs)  # NOTE [draws in threads]
+            replayable, step.rng = replayable and not held, (gen, state)
             trace.first_rng.setdefault(id(gen), (gen, state))
         else:
             replayable, out = replayable and not info.random, info.call(*args, **kwargs)
