@@ -146,8 +146,8 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
                 INSPECTOR.set(measuring)
                 out = _forward(frame, outer, run, flat, state.tensors)
             except RematError:
-                # the measuring call's engine refused what the replay serves (an input written in place): this
-                # signature saves nothing from now on, on the replay engine, rather than measure and raise every call
+                # the measuring call's engine refused what the replay serves (an input written in place): after a
+                # second refusal the signature saves nothing, on the replay engine, rather than measure and raise
                 assert budget is not None
                 budget.give_up(bkey)
                 raise
