@@ -222,7 +222,8 @@ def test_an_op_no_generator_can_be_handed_is_held_only_with_another_thread() -> 
     def kept():
         return [r.op for r in saved_residuals(remat.remat(body), x) if r.decision == "kept" and r.argument is None]
 
-    assert kept() == []
+    if threading.active_count() == 1:  # (a pytest-xdist worker runs threads of its own)
+        assert kept() == []
     assert set(_with_idle_thread(kept)) == {"aten.native_dropout.default"}
 
 
