@@ -9,6 +9,7 @@ plain autograd computes.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -206,25 +207,55 @@ def test_a_generator_passed_positionally(op) -> None:
         assert torch.equal(g.get_state(), after)
 
 
-def test_an_op_no_generator_can_be_handed_is_held_only_with_another_thread() -> None:
+_HELD_SCRIPT = """
+import sys, threading, torch, remat
+sys.path.insert(0, sys.argv[1])
+from tests.helpers import heap_in_use
+
+def body(x):
+    for _ in range(4):
+        x = torch.ops.aten.native_dropout(torch.tanh(x), 0.5, True)[0]
+    return x.sum()
+
+x = torch.randn(512, 1024, requires_grad=True)
+f = remat.remat(body)
+f(x).backward()  # (warm)
+stop = threading.Event()
+if sys.argv[2] == "thread":
+    threading.Thread(target=stop.wait).start()
+before = heap_in_use()
+out = f(x)
+held = heap_in_use() - before
+out.backward()
+stop.set()
+print(held)
+"""
+
+
+@pytest.mark.parametrize("thread", ["alone", "thread"])
+def test_an_op_no_generator_can_be_handed_is_held_only_with_another_thread(thread) -> None:
     """An op no generator can be handed to (CUDA's dropout) is held while another thread is alive (a check of where
     its replay's draw ends can be fooled by another thread's draws of the same size: a wrong gradient in the review);
-    with none, it is dropped and its replay checks its draw."""
-    from remat import saved_residuals
+    with none, it is dropped and its replay checks its draw. Heap bytes held between the passes, in a process of its
+    own (an xdist worker runs threads of its own): 4 dropouts' masks (0.5 MiB each) and the 3 outputs the next
+    ``tanh`` reads (2 MiB each), or none."""
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    def body(x):
-        for _ in range(4):
-            x = torch.ops.aten.native_dropout(torch.tanh(x), 0.5, True)[0]
-        return x.sum()
+    from .helpers import heap_in_use
 
-    x = torch.randn(64, 256, requires_grad=True)
-
-    def kept():
-        return [r.op for r in saved_residuals(remat.remat(body), x) if r.decision == "kept" and r.argument is None]
-
-    if threading.active_count() == 1:  # (a pytest-xdist worker runs threads of its own)
-        assert kept() == []
-    assert set(_with_idle_thread(kept)) == {"aten.native_dropout.default"}
+    if heap_in_use() is None:
+        pytest.skip("needs glibc's mallinfo2")
+    root = str(Path(__file__).resolve().parents[1])
+    res = subprocess.run([sys.executable, "-c", _HELD_SCRIPT, root, thread], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr
+    held = int(res.stdout.split()[-1]) / 2**20
+    if thread == "alone":
+        assert held < 1.0, held
+    else:
+        assert held > 3 * 2 + 4 * 0.5 - 0.5, held
 
 
 def test_a_value_dependent_draw_replayed_on_stand_in_values() -> None:

@@ -263,11 +263,17 @@ def draw_own(gen: torch.Generator, state: torch.Tensor, op: Any, args: Any, kwar
         own = torch.Generator(device=gen.device)
         own.set_state(state)
     o = with_generator(op)
-    pos = [a.name for a in o._schema.arguments if not a.kwarg_only]
-    if "generator" in pos and pos.index("generator") < len(args):  # (poisson, binomial: a positional generator)
-        i = pos.index("generator")
+    i = _generator_at(o)
+    if i is not None and i < len(args):  # (poisson, binomial: a positional generator)
         return o(*args[:i], own, *args[i + 1:], **kwargs), own
     return o(*args, **{**kwargs, "generator": own}), own
+
+
+@functools.cache
+def _generator_at(o: Any) -> int | None:
+    """Where overload ``o`` takes its generator among its positional arguments, or None."""
+    pos = [a.name for a in o._schema.arguments if not a.kwarg_only]
+    return pos.index("generator") if "generator" in pos else None
 
 
 def draw_as_recorded(gen: torch.Generator, state: torch.Tensor, drew: torch.Tensor | None, op: Any, call: Any,
@@ -298,17 +304,18 @@ def draw_first(gen: torch.Generator, op: Any, call: Any, args: Any, kwargs: Any)
     its output, the state it drew from, the state after it where it drew alone from the shared generator, and
     whether its outputs must be held (drawn from the shared generator with another thread alive)."""
     alone = threading.active_count() == 1
+    handed = with_generator(op) is not None
     with internal():
         state = gen.get_state()
-    if with_generator(op) is not None and not alone and ti.no_modes_pushed():
+    if handed and not alone and ti.no_modes_pushed():
         out, own = draw_own(gen, state, op, args, kwargs)
         with internal():
             gen.set_state(own.get_state())
         return out, state, None, False
     out = call(*args, **kwargs)
-    if alone and with_generator(op) is not None:
+    if alone and handed:
         return out, state, None, False
-    if not alone and with_generator(op) is None:
+    if not alone and not handed:
         return out, state, None, True
     with internal():
         return out, state, gen.get_state(), False

@@ -173,7 +173,7 @@ class Trace:
         # the steps that ran under another default dtype or thread count than the call's start (set inside): theirs
         self.dtype0, self.threads0 = torch.get_default_dtype(), torch.get_num_threads()
         self.settings: dict[Step, tuple[torch.dtype, int]] = {}
-        self.drew: dict[Step, torch.Tensor | None] = {}  # a random step: its generator's state after it drew
+        self.drew: dict[Step, torch.Tensor] = {}  # a random step: its generator's state after it drew, to check
         self.external: Callable[[int, Tensor], Any] | None = None  # nested calls: an outside tensor the parent made
 
     # ---- slots ---------------------------------------------------------------
@@ -569,7 +569,9 @@ class Tracer(TorchDispatchMode):
         step.grad = grad = _grad_enabled()
         gen = generator_for(args, kwargs) if info.random else None
         if gen is not None:
-            out, state, trace.drew[step], held = draw_first(gen, func, info.call, args, kwargs)  # NOTE [draws in threads]
+            out, state, drew, held = draw_first(gen, func, info.call, args, kwargs)  # NOTE [draws in threads]
+            if drew is not None:
+                trace.drew[step] = drew
             replayable, step.rng = replayable and not held, (gen, state)
             trace.first_rng.setdefault(id(gen), (gen, state))
         else:
