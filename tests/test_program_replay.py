@@ -517,3 +517,57 @@ def test_a_tensor_read_from_outside_that_dies_before_the_backward_pass_is_replay
     for a, b in zip(got, want):
         for u, v in zip(torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)):
             torch.testing.assert_close(u, v, **TOL)
+
+
+# ---- NOTE [unseen aliases]: a tensor made inside where no torch function sees it ---------------------------------
+
+
+def _param_mul_(x: torch.Tensor) -> torch.Tensor:
+    t = nn.Parameter(x.detach().clone(), requires_grad=False)  # (an alias of the clone that no torch function makes)
+    t.mul_(-1)
+    return (t * x.cos()).sum()
+
+
+def _param_leaky_relu_(x: torch.Tensor) -> torch.Tensor:
+    t = nn.Parameter(x.detach().clone(), requires_grad=False)
+    F.leaky_relu(t, inplace=True)
+    return (t * x.cos()).sum()
+
+
+def _param_out(x: torch.Tensor) -> torch.Tensor:
+    t = nn.Parameter(torch.zeros(x.shape, dtype=x.dtype), requires_grad=False)
+    torch.add(x.detach().sin(), 1, out=t)
+    return (t * x).sum()
+
+
+def _modules_inside(x: torch.Tensor) -> torch.Tensor:
+    _CALLS.append(1)
+    lin = nn.Linear(x.shape[-1], 4, dtype=x.dtype)  # (kaiming_uniform_ writes the Parameter made from torch.empty)
+    buf = nn.Parameter(torch.zeros(4, dtype=x.dtype), requires_grad=False)
+    buf.add_(x.detach().sum(0)[:4])
+    return (F.batch_norm(lin(x), None, None, training=True) * buf).tanh().sum()
+
+
+_CALLS: list[int] = []
+
+
+@pytest.mark.parametrize("case", [_param_mul_, _param_leaky_relu_, _param_out, _modules_inside],
+                         ids=["mul_", "leaky_relu_inplace", "out=", "modules built inside"])
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev"])
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls"])
+def test_a_tensor_made_where_no_torch_function_sees_it_and_written_in_place(case, transform, policy) -> None:
+    """``nn.Parameter(t)`` (``Tensor._make_subclass``) makes an alias of ``t`` that no torch function makes: the
+    program held it as a tensor from outside, and its replay wrote it again (``t.mul_(-1)``: off by 3.0 under
+    ``grad`` on every call; ``vjp``/``jacrev``: torch's "mutate a captured Tensor"). NOTE [unseen aliases]: the replay
+    makes it again on its own value of the storage it shares; the Python runs once per call."""
+    rf = remat.remat(case, policy=policy)
+    for call in range(3):
+        x = torch.randn(3, 5, dtype=f64, generator=torch.Generator().manual_seed(call))
+        torch.manual_seed(call)
+        want = _transform(transform, case, x)
+        torch.manual_seed(call)
+        _CALLS.clear()
+        got = _transform(transform, rf, x)
+        torch.testing.assert_close(got, want, **TOL)
+        if case is _modules_inside:
+            assert len(_CALLS) == 1

@@ -42,6 +42,14 @@ NOTE [program replay]
     numbers). A nested program notes where its result comes from (``finish``); one that is spoiled itself runs
     its Python there, as before.
 
+    NOTE [unseen aliases]: ``nn.Parameter(t)`` (``Tensor._make_subclass``: ``nn.Linear`` built inside the function)
+    makes an alias of ``t`` that no torch function makes. Held as a tensor from outside, its replay read the forward
+    pass's tensor, which a write of the call (``t.mul_``, ``kaiming_uniform_``, ``out=``) had already written, and wrote
+    it again (under ``grad`` a wrong gradient; under ``vjp``, torch's "mutate a captured Tensor"). So each call's
+    outputs are noted by storage (``_made``), and a tensor of no slot on the storage of one of them (the maker alive,
+    or gone with ``t`` wrapped at the call's level, as only a tensor made from one of that level is) is made again by
+    an ``_Alias`` call on the replay's value: its geometry, type and ``requires_grad``, with no history.
+
     Without ``torch.func`` the same program serves a call the ATen trace does not take (tensor subclasses: a
     wrapper such as ``TwoTensor`` whose values the torch calls make is replayed exactly; NOTE [wrapper subclasses]
     in ``_engine/dispatch.py``).
@@ -110,6 +118,8 @@ class Program:
         self.out_spec: Any = None
         self.out_leaves: list[Any] = []
         self.out_refs: list[tuple[int, int]] = []  # (leaf index, slot) of the result's tensors
+        # storage address -> (the tensor, weakly; its slot; its dtype) of the slot last made on it (NOTE [unseen aliases])
+        self._by_key: dict[int, tuple[weakref.ref[Tensor], int, torch.dtype]] = {}
 
     # ---- recording -------------------------------------------------------------------
     def start(self, frame: Any, flat: list[Any], state_tensors: list[Tensor]) -> None:
@@ -186,6 +196,26 @@ class Program:
         self._slot_of[id(t)] = (weakref.ref(t), s, id(self._node(t)))
         return s
 
+    def _made(self, t: Tensor) -> int:
+        """The slot of an output of a recorded call (noted by its storage: NOTE [unseen aliases])."""
+        s = self._new(t)
+        key = _storage_key(t)
+        if key is not None:
+            self._by_key[key] = (self._slot_of[id(t)][0], s, t.dtype)  # (the last made on each storage)
+        return s
+
+    def _unseen_alias(self, t: Tensor) -> int | None:
+        """NOTE [unseen aliases]: the slot of a tensor of the call whose storage ``t`` shares, or None."""
+        key = _storage_key(t)
+        e = self._by_key.get(key) if key is not None else None
+        if e is None or e[2] != t.dtype:
+            return None
+        x = e[0]()
+        if x is not None:
+            return e[1] if _storage_key(x) == key else None
+        # (its maker is gone: the storage is that maker's if ``t`` is wrapped at the call's level, which only a
+        # tensor made from one of that level is; a plain tensor, from_numpy's, may have reused the address)
+        return e[1] if self.level >= 0 and ti.maybe_level(t) == self.level else None
     def _node(self, t: Tensor) -> Any:
         try:
             return t.grad_fn
@@ -229,6 +259,14 @@ class Program:
             # a value with history that no recorded call made (a custom autograd.Function's output, a closure
             # over a value of the enclosing function): what made it would not run again
             self.spoil("it reads a tensor with history that no torch function of the call made")
+        made = self._unseen_alias(t) if self.spoiled is None else None
+        if made is not None:
+            # NOTE [unseen aliases]: made again, from the replay's value of the storage it shares
+            alias = Call(_Alias(t), None, [], [(0, made)], torch.is_grad_enabled(), settings(), None)
+            s = self._new(t)
+            alias.outs.append(s)
+            self.calls.append(alias)
+            return s
         s = self._new(t)
         # held, as the ATen trace holds its outside tensors (NOTE [the trace]): the replay reads the tensor the
         # forward pass read, whatever happens to the name it was read through (a global rebound, a queue popped);
@@ -268,7 +306,7 @@ class Program:
         try:
             out = forward()
             if self.spoiled is None:
-                call.outs = [self._new(t) if isinstance(t, Tensor) else -1
+                call.outs = [self._made(t) if isinstance(t, Tensor) else -1
                              for t in optree.tree_leaves(out, none_is_leaf=True)]
                 if not call.grad:
                     self._nograd.update(s for s in call.outs if s >= 0)
@@ -292,6 +330,9 @@ class Program:
         grad0 = torch.is_grad_enabled()
         try:
             for k, c in enumerate(self.calls):
+                if c.spec is None:  # (an unseen alias: NOTE [unseen aliases])
+                    v[c.outs[0]] = c.func(v[c.refs[0][1]])
+                    continue
                 leaves = list(c.leaves)
                 for i, s in c.refs:
                     leaves[i] = v[s]
@@ -322,6 +363,33 @@ class Program:
         finally:
             put_settings(settings0)
         return v
+
+
+def _storage_key(t: Tensor) -> int | None:
+    """The address of the storage below ``t``'s functorch wrappers, or None (no storage: a subclass, a fake)."""
+    try:
+        u = ti.unwrap_all(t)
+        return int(u.data_ptr() - u.storage_offset() * u.itemsize) or None
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class _Alias:
+    """NOTE [unseen aliases]: make a tensor of the geometry, type and ``requires_grad`` of one the forward pass made
+    where no torch function sees it, on the storage of the replay's value of the tensor it aliased."""
+
+    def __init__(self, t: Tensor) -> None:
+        self.geometry = (tuple(t.shape), t.stride(), t.storage_offset())
+        self.param = type(t) is torch.nn.Parameter
+        self.requires_grad = t.requires_grad
+
+    def __call__(self, base: Tensor) -> Tensor:
+        a = base.detach()
+        if (tuple(a.shape), a.stride(), a.storage_offset()) != self.geometry:
+            a = a.as_strided(*self.geometry)
+        if self.param:
+            return torch.nn.Parameter(a, requires_grad=self.requires_grad)
+        return a.requires_grad_() if self.requires_grad else a
 
 
 def _autocast() -> tuple[Any, ...]:
@@ -399,7 +467,7 @@ class ProgramRecorder(TorchFunctionMode):
         if p.spoiled is not None:
             return out
         if isinstance(out, Tensor):
-            call.outs.append(p._new(out))
+            call.outs.append(p._made(out))
             if not call.grad:
                 p._nograd.add(call.outs[0])
         elif isinstance(out, collections.abc.Iterator):
@@ -410,7 +478,7 @@ class ProgramRecorder(TorchFunctionMode):
                 outs = optree.tree_leaves(out, none_is_leaf=True)
             except Exception:  # noqa: BLE001 (an output optree cannot take apart: a leaf)
                 outs = [out]
-            call.outs = [p._new(t) if isinstance(t, Tensor) else -1 for t in outs]
+            call.outs = [p._made(t) if isinstance(t, Tensor) else -1 for t in outs]
             if not call.grad:
                 p._nograd.update(s for s in call.outs if s >= 0)
             if all(s < 0 for s in call.outs):
