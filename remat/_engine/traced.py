@@ -314,7 +314,9 @@ class _Serving(Half):
             h = self.routed.get(s)
             if h is not None:
                 assert self.parent is not None
-                return trace.made(s, self.parent.unpack(h))
+                v = trace.made(s, self.parent.unpack(h))
+                # (the parent's kept tensor itself, which a replayed step may write: a copy, as a kept value's below)
+                return v.clone() if trace.key_of.get(s) in trace.written_keys else v  # type: ignore[no-any-return]
             e = trace.outside.get(s)
             if e is not None:
                 snap = trace.snapshots.get(s)
