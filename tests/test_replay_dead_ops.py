@@ -208,3 +208,38 @@ def test_a_write_its_schema_hides_keeps_its_op_live(policy, transform):
     for _ in range(3):
         x = torch.randn(3, 4, dtype=torch.float64, generator=gen)
         torch.testing.assert_close(run(g, w, x), run(f, w, x), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("policy", ["budget", "save-nothing"])
+def test_a_write_is_never_run_on_a_placeholder_of_an_unused_op(policy) -> None:
+    """A double backward reaches the forward's nodes through the first backward's graph, not through the outputs: a
+    memory budget's first call skipped the ops that made ``nn.Embedding(max_norm=1.0)``'s indices as unused (NOTE
+    [unused outputs]) and ran ``embedding_renorm_`` of the weight at their placeholders' uninitialised values
+    (``IndexError: index 22986233510``; in range, it would have renormalised rows of the weight the forward did not
+    touch). A write of a real tensor that reads a placeholder makes the recompute run in full."""
+
+    class Emb(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = torch.nn.Embedding(10, 4, max_norm=1.0)
+
+        def forward(self, x):
+            idx = (x.abs() * 3).long().clamp(max=9)[..., 0]
+            return self.e(idx).sin() * x[..., :1]
+
+    results = []
+    for wrap in ("plain", policy):
+        torch.manual_seed(0)
+        m = Emb().double()
+        with torch.no_grad():
+            m.e.weight.mul_(3)  # (rows with norms above max_norm: a renorm of a row the forward did not read shows)
+        pol = policies.memory_budget(0.5) if wrap == "budget" else wrap
+        fn = m.forward if wrap == "plain" else remat(m.forward, policy=pol)
+        x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+        out = fn(x)
+        loss = (out * torch.cos(torch.arange(12, dtype=torch.float64) * 0.7 + 0.3).reshape(3, 4)).sum()
+        g = torch.autograd.grad(loss, [x, m.e.weight], create_graph=True)
+        sum((gi * gi).sum() for gi in g).backward()
+        results.append((x.grad, m.e.weight.grad, m.e.weight.detach().clone()))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -50,6 +50,20 @@ from .wiring import Wiring, autocast_cast, cast_source, describe_difference, sam
 
 __all__ = ["Replayer"]
 
+def _writes_real_from_placeholder(func: Any, args: Any, kwargs: Any, unused_keys: set[int]) -> bool:
+    """NOTE [unused outputs] in _engine/full.py: whether op ``func`` writes a tensor that is no placeholder while it
+    reads one (``embedding_renorm_`` of the real weight at a placeholder's indices): such an op must not run on it."""
+    info = op_info(func)
+    if not info.written and not info.written_kw:
+        return False
+    with internal():
+        ws = [args[k] for k in info.written if k < len(args)] + [kwargs.get(k) for k in info.written_kw]
+        wkeys = {storage_key(t) for t in ws if isinstance(t, torch.Tensor)}
+        if all(k in unused_keys for k in wkeys):
+            return False
+        return any(storage_key(t) in unused_keys for t in arg_tensors(args, kwargs) if storage_key(t) not in wkeys)
+
+
 def _written_to_a_copy(rec: OpRecord, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
     """NOTE [written outside storages]: the tensor an op wrote whose write went to a copy, when the op returned the
     copy: it is read on (``A.add_(1); A.as_strided(...)``, ``torch.div(a, b, out=A); A @ B``: an ``out=`` op hands
@@ -208,6 +222,8 @@ class Replayer(TorchDispatchMode):
                 )
         if rec.outside is not None or rec.subst is not None:
             args, kwargs = outside_args(self, i, rec, args, kwargs)
+        if self.unused_keys and _writes_real_from_placeholder(func, args, kwargs, self.unused_keys):
+            raise DeadRead  # (it would write a real tensor from a placeholder, an index of uninitialised memory: in full)
         stand_in = rec.random and bool(self.unused_keys or tainted)
         if stand_in:
             args, kwargs = self._no_placeholders(args, kwargs)
