@@ -503,3 +503,26 @@ def test_a_compiled_function_inside_remat_leaves_remat_s_own_code_uncompiled(pol
     assert dict(counters["frames"]) == {} and counting.graphs == 0
     want = [torch.autograd.grad(f(W, x + i).sum(), W) for i in range(3)]
     assert_tree_close(got, want, **F64)
+
+
+@pytest.mark.parametrize("policy", [None, "save-matmuls"])
+def test_torch_checkpoint_routed_to_remat_compiles(policy) -> None:
+    """Inside ``route_torch_checkpoint``, torch.compile's checkpoint region ran its body through the routed
+    function (torch imports its checkpoint by name at the call): ``BackendCompilerFailed`` in torch's partitioner.
+    torch's own runs it now; the gradients are plain autograd's, and torch's function is back after the block."""
+    import torch.utils.checkpoint as tuc
+
+    torch.manual_seed(0)
+    blk = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)).double()
+    ref = copy.deepcopy(blk)
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    before = tuc.checkpoint
+    with remat.route_torch_checkpoint(policy=policy):
+        cf = torch.compile(lambda x: tuc.checkpoint(blk, x, use_reentrant=False).sin(), backend="aot_eager")
+        cf(x).sum().backward()
+    assert tuc.checkpoint is before
+    x2 = x.detach().clone().requires_grad_()
+    ref(x2).sin().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-10, atol=1e-12)
+    for a, b in zip(blk.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)

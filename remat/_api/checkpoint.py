@@ -449,6 +449,11 @@ class route_torch_checkpoint:
         self._installed = {}
 
 
+# (the modules of torch's own callers of its checkpoint: the checkpoint region of torch.compile, which calls it with
+# ``Interpreter(body).run`` or a function of its own)
+_TORCH_CALLERS = frozenset({"torch._higher_order_ops.wrap", "torch.fx.interpreter"})
+
+
 class _Routed:
     """What a routing block puts in place of torch's ``checkpoint`` (or ``checkpoint_sequential``): torch's call on
     remat with the block's policy. It holds the policy alone, so a model that stored it
@@ -471,6 +476,11 @@ class _Routed:
         own = cf is not None and cf is not tc.noop_context_fn
         fn_kw = {k: v for k, v in kwargs.items() if k not in _TORCH_KEYWORDS}
         torch_kw = {k: v for k, v in kwargs.items() if k in _TORCH_KEYWORDS}
+        if getattr(function, "__module__", None) in _TORCH_CALLERS:
+            # torch.compile's checkpoint region runs its body through torch's checkpoint, imported by name at the
+            # call (a routed one took it over, and torch's partitioner then failed): torch's own runs it (Dynamo
+            # itself takes the routed function for torch's, by identity: docs/transforms.md, "torch.compile")
+            return _TORCH_CHECKPOINT(function, *args, **kwargs)
         # (always the call: torch's checkpoint(closure) runs the closure, where remat.checkpoint(closure, policy=...)
         # would be the decorator)
         return checkpoint_call(function, args, fn_kw, **torch_kw) if own else \
