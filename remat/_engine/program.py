@@ -176,6 +176,7 @@ class Program:
                 if t is not None:
                     self._known(t)
         self._slot_of = {}
+        self._by_key = {}
         self.frame = None
         if self.spoiled is not None:
             return
@@ -204,18 +205,6 @@ class Program:
             self._by_key[key] = (self._slot_of[id(t)][0], s, t.dtype)  # (the last made on each storage)
         return s
 
-    def _unseen_alias(self, t: Tensor) -> int | None:
-        """NOTE [unseen aliases]: the slot of a tensor of the call whose storage ``t`` shares, or None."""
-        key = _storage_key(t)
-        e = self._by_key.get(key) if key is not None else None
-        if e is None or e[2] != t.dtype:
-            return None
-        x = e[0]()
-        if x is not None:
-            return e[1] if _storage_key(x) == key else None
-        # (its maker is gone: the storage is that maker's if ``t`` is wrapped at the call's level, which only a
-        # tensor made from one of that level is; a plain tensor, from_numpy's, may have reused the address)
-        return e[1] if self.level >= 0 and ti.maybe_level(t) == self.level else None
     def _node(self, t: Tensor) -> Any:
         try:
             return t.grad_fn
@@ -259,7 +248,7 @@ class Program:
             # a value with history that no recorded call made (a custom autograd.Function's output, a closure
             # over a value of the enclosing function): what made it would not run again
             self.spoil("it reads a tensor with history that no torch function of the call made")
-        made = self._unseen_alias(t) if self.spoiled is None else None
+        made = _unseen_alias(self, t) if self.spoiled is None else None
         if made is not None:
             # NOTE [unseen aliases]: made again, from the replay's value of the storage it shares
             alias = Call(_Alias(t), None, [], [(0, made)], torch.is_grad_enabled(), settings(), None)
@@ -365,10 +354,26 @@ class Program:
         return v
 
 
+def _unseen_alias(p: Program, t: Tensor) -> int | None:
+    """NOTE [unseen aliases]: the slot of a tensor program ``p``'s calls made whose storage ``t`` shares, or None."""
+    key = _storage_key(t)
+    e = p._by_key.get(key) if key is not None else None
+    if e is None or e[2] != t.dtype:
+        return None
+    x = e[0]()
+    if x is not None:
+        return e[1] if _storage_key(x) == key else None
+    # (its maker is gone: the storage is that maker's if ``t`` is wrapped at the call's level, which only a
+    # tensor made from one of that level is; a plain tensor, from_numpy's, may have reused the address)
+    return e[1] if p.level >= 0 and ti.maybe_level(t) == p.level else None
+
+
 def _storage_key(t: Tensor) -> int | None:
-    """The address of the storage below ``t``'s functorch wrappers, or None (no storage: a subclass, a fake)."""
+    """The address of the storage below ``t``'s functorch wrappers, or None (none: a subclass, a fake tensor)."""
+    u = ti.unwrap_all(t)
+    if type(u) is not Tensor and type(u) is not torch.nn.Parameter:
+        return None  # (a subclass: its queries are ops its own dispatch, or a mode, would see)
     try:
-        u = ti.unwrap_all(t)
         return int(u.data_ptr() - u.storage_offset() * u.itemsize) or None
     except (RuntimeError, NotImplementedError):
         return None

@@ -86,8 +86,7 @@ def _written_to_a_copy(rec: OpRecord, func: Any, args: Any, kwargs: Any, out: An
 class Replayer(TorchDispatchMode):
     """Recompute: the same ops in the same order; stashed outputs handed back, not recomputed."""
 
-    def __init__(self, recorder: Recorder, unused: set[int] = frozenset(),  # type: ignore[assignment]
-                 skip_dead: bool = True) -> None:
+    def __init__(self, recorder: Recorder, unused: set[int] = frozenset(), skip_dead: bool = True) -> None:  # type: ignore[assignment]
         super().__init__()
         self.rec = recorder
         self.skip_dead = skip_dead
@@ -223,7 +222,7 @@ class Replayer(TorchDispatchMode):
         if rec.outside is not None or rec.subst is not None:
             args, kwargs = outside_args(self, i, rec, args, kwargs)
         if self.unused_keys and _writes_real_from_placeholder(func, args, kwargs, self.unused_keys):
-            raise DeadRead  # (it would write a real tensor from a placeholder, an index of uninitialised memory: in full)
+            raise DeadRead  # (a real tensor written from a placeholder: uninitialised indices; in full instead)
         stand_in = rec.random and bool(self.unused_keys or tainted)
         if stand_in:
             args, kwargs = self._no_placeholders(args, kwargs)

@@ -51,7 +51,8 @@ def label(key: str, model: str) -> str:
 def applies(key: str, model: str, device: torch.device | str) -> str | None:
     """Why configuration ``key`` does not apply to ``model`` on ``device`` (None: it does)."""
     if key == "offload-to-cpu" and torch.device(device).type != "cuda":
-        return "offloading to the CPU needs a GPU (on a CPU it only copies memory to memory)"
+        return ("offloading to the CPU needs a GPU (on a CPU it only copies memory to memory: its retained column counts "
+                "device memory, not the host copies, which here are the same memory)")
     if key == "names" and model not in NAMES:
         return f"the {model} model has no checkpoint_name tags"
     return None
