@@ -243,3 +243,38 @@ def test_a_write_is_never_run_on_a_placeholder_of_an_unused_op(policy) -> None:
         results.append((x.grad, m.e.weight.grad, m.e.weight.detach().clone()))
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_write_into_a_placeholder_at_a_placeholders_indices_is_skipped() -> None:
+    """The same under a double backward, with the write into a tensor the call made (``index_put_`` into a
+    ``zeros``, accumulating) at indices from an unused op: it ran at the placeholder's uninitialised indices
+    (``IndexError: index 9.4e13 out of bounds``). A write whose every written tensor is a placeholder is skipped."""
+    w = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2), requires_grad=True)
+
+    def f(x):
+        acc = torch.zeros(6, 4)  # (of the default dtype, float64 here: the review's case)
+        acc.index_put_((x.argmax(-1),), x.sin(), accumulate=True)
+        return (acc @ w.t()).cos().sum() * x
+
+    results = []
+    dtype0 = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        _double_backwards(f, w, results)
+    finally:
+        torch.set_default_dtype(dtype0)
+    for got, want in zip(results[2:], results[:2]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def _double_backwards(f, w, results) -> None:
+    for fn in (f, remat(f, policy=policies.memory_budget(0.5))):
+        for _ in range(2):
+            x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+            out = fn(x)  # (held: its node, which the double backward does not run, makes its ops unused)
+            loss = (out * torch.cos(torch.arange(12.0, dtype=torch.float64).reshape(3, 4) * 0.7 + 0.3)).sum()
+            g = torch.autograd.grad(loss, [x, w], create_graph=True)
+            sum((gi * gi).sum() for gi in g).backward()
+            results.append((x.grad.clone(), w.grad.clone()))
+            del out
+            w.grad = None

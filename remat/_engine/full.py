@@ -79,7 +79,10 @@ NOTE [unused outputs]
     backward pass reads a saved tensor that the recompute handed back as a
     placeholder for a skipped op (or for an op that ran on one: a random op, a write;
     the replayer spreads the mark), the frame recomputes that level again in full
-    and serves it from there: never a NaN, at worst one more recompute. An output
+    and serves it from there: never a NaN, at worst one more recompute. A write that
+    reads a placeholder never runs on it (its indices are uninitialised memory):
+    into placeholders it is skipped, into a real tensor (``embedding_renorm_`` of a
+    weight) the level is recomputed in full at once. An output
     written in place since the forward pass has another node: it counts as used.
 
 NOTE [offload under torch.func]

@@ -46,9 +46,11 @@ NOTE [program replay]
     makes an alias of ``t`` that no torch function makes. Held as a tensor from outside, its replay read the forward
     pass's tensor, which a write of the call (``t.mul_``, ``kaiming_uniform_``, ``out=``) had already written, and wrote
     it again (under ``grad`` a wrong gradient; under ``vjp``, torch's "mutate a captured Tensor"). So each call's
-    outputs are noted by storage (``_made``), and a tensor of no slot on the storage of one of them (the maker alive,
-    or gone with ``t`` wrapped at the call's level, as only a tensor made from one of that level is) is made again by
-    an ``_Alias`` call on the replay's value: its geometry, type and ``requires_grad``, with no history.
+    outputs are noted by storage (``_made``), but for views of a storage from outside the call (an input's, the
+    state's, an outside tensor's: ``_foreign``; a closed-over row of the batch a vmap runs over shares the input's),
+    and a tensor of no slot on a storage the call made, of the dtype of a tensor made there (the maker alive, or gone
+    with ``t`` wrapped at the call's level, as only a tensor made from one of that level is), is made again by an
+    ``_Alias`` call on the replay's value: its geometry, type and ``requires_grad``, with no history.
 
     Without ``torch.func`` the same program serves a call the ATen trace does not take (tensor subclasses: a
     wrapper such as ``TwoTensor`` whose values the torch calls make is replayed exactly; NOTE [wrapper subclasses]
@@ -118,8 +120,10 @@ class Program:
         self.out_spec: Any = None
         self.out_leaves: list[Any] = []
         self.out_refs: list[tuple[int, int]] = []  # (leaf index, slot) of the result's tensors
-        # storage address -> (the tensor, weakly; its slot; its dtype) of the slot last made on it (NOTE [unseen aliases])
-        self._by_key: dict[int, tuple[weakref.ref[Tensor], int, torch.dtype]] = {}
+        # NOTE [unseen aliases]: storage address -> (the tensor, weakly; its slot; its dtype) of each slot made on it;
+        # the addresses of the storages of the inputs, the state and the tensors from outside
+        self._by_key: dict[int, list[tuple[weakref.ref[Tensor], int, torch.dtype]]] = {}
+        self._foreign: set[int | None] = set()
 
     # ---- recording -------------------------------------------------------------------
     def start(self, frame: Any, flat: list[Any], state_tensors: list[Tensor]) -> None:
@@ -131,9 +135,11 @@ class Program:
         for i, a in enumerate(flat):
             if isinstance(a, Tensor):
                 self.inputs[self._new(a)] = i
+                self._foreign.add(_storage_key(a))
         for i, t in enumerate(state_tensors):
             if self._known(t) is None:
                 self.state[self._new(t)] = i
+                self._foreign.add(_storage_key(t))
 
     def takes_nested(self) -> bool:
         """Whether a remat call starting now inside this call's forward pass can be recorded as one of its calls
@@ -176,7 +182,7 @@ class Program:
                 if t is not None:
                     self._known(t)
         self._slot_of = {}
-        self._by_key = {}
+        self._by_key, self._foreign = {}, set()
         self.frame = None
         if self.spoiled is not None:
             return
@@ -198,11 +204,10 @@ class Program:
         return s
 
     def _made(self, t: Tensor) -> int:
-        """The slot of an output of a recorded call (noted by its storage: NOTE [unseen aliases])."""
-        s = self._new(t)
-        key = _storage_key(t)
-        if key is not None:
-            self._by_key[key] = (self._slot_of[id(t)][0], s, t.dtype)  # (the last made on each storage)
+        """The slot of a call's output, noted by its storage if not one from outside (NOTE [unseen aliases])."""
+        s, key = self._new(t), _storage_key(t)
+        if key is not None and key not in self._foreign:
+            self._by_key.setdefault(key, []).append((self._slot_of[id(t)][0], s, t.dtype))
         return s
 
     def _node(self, t: Tensor) -> Any:
@@ -248,14 +253,13 @@ class Program:
             # a value with history that no recorded call made (a custom autograd.Function's output, a closure
             # over a value of the enclosing function): what made it would not run again
             self.spoil("it reads a tensor with history that no torch function of the call made")
-        made = _unseen_alias(self, t) if self.spoiled is None else None
-        if made is not None:
-            # NOTE [unseen aliases]: made again, from the replay's value of the storage it shares
-            alias = Call(_Alias(t), None, [], [(0, made)], torch.is_grad_enabled(), settings(), None)
-            s = self._new(t)
-            alias.outs.append(s)
-            self.calls.append(alias)
-            return s
+        key = _storage_key(t) if self.spoiled is None else None
+        made = _unseen_alias(self, t, key) if key is not None and key not in self._foreign else None
+        if made is not None:  # NOTE [unseen aliases]: made again, from the replay's value of the storage it shares
+            self.calls.append(Call(_Alias(t), None, [], [(0, made)], torch.is_grad_enabled(), settings(), None))
+            self.calls[-1].outs.append(self._new(t))
+            return self.calls[-1].outs[0]
+        self._foreign.add(key)
         s = self._new(t)
         # held, as the ATen trace holds its outside tensors (NOTE [the trace]): the replay reads the tensor the
         # forward pass read, whatever happens to the name it was read through (a global rebound, a queue popped);
@@ -354,18 +358,21 @@ class Program:
         return v
 
 
-def _unseen_alias(p: Program, t: Tensor) -> int | None:
-    """NOTE [unseen aliases]: the slot of a tensor program ``p``'s calls made whose storage ``t`` shares, or None."""
-    key = _storage_key(t)
-    e = p._by_key.get(key) if key is not None else None
-    if e is None or e[2] != t.dtype:
-        return None
-    x = e[0]()
-    if x is not None:
-        return e[1] if _storage_key(x) == key else None
-    # (its maker is gone: the storage is that maker's if ``t`` is wrapped at the call's level, which only a
-    # tensor made from one of that level is; a plain tensor, from_numpy's, may have reused the address)
-    return e[1] if p.level >= 0 and ti.maybe_level(t) == p.level else None
+def _unseen_alias(p: Program, t: Tensor, key: int) -> int | None:
+    """NOTE [unseen aliases]: the slot of a tensor of ``t``'s dtype that program ``p``'s calls made on storage ``key``
+    (not a view of one from outside the call), or None."""
+    for ref, s, dtype in reversed(p._by_key.get(key, ())):
+        if dtype != t.dtype:
+            continue
+        x = ref()
+        if x is not None:
+            if _storage_key(x) == key:
+                return s
+        elif p.level >= 0 and ti.maybe_level(t) == p.level:
+            # (its maker is gone: the storage is that maker's if ``t`` is wrapped at the call's level, which only a
+            # tensor made from one of that level is; a plain tensor, from_numpy's, may have reused the address)
+            return s
+    return None
 
 
 def _storage_key(t: Tensor) -> int | None:

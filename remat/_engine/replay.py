@@ -50,18 +50,23 @@ from .wiring import Wiring, autocast_cast, cast_source, describe_difference, sam
 
 __all__ = ["Replayer"]
 
-def _writes_real_from_placeholder(func: Any, args: Any, kwargs: Any, unused_keys: set[int]) -> bool:
-    """NOTE [unused outputs] in _engine/full.py: whether op ``func`` writes a tensor that is no placeholder while it
-    reads one (``embedding_renorm_`` of the real weight at a placeholder's indices): such an op must not run on it."""
+def _write_on_placeholders(func: Any, args: Any, kwargs: Any, unused_keys: set[int]) -> Any:
+    """NOTE [unused outputs] in _engine/full.py: a write that reads a placeholder must not run on it (its values are
+    uninitialised: ``index_put_``'s indices, ``embedding_renorm_``'s). Into tensors that are placeholders too, it is
+    skipped: its outputs, the arguments it returns, are returned (placeholders still); into a real tensor, DeadRead
+    (the recompute runs in full). Else None: run it."""
     info = op_info(func)
     if not info.written and not info.written_kw:
-        return False
+        return None
     with internal():
         ws = [args[k] for k in info.written if k < len(args)] + [kwargs.get(k) for k in info.written_kw]
         wkeys = {storage_key(t) for t in ws if isinstance(t, torch.Tensor)}
-        if all(k in unused_keys for k in wkeys):
-            return False
-        return any(storage_key(t) in unused_keys for t in arg_tensors(args, kwargs) if storage_key(t) not in wkeys)
+        if not any(storage_key(t) in unused_keys for t in arg_tensors(args, kwargs) if storage_key(t) not in wkeys):
+            return None
+    if not all(k in unused_keys for k in wkeys) or None in info.alias_of:
+        raise DeadRead
+    outs = [args[a] if type(a) is int else kwargs[a] for a in info.alias_of]  # type: ignore[index]
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def _written_to_a_copy(rec: OpRecord, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
@@ -221,8 +226,8 @@ class Replayer(TorchDispatchMode):
                 )
         if rec.outside is not None or rec.subst is not None:
             args, kwargs = outside_args(self, i, rec, args, kwargs)
-        if self.unused_keys and _writes_real_from_placeholder(func, args, kwargs, self.unused_keys):
-            raise DeadRead  # (a real tensor written from a placeholder: uninitialised indices; in full instead)
+        if self.unused_keys and (skip := _write_on_placeholders(func, args, kwargs, self.unused_keys)) is not None:
+            return skip
         stand_in = rec.random and bool(self.unused_keys or tainted)
         if stand_in:
             args, kwargs = self._no_placeholders(args, kwargs)
