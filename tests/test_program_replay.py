@@ -614,3 +614,78 @@ def test_only_a_storage_the_call_made_is_taken_for_an_unseen_alias(case, run, po
     rf = remat.remat(case, policy=pol)
     for _ in range(3):
         torch.testing.assert_close(run(rf), run(case), **TOL)
+
+
+_P = nn.Parameter(torch.randn(3, 4, dtype=f64, generator=torch.Generator().manual_seed(3)))
+_P.grad = torch.randn(3, 4, dtype=f64, generator=torch.Generator().manual_seed(4))
+_GV = _P.grad.view(-1)  # (a view made before the call of a tensor the call reads through a getter)
+_G = torch.randn(3, 4, dtype=f64, generator=torch.Generator().manual_seed(5))
+
+
+def _pieces_of_a_split(x: torch.Tensor) -> torch.Tensor:
+    w = x.detach() * 2
+    ps = [nn.Parameter(c, requires_grad=False) for c in w.split(1, dim=0)]  # (aliases of each piece, unseen)
+    del w
+    for p in ps:
+        p.add_(1)
+    return sum((p * x[i]).sin().sum() for i, p in enumerate(ps))
+
+
+def _a_getter_and_a_view_of_it(x: torch.Tensor) -> torch.Tensor:
+    return (x * _P.grad).sin().sum() + (x.view(-1) * _GV).cos().sum()
+
+
+_INNER = remat.remat(lambda x: (x.sin(), _G[0:2]), policy="save-nothing")  # (returns a view of a global)
+
+
+def _a_nested_call_returning_a_view_of_a_global(x: torch.Tensor) -> torch.Tensor:
+    a, b = _INNER(x)
+    return (a * _G).sum() + (b * x[0:2]).cos().sum()
+
+
+def _a_nested_call_returning_a_view_of_a_global_plain(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.sin(), _G[0:2]
+    return (a * _G).sum() + (b * x[0:2]).cos().sum()
+
+
+@pytest.mark.parametrize("case, plain", [
+    (_pieces_of_a_split, _pieces_of_a_split),
+    (_a_getter_and_a_view_of_it, _a_getter_and_a_view_of_it),
+    (_a_nested_call_returning_a_view_of_a_global, _a_nested_call_returning_a_view_of_a_global_plain),
+], ids=["pieces of a split", "a getter's tensor", "a nested call's view of a global"])
+@pytest.mark.parametrize("transform", ["grad", "vmap(grad)", "jacrev"])
+def test_an_unseen_alias_is_of_the_tensor_it_was_made_from_and_only_of_a_storage_a_call_made(case, plain,
+                                                                                             transform) -> None:
+    """The second review of NOTE [unseen aliases]: ``[nn.Parameter(c) for c in w.split(1)]`` were each taken for
+    an alias of the last piece (``as_strided`` of it: "diverged", or out of bounds under vmap; silently wrong before
+    the session); a tensor from outside on the storage of ``p.grad`` (read through its getter) or of a view of a
+    global that a nested call returned was taken for an alias ("diverged"; exact before). An alias is of a tensor
+    of its geometry where one is, on a storage a call made (not a getter's, not a nested call's)."""
+    x = torch.randn(3, 4, dtype=f64, generator=torch.Generator().manual_seed(6))
+    rf = remat.remat(case, policy="save-nothing")
+    for _ in range(3):
+        torch.testing.assert_close(_transform(transform, rf, x), _transform(transform, plain, x), **TOL)
+
+
+@pytest.mark.parametrize("wrap", ["function", "module"])
+def test_an_unseen_alias_on_a_budgets_first_call_under_plain_autograd(wrap) -> None:
+    """A memory budget's first call replays the program under plain autograd, where the first version of NOTE
+    [unseen aliases] took a tensor whose maker was gone for one from outside (a freed address may be used again):
+    ``nn.Parameter(x.detach().clone()).mul_(-1)`` was off by 3.6. Storages are told apart by their Python object."""
+
+    class M(nn.Module):
+        def forward(self, x):
+            t = nn.Parameter(x.detach().clone(), requires_grad=False)
+            t.mul_(-1)
+            return (t * x.cos()).sum()
+
+    m = M()
+    f = remat.remat(m.forward, policy=policies.memory_budget(0.5)) if wrap == "function" else m
+    if wrap == "module":
+        remat.remat_module(m, policy=policies.memory_budget(0.5))
+    for call in range(3):
+        x0 = torch.randn(3, 5, dtype=f64, generator=torch.Generator().manual_seed(call))
+        xs = [x0.clone().requires_grad_() for _ in range(2)]
+        M.forward(m, xs[0]).backward()
+        f(xs[1]).backward()
+        torch.testing.assert_close(xs[1].grad, xs[0].grad, **TOL)

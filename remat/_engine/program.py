@@ -45,12 +45,14 @@ NOTE [program replay]
     NOTE [unseen aliases]: ``nn.Parameter(t)`` (``Tensor._make_subclass``: ``nn.Linear`` built inside the function)
     makes an alias of ``t`` that no torch function makes. Held as a tensor from outside, its replay read the forward
     pass's tensor, which a write of the call (``t.mul_``, ``kaiming_uniform_``, ``out=``) had already written, and wrote
-    it again (under ``grad`` a wrong gradient; under ``vjp``, torch's "mutate a captured Tensor"). So each call's
-    outputs are noted by storage (``_made``), but for views of a storage from outside the call (an input's, the
-    state's, an outside tensor's: ``_foreign``; a closed-over row of the batch a vmap runs over shares the input's),
-    and a tensor of no slot on a storage the call made, of the dtype of a tensor made there (the maker alive, or gone
-    with ``t`` wrapped at the call's level, as only a tensor made from one of that level is), is made again by an
-    ``_Alias`` call on the replay's value: its geometry, type and ``requires_grad``, with no history.
+    it again (under ``grad`` a wrong gradient; under ``vjp``, torch's "mutate a captured Tensor"). So the storages a
+    call makes are noted (``_made``: a storage met first as a call's output, not a getter's such as ``p.grad``, nor a
+    nested call's, which may return a view of a global; by its Python object, which torch keeps one of per live
+    storage, so that an address used again is another storage), with the tensors the calls made on them; a tensor of
+    no slot on such a storage (never an input's, the state's or an outside tensor's: a closed-over row of the batch a
+    vmap runs over shares the input's) is made again by an ``_Alias`` call on the replay's value of the tensor made
+    there of its dtype (of its geometry, if one is: no ``as_strided`` then): its geometry, type and
+    ``requires_grad``, with no history.
 
     Without ``torch.func`` the same program serves a call the ATen trace does not take (tensor subclasses: a
     wrapper such as ``TwoTensor`` whose values the torch calls make is replayed exactly; NOTE [wrapper subclasses]
@@ -122,8 +124,8 @@ class Program:
         self.out_refs: list[tuple[int, int]] = []  # (leaf index, slot) of the result's tensors
         # NOTE [unseen aliases]: storage address -> (the tensor, weakly; its slot; its dtype) of each slot made on it;
         # the addresses of the storages of the inputs, the state and the tensors from outside
-        self._by_key: dict[int, list[tuple[weakref.ref[Tensor], int, torch.dtype]]] = {}
-        self._foreign: set[int | None] = set()
+        self._storages: dict[int, Any] = {}  # address -> each storage met, weakly (its Python object: one per storage)
+        self._fresh: dict[int, list[Any]] = {}  # address of a storage a call made -> (ref, slot, dtype, geometry)s on it
 
     # ---- recording -------------------------------------------------------------------
     def start(self, frame: Any, flat: list[Any], state_tensors: list[Tensor]) -> None:
@@ -135,11 +137,11 @@ class Program:
         for i, a in enumerate(flat):
             if isinstance(a, Tensor):
                 self.inputs[self._new(a)] = i
-                self._foreign.add(_storage_key(a))
+                _met(self, a)
         for i, t in enumerate(state_tensors):
             if self._known(t) is None:
                 self.state[self._new(t)] = i
-                self._foreign.add(_storage_key(t))
+                _met(self, t)
 
     def takes_nested(self) -> bool:
         """Whether a remat call starting now inside this call's forward pass can be recorded as one of its calls
@@ -182,7 +184,7 @@ class Program:
                 if t is not None:
                     self._known(t)
         self._slot_of = {}
-        self._by_key, self._foreign = {}, set()
+        self._storages, self._fresh = {}, {}
         self.frame = None
         if self.spoiled is not None:
             return
@@ -201,13 +203,6 @@ class Program:
         s = self.n
         self.n = s + 1
         self._slot_of[id(t)] = (weakref.ref(t), s, id(self._node(t)))
-        return s
-
-    def _made(self, t: Tensor) -> int:
-        """The slot of a call's output, noted by its storage if not one from outside (NOTE [unseen aliases])."""
-        s, key = self._new(t), _storage_key(t)
-        if key is not None and key not in self._foreign:
-            self._by_key.setdefault(key, []).append((self._slot_of[id(t)][0], s, t.dtype))
         return s
 
     def _node(self, t: Tensor) -> Any:
@@ -253,13 +248,12 @@ class Program:
             # a value with history that no recorded call made (a custom autograd.Function's output, a closure
             # over a value of the enclosing function): what made it would not run again
             self.spoil("it reads a tensor with history that no torch function of the call made")
-        key = _storage_key(t) if self.spoiled is None else None
-        made = _unseen_alias(self, t, key) if key is not None and key not in self._foreign else None
+        made = _unseen_alias(self, t) if self.spoiled is None else None
         if made is not None:  # NOTE [unseen aliases]: made again, from the replay's value of the storage it shares
             self.calls.append(Call(_Alias(t), None, [], [(0, made)], torch.is_grad_enabled(), settings(), None))
             self.calls[-1].outs.append(self._new(t))
             return self.calls[-1].outs[0]
-        self._foreign.add(key)
+        _met(self, t)
         s = self._new(t)
         # held, as the ATen trace holds its outside tensors (NOTE [the trace]): the replay reads the tensor the
         # forward pass read, whatever happens to the name it was read through (a global rebound, a queue popped);
@@ -299,7 +293,7 @@ class Program:
         try:
             out = forward()
             if self.spoiled is None:
-                call.outs = [self._made(t) if isinstance(t, Tensor) else -1
+                call.outs = [_made(self, t, fresh=False) if isinstance(t, Tensor) else -1
                              for t in optree.tree_leaves(out, none_is_leaf=True)]
                 if not call.grad:
                     self._nograd.update(s for s in call.outs if s >= 0)
@@ -358,32 +352,67 @@ class Program:
         return v
 
 
-def _unseen_alias(p: Program, t: Tensor, key: int) -> int | None:
-    """NOTE [unseen aliases]: the slot of a tensor of ``t``'s dtype that program ``p``'s calls made on storage ``key``
-    (not a view of one from outside the call), or None."""
-    for ref, s, dtype in reversed(p._by_key.get(key, ())):
-        if dtype != t.dtype:
-            continue
-        x = ref()
-        if x is not None:
-            if _storage_key(x) == key:
+def _made(p: Program, t: Tensor, fresh: bool = True) -> int:
+    """The slot of an output of a call of ``p``, noted on its storage if a call made that storage: one met first here, from
+    a call that can make one (``fresh``: not a getter, not a nested call) (NOTE [unseen aliases])."""
+    s = p._new(t)
+    st = _storage(t)
+    if st is not None:
+        if not _met(p, t, st):
+            if not fresh:
                 return s
-        elif p.level >= 0 and ti.maybe_level(t) == p.level:
-            # (its maker is gone: the storage is that maker's if ``t`` is wrapped at the call's level, which only a
-            # tensor made from one of that level is; a plain tensor, from_numpy's, may have reused the address)
-            return s
-    return None
+            p._fresh[st[0]] = []
+        entries = p._fresh.get(st[0])
+        if entries is not None:
+            entries.append((p._slot_of[id(t)][0], s, t.dtype, _geometry(t)))
+    return s
+
+def _met(p: Program, t: Tensor, st: Any = None) -> bool:
+    """Whether ``t``'s storage was met before; noted as met now (a new one at an address: the old one's gone)."""
+    st = _storage(t) if st is None else st
+    if st is None:
+        return True
+    ref = p._storages.get(st[0])
+    if ref is not None and ref() is st[1]:
+        return True
+    p._storages[st[0]] = weakref.ref(st[1])
+    p._fresh.pop(st[0], None)
+    return False
 
 
-def _storage_key(t: Tensor) -> int | None:
-    """The address of the storage below ``t``'s functorch wrappers, or None (none: a subclass, a fake tensor)."""
+def _unseen_alias(p: Program, t: Tensor) -> int | None:
+    """NOTE [unseen aliases]: the slot of a tensor program ``p``'s calls made, of ``t``'s dtype, on the storage
+    ``t`` shares, if a call made that storage; of ``t``'s geometry if one is (no ``as_strided`` then), alive if one
+    is; else None."""
+    st = _storage(t)
+    if st is None:
+        return None
+    ref = p._storages.get(st[0])
+    entries = p._fresh.get(st[0]) if ref is not None and ref() is st[1] else None
+    if not entries:
+        return None
+    geometry = _geometry(t)
+    best = max((e for e in entries if e[2] == t.dtype), default=None,
+               key=lambda e: (e[3] == geometry, e[0]() is not None, e[1]))
+    return None if best is None else best[1]
+
+
+def _storage(t: Tensor) -> tuple[int, Any] | None:
+    """The address and Python object of the storage below ``t``'s functorch wrappers, or None (none: a subclass, a
+    fake tensor). torch keeps one Python object per live storage: the same storage is the same object."""
     u = ti.unwrap_all(t)
     if type(u) is not Tensor and type(u) is not torch.nn.Parameter:
         return None  # (a subclass: its queries are ops its own dispatch, or a mode, would see)
     try:
-        return int(u.data_ptr() - u.storage_offset() * u.itemsize) or None
+        st = u.untyped_storage()
+        addr = st.data_ptr()
     except (RuntimeError, NotImplementedError):
         return None
+    return (addr, st) if addr else None
+
+
+def _geometry(t: Tensor) -> tuple[Any, ...]:
+    return tuple(t.shape), t.stride(), t.storage_offset()
 
 
 class _Alias:
@@ -391,13 +420,13 @@ class _Alias:
     where no torch function sees it, on the storage of the replay's value of the tensor it aliased."""
 
     def __init__(self, t: Tensor) -> None:
-        self.geometry = (tuple(t.shape), t.stride(), t.storage_offset())
+        self.geometry = _geometry(t)
         self.param = type(t) is torch.nn.Parameter
         self.requires_grad = t.requires_grad
 
     def __call__(self, base: Tensor) -> Tensor:
         a = base.detach()
-        if (tuple(a.shape), a.stride(), a.storage_offset()) != self.geometry:
+        if _geometry(a) != self.geometry:
             a = a.as_strided(*self.geometry)
         if self.param:
             return torch.nn.Parameter(a, requires_grad=self.requires_grad)
@@ -479,7 +508,7 @@ class ProgramRecorder(TorchFunctionMode):
         if p.spoiled is not None:
             return out
         if isinstance(out, Tensor):
-            call.outs.append(p._made(out))
+            call.outs.append(_made(p, out, fresh=getattr(func, "__name__", None) != "__get__"))
             if not call.grad:
                 p._nograd.add(call.outs[0])
         elif isinstance(out, collections.abc.Iterator):
@@ -490,7 +519,7 @@ class ProgramRecorder(TorchFunctionMode):
                 outs = optree.tree_leaves(out, none_is_leaf=True)
             except Exception:  # noqa: BLE001 (an output optree cannot take apart: a leaf)
                 outs = [out]
-            call.outs = [p._made(t) if isinstance(t, Tensor) else -1 for t in outs]
+            call.outs = [_made(p, t) if isinstance(t, Tensor) else -1 for t in outs]
             if not call.grad:
                 p._nograd.update(s for s in call.outs if s >= 0)
             if all(s < 0 for s in call.outs):
