@@ -72,6 +72,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _torch_internals as ti
 from .._context import INTERNAL, PENDING_NAME, active_context
+from . import outside as ox
 from .ambient import put_settings, settings
 
 __all__ = ["Program", "ProgramRecorder", "GAVE_WAY"]
@@ -250,7 +251,7 @@ class Program:
             self.spoil("it reads a tensor with history that no torch function of the call made")
         made = _unseen_alias(self, t) if self.spoiled is None else None
         if made is not None:  # NOTE [unseen aliases]: made again, from the replay's value of the storage it shares
-            self.calls.append(Call(_Alias(t), None, [], [(0, made)], torch.is_grad_enabled(), settings(), None))
+            self.calls.append(Call(ox.Alias(t), None, [], [(0, made)], torch.is_grad_enabled(), settings(), None))
             self.calls[-1].outs.append(self._new(t))
             return self.calls[-1].outs[0]
         _met(self, t)
@@ -364,7 +365,7 @@ def _made(p: Program, t: Tensor, fresh: bool = True) -> int:
             p._fresh[st[0]] = []
         entries = p._fresh.get(st[0])
         if entries is not None:
-            entries.append((p._slot_of[id(t)][0], s, t.dtype, _geometry(t)))
+            entries.append((p._slot_of[id(t)][0], s, t.dtype, ox.view_geometry(t)))
     return s
 
 def _met(p: Program, t: Tensor, st: Any = None) -> bool:
@@ -391,7 +392,7 @@ def _unseen_alias(p: Program, t: Tensor) -> int | None:
     entries = p._fresh.get(st[0]) if ref is not None and ref() is st[1] else None
     if not entries:
         return None
-    geometry = _geometry(t)
+    geometry = ox.view_geometry(t)
     best = max((e for e in entries if e[2] == t.dtype), default=None,
                key=lambda e: (e[3] == geometry, e[0]() is not None, e[1]))
     return None if best is None else best[1]
@@ -409,28 +410,6 @@ def _storage(t: Tensor) -> tuple[int, Any] | None:
     except (RuntimeError, NotImplementedError):
         return None
     return (addr, st) if addr else None
-
-
-def _geometry(t: Tensor) -> tuple[Any, ...]:
-    return tuple(t.shape), t.stride(), t.storage_offset()
-
-
-class _Alias:
-    """NOTE [unseen aliases]: make a tensor of the geometry, type and ``requires_grad`` of one the forward pass made
-    where no torch function sees it, on the storage of the replay's value of the tensor it aliased."""
-
-    def __init__(self, t: Tensor) -> None:
-        self.geometry = _geometry(t)
-        self.param = type(t) is torch.nn.Parameter
-        self.requires_grad = t.requires_grad
-
-    def __call__(self, base: Tensor) -> Tensor:
-        a = base.detach()
-        if _geometry(a) != self.geometry:
-            a = a.as_strided(*self.geometry)
-        if self.param:
-            return torch.nn.Parameter(a, requires_grad=self.requires_grad)
-        return a.requires_grad_() if self.requires_grad else a
 
 
 def _autocast() -> tuple[Any, ...]:

@@ -31,9 +31,11 @@ from typing import Any
 import optree
 import torch
 
+from .. import _errors as errors
 from .. import _torch_internals as ti
 from .._context import internal
 from .._errors import RematError
+from . import outside as ox
 from .ambient import draw_as_recorded, put_settings
 from .ambient import settings as ambient_settings
 from .ops import op_info
@@ -261,3 +263,26 @@ def run(trace: Trace, steps: list[Step], frees: list[list[int]], wanted: set[int
         v = vals.get(s)
         made[s] = v if v is not None else source(s)
     return made
+
+
+def copy_outside(trace: Trace) -> None:
+    """NOTE [outside tensors]: when the forward pass ends, a small outside tensor that needs no gradient (running
+    statistics, a mask, torch.tensor's constant), or one lifted inside the call (``torch.as_tensor(array)``) up to
+    16 MiB, is copied: the replay reads the forward's value whatever happens to it next, even a write no version shows
+    (NumPy's, a batch norm's); a larger lifted one is hashed (``check_lifted``, as the full engine does)."""
+    snaps = trace.snapshots
+    for s, (t, _) in trace.outside.items():
+        if t is not None and s in trace.lifted and ox.nbytes(t) > ox.LIFTED_COPIED:
+            with internal():
+                trace.lifted[s] = ox.fingerprint(t)
+        elif (t is not None and s not in snaps and s not in trace.shadowed and s not in trace.inputs
+                and not t.requires_grad and (ox.nbytes(t) <= ox.SMALL or s in trace.lifted)):
+            g = trace.geometry0.get(s)  # (reshaped in place since the call read it: as it read it)
+            snaps[s] = (ti.detach_below_modes(t) if g is None else ox.at_geometry(t.detach(), g)).clone()
+
+
+def check_lifted(trace: Trace, s: int, t: torch.Tensor) -> None:
+    """The replay reads lifted slot ``s``, ``t``, hashed when the forward pass ended: raise if its values changed."""
+    with internal():
+        if ox.fingerprint(t) != trace.lifted[s]:
+            raise errors.lifted_changed(trace.fn_name, t)

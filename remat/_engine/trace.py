@@ -45,8 +45,6 @@ from typing import Any
 import optree
 import torch
 
-from .. import _errors as errors
-from .. import _torch_internals as ti
 from .._context import CACHES, INTERNAL, PENDING_NAME, internal
 from .._errors import RematError, inference_tensor
 from .._policies.core import (
@@ -72,6 +70,7 @@ __all__ = ["Step", "Trace", "Tracer"]
 Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _grad_enabled = torch.is_grad_enabled
+AS_STRIDED = torch.ops.aten.as_strided.default
 _default_dtype = torch.get_default_dtype
 _num_threads = torch.get_num_threads
 
@@ -175,6 +174,7 @@ class Trace:
         self.settings: dict[Step, tuple[torch.dtype, int]] = {}
         self.drew: dict[Step, torch.Tensor] = {}  # a random step: its generator's state after it drew, to check
         self.external: Callable[[int, Tensor], Any] | None = None  # nested calls: an outside tensor the parent made
+        self.made_keys: tuple[int, dict[int, list[int]]] = (0, {})  # slots indexed so far; storage key -> op-made slots
 
     # ---- slots ---------------------------------------------------------------
     def slot_of(self, t: Tensor) -> int | None:
@@ -190,6 +190,8 @@ class Trace:
             return e[1]
         if t.is_inference():
             raise inference_tensor(self.fn_name, "a tensor from outside its arguments (a global, a buffer)", t)
+        if self.producer and (a := _unseen_alias(self, t)) is not None:
+            return a  # NOTE [unseen aliases] in _engine/program.py
         s = self.n
         self.n = s + 1
         self._slot_of[id(t)] = (weakref.ref(t), s)
@@ -267,15 +269,6 @@ class Trace:
         for s, t in self.stash.items():
             if type(t) is not weakref.ref:
                 self.stash_versions[s] = t._version
-
-    def whole(self, key: int) -> None:
-        """An ``as_strided`` view of storage ``key``: if it is outside, its copy is of all of it."""
-        if key and key in self.outside_keys:
-            self.whole_keys.add(key)
-            snap = self.shadows.get(key)
-            if snap is not None:
-                with internal():
-                    snap.cover(self.outside[self.outside_keys[key][0]][0], whole=True)
 
     def made(self, s: int, t: Tensor) -> Tensor:
         """Kept slot ``s``'s tensor ``t`` (or an alias of it) at the geometry its op made (``made_geometry``)."""
@@ -537,7 +530,7 @@ class Tracer(TorchDispatchMode):
             trace.lifted[refs[0][2]] = None  # (a NumPy array's memory, which a write no version shows may change)
         if info.absolute:  # (as_strided of a tensor from outside: the replay's copy of its storage is whole)
             for _, _, r in refs:
-                trace.whole(trace.key_of.get(r, 0))
+                _whole(trace, trace.key_of.get(r, 0))
         if info.inplace_view and refs:
             r = refs[0][2]
             if r in trace.outside:
@@ -685,24 +678,33 @@ def _name_decides(trace: Trace, s: int, decision: Decision) -> None:
             trace.read_by_replay(o)  # it may have been saved as dropped before the name was known
 
 
-def copy_outside(trace: Trace) -> None:
-    """NOTE [outside tensors]: when the forward pass ends, a small outside tensor that needs no gradient (running
-    statistics, a mask, torch.tensor's constant), or one lifted inside the call (``torch.as_tensor(array)``) up to
-    16 MiB, is copied: the replay reads the forward's value whatever happens to it next, even a write no version shows
-    (NumPy's, a batch norm's); a larger lifted one is hashed (``check_lifted``, as the full engine does)."""
-    snaps = trace.snapshots
-    for s, (t, _) in trace.outside.items():
-        if t is not None and s in trace.lifted and ox.nbytes(t) > ox.LIFTED_COPIED:
+def _whole(trace: Trace, key: int) -> None:
+    """An ``as_strided`` view of storage ``key``: if it is outside, its copy is of all of it."""
+    if key and key in trace.outside_keys:
+        trace.whole_keys.add(key)
+        snap = trace.shadows.get(key)
+        if snap is not None:
             with internal():
-                trace.lifted[s] = ox.fingerprint(t)
-        elif (t is not None and s not in snaps and s not in trace.shadowed and s not in trace.inputs
-                and not t.requires_grad and (ox.nbytes(t) <= ox.SMALL or s in trace.lifted)):
-            g = trace.geometry0.get(s)  # (reshaped in place since the call read it: as it read it)
-            snaps[s] = (ti.detach_below_modes(t) if g is None else ox.at_geometry(t.detach(), g)).clone()
+                snap.cover(trace.outside[trace.outside_keys[key][0]][0], whole=True)
 
 
-def check_lifted(trace: Trace, s: int, t: Tensor) -> None:
-    """The replay reads lifted slot ``s``, ``t``, hashed when the forward pass ended: raise if its values changed."""
-    with internal():
-        if ox.fingerprint(t) != trace.lifted[s]:
-            raise errors.lifted_changed(trace.fn_name, t)
+def _unseen_alias(trace: Trace, t: Tensor) -> int | None:
+    """NOTE [unseen aliases] in _engine/program.py, on the trace: a tensor no op made (``nn.Parameter(t[1])``) on the
+    storage of a live tensor of its dtype the call's ops made is made by a step from that one's slot."""
+    upto, index = trace.made_keys
+    for m in range(upto, trace.n):
+        if m in trace.producer:
+            index.setdefault(trace.key_of.get(m, 0), []).append(m)
+    trace.made_keys = (trace.n, index)
+    key = _storage_key(t)
+    for m in reversed(index.get(key, ()) if key else ()):
+        x = trace.refs[m]() if m in trace.refs else None
+        if x is not None and x.dtype == t.dtype and x.untyped_storage() is t.untyped_storage():
+            step = Step(AS_STRIDED, ox.Alias(t), [None], {}, [(0, -1, m)])
+            step.grad = _grad_enabled()
+            s = trace.new_slot(t, step)
+            step.outs.append(s)
+            trace.root[s] = trace.root.get(m, m)
+            trace.steps.append(step)
+            return s
+    return None

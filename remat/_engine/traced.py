@@ -67,8 +67,8 @@ from .capture import holdable
 from .ops import Half
 from .packed import DROP, INPUT, KEEP, OFFLOAD, ROUTED, kept_written, saved_written
 from .region import NeedsRegion, forward_pass
-from .replaying import ancestors, plan, run
-from .trace import Trace, Tracer, check_lifted, copy_outside
+from .replaying import ancestors, check_lifted, copy_outside, plan, run
+from .trace import Trace, Tracer
 
 __all__ = ["TraceFrame", "traceable"]
 
