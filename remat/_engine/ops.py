@@ -421,3 +421,23 @@ def _tensor_kind(t: Any) -> int:
 @functools.cache
 def op_info(func: Any) -> OpInfo:
     return OpInfo(func)
+
+
+class Alias:
+    """NOTE [unseen aliases] in _engine/program.py: make a tensor of the geometry, type and ``requires_grad`` of one
+    the forward pass made where no torch function or op was seen, on the storage of the replay's value of a tensor
+    it aliased."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.geometry = ox.view_geometry(t)
+        self.param = type(t) is torch.nn.Parameter
+        self.requires_grad = t.requires_grad
+
+    def __call__(self, base: torch.Tensor) -> torch.Tensor:
+        a = base.detach()
+        if ox.view_geometry(a) != self.geometry:
+            with internal():  # (no op of the forward pass's: a dispatch mode checking the replay's ops sees none)
+                a = a.as_strided(*self.geometry)
+        if self.param:
+            return torch.nn.Parameter(a, requires_grad=self.requires_grad)
+        return a.requires_grad_() if self.requires_grad else a

@@ -93,25 +93,6 @@ def view_geometry(t: torch.Tensor) -> tuple[Any, ...]:
     return tuple(t.shape), t.stride(), t.storage_offset()
 
 
-class Alias:
-    """NOTE [unseen aliases] in _engine/program.py: make a tensor of the geometry, type and ``requires_grad`` of one
-    the forward pass made where no torch function or op was seen, on the storage of the replay's value of a tensor
-    it aliased."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.geometry = view_geometry(t)
-        self.param = type(t) is torch.nn.Parameter
-        self.requires_grad = t.requires_grad
-
-    def __call__(self, base: torch.Tensor) -> torch.Tensor:
-        a = base.detach()
-        if view_geometry(a) != self.geometry:
-            a = a.as_strided(*self.geometry)
-        if self.param:
-            return torch.nn.Parameter(a, requires_grad=self.requires_grad)
-        return a.requires_grad_() if self.requires_grad else a
-
-
 def at_geometry(t: torch.Tensor, g: tuple[Any, ...]) -> torch.Tensor:
     """An alias of ``t`` at geometry ``g`` (``geometry``'s) on its storage: a value an in-place view op reshaped
     since (``t.t_()``) as its op made it."""

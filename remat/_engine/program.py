@@ -74,6 +74,7 @@ from .. import _torch_internals as ti
 from .._context import INTERNAL, PENDING_NAME, active_context
 from . import outside as ox
 from .ambient import put_settings, settings
+from .ops import Alias
 
 __all__ = ["Program", "ProgramRecorder", "GAVE_WAY"]
 
@@ -251,9 +252,10 @@ class Program:
             self.spoil("it reads a tensor with history that no torch function of the call made")
         made = _unseen_alias(self, t) if self.spoiled is None else None
         if made is not None:  # NOTE [unseen aliases]: made again, from the replay's value of the storage it shares
-            self.calls.append(Call(ox.Alias(t), None, [], [(0, made)], torch.is_grad_enabled(), settings(), None))
-            self.calls[-1].outs.append(self._new(t))
-            return self.calls[-1].outs[0]
+            alias, s = Call(Alias(t), None, [], [(0, made)], torch.is_grad_enabled(), settings(), None), self._new(t)
+            alias.outs.append(s)
+            self.calls.append(alias)  # (to a list spoil emptied, if _new spoiled the program: nothing replays it)
+            return s
         _met(self, t)
         s = self._new(t)
         # held, as the ATen trace holds its outside tensors (NOTE [the trace]): the replay reads the tensor the

@@ -63,7 +63,7 @@ from .._policies.naming import checkpoint_name
 from .._torch_internals import TorchDispatchMode
 from . import outside as ox
 from .ambient import AmbientFlags, draw_first
-from .ops import ALIAS, LIFTS, RANGE_OPS, OpInfo, generator_for, not_the_policys, op_info, profiler_op
+from .ops import ALIAS, LIFTS, RANGE_OPS, Alias, OpInfo, generator_for, not_the_policys, op_info, profiler_op
 
 __all__ = ["Step", "Trace", "Tracer"]
 
@@ -700,7 +700,7 @@ def _unseen_alias(trace: Trace, t: Tensor) -> int | None:
     for m in reversed(index.get(key, ()) if key else ()):
         x = trace.refs[m]() if m in trace.refs else None
         if x is not None and x.dtype == t.dtype and x.untyped_storage() is t.untyped_storage():
-            step = Step(AS_STRIDED, ox.Alias(t), [None], {}, [(0, -1, m)])
+            step = Step(AS_STRIDED, Alias(t), [None], {}, [(0, -1, m)])
             step.grad = _grad_enabled()
             s = trace.new_slot(t, step)
             step.outs.append(s)
