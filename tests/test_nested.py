@@ -666,3 +666,31 @@ def test_a_kept_value_written_in_place_replayed_twice_through_the_parent(outer, 
         grads.append((first, second))
     torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grads[1][1], grads[0][1], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("outer", ["save-nothing", "save-matmuls"])
+def test_a_kept_value_the_enclosing_call_writes_after_the_inner_returns_it(outer) -> None:
+    """An inner call keeps a matmul's output (``dots_saveable``) and returns it; the enclosing call writes it in
+    place afterwards (``t[1].mul_(-1)``): the inner replay read the value the enclosing replay had written (off by
+    1.76; with both keeping matmuls, a false "modified in place after it was saved"). A kept value the enclosing
+    call wrote is made again."""
+
+    def g(x):
+        t = x.detach() @ x.detach().t()
+        return t, (t + x[:, :3]).sin().sum()
+
+    def make(inner):
+        def f(x):
+            t, r = inner(x)
+            t[1].mul_(-1)
+            return r + (t * x[:, :3]).sin().sum()
+
+        return f
+
+    x0 = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x = x0.clone().requires_grad_()
+    want = torch.autograd.grad(make(g)(x), x)[0]
+    rf = remat(make(remat(g, policy="save-matmuls")), policy=outer)
+    for _ in range(3):
+        x = x0.clone().requires_grad_()
+        torch.testing.assert_close(torch.autograd.grad(rf(x), x)[0], want, rtol=1e-10, atol=1e-12)

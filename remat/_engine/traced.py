@@ -281,10 +281,10 @@ class _Serving(Half):
         """The slots a replay reads rather than makes."""
         trace = self.trace
         avail = set(trace.outside)  # (with the parent's values routed through it: NOTE [nested replay])
-        if graph:
-            # (a kept value routed through the parent, as one kept here, is a copy without history: made again)
+        if graph:  # (a kept value routed through the parent, as one kept here, is a copy without history: made again)
             return avail
-        avail.update(self.routed)
+        written = getattr(getattr(self.parent, "trace", None), "written_keys", ())  # (the enclosing call wrote)
+        avail.update(s for s in self.routed if s not in trace.producer or trace.key_of.get(s) not in written)
         avail.update(self.replay_offloaded)
         versions = trace.stash_versions
         for s, v in trace.stash.items():
