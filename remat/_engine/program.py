@@ -50,7 +50,7 @@ NOTE [program replay]
     nested call's, which may return a view of a global; by its Python object, which torch keeps one of per live
     storage, so that an address used again is another storage), with the tensors the calls made on them; a tensor of
     no slot on such a storage (never an input's, the state's or an outside tensor's: a closed-over row of the batch a
-    vmap runs over shares the input's) is made again by an ``_Alias`` call on the replay's value of the tensor made
+    vmap runs over shares the input's) is made again by a call of ``ops.Alias`` on the replay's value of the tensor made
     there of its dtype (of its geometry, if one is: no ``as_strided`` then): its geometry, type and
     ``requires_grad``, with no history.
 
@@ -124,8 +124,7 @@ class Program:
         self.out_spec: Any = None
         self.out_leaves: list[Any] = []
         self.out_refs: list[tuple[int, int]] = []  # (leaf index, slot) of the result's tensors
-        # NOTE [unseen aliases]: storage address -> (the tensor, weakly; its slot; its dtype) of each slot made on it;
-        # the addresses of the storages of the inputs, the state and the tensors from outside
+        # NOTE [unseen aliases]
         self._storages: dict[int, Any] = {}  # address -> each storage met, weakly (its Python object: one per storage)
         self._fresh: dict[int, list[Any]] = {}  # address of a storage a call made -> (ref, slot, dtype, geometry)s on it
 
@@ -356,8 +355,8 @@ class Program:
 
 
 def _made(p: Program, t: Tensor, fresh: bool = True) -> int:
-    """The slot of an output of a call of ``p``, noted on its storage if a call made that storage: one met first here, from
-    a call that can make one (``fresh``: not a getter, not a nested call) (NOTE [unseen aliases])."""
+    """The slot of an output of a call of ``p``, noted on its storage if a call made that storage: one met first
+    here, from a call that can make one (``fresh``: not a getter, not a nested call) (NOTE [unseen aliases])."""
     s = p._new(t)
     st = _storage(t)
     if st is not None:
@@ -369,6 +368,7 @@ def _made(p: Program, t: Tensor, fresh: bool = True) -> int:
         if entries is not None:
             entries.append((p._slot_of[id(t)][0], s, t.dtype, ox.view_geometry(t)))
     return s
+
 
 def _met(p: Program, t: Tensor, st: Any = None) -> bool:
     """Whether ``t``'s storage was met before; noted as met now (a new one at an address: the old one's gone)."""
