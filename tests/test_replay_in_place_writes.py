@@ -1064,3 +1064,26 @@ def test_a_write_into_an_alias_made_where_no_op_is_seen_is_replayed_into_the_rep
         case(xs[0]).backward()
         rf(xs[1]).backward()
         torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-10, atol=1e-12)
+
+
+def _param_of_a_dtype_view(x):
+    t = x.detach().clone()
+    p = torch.nn.Parameter(t.view(torch.int64), requires_grad=False)  # (the int64 view dies: t is float64)
+    p.bitwise_xor_(1 << 63)  # (flips the sign of every element of t)
+    return (t * x).sum() + (x * x).sum()
+
+
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", "budget"])
+def test_an_alias_of_another_dtype_made_where_no_op_is_seen(policy) -> None:
+    """The third review: an alias (``nn.Parameter(t.view(torch.int64))``) of a storage whose only live tensor the
+    call made is of another dtype of the same size: taken for a tensor from outside, its write was replayed into a
+    copy (off by 4.6, silently). It is made from ``t`` by a dtype view."""
+    rf = remat(_param_of_a_dtype_view, policy=policies.memory_budget(0.5) if policy == "budget" else policy)
+    for call in range(3):
+        x0 = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(call))
+        xs = [x0.clone().requires_grad_() for _ in range(2)]
+        _param_of_a_dtype_view(xs[0]).backward()
+        rf(xs[1]).backward()
+        torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-10, atol=1e-12)
+        g = torch.func.grad(lambda x: rf(x))(x0)
+        torch.testing.assert_close(g, torch.func.grad(_param_of_a_dtype_view)(x0), rtol=1e-10, atol=1e-12)

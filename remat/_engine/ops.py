@@ -430,14 +430,15 @@ class Alias:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.geometry = ox.view_geometry(t)
+        self.dtype = t.dtype  # (of the size of the base's: a dtype view of it)
         self.param = type(t) is torch.nn.Parameter
         self.requires_grad = t.requires_grad
 
     def __call__(self, base: torch.Tensor) -> torch.Tensor:
         a = base.detach()
-        if ox.view_geometry(a) != self.geometry:
+        if a.dtype != self.dtype or ox.view_geometry(a) != self.geometry:
             with internal():  # (no op of the forward pass's: a dispatch mode checking the replay's ops sees none)
-                a = a.as_strided(*self.geometry)
+                a = a.view(self.dtype).as_strided(*self.geometry)
         if self.param:
             return torch.nn.Parameter(a, requires_grad=self.requires_grad)
         return a.requires_grad_() if self.requires_grad else a

@@ -50,9 +50,9 @@ NOTE [program replay]
     nested call's, which may return a view of a global; by its Python object, which torch keeps one of per live
     storage, so that an address used again is another storage), with the tensors the calls made on them; a tensor of
     no slot on such a storage (never an input's, the state's or an outside tensor's: a closed-over row of the batch a
-    vmap runs over shares the input's) is made again by a call of ``ops.Alias`` on the replay's value of the tensor made
-    there of its dtype (of its geometry, if one is: no ``as_strided`` then): its geometry, type and
-    ``requires_grad``, with no history.
+    vmap runs over shares the input's) is made again by a call of ``ops.Alias`` on the replay's value of a tensor made
+    there (of its dtype and geometry, if one is: no view then): its dtype, geometry, type and ``requires_grad``, with
+    no history.
 
     Without ``torch.func`` the same program serves a call the ATen trace does not take (tensor subclasses: a
     wrapper such as ``TwoTensor`` whose values the torch calls make is replayed exactly; NOTE [wrapper subclasses]
@@ -384,8 +384,8 @@ def _met(p: Program, t: Tensor, st: Any = None) -> bool:
 
 
 def _unseen_alias(p: Program, t: Tensor) -> int | None:
-    """NOTE [unseen aliases]: the slot of a tensor program ``p``'s calls made, of ``t``'s dtype, on the storage
-    ``t`` shares, if a call made that storage; of ``t``'s geometry if one is (no ``as_strided`` then), alive if one
+    """NOTE [unseen aliases]: the slot of a tensor program ``p``'s calls made on the storage ``t`` shares, if a call
+    made that storage, of the size of ``t``'s dtype: of its dtype and geometry if one is (no view then), alive if one
     is; else None."""
     st = _storage(t)
     if st is None:
@@ -395,8 +395,8 @@ def _unseen_alias(p: Program, t: Tensor) -> int | None:
     if not entries:
         return None
     geometry = ox.view_geometry(t)
-    best = max((e for e in entries if e[2] == t.dtype), default=None,
-               key=lambda e: (e[3] == geometry, e[0]() is not None, e[1]))
+    best = max((e for e in entries if e[2].itemsize == t.dtype.itemsize), default=None,
+               key=lambda e: (e[2] == t.dtype, e[3] == geometry, e[0]() is not None, e[1]))
     return None if best is None else best[1]
 
 

@@ -690,7 +690,7 @@ def _whole(trace: Trace, key: int) -> None:
 
 def _unseen_alias(trace: Trace, t: Tensor) -> int | None:
     """NOTE [unseen aliases] in _engine/program.py, on the trace: a tensor no op made (``nn.Parameter(t[1])``) on the
-    storage of a live tensor of its dtype the call's ops made is made by a step from that one's slot."""
+    storage of a live tensor the call's ops made, of its dtype's size, is made by a step from that one's slot."""
     upto, index = trace.made_keys
     for m in range(upto, trace.n):
         if m in trace.producer:
@@ -699,7 +699,7 @@ def _unseen_alias(trace: Trace, t: Tensor) -> int | None:
     key = _storage_key(t)
     for m in reversed(index.get(key, ()) if key else ()):
         x = trace.refs[m]() if m in trace.refs else None
-        if x is not None and x.dtype == t.dtype and x.untyped_storage() is t.untyped_storage():
+        if x is not None and x.dtype.itemsize == t.dtype.itemsize and x.untyped_storage() is t.untyped_storage():
             step = Step(AS_STRIDED, Alias(t), [None], {}, [(0, -1, m)])
             step.grad = _grad_enabled()
             s = trace.new_slot(t, step)
