@@ -612,8 +612,12 @@ def test_only_a_storage_the_call_made_is_taken_for_an_unseen_alias(case, run, po
     made are aliased, by a tensor of the alias's dtype."""
     pol = policies.memory_budget(0.5) if policy == "budget" else policy
     rf = remat.remat(case, policy=pol)
+    try:
+        want = run(case)
+    except RuntimeError as e:  # (torch 2.11 has no batching rule for a dtype view)
+        pytest.skip(f"plain torch raises: {e}")
     for _ in range(3):
-        torch.testing.assert_close(run(rf), run(case), **TOL)
+        torch.testing.assert_close(run(rf), want, **TOL)
 
 
 _P = nn.Parameter(torch.randn(3, 4, dtype=f64, generator=torch.Generator().manual_seed(3)))
