@@ -190,8 +190,8 @@ class Trace:
             return e[1]
         if t.is_inference():
             raise inference_tensor(self.fn_name, "a tensor from outside its arguments (a global, a buffer)", t)
-        if self.producer and not t.requires_grad and (a := _unseen_alias(self, t)) is not None:
-            return a  # NOTE [unseen aliases] in _engine/program.py (not asked of a parameter: ~0.5 us an op)
+        if self.producer and type(t) is not Tensor and not t.requires_grad and (a := _unseen_alias(self, t)) is not None:
+            return a  # NOTE [unseen aliases] in _engine/program.py (an nn.Parameter(t[1]): not asked of a buffer)
         s = self.n
         self.n = s + 1
         self._slot_of[id(t)] = (weakref.ref(t), s)
