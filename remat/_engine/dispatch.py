@@ -119,6 +119,7 @@ from .ops import (
     OpRecord,
     are_constants,
     arg_tensors,
+    explicit_generator,
     generator_for,
     identity_alias,
     ignored,
@@ -234,9 +235,7 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
         if random:
             with internal():
                 g = generator_for(args, kwargs)  # NOTE [random ops] in _engine/replay.py
-        # (a user's generator: a keyword, or positional as poisson's)
-        gen = (kwargs.get("generator") or next((a for a in args if isinstance(a, torch.Generator)), None)) if random \
-            else None
+        gen = explicit_generator(args, kwargs) if random else None  # (a user's generator)
         if gen is not None and id(gen) not in self.generators:
             with internal():
                 self.generators[id(gen)] = (gen, gen.get_state())

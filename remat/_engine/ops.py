@@ -89,14 +89,17 @@ RANGE_OPS = frozenset({_RANGE_ENTER, _RANGE_EXIT})
 _HOOK_RANGES = ("FSDP::",)  # the profiler ranges FSDP2 runs its hooks in (pre/post forward, all-gather, reshard)
 
 
+def explicit_generator(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Generator | None:
+    """The generator handed to a random op: a keyword, or positional as ``poisson``'s and ``binomial``'s; or None."""
+    gen = kwargs.get("generator")
+    return gen if gen is not None else next((a for a in args if isinstance(a, torch.Generator)), None)
+
+
 def generator_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Generator | None:
     """The generator a random op draws from (None: one the trace does not know)."""
-    gen = kwargs.get("generator")
+    gen = explicit_generator(args, kwargs)
     if gen is not None:
-        return gen  # type: ignore[no-any-return]
-    for a in args:
-        if isinstance(a, torch.Generator):
-            return a  # (poisson, binomial: a positional generator)
+        return gen
     dev: Any = None
     for a in args:
         if isinstance(a, torch.Tensor):
