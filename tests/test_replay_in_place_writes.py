@@ -1058,15 +1058,47 @@ def _param_of_a_dtype_view(x):
     return (t * x).sum() + (x * x).sum()
 
 
-@pytest.mark.parametrize("case", [_param_of_a_row, _params_of_pieces, _param_of_a_dtype_view],
-                         ids=["row", "pieces", "dtype view"])
+def _param_needing_a_gradient_written_without_one(x):
+    t = x * 2
+    p = torch.nn.Parameter(t[1])  # (requires a gradient: a leaf of its own)
+    with torch.no_grad():
+        p.mul_(3)
+    return (t * x.sin()).sum() + (p * x).sum()
+
+
+def _param_of_a_reshaped_piece(x):
+    t = (x * 3).sin()
+    p = torch.nn.Parameter(t.view(-1)[2:6].view(2, 2))
+    with torch.no_grad():
+        p.add_(1)
+        p.mul_(2)
+    return (t * x).sum() + (p * p).sum()
+
+
+def _data_written_between_reads(x):
+    t = x * 2
+    u = t.data  # (a plain tensor: no op made it)
+    with torch.no_grad():
+        u.add_(1)
+    v = t.data.view(-1)
+    v.mul_(-1)
+    return (t * x).sum() + (u.sin() * x).sum()
+
+
+@pytest.mark.parametrize("case", [_param_of_a_row, _params_of_pieces, _param_of_a_dtype_view,
+                                  _param_needing_a_gradient_written_without_one, _param_of_a_reshaped_piece,
+                                  _data_written_between_reads],
+                         ids=["row", "pieces", "dtype view", "needs grad", "reshaped piece", "data"])
 @pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", "budget"])
 def test_a_write_into_an_alias_made_where_no_op_is_seen_is_replayed_into_the_replays_storage(case, policy) -> None:
     """``nn.Parameter(t[1])`` aliases a row of ``t`` under a Python object no op returned: the trace held it as a
     tensor from outside and replayed its write into a copy of it, not into the replay's ``t`` (which another op
     saved): off by 2.8 on every call (the review; NOTE [unseen aliases] in _engine/program.py). So too an alias of
     another dtype of the same size whose view died (``nn.Parameter(t.view(torch.int64))``: off by 4.6; the third
-    review), made from ``t`` by a dtype view. Plain autograd and ``torch.func.grad``, three calls."""
+    review), made from ``t`` by a dtype view. On the trace the lookup once skipped an alias that needs a gradient
+    (written under ``no_grad``: off by 2.2; a reshaped piece: 3.0) or is a plain tensor (``t.data``), for speed:
+    it runs now at the first write into such a storage, whatever the alias's type. Plain autograd and
+    ``torch.func.grad``, three calls."""
     rf = remat(case, policy=policies.memory_budget(0.5) if policy == "budget" else policy)
     for call in range(3):
         x0 = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(call))

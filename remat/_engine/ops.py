@@ -1,5 +1,6 @@
-"""What one op of a call is to the engine: its record (``OpRecord``), its traits, the storage a tensor lives in,
-placeholders for the ops a recompute skips, and the ops no remat mode counts as the call's."""
+"""What one op of a call is to the engine: its record (``OpRecord`` on the full engine, ``Step`` on the trace), its
+traits, the storage a tensor lives in, placeholders for the ops a recompute skips, and the ops no remat mode counts as
+the call's."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from .. import _torch_internals as ti
 from .._context import HOOK_RANGE, INTERNAL, internal
-from .._policies.core import Decision
+from .._policies.core import Decision, Recompute
 from . import outside as ox
 
 __all__ = ["OpInfo", "op_info", "hidden_write", "declared_written_names", "Half", "LIFTS", "RANGE_OPS", "OpRecord", "DeadRead", "arg_tensors", "dead_value", "identity_alias", "ignored",
@@ -445,3 +446,36 @@ class Alias:
         if self.param:
             return torch.nn.Parameter(a, requires_grad=self.requires_grad)
         return a.requires_grad_() if self.requires_grad else a
+
+
+FLAT = "flat"  # Step.spec of an op that returns a flat tuple of tensors
+
+
+class Step:
+    """One recorded op: ``op(*args, **kwargs)`` with the tensors at ``refs`` taken from slots."""
+
+    __slots__ = ("op", "call", "args", "kwargs", "refs", "outs", "inplace_view", "spec", "rng", "grad", "decision", "writes",
+                 "nograd_outs", "replayable", "quiet")
+
+    def __init__(self, op: Any, call: Any, args: list[Any], kwargs: dict[str, Any],
+                 refs: list[tuple[Any, int, int]]) -> None:
+        self.op = op
+        self.call = call
+        self.inplace_view = False  # changes its argument's shape in place: replayed on an alias of it
+        self.args = args  # tensors replaced by None
+        self.kwargs = kwargs
+        self.refs = refs  # (argument index or keyword, position in a list argument or -1, slot)
+        self.outs: list[int] = []  # the slots of its tensor outputs, in order (-1: not a tensor)
+        self.spec: Any = None  # the output's pytree structure, when it is not one tensor (FLAT: a flat tuple of them)
+        self.rng: tuple[torch.Generator, torch.Tensor] | None = None  # generator state before a random op
+        self.grad = True  # grad mode was on
+        self.decision: Decision = Recompute
+        self.writes: tuple[int, ...] = ()  # storage keys it writes
+        self.nograd_outs: list[weakref.ref[torch.Tensor]] | None = None  # ran without grad: its outputs (custom Functions)
+        self.replayable = True
+        # a write none of whose arguments needed a gradient (into ``t.data``, a detach): what it wrote, which a replay
+        # that builds a graph writes through an alias autograd does not follow, as in the forward pass
+        self.quiet: tuple[Any, ...] = ()
+
+    def reads(self) -> list[int]:
+        return [s for _, _, s in self.refs]

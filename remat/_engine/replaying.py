@@ -38,8 +38,8 @@ from .._errors import RematError
 from . import outside as ox
 from .ambient import draw_as_recorded, put_settings
 from .ambient import settings as ambient_settings
-from .ops import op_info
-from .trace import FLAT, Step, Trace
+from .ops import FLAT, Step, op_info
+from .trace import Trace
 
 __all__ = ["plan", "run", "ancestors"]
 

@@ -63,9 +63,22 @@ from .._policies.naming import checkpoint_name
 from .._torch_internals import TorchDispatchMode
 from . import outside as ox
 from .ambient import AmbientFlags, draw_first
-from .ops import ALIAS, LIFTS, RANGE_OPS, Alias, OpInfo, generator_for, not_the_policys, op_info, profiler_op
+from .ops import (
+    ALIAS,
+    FLAT,
+    LIFTS,
+    RANGE_OPS,
+    Alias,
+    OpInfo,
+    Step,
+    arg_tensors,
+    generator_for,
+    not_the_policys,
+    op_info,
+    profiler_op,
+)
 
-__all__ = ["Step", "Trace", "Tracer"]
+__all__ = ["Trace", "Tracer"]
 
 Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -73,39 +86,6 @@ _grad_enabled = torch.is_grad_enabled
 AS_STRIDED = torch.ops.aten.as_strided.default
 _default_dtype = torch.get_default_dtype
 _num_threads = torch.get_num_threads
-
-
-FLAT = "flat"  # Step.spec of an op that returns a flat tuple of tensors
-
-
-class Step:
-    """One recorded op: ``op(*args, **kwargs)`` with the tensors at ``refs`` taken from slots."""
-
-    __slots__ = ("op", "call", "args", "kwargs", "refs", "outs", "inplace_view", "spec", "rng", "grad", "decision", "writes",
-                 "nograd_outs", "replayable", "quiet")
-
-    def __init__(self, op: Any, call: Any, args: list[Any], kwargs: dict[str, Any],
-                 refs: list[tuple[Any, int, int]]) -> None:
-        self.op = op
-        self.call = call
-        self.inplace_view = False  # changes its argument's shape in place: replayed on an alias of it
-        self.args = args  # tensors replaced by None
-        self.kwargs = kwargs
-        self.refs = refs  # (argument index or keyword, position in a list argument or -1, slot)
-        self.outs: list[int] = []  # the slots of its tensor outputs, in order (-1: not a tensor)
-        self.spec: Any = None  # the output's pytree structure, when it is not one tensor (FLAT: a flat tuple of them)
-        self.rng: tuple[torch.Generator, torch.Tensor] | None = None  # generator state before a random op
-        self.grad = True  # grad mode was on
-        self.decision: Decision = Recompute
-        self.writes: tuple[int, ...] = ()  # storage keys it writes
-        self.nograd_outs: list[weakref.ref[Tensor]] | None = None  # ran without grad: its outputs (custom Functions)
-        self.replayable = True
-        # a write none of whose arguments needed a gradient (into ``t.data``, a detach): what it wrote, which a replay
-        # that builds a graph writes through an alias autograd does not follow, as in the forward pass
-        self.quiet: tuple[Any, ...] = ()
-
-    def reads(self) -> list[int]:
-        return [s for _, _, s in self.refs]
 
 
 def _storage_key(t: Tensor) -> int:
@@ -174,6 +154,7 @@ class Trace:
         self.settings: dict[Step, tuple[torch.dtype, int]] = {}
         self.drew: dict[Step, torch.Tensor] = {}  # a random step: its generator's state after it drew, to check
         self.external: Callable[[int, Tensor], Any] | None = None  # nested calls: an outside tensor the parent made
+        self.made_on: set[int] = set()  # the storage keys of the call's ops' outputs
         self.made_keys: tuple[int, dict[int, list[int]]] = (0, {})  # slots indexed so far; storage key -> op-made slots
 
     # ---- slots ---------------------------------------------------------------
@@ -190,8 +171,6 @@ class Trace:
             return e[1]
         if t.is_inference():
             raise inference_tensor(self.fn_name, "a tensor from outside its arguments (a global, a buffer)", t)
-        if self.producer and type(t) is not Tensor and not t.requires_grad and (a := _unseen_alias(self, t)) is not None:
-            return a  # NOTE [unseen aliases] in _engine/program.py (an nn.Parameter(t[1]): not asked of a buffer)
         s = self.n
         self.n = s + 1
         self._slot_of[id(t)] = (weakref.ref(t), s)
@@ -216,7 +195,8 @@ class Trace:
         self.producer[s] = step
         try:
             # (_storage_key, inline; an offset is a SymInt only on a fake tensor, whose data_ptr raises first)
-            self.key_of[s] = t.data_ptr() - t.storage_offset() * t.itemsize or -id(t)  # type: ignore[assignment]
+            self.key_of[s] = k = t.data_ptr() - t.storage_offset() * t.itemsize or -id(t)  # type: ignore[assignment]
+            self.made_on.add(k)  # type: ignore[arg-type]
         except (RuntimeError, NotImplementedError):
             pass
         return s
@@ -283,6 +263,8 @@ class Trace:
         key = _storage_key(t)
         self.written_keys.add(key)
         outside = self.outside_keys.get(key)
+        if outside and key in self.made_on:
+            outside = _unseen_aliases(self, key, outside)  # NOTE [unseen aliases] in _engine/program.py
         if outside:
             with internal():
                 if key not in self.shadows:
@@ -435,7 +417,7 @@ class Tracer(TorchDispatchMode):
             decision = Recompute
         elif self.answers is not None and (known := self.answers.get(id(func))) is not None and known[0] is func:
             step.decision = decision = known[1]
-        elif not_the_policys(_arg_tensors(args, kwargs), out):  # (forward AD's internal checks: forward_ad)
+        elif not_the_policys(arg_tensors(args, kwargs), out):  # (forward AD's internal checks: forward_ad)
             decision = Recompute
         else:
             # (decide's work, inline: the answers most policies give)
@@ -553,7 +535,7 @@ class Tracer(TorchDispatchMode):
                 if len(wrote) > n:
                     written.append(k)
             step.writes = tuple(keys)
-            if not any(a.requires_grad for a in _arg_tensors(args, kwargs)):
+            if not any(a.requires_grad for a in arg_tensors(args, kwargs)):
                 step.quiet = tuple(written)  # (autograd records nothing of this write)
         versions = None
         if not info.trusted and not info.mutable:
@@ -586,7 +568,7 @@ class Tracer(TorchDispatchMode):
         explicit = False
         if name is not None:
             decision, explicit = decide_explicit(self.policy, checkpoint_name, args, {"name": name})
-        elif not_the_policys(_arg_tensors(args, kwargs), out):  # (forward AD's internal checks: forward_ad)
+        elif not_the_policys(arg_tensors(args, kwargs), out):  # (forward AD's internal checks: forward_ad)
             decision = Recompute
         else:
             decision = decide(self.policy, func, args, kwargs, out)
@@ -596,7 +578,7 @@ class Tracer(TorchDispatchMode):
         if keep and refs and isinstance(out, Tensor):
             # (an op that returns its argument's storage although its schema says nothing: not kept either)
             key = _storage_key(out)
-            keep = all(_storage_key(a) != key for a in _arg_tensors(args, kwargs))
+            keep = all(_storage_key(a) != key for a in arg_tensors(args, kwargs))
         self._outputs(step, out, keep, grad)
         if info.view and refs:
             # each output is a view of the argument it aliases (its storage's value decides for it)
@@ -630,16 +612,6 @@ def _alive(v: Any) -> bool:
     """Whether a stash entry still holds its value (a kept value that died may leave its slot under a storage key
     the allocator has handed to another since)."""
     return v is not None and (type(v) is not weakref.ref or v() is not None)
-
-
-def _arg_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
-    out = []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, Tensor):
-            out.append(a)
-        elif type(a) is list or type(a) is tuple:
-            out.extend(x for x in a if isinstance(x, Tensor))
-    return out
 
 
 def _outside_args(trace: Trace, refs: list[tuple[Any, int, int]], args: Any, kwargs: Any) -> list[Tensor]:
@@ -688,23 +660,45 @@ def _whole(trace: Trace, key: int) -> None:
                 snap.cover(trace.outside[trace.outside_keys[key][0]][0], whole=True)
 
 
-def _unseen_alias(trace: Trace, t: Tensor) -> int | None:
-    """NOTE [unseen aliases] in _engine/program.py, on the trace: a tensor no op made (``nn.Parameter(t[1])``) on the
-    storage of a live tensor the call's ops made, of its dtype's size, is made by a step from that one's slot."""
+def _unseen_aliases(trace: Trace, key: int, outside: list[int]) -> list[int]:
+    """NOTE [unseen aliases] in _engine/program.py, on the trace, asked when storage ``key`` is about to be written
+    (before then, reading an alias as a tensor from outside reads what the forward pass read): a tensor from outside
+    (``nn.Parameter(t[1])``, ``t.data``) on the storage of a live tensor the call's ops made (not a view of one from
+    outside), of its dtype's size, becomes a step that makes it from that one, placed before its first reader.
+    Returns the slots on ``key`` that stay outside."""
     upto, index = trace.made_keys
-    for m in range(upto, trace.n):
-        if m in trace.producer:
-            index.setdefault(trace.key_of.get(m, 0), []).append(m)
+    for i in range(upto, trace.n):
+        if i in trace.producer:
+            index.setdefault(trace.key_of.get(i, 0), []).append(i)
     trace.made_keys = (trace.n, index)
-    key = _storage_key(t)
-    for m in reversed(index.get(key, ()) if key else ()):
-        x = trace.refs[m]() if m in trace.refs else None
-        if x is not None and x.dtype.itemsize == t.dtype.itemsize and x.untyped_storage() is t.untyped_storage():
-            step = Step(AS_STRIDED, Alias(t), [None], {}, [(0, -1, m)])
-            step.grad = _grad_enabled()
-            s = trace.new_slot(t, step)
-            step.outs.append(s)
-            trace.root[s] = trace.root.get(m, m)
-            trace.steps.append(step)
-            return s
-    return None
+    made = [(m, x) for m in index.get(key, ()) if (x := trace.refs[m]()) is not None
+            and trace.root.get(m, m) not in trace.outside]
+    if not made:
+        return outside
+    stay: list[int] = []
+    for s in outside:
+        t = trace.outside[s][0]
+        at = next((i for i, step in enumerate(trace.steps) if s in step.reads()), len(trace.steps))
+        before = {id(step) for step in trace.steps[:at]}  # (its alias is made where it was first read)
+        try:
+            a = None if s in trace.inputs or s in trace.geometry0 or s in trace.lifted else next(
+                (m for m, x in reversed(made) if x.dtype.itemsize == t.dtype.itemsize and id(trace.producer[m]) in
+                 before and x.untyped_storage() is t.untyped_storage()), None)
+        except (RuntimeError, NotImplementedError):  # (no storage: a sparse tensor)
+            a = None
+        if a is None:
+            stay.append(s)
+            continue
+        step = Step(AS_STRIDED, Alias(t), [None], {}, [(0, -1, a)])
+        step.outs.append(s)
+        del trace.outside[s]
+        trace.shadowed.pop(s, None)
+        trace.snapshots.pop(s, None)
+        trace.producer[s], trace.refs[s] = step, trace._slot_of[id(t)][0]
+        trace.root[s] = trace.root.get(a, a)
+        trace.steps.insert(at, step)
+    if stay:
+        trace.outside_keys[key] = stay
+    else:
+        del trace.outside_keys[key]
+    return stay
