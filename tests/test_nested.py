@@ -694,3 +694,50 @@ def test_a_kept_value_the_enclosing_call_writes_after_the_inner_returns_it(outer
     for _ in range(3):
         x = x0.clone().requires_grad_()
         torch.testing.assert_close(torch.autograd.grad(rf(x), x)[0], want, rtol=1e-10, atol=1e-12)
+
+
+class _AppendsToACache(torch.nn.Module):
+    """A key/value cache as a plain attribute: each call writes its rows, then reads every row so far."""
+
+    def __init__(self, read_before_write: bool = False) -> None:
+        super().__init__()
+        self.pos, self.read_before_write = 0, read_before_write
+        self.cache = torch.zeros(12, 4, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.read_before_write:  # (saves a view of the cache, then writes it: plain autograd raises)
+            y = (x @ self.cache[:3].t()).sin()
+            self.cache[0:3] = x.detach()
+            return y.sum() * x
+        p = self.pos
+        self.cache[p:p + 3] = x.detach()
+        self.pos += 3
+        kv = self.cache[: p + 3]
+        return (x @ kv.t()).softmax(-1) @ kv * x
+
+
+@pytest.mark.parametrize("inner", ["save-nothing", "save-matmuls", "budget"])
+def test_a_nested_call_appending_to_a_cache_under_a_budget(inner: str) -> None:
+    """An outer ``memory_budget`` (its first call measures, on the full engine) around a call appending to a key/value
+    cache: the outer recompute's writes into its copy of the cache move the real cache's version counter, which is put
+    back after it; the inner call's view of the cache, made by that recompute, moved back with it, and its check of
+    the version it was made at raised "modified ... in place (version 2 -> 1)" on the first call (plain autograd is
+    exact). Three calls, float64; a write after a save of the cache still raises, as plain autograd does."""
+    pol = (lambda: policies.memory_budget(0.5)) if inner == "budget" else (lambda: inner)
+    plain, m = _AppendsToACache(), _AppendsToACache()
+    inner_fn = remat(m.forward, policy=pol())
+    outer = remat(lambda x: inner_fn(x), policy=policies.memory_budget(0.5))
+    for call in range(3):
+        x0 = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(call))
+        xs = [x0.clone().requires_grad_() for _ in range(2)]
+        plain(xs[0]).pow(2).sum().backward()
+        outer(xs[1]).pow(2).sum().backward()
+        torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-10, atol=1e-12)
+    writes = _AppendsToACache(read_before_write=True)
+    inner_fn = remat(writes.forward, policy=pol())
+    outer = remat(lambda x: inner_fn(x), policy=policies.memory_budget(0.5))
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _AppendsToACache(read_before_write=True)(x).pow(2).sum().backward()
+    with pytest.raises(RematError, match="modified in place"):
+        outer(x).pow(2).sum().backward()

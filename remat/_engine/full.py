@@ -448,13 +448,22 @@ class _Serving(Half):
         # NOTE [written outside storages]: the recompute's writes go to a copy, but move the real tensors' version
         # counters, which are put back
         versions = [(t, t._version) for t in self.recorder.written_tensors]
+        made = None
         try:
             with no_accumulation(self.fn_name, [*self.flat, *self.state.tensors]):
-                return run_recompute(self, s, skip_unused, _forwarding_frames())
+                made = run_recompute(self, s, skip_unused, _forwarding_frames())
+                return made
         finally:
-            for t, v in versions:
-                if t._version != v:
-                    ti.set_version(t, v)
+            if any(t._version != v for t, v in versions):
+                # (a made tensor on such a counter, a view of a key/value cache, moves back with it: its version when
+                # made, NOTE [written after saved], by as much)
+                got: Made = made if made is not None else Made({}, {})
+                now = {pos: ti.unwrap_all(t)._version for pos, t in got.items() if pos in got.versions}
+                for t, v in versions:
+                    if t._version != v:
+                        ti.set_version(t, v)
+                for pos, v in now.items():
+                    got.versions[pos] += ti.unwrap_all(got[pos])._version - v
 
 
 class Frame(_Saving, _Serving):
