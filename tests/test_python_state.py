@@ -766,3 +766,35 @@ def test_a_regions_first_call_reruns_from_the_same_random_state(seeding: str) ->
         else:
             for _ in range(3):
                 assert_tree_close(grads(r), want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", "budget"])
+@pytest.mark.parametrize("transform", ["backward", "grad"])
+def test_a_list_and_a_dict_the_function_is_handed_are_the_callers(policy: str, transform: str) -> None:
+    """A memory review (thirty-fifth session): remat flattens its arguments, and ran the forward pass on containers
+    rebuilt from their leaves, so what the function appended to a list it was handed (a cache, a list of
+    activations to log) or set in a dict never reached the caller (0 items, where plain autograd has 1). The
+    forward pass runs on the caller's own containers: once per call, on every call; the gradient as plain's."""
+    W = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+
+    def block(x: torch.Tensor, seen: list[torch.Tensor], counts: dict[str, int]) -> torch.Tensor:
+        k = x @ W
+        seen.append(k)
+        counts["n"] = counts.get("n", 0) + 1
+        return torch.tanh(k) * x
+
+    f = remat.remat(block, policy=remat.policies.memory_budget(0.5) if policy == "budget" else policy)
+    for call in range(3):
+        x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(call))
+        (seen, counts), (seen0, counts0) = ([], {}), ([], {})
+        if transform == "backward":
+            xs = [x.clone().requires_grad_() for _ in range(2)]
+            f(xs[0], seen, counts).sum().backward()
+            block(xs[1], seen0, counts0).sum().backward()
+            got, want = xs[0].grad, xs[1].grad
+        else:
+            got = torch.func.grad(lambda x: f(x, seen, counts).sum())(x)
+            want = torch.func.grad(lambda x: block(x, seen0, counts0).sum())(x)
+        assert len(seen) == len(seen0) == 1 and counts == counts0 == {"n": 1}
+        torch.testing.assert_close(seen[0], seen0[0], rtol=0, atol=0)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

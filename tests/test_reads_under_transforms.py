@@ -215,3 +215,34 @@ def test_renormalised_embedding_rows_under_functional_call_are_exact(transform: 
     for _ in range(3):
         assert_tree_close(run(m, call), run(ref_m, ref_m), **TOL)
     torch.testing.assert_close(m.emb.weight, ref_m.emb.weight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", "custom"])
+@pytest.mark.parametrize("how", ["method", "remat_module"])
+def test_a_gradient_penalty_through_renormalised_rows_is_exact(how: str, policy: str) -> None:
+    """A review (thirty-fifth session): a gradient penalty, ``grad`` over the parameters of ``grad`` over ``x``, the
+    weight renormalised in place by ``nn.Embedding(max_norm=...)``. The inner transform does not differentiate the
+    weight, the outer one does; the recompute wrote a detached copy of it, which lost the outer level's history: the
+    weight's gradient came out 0 (off by all of it, silently; save-matmuls raised a false "saved a tensor of shape").
+    Three calls, against plain ``torch.func``."""
+    torch.manual_seed(0)
+    ref_m, m = Renormed(), Renormed()
+    m.load_state_dict(ref_m.state_dict())
+    ids, x = torch.randint(0, 10, (2, 5)), torch.randn(2, 5, 6, dtype=f64)
+    p = POLICIES[policy]
+    call = remat.remat(m.forward, policy=p) if how == "method" else remat.remat_module(m, policy=p)
+
+    def run(model: nn.Module, f: Callable[..., torch.Tensor]) -> Any:
+        def loss(ps: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            with torch.nn.utils.stateless._reparametrize_module(model, ps):
+                return f(ids, x)
+
+        def penalty(ps: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            return (grad(loss, argnums=1)(ps, x) ** 2).sum()
+
+        return grad(penalty)({k: v.detach() for k, v in model.named_parameters()}, x)
+
+    for _ in range(3):
+        got, want = run(m, call), run(ref_m, ref_m)
+        assert want["emb.weight"].abs().max() > 0.1
+        assert_tree_close(got, want, **TOL)

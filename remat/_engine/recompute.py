@@ -161,8 +161,10 @@ def _stand_in(v: torch.Tensor) -> torch.Tensor:
     """A copy of state the call wrote, for its recompute to write; one that needs a gradient as ``v`` does, and is
     no leaf (a write into a leaf that needs one raises: ``g.mul_(1.5)`` under grad mode). Under ``torch.func`` a
     clone of ``v`` at its level (a detached copy there would need no gradient at the level, and the ops reading it
-    would save less than the forward pass's)."""
-    if v.requires_grad and ti.interpreter_stack():
+    would save less than the forward pass's; so too where it needs none at its own level but does at an outer one:
+    a gradient penalty's ``grad(grad(f))`` differentiates the weight ``nn.Embedding(max_norm=...)`` renormalises only
+    at the outer level, and a detached copy lost that level's history, silently)."""
+    if ti.interpreter_stack() and ti.is_wrapped(v):
         return v.clone()
     c = v.detach().clone()
     return c.requires_grad_().clone() if v.requires_grad and c.is_leaf else c

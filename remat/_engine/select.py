@@ -237,8 +237,16 @@ def _flatten(fn: Callable[..., Any], name: str, statics: tuple[int, ...], args: 
     # run must not close over args: the frame holds run until the backward pass, and the
     # tensors in args (which a nested call hands to its parent to drop) would stay alive
     static_vals = {i: args[i] for i in static_pos}
+    # ...but until its first run: the forward pass, given these very leaves, runs on the caller's own containers (a
+    # list the function appends to is the caller's, as in plain autograd); a recompute, on rebuilt ones
+    first: list[Any] = [args, kwargs, flat]
 
     def run(leaves: list[Any]) -> Any:
+        if first:
+            a0, kw0, flat0 = first
+            first.clear()
+            if len(leaves) == len(flat0) and all(x is y for x, y in zip(leaves, flat0)):
+                return fn(*a0, **kw0)
         dargs, kw = optree.tree_unflatten(spec, leaves if collapse is None else collapse(leaves))
         full = tuple(static_vals[i] if i in static_vals else a for i, a in enumerate(dargs))
         return fn(*full, **kw)
