@@ -291,3 +291,30 @@ def test_an_input_the_function_never_reads_may_be_written_after_its_call(transfo
         w = torch.randn(4, 4, dtype=torch.float64, generator=gen)
         x = torch.randn(5, 4, dtype=torch.float64, generator=gen)
         assert torch.allclose(run(g), run(make(body)), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("transform", ["hessian", "jacfwd(jacrev)", "jacrev(jacrev)"])
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls"])
+def test_a_counter_input_written_under_forward_over_reverse_is_exact(transform: str, policy: str) -> None:
+    """A review (thirty-fifth session): a batch norm's buffers passed as explicit inputs (``functional_call(model,
+    (params, buffers), x)``) under ``hessian``: its ``num_batches_tracked.add_(1)`` writes an integer input under a
+    forward-mode level, where a write into an input is copied only if it carries no tangent, and none was trusted
+    to: a false "modified its input #1 in place" (``jacrev(jacrev)`` was exact). An integer input carries none:
+    exact, written once per call, three calls."""
+    m = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3), torch.nn.Tanh()).double()
+    params = {k: v.detach() for k, v in m.named_parameters()}
+
+    def f(x: torch.Tensor, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(m, (params, buffers), (x,)).pow(2).sum()
+
+    g = remat(f, policy=policy)
+    hess = {"hessian": torch.func.hessian, "jacfwd(jacrev)": lambda h: torch.func.jacfwd(jacrev(h)),
+            "jacrev(jacrev)": lambda h: jacrev(jacrev(h))}[transform]
+    for call in range(3):
+        x = seeded_randn(4, 3, seed=call)
+        bufs = [{k: v.clone() for k, v in m.named_buffers()} for _ in range(2)]
+        want = hess(f)(x, bufs[0])  # (the buffers are the transform's inputs too: torch.func lets it write them)
+        got = hess(g)(x, bufs[1])
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        assert_tree_close(bufs[1], bufs[0], rtol=0, atol=0)
+        assert int(bufs[1]["1.num_batches_tracked"]) == 1

@@ -553,9 +553,12 @@ class Frame(_Saving, _Serving):
         with internal():
             self.recorder.input_keys = {storage_key(ti.unwrap_all(a)) for a in flat if isinstance(a, torch.Tensor)}
             self.recorder.no_levels = not self.levels
-            if not any(lv.kind == "jvp" for lv in self.levels):  # NOTE [writes into inputs] in outside_writes.py
-                self.recorder.free_input_keys = {storage_key(ti.unwrap_all(a)) for a in flat
-                                                 if isinstance(a, torch.Tensor) and not ti.has_history(a)}
+            # NOTE [writes into inputs] in outside_writes.py (under a forward-mode level, only an integer input, a
+            # counter such as a batch norm's ``num_batches_tracked`` passed to hessian: it carries no tangent)
+            jvp = any(lv.kind == "jvp" for lv in self.levels)
+            self.recorder.free_input_keys = {storage_key(ti.unwrap_all(a)) for a in flat
+                                             if isinstance(a, torch.Tensor) and not ti.has_history(a) and not (
+                                                 jvp and (a.is_floating_point() or a.is_complex()))}
         self.forwarding = True
         try:
             with contextlib.ExitStack() as es:
