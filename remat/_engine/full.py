@@ -455,13 +455,11 @@ class _Serving(Half):
                 return made
         finally:
             if any(t._version != v for t, v in versions):
-                # (a made tensor on such a counter, a view of a key/value cache, moves back with it: its version when
-                # made, NOTE [written after saved], by as much)
+                # (a made tensor on such a counter, a view of a cache, moves back with it: NOTE [written after saved])
                 got: Made = made if made is not None else Made({}, {})
                 now = {pos: ti.unwrap_all(t)._version for pos, t in got.items() if pos in got.versions}
                 for t, v in versions:
-                    if t._version != v:
-                        ti.set_version(t, v)
+                    ti.set_version(t, v)
                 for pos, v in now.items():
                     got.versions[pos] += ti.unwrap_all(got[pos])._version - v
 
@@ -556,9 +554,9 @@ class Frame(_Saving, _Serving):
             # NOTE [writes into inputs] in outside_writes.py (under a forward-mode level, only an integer input, a
             # counter such as a batch norm's ``num_batches_tracked`` passed to hessian: it carries no tangent)
             jvp = any(lv.kind == "jvp" for lv in self.levels)
-            self.recorder.free_input_keys = {storage_key(ti.unwrap_all(a)) for a in flat
-                                             if isinstance(a, torch.Tensor) and not ti.has_history(a) and not (
-                                                 jvp and (a.is_floating_point() or a.is_complex()))}
+            self.recorder.free_input_keys = {storage_key(ti.unwrap_all(a)) for a in flat if isinstance(a, torch.Tensor)
+                                             and not ti.has_history(a) and not (jvp and (a.is_floating_point() or
+                                                                                         a.is_complex()))}
         self.forwarding = True
         try:
             with contextlib.ExitStack() as es:

@@ -155,6 +155,7 @@ class Trace:
         self.drew: dict[Step, torch.Tensor] = {}  # a random step: its generator's state after it drew, to check
         self.external: Callable[[int, Tensor], Any] | None = None  # nested calls: an outside tensor the parent made
         self.made_on: set[int] = set()  # the storage keys of the call's ops' outputs
+        self.alias_checked: set[int] = set()  # outside slots asked whether they alias a storage an op made
         self.made_keys: tuple[int, dict[int, list[int]]] = (0, {})  # slots indexed so far; storage key -> op-made slots
 
     # ---- slots ---------------------------------------------------------------
@@ -668,22 +669,26 @@ def _unseen_aliases(trace: Trace, key: int, outside: list[int]) -> list[int]:
     Returns the slots on ``key`` that stay outside."""
     upto, index = trace.made_keys
     for i in range(upto, trace.n):
-        if i in trace.producer:
+        if i in trace.producer and trace.root.get(i, i) not in trace.outside:  # (not a view of one from outside)
             index.setdefault(trace.key_of.get(i, 0), []).append(i)
     trace.made_keys = (trace.n, index)
-    made = [(m, x) for m in index.get(key, ()) if (x := trace.refs[m]()) is not None
-            and trace.root.get(m, m) not in trace.outside]
+    made = index.get(key)
     if not made:
         return outside
     stay: list[int] = []
     for s in outside:
+        if s in trace.alias_checked:  # (asked once: only a tensor made before its first read can be what it aliases)
+            stay.append(s)
+            continue
+        trace.alias_checked.add(s)
         t = trace.outside[s][0]
         at = next((i for i, step in enumerate(trace.steps) if s in step.reads()), len(trace.steps))
         before = {id(step) for step in trace.steps[:at]}  # (its alias is made where it was first read)
         try:
             a = None if s in trace.inputs or s in trace.geometry0 or s in trace.lifted else next(
-                (m for m, x in reversed(made) if x.dtype.itemsize == t.dtype.itemsize and id(trace.producer[m]) in
-                 before and x.untyped_storage() is t.untyped_storage()), None)
+                (m for m in reversed(made) if (x := trace.refs[m]()) is not None and x.dtype.itemsize ==
+                 t.dtype.itemsize and id(trace.producer[m]) in before and x.untyped_storage() is t.untyped_storage()),
+                None)
         except (RuntimeError, NotImplementedError):  # (no storage: a sparse tensor)
             a = None
         if a is None:

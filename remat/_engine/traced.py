@@ -602,7 +602,7 @@ class TraceFrame(_Saving, _Serving):
             self._prune()
         if self._offloaded_any:
             self.engine.end_of_call()  # NOTE [stream-ordered reuse] in _offload/streams.py
-        self.flat = [None if isinstance(a, Tensor) else a for a in self.flat]  # held as outside slots
+        self.flat = []  # (tensors: outside slots; a list subclass holding an output would hold this frame, unseen by gc)
         return out
 
     def _watch_outputs(self, out: Any) -> None:
