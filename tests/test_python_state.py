@@ -793,8 +793,8 @@ def test_a_list_and_a_dict_the_function_is_handed_are_the_callers(policy: str, t
             block(xs[1], seen0, counts0).sum().backward()
             got, want = xs[0].grad, xs[1].grad
         else:
-            got = torch.func.grad(lambda x: f(x, seen, counts).sum())(x)
-            want = torch.func.grad(lambda x: block(x, seen0, counts0).sum())(x)
+            got = torch.func.grad(lambda x, s=seen, c=counts: f(x, s, c).sum())(x)
+            want = torch.func.grad(lambda x, s=seen0, c=counts0: block(x, s, c).sum())(x)
         assert len(seen) == len(seen0) == 1 and counts == counts0 == {"n": 1}
         torch.testing.assert_close(seen[0], seen0[0], rtol=0, atol=0)
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
