@@ -89,13 +89,12 @@ _num_threads = torch.get_num_threads
 
 
 def _storage_key(t: Tensor) -> int:
-    """The address of ``t``'s storage (which its views share), without making the storage's Python object (which
-    costs more than the rest of recording an op); an empty storage, which has no address (a QAT observer's
-    ``torch.tensor([])`` that an ``out=`` op resizes), is its tensor's own: ``-id(t)``."""
+    """The address of ``t``'s storage (shared by its views) without making its Python object (costlier than recording
+    an op); an empty one's is ``-id(t)``, a sparse COO tensor's its values' (``sp.values()``), else 0."""
     try:
         return int(t.data_ptr() - t.storage_offset() * t.itemsize) or -id(t)
     except (RuntimeError, NotImplementedError):
-        return 0
+        return _storage_key(t._values()) if t.layout is torch.sparse_coo and not t.is_meta else 0
 
 
 class Trace:
@@ -154,8 +153,8 @@ class Trace:
         self.settings: dict[Step, tuple[torch.dtype, int]] = {}
         self.drew: dict[Step, torch.Tensor] = {}  # a random step: its generator's state after it drew, to check
         self.external: Callable[[int, Tensor], Any] | None = None  # nested calls: an outside tensor the parent made
-        self.made_on: set[int] = set()  # the storage keys of the call's ops' outputs
-        self.alias_checked: set[int] = set()  # outside slots asked whether they alias a storage an op made
+        self.made_on: set[int] = set()  # the storage keys of the call's ops' outputs (NOTE [unseen aliases]), and
+        self.alias_checked: set[int] = set()  # the outside slots asked whether they alias one of those storages
         self.made_keys: tuple[int, dict[int, list[int]]] = (0, {})  # slots indexed so far; storage key -> op-made slots
 
     # ---- slots ---------------------------------------------------------------
@@ -199,7 +198,9 @@ class Trace:
             self.key_of[s] = k = t.data_ptr() - t.storage_offset() * t.itemsize or -id(t)  # type: ignore[assignment]
             self.made_on.add(k)  # type: ignore[arg-type]
         except (RuntimeError, NotImplementedError):
-            pass
+            if t.layout is torch.sparse_coo and (k := _storage_key(t)):  # (its values')
+                self.key_of[s] = k
+                self.made_on.add(k)
         return s
 
     def data_replaced(self, s: int, t: Tensor) -> bool:
@@ -663,10 +664,10 @@ def _whole(trace: Trace, key: int) -> None:
 
 def _unseen_aliases(trace: Trace, key: int, outside: list[int]) -> list[int]:
     """NOTE [unseen aliases] in _engine/program.py, on the trace, asked when storage ``key`` is about to be written
-    (before then, reading an alias as a tensor from outside reads what the forward pass read): a tensor from outside
+    (until then an alias read as a tensor from outside reads what the forward pass read): a tensor from outside
     (``nn.Parameter(t[1])``, ``t.data``) on the storage of a live tensor the call's ops made (not a view of one from
-    outside), of its dtype's size, becomes a step that makes it from that one, placed before its first reader.
-    Returns the slots on ``key`` that stay outside."""
+    outside), of its dtype's size, becomes a step that makes it from that one, before its first reader (returns the
+    slots on ``key`` that stay outside)."""
     upto, index = trace.made_keys
     for i in range(upto, trace.n):
         if i in trace.producer and trace.root.get(i, i) not in trace.outside:  # (not a view of one from outside)
