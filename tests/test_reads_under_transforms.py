@@ -246,3 +246,35 @@ def test_a_gradient_penalty_through_renormalised_rows_is_exact(how: str, policy:
         got, want = run(m, call), run(ref_m, ref_m)
         assert want["emb.weight"].abs().max() > 0.1
         assert_tree_close(got, want, **TOL)
+
+
+def _constant_written_in_place(x: torch.Tensor) -> torch.Tensor:
+    v = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=f64)  # (built from Python data: aten.lift_fresh)
+    v.add_(1.0)
+    return (v * x).sin().sum()
+
+
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", "budget"])
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "backward"])
+def test_a_constant_built_from_python_data_and_written_in_place(transform: str, policy: str) -> None:
+    """A review (thirty-fifth session): ``torch.tensor([...])`` then ``v.add_(1)``. The lifted tensor is the data's own,
+    and the full engine's recompute lifted it again from that tensor, which the forward pass's write had changed,
+    then wrote it again: off by 9.3 on every call under ``torch.func`` (and on a memory budget's first call under
+    plain autograd), silently. The recompute lifts the value the forward pass lifted. Three calls."""
+    g = remat.remat(_constant_written_in_place,
+                    policy=remat.policies.memory_budget(0.5) if policy == "budget" else POLICIES[policy])
+    x0 = torch.tensor([0.3, -1.2, 0.7, 2.0], dtype=f64)
+
+    def run(f: Callable[..., torch.Tensor]) -> Any:
+        if transform == "grad":
+            return grad(f)(x0)
+        if transform == "vjp":
+            return vjp(f, x0)[1](torch.tensor(1.0, dtype=f64))
+        if transform == "jacrev":
+            return jacrev(f)(x0)
+        x = x0.clone().requires_grad_()
+        f(x).backward()
+        return x.grad
+
+    for _ in range(3):
+        assert_tree_close(run(g), run(_constant_written_in_place), **TOL)

@@ -277,6 +277,8 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
                 outside, lifted = None, ox.fingerprint(ins[0])
             else:
                 outside, lifted = self._outside_reads(ins, keys, in_vids, func.is_view), None
+                if func in LIFTS and ins:  # (its value now: the lifted tensor is the data's, which a write may change)
+                    subst = {**(subst or {}), 0: ins[0].detach().clone()}
             scalars = values_key(args, kwargs)  # NOTE [same reads] in _engine/wiring.py
             if outside and func is TO_COPY and isinstance(decision, Offloadable):
                 # a cast of a parameter (autocast's bf16 weights): moving a parameter-sized copy each step
@@ -316,7 +318,7 @@ class Recorder(StashLiveness, OutsideReads, TorchDispatchMode):
             rec.stores = [None if (st := ti.storage_of(t)) is None else weakref.ref(st) for t in outs]
             for t, v in zip(outs, rec.out_vids):
                 # an in-place write returns the outside tensor it wrote: that stays outside
-                if not (subst and self.is_outside(storage_key(t), t)):
+                if not (mutable and subst and self.is_outside(storage_key(t), t)):
                     self.made_by[v] = idx
             if name is not None and ins and (decision is not Recompute or explicit):
                 self._name_decides(ins[0], decision, idx)
