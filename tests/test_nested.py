@@ -31,7 +31,7 @@ from torch.func import grad, hessian, jacrev, vjp, vmap
 from remat import RematError, policies, remat
 from remat.bench.measure import LiveCensus
 
-from .helpers import Counted, OpLog, assert_tree_close
+from .helpers import Counted, OpLog, assert_tree_close, seeded_randn
 
 DT = torch.float64
 TOL = {"rtol": 1e-10, "atol": 1e-10}
@@ -728,7 +728,7 @@ def test_a_nested_call_appending_to_a_cache_under_a_budget(inner: str) -> None:
     inner_fn = remat(m.forward, policy=pol())
     outer = remat(lambda x: inner_fn(x), policy=policies.memory_budget(0.5))
     for call in range(3):
-        x0 = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(call))
+        x0 = seeded_randn(3, 4, seed=call)
         xs = [x0.clone().requires_grad_() for _ in range(2)]
         plain(xs[0]).pow(2).sum().backward()
         outer(xs[1]).pow(2).sum().backward()

@@ -25,7 +25,7 @@ from torch import nn
 import remat
 from remat import RematError
 
-from .helpers import assert_tree_close
+from .helpers import assert_tree_close, seeded_randn
 
 
 def _fuzz() -> Any:
@@ -785,7 +785,7 @@ def test_a_list_and_a_dict_the_function_is_handed_are_the_callers(policy: str, t
 
     f = remat.remat(block, policy=remat.policies.memory_budget(0.5) if policy == "budget" else policy)
     for call in range(3):
-        x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(call))
+        x = seeded_randn(4, 8, seed=call)
         (seen, counts), (seen0, counts0) = ([], {}), ([], {})
         if transform == "backward":
             xs = [x.clone().requires_grad_() for _ in range(2)]

@@ -15,7 +15,7 @@ from torch import nn
 
 from remat import RematError, checkpoint_name, policies, remat, remat_module
 
-from .helpers import OpCounter, assert_tree_close, grads, leaf, mlp_inplace
+from .helpers import OpCounter, assert_tree_close, grads, leaf, mlp_inplace, seeded_randn
 
 # ---- inputs, parameters and held values written in place raise, as plain autograd does -----------------------------
 
@@ -1106,7 +1106,7 @@ def _three_calls_as_plain(case, policy, transform):
     """``remat(case, policy=...)`` against plain autograd (and ``torch.func.grad``), float64, three calls."""
     rf = remat(case, policy=policies.memory_budget(0.5) if policy == "budget" else policy)
     for call in range(3):
-        x0 = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(call))
+        x0 = seeded_randn(3, 4, seed=call)
         xs = [x0.clone().requires_grad_() for _ in range(2)]
         case(xs[0]).backward()
         rf(xs[1]).backward()

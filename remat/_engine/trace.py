@@ -198,7 +198,7 @@ class Trace:
             self.key_of[s] = k = t.data_ptr() - t.storage_offset() * t.itemsize or -id(t)  # type: ignore[assignment]
             self.made_on.add(k)  # type: ignore[arg-type]
         except (RuntimeError, NotImplementedError):
-            if t.layout is torch.sparse_coo and (k := _storage_key(t)):  # (its values')
+            if k := _storage_key(t):  # (a sparse COO tensor's: its values')
                 self.key_of[s] = k
                 self.made_on.add(k)
         return s
