@@ -140,6 +140,8 @@ def _bytes(meta: tuple[Any, ...]) -> int:
     shape, dtype, _, stride = meta[:4]
     if any(d == 0 for d in shape):
         return 0
+    if type(stride) is torch.layout:  # (a sparse tensor: counted as dense, an upper bound)
+        return math.prod(shape) * dtype.itemsize
     return (1 + sum((d - 1) * abs(st) for d, st in zip(shape, stride))) * dtype.itemsize
 
 

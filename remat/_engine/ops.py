@@ -17,7 +17,7 @@ from .._context import HOOK_RANGE, INTERNAL, internal
 from .._policies.core import Decision, Recompute
 from . import outside as ox
 
-__all__ = ["OpInfo", "op_info", "hidden_write", "declared_written_names", "Half", "LIFTS", "RANGE_OPS", "OpRecord", "DeadRead", "arg_tensors", "dead_value", "identity_alias", "ignored",
+__all__ = ["slot_key", "sparse_parts", "OpInfo", "op_info", "hidden_write", "declared_written_names", "Half", "LIFTS", "RANGE_OPS", "OpRecord", "DeadRead", "arg_tensors", "dead_value", "identity_alias", "ignored",
            "is_tainted", "profiler_op", "storage_key", "tensor_leaves", "traits"]
 
 # The base of a half of a class split by concern (the recorder's stash and outside-tensor halves, the frames' pack
@@ -161,7 +161,8 @@ def op_meta(t: torch.Tensor) -> tuple[Any, ...]:
     """Shape, dtype, device, strides; for a wrapper subclass also its layout and its inner tensors' metas, so that
     a placeholder for it is of its class (NOTE [wrapper subclasses])."""
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
-        return (tuple(t.shape), t.dtype, t.device, tuple(t.stride()))
+        # (a sparse tensor has no strides: its layout stands in for them)
+        return (tuple(t.shape), t.dtype, t.device, tuple(t.stride()) if t.layout is torch.strided else t.layout)
     layout = ti.wrapper_layout(t)
     if layout is None:
         return (tuple(t.shape), t.dtype, t.device, tuple(t.stride()))
@@ -207,6 +208,37 @@ def storage_key(t: torch.Tensor) -> int:
     except (RuntimeError, NotImplementedError):
         s = ti.storage_of(t)
         return int(s.data_ptr()) if s is not None else 0
+
+
+def slot_key(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage (shared by its views) without making its Python object (costlier than recording
+    an op, as the trace does for each); an empty one's is ``-id(t)``, a sparse tensor's its values' (``sp.values()``:
+    ``sparse_parts`` names its other storages), else 0."""
+    try:
+        return int(t.data_ptr() - t.storage_offset() * t.itemsize) or -id(t)
+    except (RuntimeError, NotImplementedError):
+        if t.is_meta or t.layout not in _SPARSE:
+            return 0
+        with internal():  # (the getters are ATen ops, which no remat mode may count as the call's)
+            return slot_key(t._values() if t.layout is torch.sparse_coo else t.values())
+
+
+_SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def sparse_parts(t: torch.Tensor) -> tuple[int, ...]:
+    """The storage keys of a sparse tensor's indices (a COO tensor's; a compressed one's two), which a write may change
+    as it may its values (``sp._indices().zero_()``, ``csr.col_indices().fill_(0)``): its slot's keys on the trace
+    besides ``slot_key``'s; () for any other tensor."""
+    lay = t.layout
+    if lay not in _SPARSE or t.is_meta:
+        return ()
+    with internal():
+        if lay is torch.sparse_coo:
+            return (slot_key(t._indices()),)
+        compressed, plain = ((t.crow_indices(), t.col_indices()) if lay in (torch.sparse_csr, torch.sparse_bsr)
+                             else (t.ccol_indices(), t.row_indices()))
+        return slot_key(compressed), slot_key(plain)
 
 
 class AliasRef:
@@ -298,6 +330,8 @@ def dead_value(meta: tuple[Any, ...] | None) -> Any:
     if len(meta) > 4:  # a wrapper subclass: one of its class around placeholders (NOTE [wrapper subclasses])
         return ti.rewrap(meta[4], {n: m.value if type(m) is Opaque else dead_value(m) for n, m in meta[5]}, meta[0], meta[3])
     shape, dtype, device, stride = meta
+    if type(stride) is torch.layout:  # (a sparse tensor's: a dense one's entries, each stored)
+        return dead_value((shape, dtype, device, torch.empty(shape).stride())).to_sparse(layout=stride)
     t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
     if dtype.is_floating_point or dtype.is_complex:
         t.fill_(float("nan"))

@@ -64,6 +64,9 @@ def plan(trace: Trace, wanted: set[int], available: Container[int],
     writes = bool(trace.written_keys)
     steps = trace.steps
     need_keys = {key_of.get(s, 0) for s in need} if writes else set()
+    parts = trace.parts if writes else {}  # (a sparse tensor's indices: written as its values may be)
+    for s in need if parts else ():
+        need_keys.update(parts.get(s, ()))
     need_keys.discard(0)
     out: list[Step] = []
     frees: list[list[int]] = []
@@ -92,6 +95,8 @@ def plan(trace: Trace, wanted: set[int], available: Container[int],
                 k = key_of.get(s, 0)
                 if k:
                     need_keys.add(k)  # a write into what this step reads, before it, is replayed too
+                if parts and s in parts:
+                    need_keys.update(parts[s])
         frees.append(free)
     out.reverse()
     frees.reverse()
@@ -144,15 +149,14 @@ def ancestors(trace: Trace, slots: set[int]) -> set[int]:
     """Every slot the values of ``slots`` were computed from (writes into their storages included): NOTE [unused
     outputs] in traced.py."""
     anc = set(slots)
-    keys = {trace.key_of.get(s, 0) for s in slots} - {0}
+    keys = {k for s in slots for k in (trace.key_of.get(s, 0), *trace.parts.get(s, ()))} - {0}
     for step in reversed(trace.steps):
         if any(o in anc for o in step.outs) or any(k in keys for k in step.writes):
             for _, _, s in step.refs:
                 if s not in anc:
                     anc.add(s)
-                    k = trace.key_of.get(s, 0)
-                    if k:
-                        keys.add(k)
+                    keys.update((trace.key_of.get(s, 0), *trace.parts.get(s, ())))
+                    keys.discard(0)
     return anc
 
 

@@ -76,7 +76,9 @@ from .ops import (
     not_the_policys,
     op_info,
     profiler_op,
+    sparse_parts,
 )
+from .ops import slot_key as _storage_key
 
 __all__ = ["Trace", "Tracer"]
 
@@ -86,15 +88,6 @@ _grad_enabled = torch.is_grad_enabled
 AS_STRIDED = torch.ops.aten.as_strided.default
 _default_dtype = torch.get_default_dtype
 _num_threads = torch.get_num_threads
-
-
-def _storage_key(t: Tensor) -> int:
-    """The address of ``t``'s storage (shared by its views) without making its Python object (costlier than recording
-    an op); an empty one's is ``-id(t)``, a sparse COO tensor's its values' (``sp.values()``), else 0."""
-    try:
-        return int(t.data_ptr() - t.storage_offset() * t.itemsize) or -id(t)
-    except (RuntimeError, NotImplementedError):
-        return _storage_key(t._values()) if t.layout is torch.sparse_coo and not t.is_meta else 0
 
 
 class Trace:
@@ -145,6 +138,8 @@ class Trace:
         self.dropped_keys: dict[int, list[Any]] = {}
         self._indexed = 0
         self.key_of: dict[int, int] = {}  # slot -> the storage key its tensor had when the trace met it
+        # a sparse tensor's slot -> its indices' storage keys: written as its values may be (``replaying.plan``)
+        self.parts: dict[int, tuple[int, ...]] = {}
         self.written_keys: set[int] = set()  # storage keys some step wrote in place
         self.first_rng: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # generator -> state before its first draw
         self.flags = AmbientFlags()
@@ -176,7 +171,8 @@ class Trace:
         self._slot_of[id(t)] = (weakref.ref(t), s)
         self.outside[s] = (t, t._version)
         key = self.key_of[s] = _storage_key(t)
-        self.outside_keys.setdefault(key, []).append(s)
+        for k in (key, *self.parts.setdefault(s, sparse_parts(t))) if t.layout is not torch.strided else (key,):
+            self.outside_keys.setdefault(k, []).append(s)
         snap = self.shadows.get(key) if self.shadows else None
         if snap is not None:  # (first read after the call wrote its storage: from the replay's copy too)
             with internal():
@@ -198,9 +194,10 @@ class Trace:
             self.key_of[s] = k = t.data_ptr() - t.storage_offset() * t.itemsize or -id(t)  # type: ignore[assignment]
             self.made_on.add(k)  # type: ignore[arg-type]
         except (RuntimeError, NotImplementedError):
-            if k := _storage_key(t):  # (a sparse COO tensor's: its values')
+            if k := _storage_key(t):  # (a sparse tensor's: its values', and its indices' besides)
                 self.key_of[s] = k
                 self.made_on.add(k)
+                self.made_on.update(self.parts.setdefault(s, sparse_parts(t)))
         return s
 
     def data_replaced(self, s: int, t: Tensor) -> bool:
