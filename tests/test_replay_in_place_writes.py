@@ -1085,10 +1085,36 @@ def _data_written_between_reads(x):
     return (t * x).sum() + (u.sin() * x).sum()
 
 
+class _MyTensor(torch.Tensor):  # (subclasses overriding nothing: an op reads them as plain tensors)
+    pass
+
+
+class _MyParameter(torch.nn.Parameter):
+    pass
+
+
+def _subclass_alias_read_then_written(x):
+    t = x * 2
+    u = torch.Tensor._make_subclass(_MyTensor, t[1], False)
+    s = (u * 1).sum()
+    u.mul_(3)
+    return (t.sin() * x).sum() + s * x.sum()
+
+
+def _parameter_subclass_written_without_grad(x):
+    t = x * 2
+    p = _MyParameter(t[1], requires_grad=True)
+    with torch.no_grad():
+        p.mul_(3)
+    return (t.sin() * x).sum() + (p * x[1]).sum()
+
+
 @pytest.mark.parametrize("case", [_param_of_a_row, _params_of_pieces, _param_of_a_dtype_view,
                                   _param_needing_a_gradient_written_without_one, _param_of_a_reshaped_piece,
-                                  _data_written_between_reads],
-                         ids=["row", "pieces", "dtype view", "needs grad", "reshaped piece", "data"])
+                                  _data_written_between_reads, _subclass_alias_read_then_written,
+                                  _parameter_subclass_written_without_grad],
+                         ids=["row", "pieces", "dtype view", "needs grad", "reshaped piece", "data", "subclass",
+                              "parameter subclass"])
 @pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", "budget"])
 def test_a_write_into_an_alias_made_where_no_op_is_seen_is_replayed_into_the_replays_storage(case, policy) -> None:
     """``nn.Parameter(t[1])`` aliases a row of ``t`` under a Python object no op returned: the trace held it as a
@@ -1097,7 +1123,10 @@ def test_a_write_into_an_alias_made_where_no_op_is_seen_is_replayed_into_the_rep
     another dtype of the same size whose view died (``nn.Parameter(t.view(torch.int64))``: off by 4.6; the third
     review), made from ``t`` by a dtype view. On the trace the lookup once skipped an alias that needs a gradient
     (written under ``no_grad``: off by 2.2; a reshaped piece: 3.0) or is a plain tensor (``t.data``), for speed:
-    it runs now at the first write into such a storage, whatever the alias's type. Plain autograd and
+    it runs now at the first write into such a storage, whatever the alias's type. An alias as a Python subclass
+    that overrides nothing (``Tensor._make_subclass(MyT, t[1])``, an ``nn.Parameter`` subclass): a memory budget's
+    first call was off by 5.0 and 15.1, silently (the program held it as a tensor from outside), later calls and the
+    other policies raised "cannot replay" (the thirty-fifth session's review; ``ops.plain_subclass``). Plain autograd and
     ``torch.func.grad``, three calls."""
     _three_calls_as_plain(case, policy, transform=True)
 

@@ -17,7 +17,7 @@ from .._context import HOOK_RANGE, INTERNAL, internal
 from .._policies.core import Decision, Recompute
 from . import outside as ox
 
-__all__ = ["slot_key", "sparse_parts", "OpInfo", "op_info", "hidden_write", "declared_written_names", "Half", "LIFTS", "RANGE_OPS", "OpRecord", "DeadRead", "arg_tensors", "dead_value", "identity_alias", "ignored",
+__all__ = ["slot_key", "sparse_parts", "plain_subclass", "OpInfo", "op_info", "hidden_write", "declared_written_names", "Half", "LIFTS", "RANGE_OPS", "OpRecord", "DeadRead", "arg_tensors", "dead_value", "identity_alias", "ignored",
            "is_tainted", "profiler_op", "storage_key", "tensor_leaves", "traits"]
 
 # The base of a half of a class split by concern (the recorder's stash and outside-tensor halves, the frames' pack
@@ -461,6 +461,20 @@ def op_info(func: Any) -> OpInfo:
     return OpInfo(func)
 
 
+_TENSOR_TF = torch.Tensor.__torch_function__.__func__  # type: ignore[attr-defined]
+_DISABLED_TF = torch.nn.Parameter.__torch_function__  # (torch's "disabled" one, which a Parameter has)
+
+
+@functools.cache
+def plain_subclass(cls: type) -> bool:
+    """Whether ``cls`` subclasses ``Tensor`` (or ``nn.Parameter``) in Python and overrides neither
+    ``__torch_function__`` nor ``__torch_dispatch__`` (``class MyT(torch.Tensor): pass``): an op reads it as a plain
+    tensor, and a replay may read it and make it as one (``Alias``)."""
+    tf = getattr(cls, "__torch_function__", None)
+    return (getattr(tf, "__func__", tf) in (_TENSOR_TF, _DISABLED_TF)
+            and getattr(cls, "__torch_dispatch__", None) is torch.Tensor.__torch_dispatch__)
+
+
 class Alias:
     """NOTE [unseen aliases] in _engine/program.py: make a tensor of the geometry, type and ``requires_grad`` of one
     the forward pass made where no torch function or op was seen, on the storage of the replay's value of a tensor
@@ -469,7 +483,7 @@ class Alias:
     def __init__(self, t: torch.Tensor) -> None:
         self.geometry = ox.view_geometry(t)
         self.dtype = t.dtype  # (of the size of the base's: a dtype view of it)
-        self.param = type(t) is torch.nn.Parameter
+        self.cls = type(t)  # (a Parameter, or a plain subclass: ``plain_subclass``)
         self.requires_grad = t.requires_grad
 
     def __call__(self, base: torch.Tensor) -> torch.Tensor:
@@ -477,8 +491,11 @@ class Alias:
         if a.dtype != self.dtype or ox.view_geometry(a) != self.geometry:
             with internal():  # (no op of the forward pass's: a dispatch mode checking the replay's ops sees none)
                 a = a.view(self.dtype).as_strided(*self.geometry)
-        if self.param:
-            return torch.nn.Parameter(a, requires_grad=self.requires_grad)
+        if issubclass(self.cls, torch.nn.Parameter):  # (its own __new__ is not run: its arguments are its own)
+            return torch.nn.Parameter.__new__(self.cls, a, self.requires_grad)  # type: ignore[arg-type]
+        if self.cls is not torch.Tensor:
+            with internal():
+                a = a.as_subclass(self.cls)  # type: ignore[arg-type]
         return a.requires_grad_() if self.requires_grad else a
 
 

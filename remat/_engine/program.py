@@ -77,7 +77,7 @@ from .. import _torch_internals as ti
 from .._context import INTERNAL, PENDING_NAME, active_context
 from . import outside as ox
 from .ambient import put_settings, settings
-from .ops import Alias
+from .ops import Alias, plain_subclass
 
 __all__ = ["Program", "ProgramRecorder", "GAVE_WAY"]
 
@@ -407,8 +407,8 @@ def _storage(t: Tensor) -> tuple[int, Any] | None:
     """The address and Python object of the storage below ``t``'s functorch wrappers, or None (none: a subclass, a
     fake tensor). torch keeps one Python object per live storage: the same storage is the same object."""
     u = ti.unwrap_all(t)
-    if type(u) is not Tensor and type(u) is not torch.nn.Parameter:
-        return None  # (a subclass: its queries are ops its own dispatch, or a mode, would see)
+    if type(u) is not Tensor and type(u) is not torch.nn.Parameter and not plain_subclass(type(u)):
+        return None  # (a subclass that overrides torch's handling: its queries are ops its own dispatch would see)
     try:
         st = u.untyped_storage()
         addr = st.data_ptr()

@@ -75,6 +75,7 @@ from .ops import (
     generator_for,
     not_the_policys,
     op_info,
+    plain_subclass,
     profiler_op,
     sparse_parts,
 )
@@ -486,7 +487,7 @@ class Tracer(TorchDispatchMode):
         replayable = True
         for i, a in enumerate(args):
             if isinstance(a, Tensor):
-                if type(a) is not Tensor and type(a) is not _Parameter:
+                if type(a) is not Tensor and type(a) is not _Parameter and not plain_subclass(type(a)):
                     replayable = False
                 refs.append((i, -1, trace.read(a)))
                 targs[i] = None
