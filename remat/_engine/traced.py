@@ -340,12 +340,13 @@ class _Serving(Half):
                     # (a replayed step may write it: a copy, so that the next replay reads what was kept)
                     return v.clone() if trace.key_of.get(s) in trace.written_keys else v  # type: ignore[no-any-return]
                 o = self.replay_offloaded.get(s)
+                check = o is None  # (a copy taken for the replay holds the value it reads, written since or not)
                 if o is None:
                     ref = self.offloaded.get(s)
                     p = ref() if ref is not None else None
                     o = p.payload if p is not None else None
                 if o is not None:
-                    v = self.engine.fetch(o)
+                    v = self.engine.fetch(o, check)
                     # (a replayed step may write it: a copy of its own, not the engine's device copy)
                     return v.clone() if trace.key_of.get(s) in trace.written_keys else v  # type: ignore[no-any-return]
             raise RuntimeError(f"remat: internal error: the replay of {self.fn_name} has no value for slot {s}")

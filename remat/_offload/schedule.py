@@ -203,16 +203,18 @@ class _Schedule(_Transfers):
             _settle(c)  # the write is queued after the copy
 
     # ---- backward --------------------------------------------------------------
-    def fetch(self, o: Offloaded) -> torch.Tensor:
-        """The tensor back on its source device; the current stream waits for its copy if still running."""
+    def fetch(self, o: Offloaded, check: bool = True) -> torch.Tensor:
+        """The tensor back on its source device; the current stream waits for its copy if still running. ``check``:
+        raise if the tensor it copied was written in place since (a save's; a replay reads the copy's value, which
+        is the one it wants whatever came after)."""
         if torch.is_inference_mode_enabled():  # (a backward pass under inference_mode: the tensor tracks versions)
             with torch.inference_mode(False):
-                return self.fetch(o)
+                return self.fetch(o, check)
         with self._lock, internal():  # (no torch.no_grad(): fresh tensors over remat's own bytes)
             c = o._copy or o
             orig = c.vsrc if c.vsrc is not None else o.orig()
             now = orig._version if orig is not None else (-1 if c.saved_version is not None else o.version)
-            if now != o.version:
+            if check and now != o.version:
                 raise RematError(
                     f"remat: a tensor of shape {list(o.shape)} that was offloaded for the backward pass was "
                     f"modified in place after it was saved (version {o.version} -> "
