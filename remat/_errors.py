@@ -183,6 +183,16 @@ def draw_raced(fn_name: str, op: Any) -> RematError:
     )
 
 
+def ended_level_read(fn_name: str) -> RematError:
+    return RematError(
+        f"remat: the recompute of {fn_name} read a tensor of a torch.func transform that has ended since: one made "
+        "inside the transformed function and read from a dict, a global or an attribute of an object rather than "
+        "taken as an argument (under jacrev(jacfwd) or vjp(jvp) the inner transform ends before the outer one's "
+        f"backward pass recomputes). Pass it to {fn_name} as an argument, or keep what reads it "
+        "(policy='save-everything')."
+    )
+
+
 def brief_repr(obj: Any) -> str:
     """``obj`` for an error message, with its type: a tensor by its shape and dtype (not its values), anything else by
     its repr cut at 80 characters."""

@@ -783,3 +783,57 @@ def test_debug_set_on_remat_of_a_module_after_a_call_is_the_one_used() -> None:
     runs.clear()
     r(x).backward()
     assert len(runs) == 2
+
+
+class _Box:  # (an object of a class no pytree knows: a leaf of the arguments, its tensors unseen)
+    def __init__(self, t, w):
+        self.t, self.w = t, w
+
+
+def test_an_argument_object_holding_tensors_under_vjp_is_named_in_the_error() -> None:
+    """A drop-in review (thirty-sixth session): ``remat.checkpoint(body, Box(x, w))`` under ``torch.func.vjp`` raised
+    "saved 0 tensors ... pass them as arguments", which they are, inside an object remat does not look into. The
+    error names its class and says how to pass them (a dataclass, a dict, or ``optree.register_pytree_node``);
+    with a dict the call is exact."""
+    W, X = leaf(6, 6, seed=1, grad=False), leaf(4, 6, seed=2, grad=False)
+
+    def body(b):
+        return (b.t @ b.w).sin() if isinstance(b, _Box) else (b["t"] @ b["w"]).sin()
+
+    with pytest.raises(RematError, match=r"type _Box holds tensors.*optree\.register_pytree_node"):
+        torch.func.vjp(lambda w: remat(body)(_Box(X, w)).sum(), W)[1](torch.tensor(1.0))
+    want = torch.func.vjp(lambda w: body({"t": X, "w": w}).sum(), W)[1](torch.tensor(1.0))[0]
+    got = torch.func.vjp(lambda w: remat(body)({"t": X, "w": w}).sum(), W)[1](torch.tensor(1.0))[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    plain_autograd_still_works()
+
+
+_SCALE: dict = {}
+
+
+@pytest.mark.parametrize("transform", ["vjp(jvp)", "jacrev(jacfwd)"])
+def test_a_tensor_of_an_ended_transform_read_from_a_dict_raises_a_remat_error(transform) -> None:
+    """A torch.func review (thirty-sixth session): a constant made inside the transformed function and read from a
+    dict (a mask, a rotary cache handed over as an attribute) under reverse-over-forward: the inner transform has
+    ended when the outer one's backward pass recomputes, and torch's "INTERNAL ASSERT FAILED ... level <=
+    current_level" came out. A ``RematError`` says to pass it as an argument, which is exact."""
+    def body(w, x, c=None):
+        return torch.sin(x * (_SCALE["c"] if c is None else c)) @ w
+
+    def run(blk, as_arg):
+        w, x = leaf(4, 4, seed=5, grad=False), leaf(3, 4, seed=6, grad=False)
+
+        def fwd(w):
+            c = torch.linspace(-1, 1, 4, dtype=w.dtype) + 0.25
+            _SCALE["c"] = c  # (a global dict: in a closure's, the call finds it)
+            return blk(w, x, c) if as_arg else blk(w, x)
+
+        if transform == "vjp(jvp)":
+            out, fn = torch.func.vjp(lambda w: torch.func.jvp(fwd, (w,), (torch.ones_like(w),))[1], w)
+            return fn(torch.ones_like(out))[0]
+        return torch.func.jacrev(torch.func.jacfwd(lambda w: fwd(w).sum()))(w)
+
+    with pytest.raises(RematError, match="torch.func transform that has ended"):
+        run(remat(body), as_arg=False)
+    torch.testing.assert_close(run(remat(body), as_arg=True), run(body, as_arg=True), rtol=1e-12, atol=1e-12)
+    plain_autograd_still_works()

@@ -20,7 +20,7 @@ import torch
 
 from .. import _torch_internals as ti
 from .._context import activated, active_context, internal
-from .._errors import RematError, input_written_before_backward, internal_error
+from .._errors import RematError, ended_level_read, input_written_before_backward, internal_error
 from .._torch_internals import saved_tensors_hooks
 from . import outside as ox
 from .capture import Capture, PassThrough, StopRecompute
@@ -142,6 +142,10 @@ def _attempt(frame: Any, s: int, skip_unused: bool, forwarding: list[Any], detac
             replayer.finish()
         except StopRecompute:
             pass
+        except RuntimeError as e:
+            if "level <= current_level" in str(e):  # (functorch's assert on a wrapper of a level that ended)
+                raise ended_level_read(frame.fn_name) from e
+            raise
     frame._skipped[s] = replayer.unused_keys
     captured, capture.captured, capture.frame = capture.captured, {}, None  # no cycle via the hooks
     if partial and capture.n >= frame.counts.get(s, 0):
@@ -152,9 +156,21 @@ def _attempt(frame: Any, s: int, skip_unused: bool, forwarding: list[Any], detac
             f"where its forward pass saved {frame.counts.get(s, 0)}; the function must do the same "
             "work every time it is called (no data-dependent branches or changing global state). If it "
             "reads tensors that are not its arguments from somewhere remat does not look (a dict or a "
-            "global, under torch.func), pass them as arguments."
+            "global, under torch.func), pass them as arguments." + _opaque_hint(flat)
         )
     return Made(captured, capture.versions)
+
+
+def _opaque_hint(flat: list[Any]) -> str:
+    """A hint naming the arguments that hold tensors remat cannot see into (an object of a class no pytree knows:
+    its tensors are not inputs of the call, and under torch.func the recompute reads the forward's)."""
+    kinds = sorted({type(a).__name__ for a in flat if not isinstance(a, torch.Tensor) and any(
+        isinstance(v, torch.Tensor) for v in getattr(a, "__dict__", {}).values())})
+    if not kinds:
+        return ""
+    return (f" An argument of type {', '.join(kinds)} holds tensors that remat does not see as arguments (its class "
+            "is not a pytree): pass them in a dataclass, a dict or a tuple, or register the class with "
+            "optree.register_pytree_node.")
 
 
 def _stand_in(v: torch.Tensor) -> torch.Tensor:
