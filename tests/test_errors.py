@@ -837,3 +837,15 @@ def test_a_tensor_of_an_ended_transform_read_from_a_dict_raises_a_remat_error(tr
         run(remat(body), as_arg=False)
     torch.testing.assert_close(run(remat(body), as_arg=True), run(body, as_arg=True), rtol=1e-12, atol=1e-12)
     plain_autograd_still_works()
+
+
+def test_a_module_handed_to_checkpoint_is_named_by_its_class_in_errors() -> None:
+    """A drop-in review (thirty-sixth session): ``remat.checkpoint(module, x)`` named the module
+    ``Module._wrapped_call_impl`` in every message."""
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).double()
+    x = leaf(3, 4) * 1
+    y = api.checkpoint(seq, x, use_reentrant=False)
+    x.mul_(2)
+    with pytest.raises(RematError, match=r"of Sequential was modified in place") as e:
+        y.sum().backward()
+    assert "_wrapped_call_impl" not in str(e.value)
