@@ -182,7 +182,7 @@ def _call(fn: Callable[..., Any], policy: Any, static_argnums: Any, preserve_rng
             del per_obj[next(iter(per_obj))]
         hit = per_obj[key] = (policy, remat(func, policy=policy, preserve_rng_state=preserve_rng_state, debug=debug))
         if func is torch.nn.Module.__call__:  # (its messages name the module's class, not Module._wrapped_call_impl)
-            hit[1]._name = type(obj).__name__
+            hit[1]._name = type(obj).__name__  # type: ignore[attr-defined]
     return hit[1](obj, *args, **kwargs)
 
 

@@ -249,8 +249,7 @@ class _Serving(Half):
                 anc = ancestors(trace, used)
                 self.skipped = {s for s in wanted if s not in anc}
                 wanted -= self.skipped
-        available = self._available(graph)
-        steps, frees = plan(trace, wanted, available, self._stale_copies(wanted, graph))
+        steps, frees = plan(trace, wanted, self._available(graph), self._stale_copies(wanted, graph))
         if graph:
             for step in steps:
                 if step.nograd_outs is not None and any(_has_node(r()) for r in step.nograd_outs):
@@ -341,7 +340,7 @@ class _Serving(Half):
                     return v.clone() if trace.key_of.get(s) in trace.written_keys else v  # type: ignore[no-any-return]
                 o = self.replay_offloaded.get(s)
                 check = o is None  # (a copy taken for the replay holds the value it reads, written since or not)
-                if o is None:
+                if check:
                     ref = self.offloaded.get(s)
                     p = ref() if ref is not None else None
                     o = p.payload if p is not None else None
@@ -641,15 +640,16 @@ class TraceFrame(_Saving, _Serving):
         stay held (inputs and parameters, as plain autograd holds them)."""
         trace = self.trace
         stash = trace.stash
-        if stash:
-            used: set[int] = set()
+        if stash or self.replay_offloaded:
+            used: set[int] = set(self.counts)  # (the dropped slots, and what the steps that make them read)
             if self.counts:
-                wanted = set(self.counts)
-                for step in plan(trace, wanted, self._available(False), self._stale_copies(wanted, False))[0]:
+                for step in plan(trace, used, self._available(False), self._stale_copies(used, False))[0]:
                     used.update(step.reads())
             for s in list(stash):
                 if s not in used or type(stash[s]) is weakref.ref:
                     del stash[s]
+            for s in [s for s in self.replay_offloaded if s not in used]:  # (copies no replay reads: let go)
+                del self.replay_offloaded[s]
         for snap in trace.shadows.values():
             if snap is not None:
                 snap.done()  # (no tensor of the call extends it any more)
