@@ -120,8 +120,14 @@ def test_preserve_rng_state_type():
 # ---- a policy answering nonsense -----------------------------------------------------
 
 
-@pytest.mark.parametrize("answer", [None, "save", 1, policies.dots_saveable])
+class _OwnDecision(policies.Decision):  # (a subclass of the user's: says nothing remat can act on)
+    pass
+
+
+@pytest.mark.parametrize("answer", [None, "save", 1, policies.dots_saveable, policies.Decision(), _OwnDecision()],
+                         ids=["None", "str", "int", "policy", "Decision()", "subclass"])
 def test_policy_returns_no_decision(answer):
+    """(``Decision()`` and a user's subclass of it were taken for Saveable until the thirty-sixth session's review.)"""
     x = leaf(3)
     state = torch.get_rng_state()
     with pytest.raises(RematError, match=r"remat: policy <lambda> returned .* for aten.sin.default; return True, "

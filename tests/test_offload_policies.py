@@ -301,3 +301,30 @@ def test_offloading_page_examples_run() -> None:
     assert blocks
     for code in blocks:
         exec(compile(code, "docs/offloading.md", "exec"), {})
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_offload_dot_with_no_batch_dims_offloads_a_named_product_too(named) -> None:
+    """A policies review (thirty-sixth session): the policy answered ``Recompute`` for every ``checkpoint_name``,
+    which drops a named value even where its op is kept (NOTE [names decide for the value]): ``tanh(checkpoint_name(x
+    @ W, "h"))`` recomputed the product in the backward pass instead of offloading it. JAX's policy offloads a dot
+    whatever its name: a name is no reason to drop it. Matmuls counted from outside in the backward pass (1: the
+    weight's gradient alone), copies by the engine; gradients against plain autograd."""
+    W = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(32, 64, dtype=torch.float64)
+
+    def block(W, x):
+        h = x @ W
+        return torch.tanh(checkpoint_name(h, "h") if named else h).sum()
+
+    f = remat(block, policy=policies.offload_dot_with_no_batch_dims("cpu", "cpu"))
+    (want,) = torch.autograd.grad(block(W, x), W)
+    eng = OffloadEngine()
+    with use_engine(eng), pytest.warns(UserWarning, match="cpu to cpu"):
+        out = f(W, x)
+        counter = OpCounter()
+        with counter:
+            (got,) = torch.autograd.grad(out, W)
+    assert counter.count == 1, counter.seen
+    assert eng.stats["offloaded"] == 1
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -188,8 +188,8 @@ def _normalize(policy: Policy, op: Any, kwargs: dict[str, Any], out: Any) -> Dec
         return Saveable
     if out is False:
         return Recompute
-    if isinstance(out, Decision):
-        return out
+    if out is Saveable or out is Recompute or isinstance(out, Offloadable):
+        return out  # (not ``Decision()`` itself, nor a subclass of the user's: neither says what to do)
     torchs = type(out).__name__ == "CheckpointPolicy"
     raise RematError(
         f"remat: policy {_describe(policy)} returned {out!r:.80} for {_op_name(op, kwargs)}; return True, "
@@ -608,10 +608,12 @@ class offload_dot_with_no_batch_dims:
     def __post_init__(self) -> None:
         Offloadable(self.offload_src, self.offload_dst)
 
-    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Decision:
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Decision | bool:
         if dots_with_no_batch_dims_saveable(op, *args, **kwargs):
             return Offloadable(self.offload_src, self.offload_dst)
-        return Recompute
+        # (a name is no reason to drop a product: False, not Recompute, as JAX's offloads a named dot too; NOTE
+        # [names decide for the value])
+        return False if op is checkpoint_name else Recompute
 
 
 # ---- string shortcuts -------------------------------------------------------
