@@ -330,8 +330,9 @@ def dead_value(meta: tuple[Any, ...] | None) -> Any:
     if len(meta) > 4:  # a wrapper subclass: one of its class around placeholders (NOTE [wrapper subclasses])
         return ti.rewrap(meta[4], {n: m.value if type(m) is Opaque else dead_value(m) for n, m in meta[5]}, meta[0], meta[3])
     shape, dtype, device, stride = meta
-    if type(stride) is torch.layout:  # (a sparse tensor's: a dense one's entries, each stored)
-        return dead_value((shape, dtype, device, torch.empty(shape).stride())).to_sparse(layout=stride)
+    if type(stride) is torch.layout:  # (a sparse tensor's: a dense one's entries, each stored; blocks of one)
+        block = (1, 1) if stride in (torch.sparse_bsr, torch.sparse_bsc) else None
+        return dead_value((shape, dtype, device, torch.empty(shape).stride())).to_sparse(layout=stride, blocksize=block)
     t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
     if dtype.is_floating_point or dtype.is_complex:
         t.fill_(float("nan"))

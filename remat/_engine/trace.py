@@ -172,8 +172,9 @@ class Trace:
         self._slot_of[id(t)] = (weakref.ref(t), s)
         self.outside[s] = (t, t._version)
         key = self.key_of[s] = _storage_key(t)
-        for k in (key, *self.parts.setdefault(s, sparse_parts(t))) if t.layout is not torch.strided else (key,):
-            self.outside_keys.setdefault(k, []).append(s)
+        self.outside_keys.setdefault(key, []).append(s)
+        if t.layout is not torch.strided:  # (a sparse tensor's indices: a write there is a write of it, replayed)
+            self.parts[s] = sparse_parts(t)
         snap = self.shadows.get(key) if self.shadows else None
         if snap is not None:  # (first read after the call wrote its storage: from the replay's copy too)
             with internal():
