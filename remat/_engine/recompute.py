@@ -144,7 +144,7 @@ def _attempt(frame: Any, s: int, skip_unused: bool, forwarding: list[Any], detac
             pass
         except RuntimeError as e:
             if "level <= current_level" in str(e):  # (functorch's assert on a wrapper of a level that ended)
-                raise ended_level_read(frame.fn_name) from e
+                raise RematError(str(ended_level_read(frame.fn_name)) + _opaque_hint(flat)) from e
             raise
     frame._skipped[s] = replayer.unused_keys
     captured, capture.captured, capture.frame = capture.captured, {}, None  # no cycle via the hooks
