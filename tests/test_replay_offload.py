@@ -384,3 +384,31 @@ def test_an_offloaded_output_written_in_place_and_kept_by_the_caller_is_exact(en
             got.pow(2).sum().backward()
         torch.testing.assert_close(got, out, rtol=0, atol=0)
         assert_tree_close([a.grad for a in ins], [a.grad for a in ref], rtol=1e-12, atol=1e-12)
+
+
+def _returns_its_offloaded_product(x, v):
+    h = x @ v
+    return (h.tanh() * 2).sum(), h  # (tanh saves its output, not h: plain autograd minds no later write into h)
+
+
+@pytest.mark.parametrize("engine", ["default", "kept"])
+def test_a_returned_product_the_caller_writes_before_the_backward_pass_is_exact(engine):
+    """The review of this session's fixes (thirty-sixth): with the engine keeping the newest call's storages on the
+    device (NOTE [keep last], the CUDA default), the copy a replay reads of an offloaded product is not taken yet, so
+    its bytes are the product's own; a caller writing the returned product (``h.mul_(2)``) before the backward pass
+    changed what the replay read: off by 0.6-0.7, silently. The replay makes it again once its version moved."""
+    from remat.offload import use_engine
+
+    mm = torch.ops.aten.mm.default
+    r = remat(_returns_its_offloaded_product,
+              policy=lambda op, *a, **k: policies.Offloadable("cpu", "cpu") if op is mm else policies.Recompute)
+    with use_engine(_offload_engine(engine)):
+        for call in range(3):
+            got = []
+            for f in (_returns_its_offloaded_product, r):
+                ins = [leaf(4, 6, seed=call), (leaf(6, 6, seed=10 + call, grad=False) * 0.3).requires_grad_()]
+                loss, h = f(*ins)
+                h.mul_(2)
+                loss.backward()
+                got.append([a.grad for a in ins])
+            assert_tree_close(got[1], got[0], rtol=1e-12, atol=1e-12)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections.abc
 import copy
 import dataclasses
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -48,7 +49,7 @@ from .recompute import NestedProgram, call_nested_replay
 from .region import NeedsRegion, enclosed, run_region
 from .signature import signature
 from .state import snapshot
-from .traced import TraceFrame, traceable
+from .traced import TraceFrame
 
 __all__ = ["call"]
 
@@ -61,6 +62,19 @@ class _Static:
 
 _STATIC = _Static()
 _ENGINES: tuple[type[CallFrame], ...] = (Frame, TraceFrame)  # (mypy checks that both engines' frames are CallFrames)
+
+
+def traceable(flat: list[Any], state_tensors: list[torch.Tensor], modules: list[Any]) -> bool:
+    """Whether the replay engine takes a call of these inputs and module state: plain tensors only (a wrapper
+    subclass such as DTensor makes values in Python where no mode sees: the full engine handles those), and no
+    FSDP2 module below the first one the call reaches: FSDP2 frees such a module's gathered parameters after its
+    forward pass and gathers them again only when the backward pass reaches it, after the replay would read them
+    (NOTE [FSDP's hooks] in _engine/dispatch.py; the full engine runs the hooks again)."""
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    if fsdp is not None and any(isinstance(m, fsdp) for m in modules[1:]):
+        return False
+    return all(type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+               for t in (*(a for a in flat if isinstance(a, torch.Tensor)), *state_tensors))
 
 
 def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics: tuple[int, ...],

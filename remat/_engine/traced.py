@@ -47,7 +47,6 @@ NOTE [data replaced]
 
 from __future__ import annotations
 
-import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -70,7 +69,7 @@ from .region import NeedsRegion, forward_pass
 from .replaying import ancestors, check_lifted, copy_outside, plan, run
 from .trace import Trace, Tracer
 
-__all__ = ["TraceFrame", "traceable"]
+__all__ = ["TraceFrame"]
 
 Tensor = torch.Tensor
 _grad_enabled = torch.is_grad_enabled
@@ -112,21 +111,12 @@ def _alive(ref: Any) -> Any:
     return ref()
 
 
+def _dead() -> None:
+    return None
+
+
 def _has_node(t: Tensor | None) -> bool:
     return t is not None and t.grad_fn is not None
-
-
-def traceable(flat: list[Any], state_tensors: list[Tensor], modules: list[Any]) -> bool:
-    """Whether the replay engine takes a call of these inputs and module state: plain tensors only (a wrapper
-    subclass such as DTensor makes values in Python where no mode sees: the full engine handles those), and no
-    FSDP2 module below the first one the call reaches: FSDP2 frees such a module's gathered parameters after its
-    forward pass and gathers them again only when the backward pass reaches it, after the replay would read them
-    (NOTE [FSDP's hooks] in _engine/dispatch.py; the full engine runs the hooks again)."""
-    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
-    if fsdp is not None and any(isinstance(m, fsdp) for m in modules[1:]):
-        return False
-    return all(type(t) is Tensor or type(t) is torch.nn.Parameter
-               for t in (*(a for a in flat if isinstance(a, Tensor)), *state_tensors))
 
 
 class _Serving(Half):
@@ -284,7 +274,9 @@ class _Serving(Half):
             return avail
         written = getattr(getattr(self.parent, "trace", None), "written_keys", ())  # (the enclosing call wrote)
         avail.update(s for s in self.routed if s not in trace.producer or trace.key_of.get(s) not in written)
-        avail.update(self.replay_offloaded)
+        watch = self.replay_watch
+        avail.update(s for s in self.replay_offloaded if (w := watch.get(s)) is None or (t := w[0]()) is None
+                     or t._version == w[1])
         versions = trace.stash_versions
         for s, v in trace.stash.items():
             if type(v) is not weakref.ref and v._version == versions.get(s):
@@ -564,6 +556,7 @@ class TraceFrame(_Saving, _Serving):
         self.trace.on_write = lambda key: wself()._storage_written(key)  # type: ignore[union-attr]
         self.trace.on_quiet_write = lambda p: wself()._offload_written_quietly(p)  # type: ignore[union-attr]
         self.replay_offloaded: dict[int, Any] = {}  # slot -> the offload engine's copy of a value the replay reads
+        self.replay_watch: dict[int, tuple[Any, int]] = {}  # slot -> its tensor, weakly, and version (``_prune``)
         if self.parent is not None:
             self.trace.external = lambda s, t: wself()._route_outside(s, t)  # type: ignore[union-attr]
 
@@ -650,6 +643,10 @@ class TraceFrame(_Saving, _Serving):
                     del stash[s]
             for s in [s for s in self.replay_offloaded if s not in used]:  # (copies no replay reads: let go)
                 del self.replay_offloaded[s]
+            # a copy the engine has not taken yet reads its source's bytes (NOTE [keep last] in _offload/schedule.py),
+            # which the caller may write since (a result it returned, ``h.mul_(2)``): watched, made again then
+            self.replay_watch = {s: (trace.refs[s], t._version) for s in self.replay_offloaded
+                                 if (t := trace.refs.get(s, _dead)()) is not None}
         for snap in trace.shadows.values():
             if snap is not None:
                 snap.done()  # (no tensor of the call extends it any more)
