@@ -208,9 +208,7 @@ class Replayer(TorchDispatchMode):
                 self.unused_keys.update(storage_key(t) for t in dead)
                 return rec.rebuild(dead)
         if rec.stash is not None and (not rec.random or rec.held) and (self.skip_dead or all(
-                x is not None and not (isinstance(x, weakref.ref) and x() is None) for x in rec.stash)) and (
-                rec.random or not _written_since(rec)):
-            # (a kept output written since, a result the caller changed, ``h = f(x); h += x``: the op runs again)
+                x is not None and not (isinstance(x, weakref.ref) and x() is None) for x in rec.stash)):
             return self._replay(rec, func, args, kwargs)
         if not rec.live and rec.skippable and self.skip_dead:
             with internal():  # dead: nothing needed reads it (NOTE [dead ops])
@@ -350,12 +348,3 @@ class Replayer(TorchDispatchMode):
             + (" A key/value cache that grows on every call changes the shapes: for a Hugging Face model pass "
                "use_cache=False (model.config.use_cache = False)." if cache_hint else "")
         )
-
-
-def _written_since(rec: OpRecord) -> bool:
-    """Whether an output op ``rec``'s stash holds was written in place since the forward pass ended."""
-    for k, v0 in enumerate(rec.versions or ()):
-        orig = rec.refs[k]() if v0 is not None else None
-        if orig is not None and orig._version != v0:
-            return True
-    return False

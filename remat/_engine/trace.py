@@ -341,20 +341,15 @@ class Trace:
             if type(p) is tuple:  # (a dropped tensor's pack: NOTE [dropped packs] in traced.py)
                 if t._version != p[1]:
                     self.moved[(p[0], p[1])] = (t.shape, t.dtype, t._version)
-                elif p[0] in self.copied and ws and self._overlaps(ws, t):
+                elif p[0] in self.copied and ws and _overlaps(ws, t):
                     self.quiet_written.add(p[0])  # NOTE [quiet writes] (only a copy can be stale)
             elif t._version != p.version:
                 p.meta = (t.shape, t.dtype, t._version)
-            elif ws and self._overlaps(ws, t):
+            elif ws and _overlaps(ws, t):
                 self.quiet_written.add(p.slot)  # NOTE [quiet writes]
                 if self.on_quiet_write is not None:
                     self.on_quiet_write(p)
         self.pending.clear()
-
-    @staticmethod
-    def _overlaps(ws: list[Tensor], t: Tensor) -> bool:
-        with internal():  # (``ox.overlap`` runs ops)
-            return any(ox.overlap(w, t) for w in ws)
 
 
 # NOTE [quiet writes]
@@ -607,6 +602,11 @@ class Tracer(TorchDispatchMode):
             trace.settings[step] = (_default_dtype(), _num_threads())
         trace.steps.append(step)
         return out
+
+
+def _overlaps(ws: list[Tensor], t: Tensor) -> bool:
+    with internal():  # (``ox.overlap`` runs ops)
+        return any(ox.overlap(w, t) for w in ws)
 
 
 def _alive(v: Any) -> bool:
