@@ -183,6 +183,14 @@ def draw_raced(fn_name: str, op: Any) -> RematError:
     )
 
 
+def sparse_outside_written(fn_name: str, t: Any) -> RematError:
+    return RematError(
+        f"remat: {fn_name} writes in place into the indices ({_shape(t)}) of a sparse tensor from outside the call (a "
+        "global, a buffer, an argument), which the replay cannot give the reads before the write as they were. "
+        "Clone the sparse tensor inside the function before writing it (g = g.clone()), or write a copy."
+    )
+
+
 def ended_level_read(fn_name: str) -> RematError:
     return RematError(
         f"remat: the recompute of {fn_name} read a tensor of a torch.func transform that has ended since: one made "

@@ -1255,3 +1255,27 @@ def test_a_dead_block_sparse_value_gets_a_placeholder_of_its_layout(debug) -> No
     f(x[0]).backward()
     rf(x[1]).backward()
     torch.testing.assert_close(x[1].grad, x[0].grad, rtol=1e-12, atol=1e-12)
+
+
+def test_a_write_into_a_sparse_global_s_indices_through_its_getter_raises() -> None:
+    """(The thirty-sixth session.) A sparse tensor from outside the call, read, then its indices written through
+    ``g._indices()``: the replay read the written indices for the reads before the write (off by 2-4, silently, on
+    every call). No copy of the storage can stand for a sparse tensor read that way: a ``RematError`` saying to clone
+    it first, which is exact."""
+    idx = torch.tensor([[0, 1, 2], [0, 1, 2]])
+    g0 = torch.sparse_coo_tensor(idx, torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), (3, 4)).coalesce()
+
+    def f(x, clone):
+        g = _GRAPH["g"].clone() if clone else _GRAPH["g"]
+        h = (g.to_dense() @ x).tanh()
+        g._indices()[1].add_(1)
+        return ((g.to_dense() @ x).sin() * h).sum()
+
+    x = seeded_randn(4, 2, seed=0).requires_grad_()
+    _GRAPH["g"] = g0.clone()
+    with pytest.raises(RematError, match="indices .* of a sparse tensor from outside the call"):
+        remat(f, policy="save-nothing")(x, False)
+    _GRAPH["g"] = g0.clone()
+    (want,) = torch.autograd.grad(f(x, True), x)
+    (got,) = torch.autograd.grad(remat(f, policy="save-nothing")(x, True), x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

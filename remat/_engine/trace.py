@@ -46,7 +46,7 @@ import optree
 import torch
 
 from .._context import CACHES, INTERNAL, PENDING_NAME, internal
-from .._errors import RematError, inference_tensor
+from .._errors import RematError, inference_tensor, sparse_outside_written
 from .._policies.core import (
     Decision,
     Offloadable,
@@ -139,8 +139,7 @@ class Trace:
         self.dropped_keys: dict[int, list[Any]] = {}
         self._indexed = 0
         self.key_of: dict[int, int] = {}  # slot -> the storage key its tensor had when the trace met it
-        # a sparse tensor's slot -> its indices' storage keys: written as its values may be (``replaying.plan``)
-        self.parts: dict[int, tuple[int, ...]] = {}
+        self.parts: dict[int, tuple[int, ...]] = {}  # a sparse slot -> its indices' keys (written as its values may be)
         self.written_keys: set[int] = set()  # storage keys some step wrote in place
         self.first_rng: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # generator -> state before its first draw
         self.flags = AmbientFlags()
@@ -264,6 +263,8 @@ class Trace:
         key = _storage_key(t)
         self.written_keys.add(key)
         outside = self.outside_keys.get(key)
+        if self.parts and not outside and any(key in p for s, p in self.parts.items() if s in self.outside):
+            raise sparse_outside_written(self.fn_name, t)
         if outside and key in self.made_on:
             outside = _unseen_aliases(self, key, outside)  # NOTE [unseen aliases] in _engine/program.py
         if outside:
