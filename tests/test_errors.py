@@ -855,3 +855,34 @@ def test_a_module_handed_to_checkpoint_is_named_by_its_class_in_errors() -> None
     with pytest.raises(RematError, match=r"of Sequential was modified in place") as e:
         y.sum().backward()
     assert "_wrapped_call_impl" not in str(e.value)
+
+
+class _KeepProducts:  # (a policy object holding its answers: module level, so that it pickles)
+    def __init__(self):
+        self.keep, self.drop = policies.Saveable, policies.Recompute
+
+    def __call__(self, op, *args, **kwargs):
+        return self.keep if op is torch.ops.aten.mm.default else self.drop
+
+
+def test_a_copied_or_unpickled_decision_is_the_decision() -> None:
+    """The review of this session's fixes (thirty-sixth): answers are told apart by identity, so a policy object
+    holding ``Saveable`` / ``Recompute``, deep-copied with its model or saved and loaded, answered copies, which the
+    new check of answers refused (and a copy of ``Recompute`` would have kept what it drops). They come back as the
+    one object; the gradient is plain autograd's and the product is not run again."""
+    import copy
+    import pickle
+
+    assert copy.deepcopy(policies.Saveable) is policies.Saveable
+    assert pickle.loads(pickle.dumps(policies.Recompute)) is policies.Recompute
+
+    pol = pickle.loads(pickle.dumps(copy.deepcopy(_KeepProducts())))
+    W = leaf(4, 4)
+    f = remat(lambda W: torch.tanh(W @ W).sum(), policy=pol)
+    out = f(W)
+    counter = OpCounter()
+    with counter:
+        (got,) = torch.autograd.grad(out, W)
+    (want,) = torch.autograd.grad(torch.tanh(W @ W).sum(), W)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert counter.count == 2, counter.seen  # (the backward's two products; the forward's is kept)

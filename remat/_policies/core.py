@@ -71,9 +71,15 @@ class _Saveable(Decision):
     def __repr__(self) -> str:
         return "Saveable"
 
+    def __reduce__(self) -> str:  # (copied or unpickled, the one object: answers are told apart by identity)
+        return "Saveable"
+
 
 class _Recompute(Decision):
     def __repr__(self) -> str:
+        return "Recompute"
+
+    def __reduce__(self) -> str:
         return "Recompute"
 
 
