@@ -71,16 +71,14 @@ class _Saveable(Decision):
     def __repr__(self) -> str:
         return "Saveable"
 
-    def __reduce__(self) -> str:  # (copied or unpickled, the one object: answers are told apart by identity)
-        return "Saveable"
+    __reduce__ = __repr__  # (copied or unpickled, the one object: answers are told apart by identity)
 
 
 class _Recompute(Decision):
     def __repr__(self) -> str:
         return "Recompute"
 
-    def __reduce__(self) -> str:
-        return "Recompute"
+    __reduce__ = __repr__
 
 
 Saveable: Decision = _Saveable()
@@ -617,9 +615,7 @@ class offload_dot_with_no_batch_dims:
     def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Decision | bool:
         if dots_with_no_batch_dims_saveable(op, *args, **kwargs):
             return Offloadable(self.offload_src, self.offload_dst)
-        # (a name is no reason to drop a product: False, not Recompute, as JAX's offloads a named dot too; NOTE
-        # [names decide for the value])
-        return False if op is checkpoint_name else Recompute
+        return False if op is checkpoint_name else Recompute  # (a name is no reason to drop a product, as in JAX)
 
 
 # ---- string shortcuts -------------------------------------------------------
