@@ -420,7 +420,6 @@ def test_debug_sees_a_data_write_between_the_passes_on_every_call(policy: str, t
     assert_tree_close(got, [x.grad, lin.weight.grad], rtol=1e-12, atol=1e-12)
 
 
-
 def test_two_kept_results_written_by_the_caller_under_grad_raise_rather_than_mislead() -> None:
     """A review (thirty-sixth session) of a change, not kept, that ran a kept op again on the full engine once its
     result was written since: a result the caller wrote and let go (``h += 0.5`` then only summed) is watched through

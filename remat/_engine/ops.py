@@ -466,11 +466,11 @@ _TENSOR_TF = torch.Tensor.__torch_function__.__func__  # type: ignore[attr-defin
 _DISABLED_TF = torch.nn.Parameter.__torch_function__  # (torch's "disabled" one, which a Parameter has)
 
 
-@functools.cache
 def plain_subclass(cls: type) -> bool:
     """Whether ``cls`` subclasses ``Tensor`` (or ``nn.Parameter``) in Python and overrides neither
     ``__torch_function__`` nor ``__torch_dispatch__`` (``class MyT(torch.Tensor): pass``): an op reads it as a plain
-    tensor, and a replay may read it and make it as one (``Alias``)."""
+    tensor, and a replay may read it and make it as one (``Alias``). Asked each time (two lookups; a cache by class
+    would hold every class defined in a loop, and miss a ``__torch_function__`` set on the class later)."""
     tf = getattr(cls, "__torch_function__", None)
     return (getattr(tf, "__func__", tf) in (_TENSOR_TF, _DISABLED_TF)
             and getattr(cls, "__torch_dispatch__", None) is torch.Tensor.__torch_dispatch__)

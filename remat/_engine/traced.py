@@ -111,10 +111,6 @@ def _alive(ref: Any) -> Any:
     return ref()
 
 
-def _dead() -> None:
-    return None
-
-
 def _has_node(t: Tensor | None) -> bool:
     return t is not None and t.grad_fn is not None
 
@@ -646,7 +642,7 @@ class TraceFrame(_Saving, _Serving):
             # a copy the engine has not taken yet reads its source's bytes (NOTE [keep last] in _offload/schedule.py),
             # which the caller may write since (a result it returned, ``h.mul_(2)``): watched, made again then
             self.replay_watch = {s: (trace.refs[s], t._version) for s in self.replay_offloaded
-                                 if (t := trace.refs.get(s, _dead)()) is not None}
+                                 if (t := trace.refs[s]()) is not None}
         for snap in trace.shadows.values():
             if snap is not None:
                 snap.done()  # (no tensor of the call extends it any more)
