@@ -620,8 +620,7 @@ class Frame(_Saving, _Serving):
                     else:
                         self.recorder.prune(self.needed_vids)
                     self.recorder.seal()  # its copies must be plain tensors
-                    if not self.levels:
-                        self.recorder.watch_results(tensor_leaves(out))
+                    self.recorder.watch_results([ti.unwrap_all(t) for t in tensor_leaves(out)])
                 if self._offloaded:
                     self.engine.end_of_call()  # NOTE [stream-ordered reuse] in _offload/streams.py
                 if self.watch_values and self.drops and not self.routed:

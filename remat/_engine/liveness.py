@@ -184,23 +184,26 @@ class StashLiveness(Half):
         self.shadows = {}
 
     def watch_results(self, results: list[torch.Tensor]) -> None:
-        """A held output whose own tensor died may still be written through a result of the call that shares its
-        storage (``return y, h.detach()``): watch that result's version instead (it moves with every write),
-        through an alias held here that shares its version counter, so that the watch outlives the caller's
-        reference to the result (a write, then ``del`` of the result, was a wrong gradient without an error)."""
-        by_key = {storage_key(t): t for t in results}
+        """A held output may be written after the forward pass through a result of the call on its storage that does
+        not share its version counter (``return y, h.detach()``; ``x3d @ W`` returns an ``_unsafe_view`` of the
+        ``mm`` the policy kept), and the result let go after the write: watch each such result through an alias held
+        here that shares its version counter (``results``: plain tensors, unwrapped below every functorch level).
+        The recompute runs a held output's op again once a watch moved (``_stale`` in ``replay.py``)."""
+        by_key: dict[int, list[torch.Tensor]] = {}
+        for t in results:
+            by_key.setdefault(storage_key(t), []).append(t)
         by_key.pop(0, None)
         if not by_key:
             return
         for rec in self.ops:
             if rec.stash is None or rec.versions is None:
                 continue
-            for j, (held, v) in enumerate(zip(rec.stash, rec.versions)):
-                if v is None and isinstance(held, torch.Tensor):
-                    res = by_key.get(storage_key(held))
-                    if res is not None:
-                        rec.refs[j] = AliasRef(ti.detach_below_modes(res))  # (the held output's storage: no more)
-                        rec.versions[j] = res._version
+            for held in rec.stash:
+                if isinstance(held, torch.Tensor):
+                    for res in by_key.get(storage_key(held), ()):
+                        if rec.watch is None:
+                            rec.watch = []
+                        rec.watch.append((AliasRef(ti.detach_below_modes(res)), res._version))
 
     def unused_ops(self, used_keys: set[int]) -> set[int]:
         """Ops whose outputs reach none of the storages ``used_keys`` (NOTE [unused outputs] in ``_engine/full.py``).

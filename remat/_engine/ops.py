@@ -290,6 +290,9 @@ class OpRecord:
     drew: torch.Tensor | None = None  # and its state after (NOTE [draws in threads] in _engine/ambient.py)
     writes: bool = False  # writes an argument in place, its schema saying so or not (batch norm's statistics)
     held: bool = False  # drawn from a shared generator with another thread alive: held (NOTE [draws in threads])
+    # results of the call on a stashed output's storage: (an alias sharing the result's version counter, its version
+    # when the forward pass ended), ``Recorder.watch_results``
+    watch: list[tuple[Any, int]] | None = None
 
     def rebuild(self, tensors: list[Any]) -> Any:
         """The op's output, its tensors replaced by ``tensors`` (its numbers as the forward pass returned them)."""

@@ -208,7 +208,8 @@ class Replayer(TorchDispatchMode):
                 self.unused_keys.update(storage_key(t) for t in dead)
                 return rec.rebuild(dead)
         if rec.stash is not None and (not rec.random or rec.held) and (self.skip_dead or all(
-                x is not None and not (isinstance(x, weakref.ref) and x() is None) for x in rec.stash)):
+                x is not None and not (isinstance(x, weakref.ref) and x() is None) for x in rec.stash)) \
+                and not _stale(rec, self.rec.fn_name):
             return self._replay(rec, func, args, kwargs)
         if not rec.live and rec.skippable and self.skip_dead:
             with internal():  # dead: nothing needed reads it (NOTE [dead ops])
@@ -290,9 +291,8 @@ class Replayer(TorchDispatchMode):
     def _replay(self, rec: OpRecord, func: Any, args: Any, kwargs: Any) -> Any:
         assert rec.stash is not None
         vals: list[Any] = []
-        versions = rec.versions or [None] * len(rec.stash)
         with internal():
-            for ref, meta, v0 in zip(rec.stash, rec.out_meta, versions):
+            for ref, meta in zip(rec.stash, rec.out_meta):
                 t = ref() if isinstance(ref, weakref.ref) else ref
                 if t is None:
                     t = self._taint([dead_value(meta)])[0]
@@ -303,14 +303,6 @@ class Replayer(TorchDispatchMode):
                 elif not isinstance(t, torch.Tensor):
                     t = t.engine.fetch(t)  # offloaded: bring it back
                 else:
-                    orig = rec.refs[len(vals)]() if v0 is not None else None
-                    if orig is not None and orig._version != v0:
-                        raise RematError(
-                            f"remat: the output of {rec.describe()} that {self.rec.fn_name} kept for its "
-                            f"recompute was modified in place after the forward pass (version {v0} -> "
-                            f"{orig._version}), e.g. a result of the function changed before the backward pass. "
-                            "Clone a result before modifying it, or run the backward pass first."
-                        )
                     t = t.clone() if rec.cow else t.detach()
                 vals.append(t)
         return rec.rebuild(vals)
@@ -348,3 +340,25 @@ class Replayer(TorchDispatchMode):
             + (" A key/value cache that grows on every call changes the shapes: for a Hugging Face model pass "
                "use_cache=False (model.config.use_cache = False)." if cache_hint else "")
         )
+
+
+def _stale(rec: OpRecord, fn_name: str) -> bool:
+    """Whether a kept output of ``rec`` was written in place after the forward pass (through its own tensor, or a
+    result of the call on its storage: ``Recorder.watch_results``): then the op runs again, from its arguments, as
+    a dropped one does (its value in the forward pass is what the backward pass needs). A random op drawn from a
+    generator another thread shared (NOTE [draws in threads]) cannot be drawn again: a ``RematError``."""
+    moved = None
+    for ref, v0 in zip(rec.refs, rec.versions or ()):
+        t = ref() if v0 is not None else None
+        if t is not None and t._version != v0:
+            moved = (v0, t._version)
+    for ref, v0 in rec.watch or ():
+        if ref()._version != v0:
+            moved = (v0, ref()._version)
+    if moved is not None and rec.random:
+        raise RematError(
+            f"remat: the output of {rec.describe()} that {fn_name} kept for its recompute was modified "
+            f"in place after the forward pass (version {moved[0]} -> {moved[1]}), e.g. a result of the function "
+            "changed before the backward pass. Clone a result before modifying it, or run the backward pass first."
+        )
+    return moved is not None

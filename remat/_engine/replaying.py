@@ -25,6 +25,7 @@ NOTE [graph replay]
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Container
 from typing import Any
 
@@ -41,7 +42,7 @@ from .ambient import settings as ambient_settings
 from .ops import FLAT, Step, op_info
 from .trace import Trace
 
-__all__ = ["plan", "run", "ancestors"]
+__all__ = ["plan", "run", "ancestors", "kept_watch"]
 
 Tensor = torch.Tensor
 set_grad_mode = ti.set_grad_mode
@@ -290,3 +291,19 @@ def check_lifted(trace: Trace, s: int, t: torch.Tensor) -> None:
     with internal():
         if ox.fingerprint(t) != trace.lifted[s]:
             raise errors.lifted_changed(trace.fn_name, t)
+
+
+def kept_watch(trace: Trace, stash: dict[int, Any]) -> dict[int, list[tuple[Tensor, int]]]:
+    """Kept values the caller may write through a tensor of the call on their storage that shares no version counter
+    with them (``x3d @ W`` returns an ``_unsafe_view`` of the ``mm`` a policy keeps): each such tensor alive when the
+    forward pass ends, watched through an alias sharing its counter (on the kept storage: nothing more held). A write
+    moves it, and the replay makes the kept value again (``TraceFrame._available``)."""
+    keys = {trace.key_of.get(s): s for s, v in stash.items() if type(v) is not weakref.ref}
+    keys.pop(None, None)
+    keys.pop(0, None)
+    out: dict[int, list[tuple[Tensor, int]]] = {}
+    for s2, ref in trace.refs.items() if keys else ():
+        s = keys.get(trace.key_of.get(s2))
+        if s is not None and s2 != s and trace.root.get(s2, s2) != s and (t := ref()) is not None:
+            out.setdefault(s, []).append((t.detach(), t._version))
+    return out

@@ -66,7 +66,7 @@ from .capture import holdable
 from .ops import Half
 from .packed import DROP, INPUT, KEEP, OFFLOAD, ROUTED, kept_written, saved_written
 from .region import NeedsRegion, forward_pass
-from .replaying import ancestors, check_lifted, copy_outside, plan, run
+from .replaying import ancestors, check_lifted, copy_outside, kept_watch, plan, run
 from .trace import Trace, Tracer
 
 __all__ = ["TraceFrame"]
@@ -273,9 +273,10 @@ class _Serving(Half):
         watch = self.replay_watch
         avail.update(s for s in self.replay_offloaded if (w := watch.get(s)) is None or (t := w[0]()) is None
                      or t._version == w[1])
-        versions = trace.stash_versions
+        versions, kw = trace.stash_versions, self.kept_watch
         for s, v in trace.stash.items():
-            if type(v) is not weakref.ref and v._version == versions.get(s):
+            if type(v) is not weakref.ref and v._version == versions.get(s) and (
+                    s not in kw or all(a._version == v0 for a, v0 in kw[s])):
                 avail.add(s)
         # (a copy the offload engine took for the replay holds the value before any later write; one taken for a
         # save, the value then, which a write through .data since would make stale)
@@ -553,6 +554,7 @@ class TraceFrame(_Saving, _Serving):
         self.trace.on_quiet_write = lambda p: wself()._offload_written_quietly(p)  # type: ignore[union-attr]
         self.replay_offloaded: dict[int, Any] = {}  # slot -> the offload engine's copy of a value the replay reads
         self.replay_watch: dict[int, tuple[Any, int]] = {}  # slot -> its tensor, weakly, and version (``_prune``)
+        self.kept_watch: dict[int, list[tuple[Tensor, int]]] = {}  # kept slot -> aliases on its storage (``_prune``)
         if self.parent is not None:
             self.trace.external = lambda s, t: wself()._route_outside(s, t)  # type: ignore[union-attr]
 
@@ -643,6 +645,7 @@ class TraceFrame(_Saving, _Serving):
             # which the caller may write since (a result it returned, ``h.mul_(2)``): watched, made again then
             self.replay_watch = {s: (trace.refs[s], t._version) for s in self.replay_offloaded
                                  if (t := trace.refs[s]()) is not None}
+            self.kept_watch = kept_watch(trace, stash)
         for snap in trace.shadows.values():
             if snap is not None:
                 snap.done()  # (no tensor of the call extends it any more)
@@ -701,3 +704,4 @@ class TraceFrame(_Saving, _Serving):
             for s, t in list(stash.items()):
                 self.routed[s] = parent.pack(t)
                 del stash[s]
+
