@@ -34,8 +34,6 @@ def peek_interpreter() -> Any:
     return _F.peek_interpreter_stack()
 
 
-
-
 def stack_depth() -> int:
     return int(_F.get_dynamic_layer_stack_depth())
 
@@ -105,8 +103,7 @@ def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
-    """The storage that holds ``t``'s bytes on this process: its own, or its first inner tensor's for a wrapper
-    subclass (a DTensor's local shard); None if it has none."""
+    """The storage of ``t``'s bytes here: its own, or a wrapper subclass's first inner tensor's; None if none."""
     try:
         s = t.untyped_storage()
         s.data_ptr()
@@ -340,12 +337,24 @@ def set_version(t: torch.Tensor, version: int) -> None:
     torch._C._autograd._unsafe_set_version_counter((t,), (version,))  # (torch 2.11 to 2.13: sequences)
 
 
+# NOTE [kept values written after the call] in _engine/replaying.py: a watch on ``t``'s version counter, none of its
+# bytes (public APIs share one only with the storage): a ``detach`` emptied by ``set_()``, its counter put back.
+def version_alias(t: torch.Tensor) -> torch.Tensor:
+    if t.layout is not torch.strided or (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter):
+        return t.detach()  # (no set_ for sparse or nested layouts, nor one a subclass would see: the whole alias)
+    v = t._version
+    with torch.no_grad(), torch._C._DisableTorchDispatch():  # (remat's bookkeeping: no user's mode sees it)
+        a = t.detach()
+        a.set_()  # type: ignore[call-overload]  # (torch's stubs lack the overload without arguments)
+    set_version(a, v)
+    return a
+
+
 def will_engine_execute(node: Any) -> bool:
     """Whether the running backward pass will execute autograd node ``node`` (True outside a backward pass).
 
-    NOTE [unused outputs] in ``_engine/full.py``: no public API tells which outputs of a call the
-    backward pass differentiates; torch's own ``register_multi_grad_hook`` asks the engine this way.
-    """
+    NOTE [unused outputs] in ``_engine/full.py``: no public API tells which outputs of a call the backward pass
+    differentiates; torch's own ``register_multi_grad_hook`` asks the engine this way."""
     try:
         return bool(torch._C._will_engine_execute_node(node))
     except RuntimeError:
@@ -397,8 +406,7 @@ class TorchDispatchMode(_TorchDispatchMode):
     costs ~3.5 us per op, ~30% of a mode's whole cost per op (measured on this project's CPU: 13.5
     against 17.0 us per op for tiny transformer blocks under an empty mode and ``no_grad``, 4.6 without
     a mode). Marking the handler :func:`never_compiled` does what the wrapper does at no cost per op.
-    On a torch without frame strategies, the wrapper stays.
-    """
+    On a torch without frame strategies, the wrapper stays."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:

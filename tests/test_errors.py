@@ -557,9 +557,10 @@ def test_a_generator_function_is_refused_at_once():
         remat(gen)
 
 
-def test_a_measuring_call_that_writes_its_input_after_reading_it_names_its_route():
-    """The full engine's refusal names the route the call took: a memory budget's first call here, not torch.func or
-    debug=True (which the user did not ask for)."""
+def test_a_measuring_call_that_writes_its_input_after_reading_it_is_exact_or_names_its_route():
+    """Under plain autograd a memory budget's first call runs on the replay engine (since the thirty-seventh session;
+    its full engine refused this): plain autograd's gradient. With ``debug=True`` the full engine's refusal names the
+    route the call took, not torch.func or the budget."""
     w = leaf(4, 4)
 
     def f(w, x):
@@ -567,8 +568,12 @@ def test_a_measuring_call_that_writes_its_input_after_reading_it_names_its_route
         x.add_(1)
         return y.sum()
 
-    with pytest.raises(RematError, match="on a memory budget's first call, .* with a fixed policy"):
-        remat(f, policy=policies.memory_budget(0.3))(w, leaf(4, 4).detach())
+    x0 = leaf(4, 4).detach()
+    (want,) = torch.autograd.grad(f(w, x0.clone()), w)
+    (got,) = torch.autograd.grad(remat(f, policy=policies.memory_budget(0.3))(w, x0.clone()), w)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(RematError, match="with debug=True, .* without debug=True"):
+        remat(f, policy=policies.memory_budget(0.3), debug=True)(w, x0.clone())
     plain_autograd_still_works()
 
 

@@ -380,6 +380,31 @@ def test_use_cache_true_in_training_is_exact_or_raises_with_the_fix(name: str, p
             step(r)
 
 
+def test_use_cache_true_under_a_memory_budget_is_exact_from_the_first_step() -> None:
+    """BLOOM with its default ``use_cache=True`` in training, each block under a memory budget: the first call of a
+    block measures it, on the full engine until the thirty-seventh session, whose re-run of the block's Python
+    appended to the cache again: "diverged ... aten.lift_fresh ... but aten.cat now" on the first step (found by that
+    session's review; save-nothing was exact). It measures on the replay engine now: every step exact, the plans
+    learnt on the first."""
+    cfg = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=16, n_layer=2, n_head=2, use_cache=True)
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(cfg).double().train()
+    block_cls = importlib.import_module("transformers.models.bloom.modeling_bloom").BloomBlock
+    budget = policies.memory_budget(0.5)
+    r = copy.deepcopy(model)
+    assert remat.remat_modules(r, where=block_cls, policy=budget)
+
+    def step(m: nn.Module) -> dict[str, torch.Tensor]:
+        m.zero_grad(set_to_none=True)
+        loss_of(m, token_ids()).backward()
+        return {k: p.grad for k, p in m.named_parameters()}
+
+    want = step(model)
+    for _ in range(2):
+        assert_tree_close(step(r), want, **F64)
+    assert budget.solves >= 1 and all(p is not None for p in budget.plans.values())
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_prefilled_small_cache_is_read_as_in_the_forward(name: str, policy: str) -> None:

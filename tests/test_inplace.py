@@ -388,14 +388,15 @@ def _block_with_state() -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tenso
     return lin, f
 
 
-@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls"])
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls", "budget"])
 @pytest.mark.parametrize("target", ["input", "parameter"])
 def test_debug_sees_a_data_write_between_the_passes_on_every_call(policy: str, target: str) -> None:
     """By default such a write is silent (as in torch.utils.checkpoint: no version counter moves); debug=True hashes
     the inputs and module state when the forward pass ends and refuses a recompute from other values, on every call;
-    a call without the write gives plain autograd's gradient."""
+    a call without the write gives plain autograd's gradient. A memory budget's first call, which measures, did not
+    hash them: silent (off by 5.3; the thirty-seventh session's review)."""
     lin, f = _block_with_state()
-    g = remat(f, policy=policy, debug=True)
+    g = remat(f, policy=policies.memory_budget(0.5) if policy == "budget" else policy, debug=True)
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     for _ in range(3):
         y = g(x)
@@ -499,3 +500,64 @@ def test_a_kept_result_the_caller_writes_in_place_is_made_again(transform: str, 
     g = remat(_residual_block, policy=pol, debug=debug)
     for _ in range(3):
         assert_tree_close(T(_residual_loss(g, let_go))(W, x), want, rtol=1e-10, atol=1e-10)
+
+
+class _CachingBlock(nn.Module):
+    """Keeps its projection on ``self`` (a bias-free Linear on a 3-D input: an ``_unsafe_view`` of the kept ``mm``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4, bias=False).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.cache = h
+        return torch.tanh(h)  # tanh saves its output: recomputed from the kept matmul
+
+
+@pytest.mark.parametrize("route", ["autograd", "debug", "grad", "vmap(grad)"])
+@pytest.mark.parametrize("kind", ["module-attribute", "global", "dataclass-field", "detached-result"])
+def test_a_kept_value_reached_other_than_as_a_result_and_written_is_made_again(kind: str, route: str) -> None:
+    """A tensor on the kept matmul's storage with a version counter of its own reaches the caller on ``self``, in a
+    global, in a dataclass field or as ``h.detach()``, and the caller writes it before the backward pass: silent on
+    every route here before the thirty-seventh session (off by 2.1 to 5.6); its first fix watched only the result's
+    leaves on the full engine (``debug=True``, ``torch.func``), silent still (its review). Both engines watch every
+    tensor of the call alive on a kept storage."""
+    store: dict[str, torch.Tensor] = {}
+    torch.manual_seed(0)
+    block = _CachingBlock()
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
+        if kind == "module-attribute":
+            return torch.func.functional_call(block, p, (x,)), None
+        h = torch.tanh(x) @ p["lin.weight"]
+        if kind == "global":
+            store["h"] = h
+            return torch.tanh(h), None
+        if kind == "dataclass-field":
+            return types.SimpleNamespace(h=h), torch.tanh(h)
+        return torch.tanh(h), h.detach()
+
+    def loss_of(g: Any) -> Callable[..., torch.Tensor]:
+        def loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            a, b = g(p, x)
+            written = {"module-attribute": lambda: block.cache, "global": lambda: store["h"],
+                       "dataclass-field": lambda: a.h, "detached-result": lambda: b}[kind]()
+            written.add_(1.0)  # the caller's write, before the backward pass
+            return ((b if kind == "dataclass-field" else a) * 1.5).sum()
+        return loss
+
+    x = seeded_randn(*((5,) if route == "vmap(grad)" else ()), 2, 3, 4, seed=1)
+    p = {"lin.weight": seeded_randn(4, 4, seed=2) * 0.5}
+
+    def run(g: Any) -> Any:
+        if route in ("autograd", "debug"):
+            q = {k: v.clone().requires_grad_() for k, v in p.items()}
+            return torch.autograd.grad(loss_of(g)(q, x), list(q.values()))
+        d = torch.func.grad(loss_of(g))
+        return d(p, x) if route == "grad" else torch.func.vmap(d, in_dims=(None, 0))(p, x)
+
+    want = run(f)
+    r = remat(f, policy="save-matmuls", debug=route == "debug")
+    for _ in range(3):
+        assert_tree_close(run(r), want, rtol=1e-10, atol=1e-10)

@@ -410,3 +410,31 @@ def test_outside_legacy_vmap_leaves_and_restores_every_depth() -> None:
     with ti.outside_legacy_vmap():
         assert depth() == 0
     assert depth() == 0
+
+
+def test_version_alias_shares_the_counter_and_holds_no_bytes() -> None:
+    """NOTE [kept values written after the call]: the watch moves with every write through the tensor or its views,
+    leaves the tensor's version as it was (autograd's saved-tensor checks), and holds none of its storage."""
+    import gc
+    import weakref
+
+    leaf = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
+    base = leaf * 1
+    y = base.sin()  # saves base: a version the watch moved would make this backward raise
+    v0 = base._version
+    a = ti.version_alias(base)
+    assert (a.numel(), a._version, base._version) == (0, v0, v0)
+    y.sum().backward()
+    s = weakref.ref(base.untyped_storage())
+    with torch.no_grad():
+        base[1:].mul_(2)  # through a view
+    assert a._version == base._version == v0 + 1
+    del base, y
+    gc.collect()
+    assert s() is None  # the watch held none of the bytes
+    assert a._version == v0 + 1
+    p = torch.nn.Parameter(torch.randn(3))
+    w = ti.version_alias(p)
+    with torch.no_grad():
+        p.add_(1)
+    assert w._version == p._version == 1 and p.numel() == 3

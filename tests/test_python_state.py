@@ -828,3 +828,31 @@ def test_a_list_subclass_the_function_appends_an_output_to_is_freed(policy: str)
             del s, x
             gc.collect()
         assert sum(r() is not None for r in refs) == 0
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_memory_budgets_first_call_is_exact_with_state_changed_between_the_passes(case: str) -> None:
+    """A memory budget's first call of a signature measures it: under plain autograd on the replay engine since the
+    thirty-seventh session (on the full engine before, whose program replay served these), like every later call:
+    exact on the first call too, the plan learnt from it."""
+    make, set_state, values = CASES[case]
+    m = make()
+    budget = remat.policies.memory_budget(0.5)
+    f = remat.remat(m.forward, policy=budget)
+    try:
+        for k, (before, between) in enumerate([values[1], values[2]]):
+            x = torch.randn(4, 8, dtype=D, generator=torch.Generator().manual_seed(k)).requires_grad_()
+            set_state(m, before)
+            m.zero_grad(set_to_none=True)
+            y = f(x)
+            set_state(m, between)  # (the first call: changed between its passes)
+            y.sum().backward()
+            got = _grads(m, x)
+            x.grad = None
+            set_state(m, before)
+            m.zero_grad(set_to_none=True)
+            m(x).sum().backward()
+            assert_tree_close(got, _grads(m, x), rtol=1e-10, atol=1e-10)
+    finally:
+        _set_scale(1.0)
+    assert budget.solves == 1

@@ -30,6 +30,7 @@ from torch.utils.flop_counter import flop_registry
 
 from .. import _torch_internals as ti
 from .._context import INSPECTOR, internal
+from .._engine.ops import op_info
 from .._errors import RematError
 from .._policies.core import Offloadable, Saveable
 from .._policies.naming import checkpoint_name
@@ -53,14 +54,27 @@ class _Measure:
     def __init__(self) -> None:
         self.calls: list[tuple[Any, Any]] = []
         self.shapes: list[tuple[Any, ...]] = []  # of each op's tensor arguments: a call following the plan checks them
+        self.outs: list[list[tuple[Any, ...]]] = []  # of each op's tensor outputs (``_meta``: the replay engine's call)
+        self._out: list[tuple[Any, ...]] = []
 
-    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
+    def with_output(self, output: Any, op: Any, /, *args: Any, **kwargs: Any) -> bool:
+        self._out = [_meta(t) for t in optree.tree_leaves(output, none_is_leaf=True) if isinstance(t, torch.Tensor)]
+        return self(op, *args, **kwargs)
+
+    def __call__(self, op: Any, /, *args: Any, **kwargs: Any) -> bool:
+        self.outs.append(self._out)
+        self._out = []
         if op is checkpoint_name:
             self.calls.append((op, None))
         else:
             self.calls.append((op, optree.tree_map(_shape, (args, kwargs), none_is_leaf=True)))  # type: ignore[arg-type]
         self.shapes.append(_arg_shapes(args))
         return False
+
+
+def _meta(t: torch.Tensor) -> tuple[Any, ...]:
+    """What ``_bytes`` and ``_flops`` read of an output, as ``OpRecord.out_meta`` holds it."""
+    return tuple(t.shape), t.dtype, t.device, t.stride() if t.layout is torch.strided else t.layout
 
 
 def _shape(x: Any) -> Any:
@@ -81,12 +95,31 @@ class _Saved:
 
     def on_save(self, t: torch.Tensor, decision: str, frame: Any) -> None:
         if frame is self.frame:
-            with internal():
-                s = ti.storage_of(ti.unwrap_all(t))
-                if s is not None:
-                    self.saved.append((int(s.data_ptr()), len(frame.recorder.ops), int(s.nbytes())))
+            self.note(t, len(frame.recorder.ops))
         if self.previous is not None:
             self.previous.on_save(t, decision, frame)
+
+    def note(self, t: torch.Tensor, n: int) -> None:
+        """Autograd saved ``t`` after the call's ``n``-th op (the replay engine's pack hook calls this directly)."""
+        with internal():
+            s = ti.storage_of(ti.unwrap_all(t))
+            if s is not None:
+                self.saved.append((int(s.data_ptr()), n, int(s.nbytes())))
+
+
+class _StepRecord:
+    """A step of the replay engine's trace as the model reads a recorded op (``OpRecord``'s fields it uses)."""
+
+    __slots__ = ("func", "in_keys", "out_keys", "out_meta", "random", "skippable")
+
+    def __init__(self, trace: Any, step: Any, metas: list[tuple[Any, ...]]) -> None:
+        info = op_info(step.op)
+        self.func, self.random = step.op, info.random
+        self.in_keys = [trace.key_of.get(s, 0) for s in step.reads()]
+        self.out_keys = [trace.key_of.get(s, 0) for s in step.outs if s >= 0]
+        self.out_meta: list[Any] = list(metas) if len(metas) == len(self.out_keys) else [None] * len(self.out_keys)
+        self.skippable = (not info.random and not info.mutable and bool(self.out_keys) and step.replayable
+                          and not set(self.out_keys) & set(self.in_keys))
 
 
 def _graph(ops: Sequence[Any], calls: list[tuple[Any, Any]], saved: list[tuple[int, int, int]]) -> Graph:
@@ -304,6 +337,11 @@ class MemoryBudget:
             self.plans.pop(next(iter(self.plans)))
         self.plans[key] = None
         del failed[key]
+
+    def learn_trace(self, key: Any, policy: Any, saved: _Saved, trace: Any) -> None:
+        """Solve for signature ``key`` from a measuring call the replay engine recorded (NOTE [the trace])."""
+        metas = policy.outs if len(policy.outs) == len(trace.steps) else [[]] * len(trace.steps)
+        self.learn(key, policy, saved, [_StepRecord(trace, st, m) for st, m in zip(trace.steps, metas)])
 
     def learn(self, key: Any, policy: Any, saved: _Saved, ops: Sequence[Any]) -> None:
         """Solve for signature ``key`` from the measuring call's records."""

@@ -36,7 +36,7 @@ from .. import _torch_internals as ti
 from .._context import internal
 from .._policies.core import Decision, Offloadable
 from . import outside as ox
-from .ops import AliasRef, Half, OpRecord, storage_key, traits
+from .ops import Half, OpRecord, storage_key, traits
 
 __all__ = ["StashLiveness"]
 
@@ -184,26 +184,31 @@ class StashLiveness(Half):
         self.shadows = {}
 
     def watch_results(self, results: list[torch.Tensor]) -> None:
-        """A held output may be written after the forward pass through a result of the call on its storage that does
-        not share its version counter (``return y, h.detach()``; ``x3d @ W`` returns an ``_unsafe_view`` of the
-        ``mm`` the policy kept), and the result let go after the write: watch each such result through an alias held
-        here that shares its version counter (``results``: plain tensors, unwrapped below every functorch level).
-        The recompute runs a held output's op again once a watch moved (``_stale`` in ``replay.py``)."""
-        by_key: dict[int, list[torch.Tensor]] = {}
-        for t in results:
-            by_key.setdefault(storage_key(t), []).append(t)
-        by_key.pop(0, None)
-        if not by_key:
-            return
+        """NOTE [kept values written after the call] in ``_engine/replaying.py``, for this engine: a held output (kept,
+        offloaded, or routed to the enclosing call) may be written after the forward pass through a tensor of the call
+        on its storage that shares no version counter with it (``return y, h.detach()``; ``x3d @ W`` returns an
+        ``_unsafe_view`` of the ``mm`` the policy kept; one kept on ``self`` or in a global), and let go after the
+        write: each output of the call still alive on a held storage, and each result (``results``: plain tensors,
+        unwrapped below every functorch level), is watched through an alias that shares its counter and holds no
+        bytes. The recompute runs the op again once a watch moved (``_stale`` in ``replay.py``)."""
+        held: dict[int, list[OpRecord]] = {}
         for rec in self.ops:
-            if rec.stash is None or rec.versions is None:
-                continue
-            for held in rec.stash:
-                if isinstance(held, torch.Tensor):
-                    for res in by_key.get(storage_key(held), ()):
-                        if rec.watch is None:
-                            rec.watch = []
-                        rec.watch.append((AliasRef(ti.detach_below_modes(res)), res._version))
+            if rec.stash is not None and rec.versions is not None:
+                for h, k in zip(rec.stash, rec.out_keys):
+                    if k and h is not None and not isinstance(h, weakref.ref):
+                        held.setdefault(k, []).append(rec)
+        if not held:
+            return
+        seen: set[int] = set()
+        alive = [(t, k) for rec in self.ops for r, k in zip(rec.refs, rec.out_keys) if k in held and (t := r()) is not None]
+        for t, k in alive + [(t, storage_key(t)) for t in results]:
+            if k in held and id(t) not in seen and not t.is_inference():
+                seen.add(id(t))
+                w = (ti.version_alias(t), t._version)
+                for rec in held[k]:
+                    if rec.watch is None:
+                        rec.watch = []
+                    rec.watch.append(w)
 
     def unused_ops(self, used_keys: set[int]) -> set[int]:
         """Ops whose outputs reach none of the storages ``used_keys`` (NOTE [unused outputs] in ``_engine/full.py``).

@@ -241,19 +241,6 @@ def sparse_parts(t: torch.Tensor) -> tuple[int, ...]:
         return slot_key(compressed), slot_key(plain)
 
 
-class AliasRef:
-    """Called like a weak reference, but holds: an alias of a result that shares its version counter
-    (``Recorder.watch_results``)."""
-
-    __slots__ = ("t",)
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
-
-    def __call__(self) -> torch.Tensor:
-        return self.t
-
-
 @dataclasses.dataclass
 class OpRecord:
     func: Any
@@ -290,9 +277,9 @@ class OpRecord:
     drew: torch.Tensor | None = None  # and its state after (NOTE [draws in threads] in _engine/ambient.py)
     writes: bool = False  # writes an argument in place, its schema saying so or not (batch norm's statistics)
     held: bool = False  # drawn from a shared generator with another thread alive: held (NOTE [draws in threads])
-    # results of the call on a stashed output's storage: (an alias sharing the result's version counter, its version
-    # when the forward pass ended), ``Recorder.watch_results``
-    watch: list[tuple[Any, int]] | None = None
+    # results of the call on a held output's storage: (an alias sharing the result's version counter and none of its
+    # bytes, its version when the forward pass ended), ``Recorder.watch_results``
+    watch: list[tuple[torch.Tensor, int]] | None = None
 
     def rebuild(self, tensors: list[Any]) -> Any:
         """The op's output, its tensors replaced by ``tensors`` (its numbers as the forward pass returned them)."""

@@ -352,9 +352,9 @@ def _stale(rec: OpRecord, fn_name: str) -> bool:
         t = ref() if v0 is not None else None
         if t is not None and t._version != v0:
             moved = (v0, t._version)
-    for ref, v0 in rec.watch or ():
-        if ref()._version != v0:
-            moved = (v0, ref()._version)
+    for a, v0 in rec.watch or ():
+        if a._version != v0:
+            moved = (v0, a._version)
     if moved is not None and rec.random:
         raise RematError(
             f"remat: the output of {rec.describe()} that {fn_name} kept for its recompute was modified "

@@ -25,8 +25,7 @@ NOTE [graph replay]
 from __future__ import annotations
 
 import contextlib
-import weakref
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 from typing import Any
 
 import optree
@@ -42,7 +41,7 @@ from .ambient import settings as ambient_settings
 from .ops import FLAT, Step, op_info
 from .trace import Trace
 
-__all__ = ["plan", "run", "ancestors", "kept_watch"]
+__all__ = ["plan", "run", "ancestors", "watches"]
 
 Tensor = torch.Tensor
 set_grad_mode = ti.set_grad_mode
@@ -293,17 +292,29 @@ def check_lifted(trace: Trace, s: int, t: torch.Tensor) -> None:
             raise errors.lifted_changed(trace.fn_name, t)
 
 
-def kept_watch(trace: Trace, stash: dict[int, Any]) -> dict[int, list[tuple[Tensor, int]]]:
-    """Kept values the caller may write through a tensor of the call on their storage that shares no version counter
-    with them (``x3d @ W`` returns an ``_unsafe_view`` of the ``mm`` a policy keeps): each such tensor alive when the
-    forward pass ends, watched through an alias sharing its counter (on the kept storage: nothing more held). A write
-    moves it, and the replay makes the kept value again (``TraceFrame._available``)."""
-    keys = {trace.key_of.get(s): s for s, v in stash.items() if type(v) is not weakref.ref}
-    keys.pop(None, None)
-    keys.pop(0, None)
+
+# NOTE [kept values written after the call]
+#     A value the replay reads rather than makes (kept by the policy, or offloaded for the replay) may be written in
+#     place after the forward pass ends: the caller's residual add into a returned product (``h = block(W, x); h +=
+#     x``). Plain autograd is exact there when no node saved ``h`` itself; the replay must read what the forward pass
+#     made. Writes through the kept tensor, or its views, move its version (``Trace.stash_versions``), but not those
+#     through another tensor of the call on its storage with a counter of its own (``x3d @ W`` returns an
+#     ``_unsafe_view`` of the ``mm`` a policy keeps), and an offloaded value's tensor may be let go after the write
+#     (a weak reference then says nothing). So when the forward pass ends every tensor of the call still alive on
+#     such a value's storage is watched through an alias that shares its version counter and holds no bytes
+#     (``version_alias`` in ``_torch_internals.py``); one that moved makes the value again (``TraceFrame._available``).
+def watches(trace: Trace, slots: Iterable[int], own: bool) -> dict[int, list[tuple[Tensor, int]]]:
+    """NOTE [kept values written after the call]: ``slots`` -> (a counter-only alias, its version) for each tensor of
+    the call alive on its storage; ``own``: the slot's tensor and its views too (a kept value's share the counter of
+    its stash, which ``stash_versions`` watches already)."""
+    keys: dict[int, list[int]] = {}
+    for s in slots:
+        if k := trace.key_of.get(s):
+            keys.setdefault(k, []).append(s)
     out: dict[int, list[tuple[Tensor, int]]] = {}
     for s2, ref in trace.refs.items() if keys else ():
-        s = keys.get(trace.key_of.get(s2))
-        if s is not None and s2 != s and trace.root.get(s2, s2) != s and (t := ref()) is not None:
-            out.setdefault(s, []).append((t.detach(), t._version))
+        for s in keys.get(trace.key_of.get(s2, 0), ()):
+            if (own or (s2 != s and trace.root.get(s2, s2) != s)) and (t := ref()) is not None \
+                    and not t.is_inference():
+                out.setdefault(s, []).append((ti.version_alias(t), t._version))
     return out

@@ -7,7 +7,8 @@
       or ``make_fx`` is tracing (NOTE [under make_fx])
  2    an outer re-run recompute is re-running this call           ``recompute.call_nested_replay``
  3    the function enters a ``torch.func`` reverse transform      ``region.run_region`` (NOTE [reentrant region])
- 4    a memory budget is still measuring this signature           ``full.Frame``, measuring (NOTE [memory budget])
+ 4    a memory budget is still measuring this signature           ``traced.TraceFrame`` where 5 holds, else
+                                                                  ``full.Frame``, measuring (NOTE [memory budget])
  5    plain autograd: no ``torch.func`` level, plain tensors,     ``traced.TraceFrame``: the forward pass is
       not ``debug``, no ``saved_residuals`` listening             recorded, the recompute replays it
  6    otherwise                                                   ``full.Frame``
@@ -150,9 +151,17 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
         # 3. the function enters a torch.func reverse transform
         if region:
             return run_region(run, flat, name, call_policy, preserve_rng, state, draws)
-        # 4. a memory budget measuring this signature
+        # 4. a memory budget measuring this signature: on the replay engine where it serves (NOTE [budget plans])
+        if measuring is not None and traced:
+            frame = TraceFrame(run, flat, name, call_policy, default_engine(), state.label_of)
+            frame.measure = measuring
+            out = frame.forward()
+            assert budget is not None
+            budget.learn_trace(bkey, call_policy, measuring, frame.trace)
+            return out
         if measuring is not None:
             frame = Frame(run, flat, name, call_policy, preserve_rng, default_engine(), state)
+            frame.watch_values = owner is not None and owner.debug  # NOTE [values between the passes]
             outer = _with_program(frame, ctx, owner)  # NOTE [program replay]: its recompute replays too
             measuring.frame = frame
             was = INSPECTOR.get()

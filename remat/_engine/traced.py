@@ -66,7 +66,7 @@ from .capture import holdable
 from .ops import Half
 from .packed import DROP, INPUT, KEEP, OFFLOAD, ROUTED, kept_written, saved_written
 from .region import NeedsRegion, forward_pass
-from .replaying import ancestors, check_lifted, copy_outside, kept_watch, plan, run
+from .replaying import ancestors, check_lifted, copy_outside, plan, run, watches
 from .trace import Trace, Tracer
 
 __all__ = ["TraceFrame"]
@@ -270,9 +270,8 @@ class _Serving(Half):
             return avail
         written = getattr(getattr(self.parent, "trace", None), "written_keys", ())  # (the enclosing call wrote)
         avail.update(s for s in self.routed if s not in trace.producer or trace.key_of.get(s) not in written)
-        watch = self.replay_watch
-        avail.update(s for s in self.replay_offloaded if (w := watch.get(s)) is None or (t := w[0]()) is None
-                     or t._version == w[1])
+        rw = self.replay_watch  # NOTE [kept values written after the call] in replaying.py
+        avail.update(s for s in self.replay_offloaded if all(a._version == v for a, v in rw.get(s, ())))
         versions, kw = trace.stash_versions, self.kept_watch
         for s, v in trace.stash.items():
             if type(v) is not weakref.ref and v._version == versions.get(s) and (
@@ -381,6 +380,8 @@ class _Saving(Half):
 
     def pack(self, t: Tensor) -> Any:
         trace = self.trace
+        if self.measure is not None:  # (a memory budget's measuring call: what autograd saved, after which step)
+            self.measure.note(t, len(trace.steps))
         e = trace._slot_of.get(id(t))
         if e is None or e[0]() is not t:
             return self._keep(t, -1, INPUT)
@@ -553,8 +554,10 @@ class TraceFrame(_Saving, _Serving):
         self.trace.on_write = lambda key: wself()._storage_written(key)  # type: ignore[union-attr]
         self.trace.on_quiet_write = lambda p: wself()._offload_written_quietly(p)  # type: ignore[union-attr]
         self.replay_offloaded: dict[int, Any] = {}  # slot -> the offload engine's copy of a value the replay reads
-        self.replay_watch: dict[int, tuple[Any, int]] = {}  # slot -> its tensor, weakly, and version (``_prune``)
-        self.kept_watch: dict[int, list[tuple[Tensor, int]]] = {}  # kept slot -> aliases on its storage (``_prune``)
+        self.measure: Any = None  # a memory budget's observer (``_budgets/budget_policy._Saved``), measuring this call
+        # NOTE [kept values written after the call] in replaying.py: slot -> the tensors on its storage (``_prune``)
+        self.replay_watch: dict[int, list[tuple[Tensor, int]]] = {}  # (offloaded for the replay)
+        self.kept_watch: dict[int, list[tuple[Tensor, int]]] = {}  # (kept)
         if self.parent is not None:
             self.trace.external = lambda s, t: wself()._route_outside(s, t)  # type: ignore[union-attr]
 
@@ -641,11 +644,10 @@ class TraceFrame(_Saving, _Serving):
                     del stash[s]
             for s in [s for s in self.replay_offloaded if s not in used]:  # (copies no replay reads: let go)
                 del self.replay_offloaded[s]
-            # a copy the engine has not taken yet reads its source's bytes (NOTE [keep last] in _offload/schedule.py),
-            # which the caller may write since (a result it returned, ``h.mul_(2)``): watched, made again then
-            self.replay_watch = {s: (trace.refs[s], t._version) for s in self.replay_offloaded
-                                 if (t := trace.refs[s]()) is not None}
-            self.kept_watch = kept_watch(trace, stash)
+            # what the caller may write after the call (a result it returned, ``h += x``), which a copy the engine has not
+            # taken yet would read (NOTE [keep last] in _offload/schedule.py): NOTE [kept values written after the call]
+            self.replay_watch = watches(trace, self.replay_offloaded, own=True)
+            self.kept_watch = watches(trace, [s for s, v in stash.items() if type(v) is not weakref.ref], own=False)
         for snap in trace.shadows.values():
             if snap is not None:
                 snap.done()  # (no tensor of the call extends it any more)
