@@ -30,7 +30,7 @@ from torch.utils.flop_counter import flop_registry
 
 from .. import _torch_internals as ti
 from .._context import INSPECTOR, internal
-from .._engine.ops import op_info
+from .._engine.ops import Alias, op_info
 from .._errors import RematError
 from .._policies.core import Offloadable, Saveable
 from .._policies.naming import checkpoint_name
@@ -340,8 +340,9 @@ class MemoryBudget:
 
     def learn_trace(self, key: Any, policy: Any, saved: _Saved, trace: Any) -> None:
         """Solve for signature ``key`` from a measuring call the replay engine recorded (NOTE [the trace])."""
-        metas = policy.outs if len(policy.outs) == len(trace.steps) else [[]] * len(trace.steps)
-        self.learn(key, policy, saved, [_StepRecord(trace, st, m) for st, m in zip(trace.steps, metas)])
+        steps = [st for st in trace.steps if type(st.call) is not Alias]  # (no op's: NOTE [unseen aliases])
+        metas = policy.outs if len(policy.outs) == len(steps) else [[]] * len(steps)
+        self.learn(key, policy, saved, [_StepRecord(trace, st, m) for st, m in zip(steps, metas)])
 
     def learn(self, key: Any, policy: Any, saved: _Saved, ops: Sequence[Any]) -> None:
         """Solve for signature ``key`` from the measuring call's records."""

@@ -52,10 +52,12 @@ NOTE [program replay]
     no slot on such a storage (never an input's, the state's or an outside tensor's: a closed-over row of the batch a
     vmap runs over shares the input's) is made again by a call of ``ops.Alias`` on the replay's value of a tensor made
     there (of its dtype and geometry, if one is: no view then): its dtype, geometry, type and ``requires_grad``, with
-    no history. On the ATen trace (``trace._unseen_aliases``) the question waits for the first write into such a
-    storage (until one, reading the alias as a tensor from outside reads what the forward pass read; a module's
-    buffers, read on every call, are never asked): an outside tensor there, of any type (``t.data`` too), becomes a
-    step that makes it from a live tensor the call's ops made on that storage, placed before its first reader.
+    no history. On the ATen trace (``trace.unseen_aliases``) the question waits for the first write into such a
+    storage, or for a subclass's alias the end of the forward pass, after which the caller may write it
+    (``h.as_subclass(T)`` returned: ``replaying.adopt``; until then, reading the alias as a tensor from outside reads
+    what the forward pass read; a module's buffers, read on every call, are never asked): an outside tensor there,
+    of any type (``t.data`` too), becomes a step that makes it from a live tensor the call's ops made on that
+    storage, placed before its first reader.
 
     Without ``torch.func`` the same program serves a call the ATen trace does not take (tensor subclasses: a
     wrapper such as ``TwoTensor`` whose values the torch calls make is replayed exactly; NOTE [wrapper subclasses]

@@ -39,11 +39,12 @@ from . import outside as ox
 from .ambient import draw_as_recorded, put_settings
 from .ambient import settings as ambient_settings
 from .ops import FLAT, Step, op_info
-from .trace import Trace
+from .trace import Trace, unseen_aliases
 
-__all__ = ["plan", "run", "ancestors", "watches"]
+__all__ = ["plan", "run", "ancestors", "watches", "adopt"]
 
 Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 set_grad_mode = ti.set_grad_mode
 
 
@@ -318,3 +319,18 @@ def watches(trace: Trace, slots: Iterable[int], own: bool) -> dict[int, list[tup
                     and not t.is_inference():
                 out.setdefault(s, []).append((ti.version_alias(t), t._version))
     return out
+
+
+def adopt(trace: Trace) -> None:
+    """NOTE [unseen aliases] in ``_engine/program.py``, when the forward pass ends: a tensor of a subclass read from
+    outside on a storage the call made (``h.as_subclass(T)``, returned) is made by the replay from the call's value,
+    which the caller may write after the call (a tensor from outside written then raised, where plain autograd is
+    exact). A plain one (a hook's view inside FSDP2's ranges, whose ops are not the call's) stays read as it is."""
+    for key in [k for k in trace.outside_keys if k in trace.made_on]:
+        outside = trace.outside_keys[key]
+        subs = [s for s in outside if (t := trace.outside[s][0]) is not None and type(t) is not Tensor
+                and type(t) is not _Parameter]
+        if subs:
+            rest = [s for s in outside if s not in subs] + unseen_aliases(trace, key, subs)
+            if rest:
+                trace.outside_keys[key] = rest

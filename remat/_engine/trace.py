@@ -81,7 +81,7 @@ from .ops import (
 )
 from .ops import slot_key as _storage_key
 
-__all__ = ["Trace", "Tracer"]
+__all__ = ["Trace", "Tracer", "unseen_aliases"]
 
 Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -266,7 +266,7 @@ class Trace:
         if self.parts and not outside and any(key in p for s, p in self.parts.items() if s in self.outside):
             raise sparse_outside_written(self.fn_name, t)
         if outside and key in self.made_on:
-            outside = _unseen_aliases(self, key, outside)  # NOTE [unseen aliases] in _engine/program.py
+            outside = unseen_aliases(self, key, outside)  # NOTE [unseen aliases] in _engine/program.py
         if outside:
             with internal():
                 if key not in self.shadows:
@@ -662,7 +662,7 @@ def _whole(trace: Trace, key: int) -> None:
                 snap.cover(trace.outside[trace.outside_keys[key][0]][0], whole=True)
 
 
-def _unseen_aliases(trace: Trace, key: int, outside: list[int]) -> list[int]:
+def unseen_aliases(trace: Trace, key: int, outside: list[int]) -> list[int]:
     """NOTE [unseen aliases] in _engine/program.py, on the trace, asked when storage ``key`` is about to be written
     (until then an alias read as a tensor from outside reads what the forward pass read): a tensor from outside
     (``nn.Parameter(t[1])``, ``t.data``) on the storage of a live tensor the call's ops made (not a view of one from

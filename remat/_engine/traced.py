@@ -66,7 +66,7 @@ from .capture import holdable
 from .ops import Half
 from .packed import DROP, INPUT, KEEP, OFFLOAD, ROUTED, kept_written, saved_written
 from .region import NeedsRegion, forward_pass
-from .replaying import ancestors, check_lifted, copy_outside, plan, run, watches
+from .replaying import adopt, ancestors, check_lifted, copy_outside, plan, run, watches
 from .trace import Trace, Tracer
 
 __all__ = ["TraceFrame"]
@@ -591,6 +591,7 @@ class TraceFrame(_Saving, _Serving):
         self.caches.clear()  # what a backward pass inside the forward pass replayed (partial)
         self.trace.settle()
         self.trace.seal()
+        adopt(self.trace)
         self._watch_outputs(out)
         with internal():
             self._prune()
