@@ -293,7 +293,6 @@ def check_lifted(trace: Trace, s: int, t: torch.Tensor) -> None:
             raise errors.lifted_changed(trace.fn_name, t)
 
 
-
 # NOTE [kept values written after the call]
 #     A value the replay reads rather than makes (kept by the policy, or offloaded for the replay) may be written in
 #     place after the forward pass ends: the caller's residual add into a returned product (``h = block(W, x); h +=

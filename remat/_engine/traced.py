@@ -707,4 +707,3 @@ class TraceFrame(_Saving, _Serving):
             for s, t in list(stash.items()):
                 self.routed[s] = parent.pack(t)
                 del stash[s]
-
