@@ -340,10 +340,10 @@ def set_version(t: torch.Tensor, version: int) -> None:
 # NOTE [kept values written after the call] in _engine/replaying.py: a watch on ``t``'s version counter, none of its
 # bytes (public APIs share one only with the storage): a ``detach`` emptied by ``set_()``, its counter put back.
 def version_alias(t: torch.Tensor) -> torch.Tensor:
-    if t.layout is not torch.strided or (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter):
-        return t.detach()  # (no set_ for sparse or nested layouts, nor one a subclass would see: the whole alias)
+    if t.layout is not torch.strided or t.is_nested or t.is_quantized or type(t) not in _PLAIN_TYPES:
+        return t.detach()  # (no set_ for sparse, nested or quantized tensors, nor one a subclass sees: the whole alias)
     v = t._version
-    with torch.no_grad(), torch._C._DisableTorchDispatch():  # (remat's bookkeeping: no user's mode sees it)
+    with torch.no_grad(), torch._C._DisableTorchDispatch():  # (remat's bookkeeping: no user's dispatch mode sees it)
         a = t.detach()
         a.set_()  # type: ignore[call-overload]  # (torch's stubs lack the overload without arguments)
     set_version(a, v)

@@ -438,3 +438,5 @@ def test_version_alias_shares_the_counter_and_holds_no_bytes() -> None:
     with torch.no_grad():
         p.add_(1)
     assert w._version == p._version == 1 and p.numel() == 3
+    nested = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])  # (no set_: a whole alias, no error)
+    assert ti.version_alias(nested)._version == nested._version

@@ -4,9 +4,10 @@ NOTE [budget plans] (the model and the solvers: NOTE [memory budget] in ``_budge
 NOTE [three-way budget] in ``_budgets/budget_offload.py``):
 The graph is measured by the engine, not traced apart: the first call of a
 remat'd function with given input shapes (its signature, ``_engine/signature.py``)
-runs with nothing saved, which fits any budget, while the recorder records every
-op (its inputs, outputs, shapes) and the engine's observer interface
-(``_context.INSPECTOR``) reports what autograd saved. The solved plan, the
+runs with nothing saved, which fits any budget, while the engine records every
+op (its inputs, outputs, shapes) and reports what autograd saved: under plain autograd the
+replay engine's trace and pack hook (``learn_trace``), elsewhere the full engine's recorder
+and its observer interface (``_context.INSPECTOR``). The solved plan, the
 decision for each op by its position in the call, is used from the second call
 on, so later calls cost what a fixed policy costs. A call whose ops differ from the plan's (a data-dependent
 branch), or whose kept ops read other shapes (a size set by a Python value the
@@ -99,8 +100,9 @@ class _Saved:
         if self.previous is not None:
             self.previous.on_save(t, decision, frame)
 
-    def note(self, t: torch.Tensor, n: int) -> None:
-        """Autograd saved ``t`` after the call's ``n``-th op (the replay engine's pack hook calls this directly)."""
+    def note(self, t: torch.Tensor, n: Any) -> None:
+        """Autograd saved ``t`` after the call's ``n``-th op (the replay engine's pack hook calls this directly, with
+        the last step recorded: ``learn_trace`` counts the steps up to it, an alias step of no op's not counted)."""
         with internal():
             s = ti.storage_of(ti.unwrap_all(t))
             if s is not None:
@@ -341,6 +343,11 @@ class MemoryBudget:
     def learn_trace(self, key: Any, policy: Any, saved: _Saved, trace: Any) -> None:
         """Solve for signature ``key`` from a measuring call the replay engine recorded (NOTE [the trace])."""
         steps = [st for st in trace.steps if type(st.call) is not Alias]  # (no op's: NOTE [unseen aliases])
+        upto, n = {}, 0
+        for st in trace.steps:
+            n += type(st.call) is not Alias
+            upto[id(st)] = n
+        saved.saved = [(k, upto.get(id(last), 0), b) for k, last, b in saved.saved]
         metas = policy.outs if len(policy.outs) == len(steps) else [[]] * len(steps)
         self.learn(key, policy, saved, [_StepRecord(trace, st, m) for st, m in zip(steps, metas)])
 

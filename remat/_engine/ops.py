@@ -277,8 +277,8 @@ class OpRecord:
     drew: torch.Tensor | None = None  # and its state after (NOTE [draws in threads] in _engine/ambient.py)
     writes: bool = False  # writes an argument in place, its schema saying so or not (batch norm's statistics)
     held: bool = False  # drawn from a shared generator with another thread alive: held (NOTE [draws in threads])
-    # results of the call on a held output's storage: (an alias sharing the result's version counter and none of its
-    # bytes, its version when the forward pass ended), ``Recorder.watch_results``
+    # tensors of the call alive on a held output's storage when the forward pass ended (its results, every op's output):
+    # (an alias sharing the tensor's version counter and none of its bytes, its version then), ``Recorder.watch_results``
     watch: list[tuple[torch.Tensor, int]] | None = None
 
     def rebuild(self, tensors: list[Any]) -> Any:

@@ -155,8 +155,12 @@ def call(fn: Callable[..., Any], name: str, policy: Callable[..., Any], statics:
         if measuring is not None and traced:
             frame = TraceFrame(run, flat, name, call_policy, default_engine(), state.label_of)
             frame.measure = measuring
-            out = frame.forward()
             assert budget is not None
+            try:
+                out = frame.forward()
+            except RematError:
+                budget.give_up(bkey)  # (as below: after a second refusal the signature saves nothing)
+                raise
             budget.learn_trace(bkey, call_policy, measuring, frame.trace)
             return out
         if measuring is not None:

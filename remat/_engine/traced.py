@@ -381,7 +381,7 @@ class _Saving(Half):
     def pack(self, t: Tensor) -> Any:
         trace = self.trace
         if self.measure is not None:  # (a memory budget's measuring call: what autograd saved, after which step)
-            self.measure.note(t, len(trace.steps))
+            self.measure.note(t, trace.steps[-1] if trace.steps else None)
         e = trace._slot_of.get(id(t))
         if e is None or e[0]() is not t:
             return self._keep(t, -1, INPUT)
