@@ -32,11 +32,10 @@ from typing import Any
 
 import torch
 
-from .. import _torch_internals as ti
 from .._context import internal
 from .._policies.core import Decision, Offloadable
 from . import outside as ox
-from .ops import Half, OpRecord, storage_key, traits
+from .ops import Half, OpRecord, storage_key, traits, version_watches
 
 __all__ = ["StashLiveness"]
 
@@ -161,17 +160,12 @@ class StashLiveness(Half):
                 rec.stash[i] = self.offload(t, rec.decision) if isinstance(rec.decision, Offloadable) else t.detach()
 
     def seal(self) -> None:
-        """End of the forward pass: note the version of every output kept for the replay.
+        """End of the forward pass (the kept outputs' versions are watched by ``watch_results``, which follows).
 
-        The version lives on the op's own output (a result the caller may hold),
-        not on the detached alias in the stash, which has a counter of its own.
         Outside reads are settled (NOTE [outside tensors]): each is either kept for the
         recompute's check or served from a copy.
         """
         for rec in self.ops:
-            if rec.stash is not None:
-                outs = [r() for r in rec.refs]
-                rec.versions = [None if o is None else o._version for o in outs]
             if rec.outside is not None:
                 self._settle_outside(rec)
         self._pending = {}
@@ -192,23 +186,19 @@ class StashLiveness(Half):
         unwrapped below every functorch level), is watched through an alias that shares its counter and holds no
         bytes. The recompute runs the op again once a watch moved (``_stale`` in ``replay.py``)."""
         held: dict[int, list[OpRecord]] = {}
-        for rec in self.ops:
-            if rec.stash is not None and rec.versions is not None:
-                for h, k in zip(rec.stash, rec.out_keys):
-                    if k and h is not None and not isinstance(h, weakref.ref):
-                        held.setdefault(k, []).append(rec)
-        if not held:
-            return
-        seen: set[int] = set()
-        alive = [(t, k) for rec in self.ops for r, k in zip(rec.refs, rec.out_keys) if k in held and (t := r()) is not None]
-        for t, k in alive + [(t, storage_key(t)) for t in results]:
-            if k in held and id(t) not in seen and not t.is_inference():
-                seen.add(id(t))
-                w = (ti.version_alias(t), t._version)
-                for rec in held[k]:
-                    if rec.watch is None:
-                        rec.watch = []
-                    rec.watch.append(w)
+        kept = [rec for rec in self.ops if rec.stash is not None and any(h is not None for h in rec.stash)]
+        for rec in kept:
+            for h, k in zip(rec.stash, rec.out_keys):
+                if k and h is not None and not isinstance(h, weakref.ref):
+                    held.setdefault(k, []).append(rec)
+        # its own outputs (a stash may hold one weakly), every op's output alive on a held storage, the results
+        pairs = [(t, id(rec)) for rec in kept for r in rec.refs if (t := r()) is not None]
+        pairs += [(t, id(rec)) for o in self.ops for r, k in zip(o.refs, o.out_keys)
+                  if k in held and (t := r()) is not None for rec in held[k]]
+        pairs += [(t, id(rec)) for t in results if (k := storage_key(t)) in held for rec in held[k]]
+        watches = version_watches(pairs)
+        for rec in kept:
+            rec.watch = watches.get(id(rec))
 
     def unused_ops(self, used_keys: set[int]) -> set[int]:
         """Ops whose outputs reach none of the storages ``used_keys`` (NOTE [unused outputs] in ``_engine/full.py``).

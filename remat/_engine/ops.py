@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Hashable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import optree
 import torch
@@ -18,7 +19,7 @@ from .._policies.core import Decision, Recompute
 from . import outside as ox
 
 __all__ = ["slot_key", "sparse_parts", "plain_subclass", "OpInfo", "op_info", "hidden_write", "declared_written_names", "Half", "LIFTS", "RANGE_OPS", "OpRecord", "DeadRead", "arg_tensors", "dead_value", "identity_alias", "ignored",
-           "is_tainted", "profiler_op", "storage_key", "tensor_leaves", "traits"]
+           "is_tainted", "profiler_op", "storage_key", "tensor_leaves", "traits", "version_watches"]
 
 # The base of a half of a class split by concern (the recorder's stash and outside-tensor halves, the frames' pack
 # and unpack halves): at run time plain ``object``; to mypy ``Any``, since a half reads attributes the whole class's
@@ -255,7 +256,6 @@ class OpRecord:
     stores: list[Any] = dataclasses.field(default_factory=list)  # weakrefs to the outputs' storages (or None)
     stash: list[Any] | None = None  # per output: weakref, tensor, offloaded handle or None
     cow: bool = False  # a stashed output was later mutated in place: replay a copy
-    versions: list[int | None] | None = None  # of the stashed outputs when the forward pass ended
     live: bool = True  # set by Recorder.prune: False when nothing the recompute needs reads its outputs
     skippable: bool = False  # a pure op allocating fresh outputs: may be skipped when dead
     # NOTE [outside tensors]: (position among the tensor args, tensor, its version when read)
@@ -278,7 +278,7 @@ class OpRecord:
     writes: bool = False  # writes an argument in place, its schema saying so or not (batch norm's statistics)
     held: bool = False  # drawn from a shared generator with another thread alive: held (NOTE [draws in threads])
     # tensors of the call alive on a held output's storage when the forward pass ended (its results, every op's output):
-    # (an alias sharing the tensor's version counter and none of its bytes, its version then), ``Recorder.watch_results``
+    # its own outputs (a stash may hold one weakly), ``version_watches`` made by ``Recorder.watch_results``
     watch: list[tuple[torch.Tensor, int]] | None = None
 
     def rebuild(self, tensors: list[Any]) -> Any:
@@ -521,3 +521,20 @@ class Step:
 
     def reads(self) -> list[int]:
         return [s for _, _, s in self.refs]
+
+
+_K = TypeVar("_K", bound=Hashable)
+
+
+def version_watches(pairs: Iterable[tuple[torch.Tensor, _K]]) -> dict[_K, list[tuple[torch.Tensor, int]]]:
+    """NOTE [kept values written after the call] in ``_engine/replaying.py``, for both engines: each (tensor of the
+    call alive when the forward pass ends, what a write to it makes stale) -> that value's watches, each (an alias
+    sharing the tensor's version counter and none of its bytes, its version then); one alias a tensor."""
+    made: dict[int, tuple[torch.Tensor, int]] = {}
+    out: dict[_K, list[tuple[torch.Tensor, int]]] = {}
+    for t, what in pairs:
+        if not t.is_inference():  # (no version counter to watch: no write can reach it either)
+            if (w := made.get(id(t))) is None:
+                w = made[id(t)] = (ti.version_alias(t), t._version)
+            out.setdefault(what, []).append(w)
+    return out

@@ -38,7 +38,7 @@ from .._errors import RematError
 from . import outside as ox
 from .ambient import draw_as_recorded, put_settings
 from .ambient import settings as ambient_settings
-from .ops import FLAT, Step, op_info
+from .ops import FLAT, Step, op_info, version_watches
 from .trace import Trace, unseen_aliases
 
 __all__ = ["plan", "run", "ancestors", "watches", "adopt"]
@@ -304,20 +304,16 @@ def check_lifted(trace: Trace, s: int, t: torch.Tensor) -> None:
 #     such a value's storage is watched through an alias that shares its version counter and holds no bytes
 #     (``version_alias`` in ``_torch_internals.py``); one that moved makes the value again (``TraceFrame._available``).
 def watches(trace: Trace, slots: Iterable[int], own: bool) -> dict[int, list[tuple[Tensor, int]]]:
-    """NOTE [kept values written after the call]: ``slots`` -> (a counter-only alias, its version) for each tensor of
+    """NOTE [kept values written after the call]: ``slots`` -> their watches (``version_watches``), of each tensor of
     the call alive on its storage; ``own``: the slot's tensor and its views too (a kept value's share the counter of
     its stash, which ``stash_versions`` watches already)."""
     keys: dict[int, list[int]] = {}
     for s in slots:
         if k := trace.key_of.get(s):
             keys.setdefault(k, []).append(s)
-    out: dict[int, list[tuple[Tensor, int]]] = {}
-    for s2, ref in trace.refs.items() if keys else ():
-        for s in keys.get(trace.key_of.get(s2, 0), ()):
-            if (own or (s2 != s and trace.root.get(s2, s2) != s)) and (t := ref()) is not None \
-                    and not t.is_inference():
-                out.setdefault(s, []).append((ti.version_alias(t), t._version))
-    return out
+    return version_watches(
+        (t, s) for s2, ref in (trace.refs.items() if keys else ()) for s in keys.get(trace.key_of.get(s2, 0), ())
+        if (own or (s2 != s and trace.root.get(s2, s2) != s)) and (t := ref()) is not None)
 
 
 def adopt(trace: Trace) -> None:
