@@ -361,6 +361,13 @@ def will_engine_execute(node: Any) -> bool:
         return True
 
 
+# No public API says whether a tensor's history was made before a point (NOTE [program replay]: a tensor with history
+# a call reads from outside, the enclosing function's, is read as it is): ``autograd_order()`` then, and a node's.
+def autograd_order(node: Any = None) -> int:
+    """The sequence number of autograd node ``node``, or the one this thread's next node will get."""
+    return int(torch.autograd._get_sequence_nr() if node is None else node._sequence_nr())  # type: ignore[attr-defined]
+
+
 # TorchDispatchMode is the documented way to see ATen ops below autograd and every functorch
 # layer (the only place a policy can see matmuls under torch.func), but it lives in a private
 # module: remat imports it from here only.
@@ -665,29 +672,22 @@ def activation_offloading_available() -> bool:
     return True
 
 
-def _mark_offloads(gm: Any) -> Any:
-    """The joint graph's nodes a checkpoint policy answered ``MUST_CPU_OFFLOAD`` for: saved, marked for the pass."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    offload = (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD)
-    for node in gm.graph.nodes:
-        if node.meta.get("recompute") in offload:
-            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-            node.meta["should_offload"] = True
-    return gm
-
-
 @contextlib.contextmanager
 def activation_offloading() -> Iterator[None]:
     """torch's compile-time offloading on, for the nodes remat's compiled policy marks, while the body compiles."""
     import torch._functorch.config as fc
+    from torch.utils.checkpoint import CheckpointPolicy
 
     previous = fc.joint_custom_pass
+    offload = (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD)
 
     def joint(gm: Any, inputs: Any) -> Any:
-        if previous is not None:
-            gm = previous(gm, inputs)
-        return _mark_offloads(gm)
+        gm = previous(gm, inputs) if previous is not None else gm
+        for node in gm.graph.nodes:  # (the nodes a checkpoint policy answered MUST_CPU_OFFLOAD for: saved, marked)
+            if node.meta.get("recompute") in offload:
+                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                node.meta["should_offload"] = True
+        return gm
 
     setattr(joint, _OFFLOAD_MARK, True)
     with fc.patch(enable_activation_offloading=True, joint_custom_pass=joint):

@@ -735,3 +735,42 @@ def test_an_unseen_alias_made_by_as_strided_or_read_by_a_nested_call(case, polic
     for _ in range(2):
         x = x0.clone().requires_grad_()
         torch.testing.assert_close(torch.autograd.grad(rf(x), x)[0], want, **TOL)
+
+
+_KEY_CACHE: list[torch.Tensor] = []
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("change", ["replace", "append"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_key_cache_made_by_the_enclosing_function_and_changed_after_the_call(policy: str, change: str,
+                                                                              transform: str) -> None:
+    """A key cache: a global list (a closure's is module state, which the program reads apart) that the enclosing
+    (transformed) function fills, the call appends to and concatenates, and the caller changes after the call (an
+    entry replaced, one more appended). The entry the enclosing function made has history at the transform's level;
+    until the thirty-eighth session a program reading it gave way and the Python ran again, concatenating the list as
+    it was then: "diverged" on every call under every transform (plain ``torch.func`` is exact). One made before the
+    call began is read as it is, as any tensor from outside."""
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        _KEY_CACHE.append(torch.tanh(x * 1.5))  # (the key cache of a block)
+        k = torch.cat(_KEY_CACHE, 0)
+        return torch.softmax(x @ k.t(), -1) @ k
+
+    ours = remat.remat(block, policy=POLICIES[policy])
+
+    def make_loss(use: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+        def loss(x: torch.Tensor) -> torch.Tensor:
+            _KEY_CACHE.clear()
+            _KEY_CACHE.append(x * 0.5)  # (made by the enclosing function: history at the transform's level)
+            y = (ours if use else block)(x)
+            if change == "replace":
+                _KEY_CACHE[0] = x * 3.0
+            else:
+                _KEY_CACHE.append(x)
+            return (y.sin() ** 2).sum()
+
+        return loss
+
+    for i in range(3):  # the first call and later ones
+        _compare(transform, make_loss, torch.randn(3, 4, dtype=f64) + i, lambda: None)

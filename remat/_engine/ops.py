@@ -19,7 +19,7 @@ from .._policies.core import Decision, Recompute
 from . import outside as ox
 
 __all__ = ["slot_key", "sparse_parts", "plain_subclass", "OpInfo", "op_info", "hidden_write", "declared_written_names", "Half", "LIFTS", "RANGE_OPS", "OpRecord", "DeadRead", "arg_tensors", "dead_value", "identity_alias", "ignored",
-           "is_tainted", "profiler_op", "storage_key", "tensor_leaves", "traits", "version_watches"]
+           "is_tainted", "profiler_op", "storage_key", "tensor_leaves", "traits", "version_watches", "storage_freed"]
 
 # The base of a half of a class split by concern (the recorder's stash and outside-tensor halves, the frames' pack
 # and unpack halves): at run time plain ``object``; to mypy ``Any``, since a half reads attributes the whole class's
@@ -538,3 +538,15 @@ def version_watches(pairs: Iterable[tuple[torch.Tensor, _K]]) -> dict[_K, list[t
                 w = made[id(t)] = (ti.version_alias(t), t._version)
             out.setdefault(what, []).append(w)
     return out
+
+
+def storage_freed(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage no longer holds its elements: the caller let go of a kept value's memory (FSDP's
+    ``untyped_storage().resize_(0)``), which moves no version counter; the replay makes the value again."""
+    try:
+        if t.layout is not torch.strided or not t.numel():
+            return False
+        end = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+        return bool(t.untyped_storage().nbytes() < end * t.element_size())
+    except (RuntimeError, NotImplementedError):  # (no storage to ask: a subclass, a fake tensor)
+        return False

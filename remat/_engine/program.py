@@ -122,6 +122,7 @@ class Program:
         self.running = False  # a recorded call is running (the torch calls it makes are its own)
         self.frame: Any = None
         self.level = -1
+        self.order0 = 0
         self.grad0 = True
         self.autocast0: tuple[Any, ...] = (None, None)
         self.last_use: list[list[int]] | None = None
@@ -136,6 +137,7 @@ class Program:
     # ---- recording -------------------------------------------------------------------
     def start(self, frame: Any, flat: list[Any], state_tensors: list[Tensor]) -> None:
         self.frame = frame
+        self.order0 = ti.autograd_order()  # (the autograd nodes made since are the call's)
         top = ti.peek_interpreter()
         self.level = top.level() if top is not None else -1
         self.grad0 = torch.is_grad_enabled()
@@ -250,9 +252,10 @@ class Program:
         s = self._known(t)
         if s is not None:
             return s
-        if self._node(t) is not None:
-            # a value with history that no recorded call made (a custom autograd.Function's output, a closure
-            # over a value of the enclosing function): what made it would not run again
+        if (node := self._node(t)) is not None and ti.autograd_order(node) >= self.order0:
+            # a value with history made inside the call where no recorded call made it (a custom autograd.Function's
+            # output): what made it would not run again. (One made before the call began, the enclosing function's
+            # key cache or closure, is read as it is: held, as any outside tensor.)
             self.spoil("it reads a tensor with history that no torch function of the call made")
         made = _unseen_alias(self, t) if self.spoiled is None else None
         if made is not None:  # NOTE [unseen aliases]: made again, from the replay's value of the storage it shares

@@ -42,6 +42,7 @@ from .ops import (
     op_info,
     op_meta,
     profiler_op,
+    storage_freed,
     storage_key,
     tensor_leaves,
 )
@@ -350,11 +351,13 @@ def _stale(rec: OpRecord, fn_name: str) -> bool:
     moved = None
     for a, v0 in rec.watch or ():
         if a._version != v0:
-            moved = (v0, a._version)
+            moved = f"version {v0} -> {a._version}"
+    if any(type(h) is torch.Tensor and storage_freed(h) for h in rec.stash or ()):
+        moved = "its storage freed"  # (by the caller: no version moves)
     if moved is not None and rec.random:
         raise RematError(
             f"remat: the output of {rec.describe()} that {fn_name} kept for its recompute was modified "
-            f"in place after the forward pass (version {moved[0]} -> {moved[1]}), e.g. a result of the function "
+            f"in place after the forward pass ({moved}), e.g. a result of the function "
             "changed before the backward pass. Clone a result before modifying it, or run the backward pass first."
         )
     return moved is not None

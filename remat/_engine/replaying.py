@@ -303,6 +303,7 @@ def check_lifted(trace: Trace, s: int, t: torch.Tensor) -> None:
 #     (a weak reference then says nothing). So when the forward pass ends every tensor of the call still alive on
 #     such a value's storage is watched through an alias that shares its version counter and holds no bytes
 #     (``version_alias`` in ``_torch_internals.py``); one that moved makes the value again (``TraceFrame._available``).
+#     One rule, ``ops.version_watches``, makes the watches of both engines (the full engine's: ``watch_results``).
 def watches(trace: Trace, slots: Iterable[int], own: bool) -> dict[int, list[tuple[Tensor, int]]]:
     """NOTE [kept values written after the call]: ``slots`` -> their watches (``version_watches``), of each tensor of
     the call alive on its storage; ``own``: the slot's tensor and its views too (a kept value's share the counter of

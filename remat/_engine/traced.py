@@ -63,7 +63,7 @@ from .._policies.core import Offloadable, Recompute
 from .._torch_internals import saved_tensors_hooks
 from . import outside as ox
 from .capture import holdable
-from .ops import Half
+from .ops import Half, storage_freed
 from .packed import DROP, INPUT, KEEP, OFFLOAD, ROUTED, kept_written, saved_written
 from .region import NeedsRegion, forward_pass
 from .replaying import adopt, ancestors, check_lifted, copy_outside, plan, run, watches
@@ -273,9 +273,9 @@ class _Serving(Half):
         rw = self.replay_watch  # NOTE [kept values written after the call] in replaying.py
         avail.update(s for s in self.replay_offloaded if all(a._version == v for a, v in rw.get(s, ())))
         versions, kw = trace.stash_versions, self.kept_watch
-        for s, v in trace.stash.items():
+        for s, v in trace.stash.items():  # (its storage freed by the caller, no version moved: made again)
             if type(v) is not weakref.ref and v._version == versions.get(s) and (
-                    s not in kw or all(a._version == v0 for a, v0 in kw[s])):
+                    s not in kw or all(a._version == v0 for a, v0 in kw[s])) and not storage_freed(v):
                 avail.add(s)
         # (a copy the offload engine took for the replay holds the value before any later write; one taken for a
         # save, the value then, which a write through .data since would make stale)
