@@ -741,3 +741,47 @@ def test_a_nested_call_appending_to_a_cache_under_a_budget(inner: str) -> None:
         _AppendsToACache(read_before_write=True)(x).pow(2).sum().backward()
     with pytest.raises(RematError, match="modified in place"):
         outer(x).pow(2).sum().backward()
+
+
+_COUNTER = torch.zeros(4, dtype=torch.float64)
+
+
+def _reads_counter(w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    return torch.tanh((h + _COUNTER) @ w) + h  # (an add: plain autograd saves nothing of the counter)
+
+
+@pytest.mark.parametrize("outer_calls", [1, 2])
+@pytest.mark.parametrize("policies_", [("save-nothing", "save-nothing"), ("save-everything", "save-nothing"),
+                                       ("save-matmuls", "save-matmuls"), ("save-nothing", "save-matmuls")],
+                         ids=lambda p: "-".join(p))
+def test_a_global_the_outer_call_writes_between_inner_calls_read_by_them(policies_: tuple[str, str],
+                                                                         outer_calls: int) -> None:
+    """The outer call writes a global counter in place (no gradient) between two inner calls that read it, and is
+    called twice before one backward pass. Until the thirty-eighth session the inner call's read was saved through
+    the outer one as an autograd save, version checked: "modified in place after it was saved" once the second outer
+    call wrote it (plain autograd saves nothing of it: exact). The outer replay makes that value on its own copy of
+    the storage (NOTE [outside writes]), whatever is written since: exact."""
+    outer_p, inner_p = policies_
+    inner = remat(_reads_counter, policy=inner_p)
+
+    def make(f: Any) -> Any:
+        def outer(w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+            y = f(w, h)
+            _COUNTER.add_(1.0)
+            return f(w, y)
+
+        return outer
+
+    def grads(f: Any) -> Any:
+        _COUNTER.zero_()
+        w = (seeded_randn(4, 4, seed=0) * 0.5).requires_grad_()
+        x = seeded_randn(3, 4, seed=1).requires_grad_()
+        h = x
+        for _ in range(outer_calls):
+            h = f(w, h)
+        return torch.autograd.grad(h.pow(2).sum(), (w, x))
+
+    want = grads(make(_reads_counter))
+    ours = remat(make(inner), policy=outer_p)
+    for _ in range(3):
+        assert_tree_close(grads(ours), want, rtol=1e-10, atol=1e-10)

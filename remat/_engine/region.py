@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -53,6 +54,7 @@ from .._context import internal
 from .._errors import RematError, input_written_before_backward
 from .ambient import AmbientState
 from .dispatch import Recorder
+from .leaves import dataclass_fields
 from .ops import storage_key
 from .replay import Replayer
 from .state import Snapshot
@@ -129,7 +131,7 @@ class _Call:
         self.out_consts: list[Any] = []
         self.n_float = 0  # the outputs are the differentiable ones, then the others
 
-    def _fn(self, tensors: list[torch.Tensor], diff: list[int]) -> Any:
+    def _fn(self, tensors: list[torch.Tensor], diff: list[int], made: _Made | None = None) -> Any:
         """The function of the differentiable tensors ``diff`` (the others fixed), as torch.func.vjp wants it."""
         def fn(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
             full = list(tensors)
@@ -138,10 +140,11 @@ class _Call:
             vals = list(self.flat)
             for slot, t in zip(self.slots, full):
                 vals[slot] = t
-            with self.state.restored(full[self.n_inputs:]):
+            with self.state.restored(full[self.n_inputs:]), made or contextlib.nullcontext():
                 out = self.run(vals)
             leaves, spec = optree.tree_flatten(out, none_is_leaf=True)
-            self.out_spec = spec
+            leaves, collapse = dataclass_fields(leaves)  # (a dataclass's fields: results of the region too)
+            self.out_spec = spec, collapse
             self.out_consts = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
             ts_out = [x for x in leaves if isinstance(x, torch.Tensor)]
             self._others = [x for x in ts_out if not _differentiable(x)]
@@ -169,12 +172,16 @@ class _Call:
             if self.under_func:
                 es.enter_context(_Captured(rec, self.fn_name))
             es.enter_context(rec)
+            made = _Made()
             try:
-                floats = torch.func.vjp(self._fn(list(tensors), diff), *[tensors[i] for i in diff])[0]
+                floats = torch.func.vjp(self._fn(list(tensors), diff, made), *[tensors[i] for i in diff])[0]
             except RuntimeError as e:
                 if "mutate a captured Tensor" in str(e):
                     raise _captured_write(self.fn_name) from e
+                if "non-empty output" in str(e):  # (no tensor in its result: one inside an object, or none)
+                    made.refuse_escaped(self.fn_name)
                 raise
+        made.refuse_escaped(self.fn_name)  # (the vjp's graph is gone: what it saved too)
         self.versions = [_version(t) for t in self.tensors]  # (written before the backward pass: refused, named)
         if self.draws:
             _same_draws(self.fn_name, self.draws, [r.rng for r in rec.ops if r.rng is not None])
@@ -332,6 +339,35 @@ class _Captured(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _Made(TorchFunctionMode):
+    """The tensors with history the region's function makes, weakly: one alive once the forward pass's vjp returned
+    (its graph, and the wrappers of the result, gone) was handed out other than in the result (a global, ``self.aux``,
+    an object optree cannot take apart), and the vjp's level ended with it: its gradient would be lost, silently."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[weakref.ref[torch.Tensor]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in (out,) if isinstance(out, torch.Tensor) else out if type(out) in (tuple, list) else ():
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                self.refs.append(weakref.ref(t))
+        return out
+
+    def refuse_escaped(self, fn_name: str) -> None:
+        for r in self.refs:
+            if (t := r()) is not None:
+                raise RematError(
+                    f"remat: {fn_name} enters a torch.func reverse transform, so remat runs it as one region under "
+                    f"torch.func.vjp (NOTE [reentrant region]), and it hands out a tensor of shape {list(t.shape)} "
+                    "that requires grad other than in its result (kept in a global, on a module such as self.aux, or "
+                    "in an object remat cannot take apart): the vjp's level ends with the call, and that tensor's "
+                    "gradient would be lost. Return it as part of the result (a tuple, dict or dataclass), or "
+                    "detach it if no gradient should flow through it."
+                )
+
+
 class _Region(torch.autograd.Function):
     generate_vmap_rule = True
 
@@ -377,4 +413,6 @@ def run_region(run: Callable[[list[Any]], Any], flat: list[Any], fn_name: str, p
     if isinstance(outs, torch.Tensor):
         outs = (outs,)
     it = iter(outs)
-    return optree.tree_unflatten(call.out_spec, [next(it) if c is _TENSOR else c for c in call.out_consts])
+    spec, collapse = call.out_spec
+    leaves = [next(it) if c is _TENSOR else c for c in call.out_consts]
+    return optree.tree_unflatten(spec, leaves if collapse is None else collapse(leaves))

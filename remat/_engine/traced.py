@@ -107,14 +107,6 @@ class _Ran:
         self.ran = True
 
 
-def _alive(ref: Any) -> Any:
-    return ref()
-
-
-def _has_node(t: Tensor | None) -> bool:
-    return t is not None and t.grad_fn is not None
-
-
 class _Serving(Half):
     """The unpack hook of a traced call (``TraceFrame.unpack``): hand back what was kept, fetch what was offloaded,
     replay once what was dropped (NOTE [replay]) and let go of it as it is read; a half of ``TraceFrame``."""
@@ -238,7 +230,8 @@ class _Serving(Half):
         steps, frees = plan(trace, wanted, self._available(graph), self._stale_copies(wanted, graph))
         if graph:
             for step in steps:
-                if step.nograd_outs is not None and any(_has_node(r()) for r in step.nograd_outs):
+                if step.nograd_outs is not None and any((t := r()) is not None and t.grad_fn is not None
+                                                        for r in step.nograd_outs):
                     raise RematError(
                         f"remat: a backward pass that builds a graph (create_graph=True, a double backward) "
                         f"reads a tensor {self.fn_name} dropped that a custom autograd.Function made "
@@ -478,7 +471,7 @@ class _Saving(Half):
         self.engine.storage_written(self, keys)  # NOTE [one copy per storage] in _offload/copies.py
         # a copy not taken yet (the engine keeps the newest call on the device: NOTE [keep last]) is taken before
         # the write, which on CUDA waits for a copy still running
-        handles = [*self.replay_offloaded.values(), *(p.payload for p in map(_alive, self.offloaded.values()) if p)]
+        handles = [*self.replay_offloaded.values(), *(p.payload for r in self.offloaded.values() if (p := r()))]
         for o in handles:
             if self.engine.shares_storage(o, keys):
                 self.engine.before_write(o)
@@ -508,7 +501,12 @@ class _Saving(Half):
         while p is not None:
             ps = p.trace.slot_of(t)
             if ps is not None and ps not in p.trace.outside:
-                self.routed[s] = parent.pack(t)  # made by an enclosing call: its policy decides
+                # (on an outside storage the parent wrote, NOTE [outside writes]: its replay makes the value on its
+                # copy, whatever a later call writes there: not an autograd save, no version check)
+                shadowed = p is parent and p.trace.shadows.get(p.trace.key_of.get(ps, 0)) is not None
+                if shadowed:
+                    p.counts[ps] = p.counts.get(ps, 0) + 1
+                self.routed[s] = (ps, t._version, None) if shadowed else parent.pack(t)  # (else: its policy decides)
                 return
             p = p.parent
 
