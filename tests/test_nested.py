@@ -28,7 +28,7 @@ import pytest
 import torch
 from torch.func import grad, hessian, jacrev, vjp, vmap
 
-from remat import RematError, policies, remat
+from remat import RematError, checkpoint_name, policies, remat
 from remat.bench.measure import LiveCensus
 
 from .helpers import Counted, OpLog, assert_tree_close, seeded_randn
@@ -783,5 +783,42 @@ def test_a_global_the_outer_call_writes_between_inner_calls_read_by_them(policie
 
     want = grads(make(_reads_counter))
     ours = remat(make(inner), policy=outer_p)
+    for _ in range(3):
+        assert_tree_close(grads(ours), want, rtol=1e-10, atol=1e-10)
+
+
+def _kept_inner(w: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h = checkpoint_name(torch.tanh(x) @ w, "h")  # (kept by save-matmuls and by the name)
+    return h, torch.tanh(h)  # tanh saves its output: made from the kept h
+
+
+@pytest.mark.parametrize("outer_p", ["save-matmuls", "names", "save-everything"])
+@pytest.mark.parametrize("inner_p", ["save-matmuls", "names"])
+def test_an_inner_kept_value_returned_through_the_outer_call_and_written_by_the_caller(inner_p: str,
+                                                                                    outer_p: str) -> None:
+    """The inner call keeps its matmul, which the outer call returns; the caller adds a residual into it in place
+    before the backward pass. Plain autograd is exact (tanh saves its output, not h); one remat call was already
+    (NOTE [kept values written after the call]). Nested, the inner call's kept value is held through the outer
+    call, which checked it as an autograd save: "modified in place after it was saved" on every call until the
+    thirty-eighth session. The outer call makes it again from its trace now."""
+    pol = {"names": policies.save_only_these_names("h")}
+    inner = remat(_kept_inner, policy=pol.get(inner_p, inner_p))
+
+    def make(f: Any) -> Any:
+        def outer(w: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h, a = f(w, x)
+            return h, a * 2
+
+        return outer
+
+    def grads(f: Any) -> Any:
+        w = (seeded_randn(4, 4, seed=0) * 0.5).requires_grad_()
+        x = seeded_randn(3, 4, seed=1).requires_grad_()
+        h, a = f(w, x)
+        h += x  # the caller's residual add
+        return torch.autograd.grad((a * 1.5).sum() + (h ** 2).sum(), (w, x))
+
+    want = grads(make(_kept_inner))
+    ours = remat(make(inner), policy=pol.get(outer_p, outer_p))
     for _ in range(3):
         assert_tree_close(grads(ours), want, rtol=1e-10, atol=1e-10)

@@ -73,6 +73,7 @@ __all__ = ["TraceFrame"]
 
 Tensor = torch.Tensor
 _grad_enabled = torch.is_grad_enabled
+_FOR_REPLAY = ("for a nested call's replay",)  # (_Pack.meta of a kept value routed from a nested call)
 
 
 class _Pack:
@@ -119,7 +120,7 @@ class _Serving(Half):
         s, version, ref = p
         with self._lock:
             if self.replaced and s in self.replaced:
-                self._refuse_replaced(s)
+                raise errors.data_replaced(self.fn_name, self.replaced[s])
             graph = _grad_enabled()
             if ref is not None:
                 t = ref()
@@ -159,18 +160,20 @@ class _Serving(Half):
         with self._lock:
             kind = p.kind
             if kind == DROP:  # (a kept value a name dropped since: ``_demote``)
-                self._check_unwritten(p)
+                self._check_written(p.slot, p.version, p.ref, p.aliases, p.meta, p.kind)
                 return self.unpack((p.slot, p.version, None))
             if kind == KEEP or kind == INPUT:
                 t = p.payload
                 if t._version != p.version:
-                    self._written(p, t)
+                    if p.meta == _FOR_REPLAY:  # (a nested call's value, written since: made again, as its own are)
+                        return self._make_again(p.slot)
+                    raise kept_written(self.fn_name, t, p.version)
                 return t  # type: ignore[no-any-return]
             if kind == OFFLOAD:
                 if self.replaced and p.slot in self.replaced:
-                    self._refuse_replaced(p.slot)
+                    raise errors.data_replaced(self.fn_name, self.replaced[p.slot])
                 t = self.engine.fetch(p.payload)  # (which raises if the tensor it copied was written since)
-                self._check_unwritten(p)  # (or one of its aliases)
+                self._check_written(p.slot, p.version, p.ref, p.aliases, p.meta, p.kind)  # (or one of its aliases)
                 if self.trace.outside_keys:
                     self._check_outside_storage(p.slot)
                 return t  # type: ignore[no-any-return]
@@ -178,12 +181,6 @@ class _Serving(Half):
                 assert self.parent is not None
                 return self.parent.unpack(p.payload)
             raise AssertionError(kind)
-
-    def _refuse_replaced(self, s: int) -> None:
-        raise errors.data_replaced(self.fn_name, self.replaced[s])
-
-    def _check_unwritten(self, p: _Pack) -> None:
-        self._check_written(p.slot, p.version, p.ref, p.aliases, p.meta, p.kind)
 
     def _check_written(self, slot: int, version: int, ref: Any, aliases: Any, meta: Any, kind: str) -> None:
         """Raise if the saved tensor (or one of its ``aliases``) was written in place since it was saved at
@@ -208,8 +205,12 @@ class _Serving(Half):
         shown = t if t is not None else torch.empty(shape, dtype=dtype)
         raise saved_written(self.fn_name, slot, shown, version, now)
 
-    def _written(self, p: _Pack, t: Tensor) -> None:
-        raise kept_written(self.fn_name, t, p.version)
+    def _make_again(self, s: int) -> Tensor:
+        """NOTE [kept values written after the call] for a nested call's value this call keeps for it: its step
+        replayed from what is available (not itself)."""
+        graph = _grad_enabled()
+        steps, frees = plan(self.trace, {s}, self._available(graph) - {s}, frozenset())
+        return run(self.trace, steps, frees, {s}, self._source(graph), graph)[s]  # type: ignore[no-any-return]
 
     def _replay(self, graph: bool, full: bool = False) -> tuple[dict[int, Tensor], dict[int, int], dict[int, int]]:
         self.recomputes += 1
@@ -443,13 +444,13 @@ class _Saving(Half):
         trace = self.trace
         for p in self.kept.pop(s, ()):
             if p.kind == KEEP:
-                held = p.payload  # (a detached alias: it shares the tensor's version counter)
-                if held._version != p.version:  # written since it was saved: stale already (as Trace.settle notes)
-                    p.meta = (held.shape, held.dtype, held._version)
+                held, for_replay = p.payload, p.meta is _FOR_REPLAY  # (a detached alias: it shares t's version counter)
+                # written since it was saved: stale already (as Trace.settle notes); a nested call's: made again
+                p.meta = (held.shape, held.dtype, held._version) if held._version != p.version and not for_replay else None
                 # watched as a dropped tensor is from now on (a write before the backward pass raises at the unpack,
                 # as plain autograd's check of the saved tensor would): its slot's weak reference, and among the
                 # call's drops (a write in the forward pass moving it, its views and base when the forward pass ends)
-                p.kind, p.payload, p.ref = DROP, None, trace.refs.get(p.slot)
+                p.kind, p.payload, p.ref = DROP, None, None if for_replay else trace.refs.get(p.slot)
                 trace.drops.append(p)
                 self.counts[p.slot] = self.counts.get(p.slot, 0) + 1
 
@@ -703,5 +704,7 @@ class TraceFrame(_Saving, _Serving):
             # the values the replay reads are saved through the parent too (NOTE [nested replay])
             parent = self.parent
             for s, t in list(stash.items()):
-                self.routed[s] = parent.pack(t)
+                h = self.routed[s] = parent.pack(t)
+                if type(h) is _Pack and h.kind == KEEP and h.slot in parent.trace.producer:
+                    h.meta = _FOR_REPLAY  # (not an autograd save: written after the call, made again)
                 del stash[s]
