@@ -774,3 +774,59 @@ def test_a_key_cache_made_by_the_enclosing_function_and_changed_after_the_call(p
 
     for i in range(3):  # the first call and later ones
         _compare(transform, make_loss, torch.randn(3, 4, dtype=f64) + i, lambda: None)
+
+
+_MASKS: dict[str, torch.Tensor] = {}
+
+
+@pytest.mark.parametrize("transform", ["jacrev(jacrev)", "vjp(vjp)", "jacrev(jacfwd)", "hessian", "grad(grad)"])
+@pytest.mark.parametrize("mask", ["constant", "detached", "with-history"])
+@pytest.mark.parametrize("calls", [1, 2])
+def test_a_tensor_made_inside_a_nested_transform_and_read_through_a_global(calls: int, mask: str,
+                                                                           transform: str) -> None:
+    """A mask the transformed function makes and the block reads from a global (a rotary or attention cache) is a
+    wrapper of the inner transform's level, which has ended when the outer one's backward pass replays the block:
+    until the thirty-eighth session functorch asserted on it ("read a tensor of a torch.func transform that has
+    ended") under ``jacrev(jacrev)``, ``vjp(vjp)`` and ``jacrev(jacfwd)``, even for a constant. The replay reads
+    it as functorch reads such a wrapper: its live layers, history and all; one with history at the ended level
+    raises still (as before: pass it as an argument)."""
+
+    def block(w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h @ w) * _MASKS["m"] + h
+
+    w = torch.randn(4, 4, dtype=f64, generator=torch.Generator().manual_seed(4)) * 0.5
+    x0 = torch.randn(1, 4, dtype=f64, generator=torch.Generator().manual_seed(5))
+
+    def loss_of(f: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        def loss(x: torch.Tensor) -> torch.Tensor:
+            _MASKS["m"] = (torch.linspace(0.5, 1.5, 4, dtype=f64) if mask == "constant"
+                           else x.detach().abs().mean(0) + 1 if mask == "detached" else x.abs().mean(0) + 1)
+            h = x
+            for _ in range(calls):
+                h = f(w, h)
+            return h.pow(2).sum()
+
+        return loss
+
+    def derive(loss: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        if transform == "jacrev(jacrev)":
+            return jacrev(jacrev(loss))(x0)
+        if transform == "jacrev(jacfwd)":
+            return jacrev(jacfwd(loss))(x0)
+        if transform == "hessian":
+            return hessian(loss)(x0)
+        if transform == "grad(grad)":
+            return grad(lambda x: grad(loss)(x).sum())(x0)
+        return vjp(lambda x: vjp(loss, x)[1](torch.tensor(1.0, dtype=f64))[0], x0)[1](torch.ones_like(x0))[0]
+
+    want = derive(loss_of(block))
+    for policy in ("save-nothing", "save-matmuls"):
+        ours = remat.remat(block, policy=POLICIES[policy])
+        for _ in range(2):
+            if mask == "with-history" and transform != "grad(grad)":
+                # (its history at the inner level, which the outer derivative differentiates, is gone with that
+                # level: refused, saying to pass it as an argument)
+                with pytest.raises(RematError, match="pass them as arguments|diverged"):
+                    derive(loss_of(ours))
+            else:
+                torch.testing.assert_close(derive(loss_of(ours)), want, **TOL)

@@ -23,8 +23,9 @@ NOTE [program replay]
     (with the re-run's checks: exact or ``RematError``): a call at another functorch level than the call's own (a
     vmap inside the function), a call made while another remat call is active (other than a nested remat call
     recorded as one call: NOTE [nested programs]), an iterator
-    returned (its tensors come from no call the mode sees), a tensor with history that no call made (the output of
-    a custom ``autograd.Function``; ``DTensor.from_local`` and ``to_local``, which are such Functions, and FSDP2's
+    returned (its tensors come from no call the mode sees), a tensor with history made inside the call that no call
+    made (the output of a custom ``autograd.Function``; one made before the call began, such as the enclosing
+    function's key cache, is held and read as it is; ``DTensor.from_local`` and ``to_local``, which are such Functions, and FSDP2's
     hooks: tensor parallel and FSDP2 calls re-run), a tensor of the call that an ``autograd.Function`` returned as
     its own output (a module's full backward hook), autocast switched inside the function, saved-tensor hooks the
     function pushes itself (``torch.utils.checkpoint``, ``save_on_cpu``: its ops' saves go to those hooks, which a
@@ -313,7 +314,7 @@ class Program:
         return out
 
     def _run(self, vals: list[Any], state_vals: list[Any]) -> dict[int, Any] | None:
-        v: dict[int, Any] = dict(self.outside)
+        v: dict[int, Any] = {s: _alive_layers(t) for s, t in self.outside.items()}
         for s, i in self.inputs.items():
             v[s] = vals[i]
         for s, i in self.state.items():
@@ -360,6 +361,16 @@ class Program:
         finally:
             put_settings(settings0)
         return v
+
+
+def _alive_layers(t: Any) -> Any:
+    """An outside tensor without the wrappers of the transforms that ended since the forward pass read it (one made
+    inside an inner transform of ``jacrev(jacrev(f))``, read from a global: functorch's own reading of such a wrapper,
+    which an op at the rebuilt levels asserts on instead); its live layers, history and all, stay. (History it had at
+    an ended level is gone: the recompute saves less than the forward pass did, and raises.)"""
+    while isinstance(t, Tensor) and ti.is_wrapped(t) and ti.is_dead_wrapper(t):
+        t = ti.unwrap_one(t)
+    return t
 
 
 def _made(p: Program, t: Tensor, fresh: bool = True) -> int:

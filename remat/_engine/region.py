@@ -26,7 +26,9 @@ NOTE [reentrant region]
     neither an input nor made inside) raises ``RematError`` instead of losing its
     gradient. The enclosing calls' hooks are set aside while the region runs its
     function (``saved_tensors_hooks_set_aside``), so regions nest inside remat'd
-    calls and their recomputes. ``detach`` is not an op of a region (the number
+    calls and their recomputes. A tensor with history the function hands out other than in its result (a global,
+    ``self.aux``) would lose its gradient with the vjp's level: it raises (``_Made``); a dataclass result is taken
+    apart (``leaves.py``). ``detach`` is not an op of a region (the number
     torch.func runs depends on the grad mode, which differs between the forward
     and the backward pass): its output is the same value under another name.
 
