@@ -160,7 +160,8 @@ class StashLiveness(Half):
                 rec.stash[i] = self.offload(t, rec.decision) if isinstance(rec.decision, Offloadable) else t.detach()
 
     def seal(self) -> None:
-        """End of the forward pass (the kept outputs' versions are watched by ``watch_results``, which follows).
+        """End of the forward pass (the kept outputs' versions are watched by ``watch_results``, which each caller runs
+        next).
 
         Outside reads are settled (NOTE [outside tensors]): each is either kept for the
         recompute's check or served from a copy.

@@ -277,8 +277,8 @@ class OpRecord:
     drew: torch.Tensor | None = None  # and its state after (NOTE [draws in threads] in _engine/ambient.py)
     writes: bool = False  # writes an argument in place, its schema saying so or not (batch norm's statistics)
     held: bool = False  # drawn from a shared generator with another thread alive: held (NOTE [draws in threads])
-    # tensors of the call alive on a held output's storage when the forward pass ended (its results, every op's output):
-    # its own outputs (a stash may hold one weakly), ``version_watches`` made by ``Recorder.watch_results``
+    # its own outputs and every tensor of the call alive on a held output's storage when the forward pass ended (its
+    # results, every op's output): their ``version_watches``, made by ``Recorder.watch_results``
     watch: list[tuple[torch.Tensor, int]] | None = None
 
     def rebuild(self, tensors: list[Any]) -> Any:

@@ -189,6 +189,7 @@ class _Call:
             _same_draws(self.fn_name, self.draws, [r.rng for r in rec.ops if r.rng is not None])
         with internal():
             rec.seal()
+            rec.watch_results([])  # (its kept outputs, which the caller may write: NOTE [kept values written ...])
             for r in rec.ops:
                 for _, t, _ in r.outside or ():
                     if t.requires_grad and storage_key(t) not in keys:
@@ -363,10 +364,10 @@ class _Made(TorchFunctionMode):
                 raise RematError(
                     f"remat: {fn_name} enters a torch.func reverse transform, so remat runs it as one region under "
                     f"torch.func.vjp (NOTE [reentrant region]), and it hands out a tensor of shape {list(t.shape)} "
-                    "that requires grad other than in its result (kept in a global, on a module such as self.aux, or "
-                    "in an object remat cannot take apart): the vjp's level ends with the call, and that tensor's "
-                    "gradient would be lost. Return it as part of the result (a tuple, dict or dataclass), or "
-                    "detach it if no gradient should flow through it."
+                    "that requires grad other than in its result (kept in a global or on a module, such as self.aux, "
+                    "returned too or not, or in an object remat cannot take apart): the vjp's level ends with the "
+                    "call, and that tensor's gradient would be lost. Return it as part of the result (a tuple, dict "
+                    "or dataclass) and keep that, or detach what you keep if no gradient should flow through it."
                 )
 
 

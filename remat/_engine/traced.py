@@ -164,9 +164,9 @@ class _Serving(Half):
                 return self.unpack((p.slot, p.version, None))
             if kind == KEEP or kind == INPUT:
                 t = p.payload
+                if p.meta is _FOR_REPLAY and not _grad_enabled() and (t._version != p.version or storage_freed(t)):
+                    return self._make_again(p.slot)  # (a nested call's value, written or freed since: as its own are)
                 if t._version != p.version:
-                    if p.meta == _FOR_REPLAY:  # (a nested call's value, written since: made again, as its own are)
-                        return self._make_again(p.slot)
                     raise kept_written(self.fn_name, t, p.version)
                 return t  # type: ignore[no-any-return]
             if kind == OFFLOAD:
@@ -207,10 +207,9 @@ class _Serving(Half):
 
     def _make_again(self, s: int) -> Tensor:
         """NOTE [kept values written after the call] for a nested call's value this call keeps for it: its step
-        replayed from what is available (not itself)."""
-        graph = _grad_enabled()
-        steps, frees = plan(self.trace, {s}, self._available(graph) - {s}, frozenset())
-        return run(self.trace, steps, frees, {s}, self._source(graph), graph)[s]  # type: ignore[no-any-return]
+        replayed from what is available (not itself), below autograd (a graph-building backward refuses it)."""
+        steps, frees = plan(self.trace, {s}, self._available(False) - {s}, frozenset())
+        return run(self.trace, steps, frees, {s}, self._source(False), False)[s]  # type: ignore[no-any-return]
 
     def _replay(self, graph: bool, full: bool = False) -> tuple[dict[int, Tensor], dict[int, int], dict[int, int]]:
         self.recomputes += 1
@@ -451,7 +450,8 @@ class _Saving(Half):
                 # as plain autograd's check of the saved tensor would): its slot's weak reference, and among the
                 # call's drops (a write in the forward pass moving it, its views and base when the forward pass ends)
                 p.kind, p.payload, p.ref = DROP, None, None if for_replay else trace.refs.get(p.slot)
-                trace.drops.append(p)
+                if not for_replay:  # (a nested call's value is no autograd save: not refused when written)
+                    trace.drops.append(p)
                 self.counts[p.slot] = self.counts.get(p.slot, 0) + 1
 
     def _offload_written_quietly(self, p: _Pack) -> None:
@@ -502,12 +502,7 @@ class _Saving(Half):
         while p is not None:
             ps = p.trace.slot_of(t)
             if ps is not None and ps not in p.trace.outside:
-                # (on an outside storage the parent wrote, NOTE [outside writes]: its replay makes the value on its
-                # copy, whatever a later call writes there: not an autograd save, no version check)
-                shadowed = p is parent and p.trace.shadows.get(p.trace.key_of.get(ps, 0)) is not None
-                if shadowed:
-                    p.counts[ps] = p.counts.get(ps, 0) + 1
-                self.routed[s] = (ps, t._version, None) if shadowed else parent.pack(t)  # (else: its policy decides)
+                self.routed[s] = parent.pack(t)  # made by an enclosing call: its policy decides
                 return
             p = p.parent
 
