@@ -858,3 +858,49 @@ def test_an_inner_kept_value_a_name_of_the_outer_call_drops_then_written_inside_
     ours = remat(outer, policy=policies.save_anything_except_these_names("n"))
     for _ in range(3):
         assert_tree_close(grads(ours), grads(plain), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("outer_write", [False, True], ids=["", "outer-writes-too"])
+@pytest.mark.parametrize("caller", ["write", "free"])
+@pytest.mark.parametrize("outer_p", ["save-matmuls", "save-everything"])
+def test_an_innermost_kept_value_three_calls_deep_written_or_freed(outer_p: str, caller: str,
+                                                                  outer_write: bool) -> None:
+    """Three levels: the innermost call keeps its matmul, returned through both outer calls, and the caller writes
+    it in place or frees its memory (and the outermost call's Python writes it once too). The thirty-eighth session's
+    first nested fix marked only a value the direct parent kept: three deep, a freed one was read from the freed
+    storage (off by 147 to 4e6, or NaN; the review of the fix), a written one refused. The call holding it makes it
+    again; where that call wrote the storage itself it refuses (a replay would write it again: the review found a
+    silent 84 there), never silent."""
+    inner = remat(_kept_inner, policy="save-matmuls")
+
+    def middle(w: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return inner(w, x)
+
+    def top_of(f: Any) -> Any:
+        def top(w: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h, a = f(w, x)
+            if outer_write:
+                h.mul_(3.0)
+            return h, a * 2
+
+        return top
+
+    def grads(f: Any) -> Any:
+        w = (seeded_randn(4, 4, seed=0) * 0.5).requires_grad_()
+        x = seeded_randn(3, 4, seed=1).requires_grad_()
+        h, a = f(w, x)
+        if caller == "write":
+            h.mul_(2.0)
+        else:
+            h.detach().untyped_storage().resize_(0)
+        loss = (a * 1.5).sum() + (a ** 3).sum() + ((h ** 2).sum() if caller == "write" else 0)
+        return torch.autograd.grad(loss, (w, x))
+
+    want = grads(top_of(_kept_inner))
+    ours = remat(top_of(remat(middle, policy=outer_p)), policy=outer_p)
+    for _ in range(3):
+        if outer_write:
+            with pytest.raises(RematError, match="modified in place"):
+                grads(ours)
+        else:
+            assert_tree_close(grads(ours), want, rtol=1e-10, atol=1e-10)

@@ -78,6 +78,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _torch_internals as ti
 from .._context import INTERNAL, PENDING_NAME, active_context
+from .._errors import outside_written_before_backward
 from . import outside as ox
 from .ambient import put_settings, settings
 from .ops import Alias, plain_subclass
@@ -119,6 +120,7 @@ class Program:
         self.inputs: dict[int, int] = {}  # slot -> index among the call's leaves
         self.state: dict[int, int] = {}  # slot -> index among the module state's tensors
         self.outside: dict[int, Any] = {}  # slot -> an outside tensor, held
+        self.versions: dict[int, int] = {}  # slot -> an outside tensor's version when the forward pass ended
         self.spoiled: str | None = None  # why the Python must run again instead
         self.running = False  # a recorded call is running (the torch calls it makes are its own)
         self.frame: Any = None
@@ -207,6 +209,7 @@ class Program:
             if s not in held:
                 frees[k].append(s)
         self.last_use = frees
+        self.versions = {s: ti.unwrap_all(t)._version for s, t in self.outside.items() if ti.has_history(t)}
 
     def _new(self, t: Tensor) -> int:
         s = self.n
@@ -314,6 +317,7 @@ class Program:
         return out
 
     def _run(self, vals: list[Any], state_vals: list[Any]) -> dict[int, Any] | None:
+        _refuse_written(self)
         v: dict[int, Any] = {s: _alive_layers(t) for s, t in self.outside.items()}
         for s, i in self.inputs.items():
             v[s] = vals[i]
@@ -361,6 +365,15 @@ class Program:
         finally:
             put_settings(settings0)
         return v
+
+
+def _refuse_written(p: Program) -> None:
+    """An outside tensor with history (read as held: its graph is the replay's) of a transform that ended since, written
+    since the forward pass ended: the replay would read it without its ended layers, and the write (``_alive_layers``)."""
+    for s, v0 in p.versions.items():
+        t = p.outside[s]
+        if ti.is_wrapped(t) and ti.is_dead_wrapper(t) and (u := ti.unwrap_all(t))._version != v0:
+            raise outside_written_before_backward(p.fn_name, None, u, v0)
 
 
 def _alive_layers(t: Any) -> Any:

@@ -164,9 +164,12 @@ class _Serving(Half):
                 return self.unpack((p.slot, p.version, None))
             if kind == KEEP or kind == INPUT:
                 t = p.payload
-                if p.meta is _FOR_REPLAY and not _grad_enabled() and (t._version != p.version or storage_freed(t)):
-                    return self._make_again(p.slot)  # (a nested call's value, written or freed since: as its own are)
-                if t._version != p.version:
+                if t._version != p.version or (p.meta is _FOR_REPLAY and storage_freed(t)):
+                    # (a nested call's value, written or freed since: made again, as its own are; not where this call
+                    # wrote its storage itself, which a replay would write again)
+                    if p.meta is _FOR_REPLAY and not _grad_enabled() and \
+                            self.trace.key_of.get(p.slot) not in self.trace.written_keys:
+                        return self._make_again(p.slot)
                     raise kept_written(self.fn_name, t, p.version)
                 return t  # type: ignore[no-any-return]
             if kind == OFFLOAD:
@@ -700,6 +703,8 @@ class TraceFrame(_Saving, _Serving):
             parent = self.parent
             for s, t in list(stash.items()):
                 h = self.routed[s] = parent.pack(t)
-                if type(h) is _Pack and h.kind == KEEP and h.slot in parent.trace.producer:
-                    h.meta = _FOR_REPLAY  # (not an autograd save: written after the call, made again)
+                while type(h) is _Pack and h.kind == ROUTED:  # (the enclosing call that holds it)
+                    h = h.payload
+                if type(h) is _Pack and h.kind == KEEP and h.slot in h.frame.trace.producer:
+                    h.meta = _FOR_REPLAY  # (not an autograd save: written or freed after the call, made again)
                 del stash[s]
