@@ -743,6 +743,10 @@ def test_a_nested_call_appending_to_a_cache_under_a_budget(inner: str) -> None:
         outer(x).pow(2).sum().backward()
 
 
+def _leaves() -> tuple[torch.Tensor, torch.Tensor]:
+    return (seeded_randn(4, 4, seed=0) * 0.5).requires_grad_(), seeded_randn(3, 4, seed=1).requires_grad_()
+
+
 _COUNTER = torch.zeros(4, dtype=torch.float64)
 
 
@@ -778,8 +782,7 @@ def test_a_global_the_outer_call_writes_between_inner_calls_read_by_them(policie
 
     def grads(f: Any) -> Any:
         _COUNTER.zero_()
-        w = (seeded_randn(4, 4, seed=0) * 0.5).requires_grad_()
-        x = seeded_randn(3, 4, seed=1).requires_grad_()
+        w, x = _leaves()
         h = x
         for _ in range(outer_calls):
             h = f(w, h)
@@ -820,8 +823,7 @@ def test_an_inner_kept_value_returned_through_the_outer_call_and_written_by_the_
         return outer
 
     def grads(f: Any) -> Any:
-        w = (seeded_randn(4, 4, seed=0) * 0.5).requires_grad_()
-        x = seeded_randn(3, 4, seed=1).requires_grad_()
+        w, x = _leaves()
         h, a = f(w, x)
         h += x  # the caller's residual add
         return torch.autograd.grad((a * 1.5).sum() + (h ** 2).sum(), (w, x))
@@ -850,8 +852,7 @@ def test_an_inner_kept_value_a_name_of_the_outer_call_drops_then_written_inside_
         return h, a * 2
 
     def grads(f: Any) -> Any:
-        w = (seeded_randn(4, 4, seed=0) * 0.5).requires_grad_()
-        x = seeded_randn(3, 4, seed=1).requires_grad_()
+        w, x = _leaves()
         h, a = f(w, x)
         return torch.autograd.grad((h ** 2).sum() + a.sum(), (w, x))
 
@@ -886,8 +887,7 @@ def test_an_innermost_kept_value_three_calls_deep_written_or_freed(outer_p: str,
         return top
 
     def grads(f: Any) -> Any:
-        w = (seeded_randn(4, 4, seed=0) * 0.5).requires_grad_()
-        x = seeded_randn(3, 4, seed=1).requires_grad_()
+        w, x = _leaves()
         h, a = f(w, x)
         if caller == "write":
             h.mul_(2.0)

@@ -24,10 +24,10 @@ NOTE [program replay]
     vmap inside the function), a call made while another remat call is active (other than a nested remat call
     recorded as one call: NOTE [nested programs]), an iterator
     returned (its tensors come from no call the mode sees), a tensor with history made inside the call that no call
-    made (the output of a custom ``autograd.Function``; one made before the call began, such as the enclosing
-    function's key cache, is held and read as it is; ``DTensor.from_local`` and ``to_local``, which are such Functions, and FSDP2's
-    hooks: tensor parallel and FSDP2 calls re-run), a tensor of the call that an ``autograd.Function`` returned as
-    its own output (a module's full backward hook), autocast switched inside the function, saved-tensor hooks the
+    made (the output of a custom ``autograd.Function``; ``DTensor.from_local`` and ``to_local``, which are such
+    Functions, and FSDP2's hooks: tensor parallel and FSDP2 calls re-run; one made before the call began, such as
+    the enclosing function's key cache, is held and read as it is, as any outside tensor), a tensor of the call
+    that an ``autograd.Function`` returned as its own output (a module's full backward hook), autocast switched inside the function, saved-tensor hooks the
     function pushes itself (``torch.utils.checkpoint``, ``save_on_cpu``: its ops' saves go to those hooks, which a
     replay of the calls alone would not push). A recompute asked for before the forward pass ends (a backward pass
     inside it: a gradient penalty) finds the program unfinished, and runs the Python.
@@ -368,8 +368,9 @@ class Program:
 
 
 def _refuse_written(p: Program) -> None:
-    """An outside tensor with history (read as held: its graph is the replay's) of a transform that ended since, written
-    since the forward pass ended: the replay would read it without its ended layers, and the write (``_alive_layers``)."""
+    """An outside tensor with history (read as held: its graph is the replay's) of a transform that ended since,
+    written since the forward pass ended: the replay would read it without its ended layers, and the write
+    (``_alive_layers``)."""
     for s, v0 in p.versions.items():
         t = p.outside[s]
         if ti.is_wrapped(t) and ti.is_dead_wrapper(t) and (u := ti.unwrap_all(t))._version != v0:

@@ -345,9 +345,10 @@ class Replayer(TorchDispatchMode):
 
 def _stale(rec: OpRecord, fn_name: str) -> bool:
     """Whether a kept output of ``rec`` was written in place after the forward pass (through its own tensor, or a
-    tensor of the call on its storage: ``Recorder.watch_results`` watches both): then the op runs again, from its
-    arguments, as a dropped one does (its value in the forward pass is what the backward pass needs). A random op drawn from a
-    generator another thread shared (NOTE [draws in threads]) cannot be drawn again: a ``RematError``."""
+    tensor of the call on its storage: ``Recorder.watch_results`` watches both), or its storage freed: then the op
+    runs again, from its arguments, as a dropped one does (its value in the forward pass is what the backward pass
+    needs). A random op drawn from a generator another thread shared (NOTE [draws in threads]) cannot be drawn
+    again: a ``RematError``."""
     moved = None
     for a, v0 in rec.watch or ():
         if a._version != v0:

@@ -165,8 +165,7 @@ class _Serving(Half):
             if kind == KEEP or kind == INPUT:
                 t = p.payload
                 if t._version != p.version or (p.meta is _FOR_REPLAY and storage_freed(t)):
-                    # (a nested call's value, written or freed since: made again, as its own are; not where this call
-                    # wrote its storage itself, which a replay would write again)
+                    # (a nested call's value written or freed: made again, unless this call wrote its storage)
                     if p.meta is _FOR_REPLAY and not _grad_enabled() and \
                             self.trace.key_of.get(p.slot) not in self.trace.written_keys:
                         return self._make_again(p.slot)
@@ -448,7 +447,8 @@ class _Saving(Half):
             if p.kind == KEEP:
                 held, for_replay = p.payload, p.meta is _FOR_REPLAY  # (a detached alias: it shares t's version counter)
                 # written since it was saved: stale already (as Trace.settle notes); a nested call's: made again
-                p.meta = (held.shape, held.dtype, held._version) if held._version != p.version and not for_replay else None
+                moved = held._version != p.version and not for_replay
+                p.meta = (held.shape, held.dtype, held._version) if moved else None
                 # watched as a dropped tensor is from now on (a write before the backward pass raises at the unpack,
                 # as plain autograd's check of the saved tensor would): its slot's weak reference, and among the
                 # call's drops (a write in the forward pass moving it, its views and base when the forward pass ends)
