@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import remat
-from remat._budgets.sequential import Schedule, cost, equal_segments, nested_segments, solve
+from remat._budgets.sequential import Schedule, cost, equal_segments, nested_segments, solve, solve_nested
 from remat.bench.measure import FlopCount, LiveCensus, live_bytes_after
 
 from .helpers import assert_tree_close, run_benchmark_in_process
@@ -369,4 +369,16 @@ def test_a_budget_that_nested_halves_just_fit_is_met_not_refused() -> None:
     (ref(x).tanh() ** 2).sum().backward()
     for (name, p), q in zip(blocks.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-10, msg=name)
-    assert chain.schedule(x).depth() >= 1
+    assert chain.schedule(x).depth() >= 2  # (nested: no single-level schedule fits that budget)
+
+
+def test_solve_nested_finds_the_halves_its_grid_rounds_out() -> None:
+    """Seven blocks at the bytes the nested halves take by the cost model: the grid (bytes rounded up to a 48th of
+    the budget) finds nothing and neither does the single-level solver; the halves fit in bytes and are returned."""
+    act, inp, flops = [199, 113, 330, 220, 326, 154, 358], [80, 46, 66, 21, 59, 50, 40], [1.0] * 7
+    halves = nested_segments(7, 2, 3)
+    need = cost(halves, act, inp, flops)[0]
+    assert solve(act, inp, flops, need) is None
+    found = solve_nested(act, inp, flops, need)
+    assert found is not None and found.memory <= need == cost(found, act, inp, flops)[0]
+    assert solve_nested(act, inp, flops, need - 1) is None or solve_nested(act, inp, flops, need - 1).memory < need

@@ -171,7 +171,8 @@ def solve_nested(act: Sequence[int], inp: Sequence[int], flops: Sequence[float],
     """The multi-level schedule with the least recompute whose memory (the model of :func:`cost`) fits ``budget``.
 
     Exact on a grid: bytes are counted in ``budget / units`` steps, rounded up, so what
-    it returns fits the budget in bytes too. Dynamic program over spans ``[s, e)``, the
+    it returns fits the budget in bytes too; where nothing fits on the grid, the nested
+    halves (:func:`nested_segments`) if they fit in bytes. Dynamic program over spans ``[s, e)``, the
     largest inner transient ``X`` and the persistent bytes ``P`` of a list of children:
     ``node(s, e, X)`` is the least recompute of a remat'd segment over ``[s, e)`` whose
     inner schedule fits ``X``; a children list is built left to right, each child a
@@ -227,8 +228,10 @@ def solve_nested(act: Sequence[int], inp: Sequence[int], flops: Sequence[float],
         for p in range(K + 1 - x):
             if top[x, p] < inf and (choice is None or top[x, p] < choice[0] - 1e-9):
                 choice = (top[x, p], x, p)
-    if choice is None:
-        return None
+    if choice is None:  # (the grid rounds bytes up: nested halves that fit in bytes are missed on it)
+        halves = nested_segments(n, 2, max(1, math.ceil(math.log2(n))))
+        mem, rec = cost(halves, act, inp, flops)
+        return dataclasses.replace(halves, memory=mem, recompute=rec) if mem <= budget else None
     children = _rebuild_list(G, node, 0, n, choice[1], choice[2], False, a, q, pre, shift)
     sched = _as_schedule(children)
     mem, rec = cost(sched, act, inp, flops)

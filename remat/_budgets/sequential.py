@@ -48,7 +48,6 @@ cached per signature and used from the second call on.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -220,10 +219,6 @@ class Sequential:
         # the exact multi-level schedule (on a grid of memory units), where it recomputes less than the exact
         # single-level one, or where no single-level schedule fits
         nested = solve_nested(act, inp, flops, budget)
-        halves = nested_segments(n, 2, max(1, math.ceil(math.log2(n))))
-        least, rec = cost(halves, act, inp, flops)
-        if nested is None and least <= budget:  # (the solver's grid rounds bytes up: one just fitting is missed)
-            nested = dataclasses.replace(halves, memory=least, recompute=rec)
         if nested is not None and (found is None or (nested.recompute, nested.memory) < (found.recompute,
                                                                                          found.memory)):
             found = nested
@@ -234,6 +229,7 @@ class Sequential:
                 self.plans[key] = plan
                 found = plan.schedule
         if found is None:
+            least = cost(nested_segments(n, 2, max(1, math.ceil(math.log2(n)))), act, inp, flops)[0]
             tried = ("; offloading blocks to host memory (offload=) does not fit it either" if self.offload is not None
                      else "; with offload=remat.DeviceModel(...) blocks may also go to host memory")
             raise RematError(
